@@ -1,0 +1,77 @@
+"""Static KV cache: allocated once for the maximum context; ring buffers on sliding layers.
+
+Per layer: k and v of shape (cap, H_kv, hd) and `pos` (cap,) with the absolute position held in
+each slot (-1 = empty). Full-attention layers have cap = max_len and slot = position; sliding
+layers have cap = min(window, max_len) and slot = position % window, so a 2B Laneformer at 4096
+tokens keeps 251.7 MB of bf16 KV instead of 377.5 MB. Keys are stored after RoPE. Masks are
+built from `pos`, so attention never needs to know which slots wrapped.
+
+`length` is the number of positions already written; the model advances it after a forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        kv_heads: int | None = None,
+    ):
+        self.max_len = max_len
+        self.windows = [cfg.window(i) for i in range(cfg.num_layers)]
+        heads = kv_heads or cfg.num_kv_heads
+        self.k, self.v, self.pos = [], [], []
+        for w in self.windows:
+            cap = min(w, max_len) if w else max_len
+            self.k.append(torch.zeros(cap, heads, cfg.head_dim, device=device, dtype=dtype))
+            self.v.append(torch.zeros(cap, heads, cfg.head_dim, device=device, dtype=dtype))
+            self.pos.append(torch.full((cap,), -1, device=device, dtype=torch.long))
+        self.length = 0
+
+    def reset(self) -> None:
+        for p in self.pos:
+            p.fill_(-1)
+        self.length = 0
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V (the `pos` bookkeeping is not KV)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Store k, v (S, H_kv, hd) for `positions` and return what the queries may attend to.
+
+        Returns (keys, values, key_positions) covering every slot that can hold a visible key.
+        """
+        kc, vc, pc = self.k[layer], self.v[layer], self.pos[layer]
+        cap, n = kc.shape[0], k.shape[0]
+        start, end = self.length, self.length + n
+        if self.windows[layer] is None and end > cap:
+            raise ValueError(f"KV cache overflow: {end} positions > max_len {cap}")
+        if end <= cap:  # no slot reused yet: slot == position
+            kc[start:end], vc[start:end], pc[start:end] = k, v, positions
+            return kc[:end], vc[:end], pc[:end]
+        if n == 1:  # decode on a full ring: the slot overwritten held a key out of the window
+            slot = start % cap
+            kc[slot], vc[slot], pc[slot] = k[0], v[0], positions[0]
+            return kc, vc, pc
+        # A chunk that wraps the ring would overwrite keys its own early queries still need:
+        # attend over the old ring plus the new chunk, then keep the newest `cap` positions.
+        keys, vals, kpos = torch.cat((kc, k)), torch.cat((vc, v)), torch.cat((pc, positions))
+        keep = min(n, cap)
+        slots = positions[-keep:] % cap
+        kc.index_copy_(0, slots, k[-keep:])
+        vc.index_copy_(0, slots, v[-keep:])
+        pc.index_copy_(0, slots, positions[-keep:])
+        return keys, vals, kpos

@@ -1,0 +1,315 @@
+"""Hugging Face checkpoint folders -> (ModelConfig, Laneformer), and back.
+
+Only safetensors are read (single file or sharded through model.safetensors.index.json); pickle
+checkpoints are refused because unpickling can run arbitrary code. Laneformer keys are the
+model's own parameter names; Llama-family keys (embed_tokens, q_proj, gate_proj, ...) are mapped
+and their (out, in) matrices viewed as one lane (1, out, in). Shared and per-lane norms are told
+apart by their keys (`.weight` (D,) vs `.scale` (L, D)). A folder may also be named `org/name`
+when it already sits in the Hugging Face cache (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError
+from .model import Laneformer
+from .rope import inv_frequencies
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LLAMA_KEYS = {  # ours -> transformers' (inside model.layers.{i}.)
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+# --- where the files are --------------------------------------------------------------------
+def resolve_model_dir(name: str | os.PathLike) -> Path:
+    """A local folder, or `org/name` already present in the Hugging Face cache."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path}: is a file; expected a checkpoint folder")
+    if str(name).count("/") == 1 and not str(name).startswith((".", "/")):
+        for hub in _hub_dirs():
+            snap = _snapshot(hub / ("models--" + str(name).replace("/", "--")))
+            if snap is not None:
+                return snap
+    raise CheckpointError(
+        f"{name}: no such folder, and not found in the Hugging Face cache "
+        f"({', '.join(str(h) for h in _hub_dirs())}); ExpressLane never "
+        "downloads: fetch it first (e.g. `hf download ORG/NAME`)"
+    )
+
+
+def _hub_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    dirs.append(home / "hub")
+    return dirs
+
+
+def _snapshot(repo: Path) -> Path | None:
+    if not (repo / "snapshots").is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file() and (repo / "snapshots" / ref.read_text().strip()).is_dir():
+        return repo / "snapshots" / ref.read_text().strip()
+    snaps = sorted((repo / "snapshots").iterdir(), key=lambda p: p.stat().st_mtime)
+    return snaps[-1] if snaps else None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard {missing[0]} which is not in {folder}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(folder.glob("*.safetensors"))
+    if others:
+        return others
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{folder / pickles[0]}: pickle checkpoints are refused because loading them can "
+            "execute arbitrary code; convert the weights to safetensors first"
+        )
+    raise CheckpointError(f"{folder}: no model.safetensors (or sharded index) found")
+
+
+# --- config ---------------------------------------------------------------------------------
+def load_config(folder: Path) -> ModelConfig:
+    cfg = ModelConfig.from_json(folder / "config.json")
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ConfigError(f"{gen}: not valid JSON ({e})") from None
+        extra = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+        merged = tuple(dict.fromkeys(list(cfg.eos_token_ids) + [int(e) for e in extra]))
+        cfg = cfg.with_overrides(eos_token_ids=merged)
+    return cfg
+
+
+def _reconcile_norms(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
+    """The checkpoint's keys decide shared vs per-lane norms (spec 5.3, 19.2)."""
+    if cfg.family != "laneformer":
+        return cfg
+    if "model.layers.0.attention_norm.scale" in keys and cfg.replicated_rmsn_scale:
+        return cfg.with_overrides(replicated_rmsn_scale=False)
+    if "model.layers.0.attention_norm.weight" in keys and not cfg.replicated_rmsn_scale:
+        return cfg.with_overrides(replicated_rmsn_scale=True)
+    return cfg
+
+
+# --- names ----------------------------------------------------------------------------------
+def hf_name(cfg: ModelConfig, name: str) -> str:
+    """Our parameter name -> the checkpoint's key."""
+    if cfg.family == "laneformer":
+        return name
+    name = name.replace("model.tok_embeddings.", "model.embed_tokens.")
+    for ours, theirs in LLAMA_KEYS.items():
+        name = name.replace(f".{ours}.", f".{theirs}.")
+    return name
+
+
+def to_hf_tensor(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Llama keeps (out, in) matrices and (out,) biases; ours carry a leading lane axis of 1."""
+    if cfg.family == "llama" and ".layers." in name and "norm" not in name:
+        return t[0]
+    return t
+
+
+def from_hf_tensor(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor:
+    if cfg.family == "llama" and ".layers." in name and "norm" not in name:
+        return t.unsqueeze(0)
+    return t
+
+
+# --- loading --------------------------------------------------------------------------------
+Selector = Callable[[str, object, tuple], torch.Tensor]
+
+
+def _whole(name: str, sl, shape: tuple) -> torch.Tensor:
+    return sl[:]
+
+
+def load_model(
+    name: str | os.PathLike,
+    device: str = "auto",
+    dtype: str = "auto",
+    select: Selector = _whole,
+    overrides: dict | None = None,
+    progress: bool = True,
+) -> Laneformer:
+    """Read a checkpoint folder into a Laneformer on `device` in `dtype`.
+
+    `select(our_name, safetensors_slice, full_shape)` returns the part of each tensor to keep
+    (parallel placement loads only its lanes' slices); by default the whole tensor.
+    """
+    folder = resolve_model_dir(name)
+    cfg = load_config(folder)
+    files = safetensors_files(folder)
+    handles = {}
+    for f in files:
+        try:
+            handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+    where = {k: f for f, h in handles.items() for k in h.keys()}
+    cfg = _reconcile_norms(cfg, set(where))
+    if overrides:
+        cfg = cfg.with_overrides(**overrides)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, cfg, dev)
+    with torch.device("meta"):
+        model = Laneformer(cfg)
+    expected = dict(model.named_parameters())
+    wanted = {hf_name(cfg, n): n for n in expected}
+    missing = sorted(k for k in wanted if k not in where)
+    if missing:
+        raise CheckpointError(
+            f"{folder}: missing tensor {missing[0]}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = sorted(
+        k
+        for k in where
+        if k not in wanted and k not in ignorable and not k.endswith("rotary_emb.inv_freq")
+    )
+    if unexpected:
+        raise CheckpointError(
+            f"{folder}: unexpected tensor {unexpected[0]} "
+            f"(not part of a {cfg.model_type} model with this config)"
+        )
+    state = {}
+    bar = tqdm(
+        wanted.items(), desc="loading", unit="tensor", file=sys.stderr, disable=not progress or None
+    )
+    for key, ours in bar:
+        state[ours] = _read(
+            cfg, handles[where[key]], key, ours, expected[ours].shape, select, where[key]
+        ).to(device=dev, dtype=dt)
+    model = model.to_empty(device=dev)
+    model.load_state_dict(state, strict=True, assign=True)
+    # to_empty left the non-persistent RoPE buffer uninitialised: recompute it (fp32, spec 10).
+    model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
+    return model.eval()
+
+
+def _read(cfg, handle, key, ours, shape, select, file) -> torch.Tensor:
+    try:
+        sl = handle.get_slice(key)
+        hf_shape = tuple(sl.get_shape())
+        want = tuple(to_hf_tensor(cfg, ours, torch.empty(shape, device="meta")).shape)
+        if hf_shape != want:
+            raise CheckpointError(
+                f"{file}: tensor {key} has shape {list(hf_shape)}, expected "
+                f"{list(want)} for this config"
+            )
+        t = select(ours, sl, hf_shape)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"{file}: cannot read tensor {key} ({e}); is the file truncated?"
+        ) from None
+    return from_hf_tensor(cfg, ours, t)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(
+            f"--device {device!r}: not a device name (cpu, cuda, cuda:1, ...)"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """auto = the checkpoint's dtype on a GPU, float32 on a CPU (bf16 GEMMs are slow there)."""
+    if dtype == "auto":
+        return DTYPES.get(cfg.dtype, torch.float32) if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected auto, bfloat16, float16 or float32")
+    return DTYPES[dtype]
+
+
+# --- saving ---------------------------------------------------------------------------------
+def save_model(
+    model: Laneformer,
+    out_dir: str | os.PathLike,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write config.json and model.safetensors (sharded with an index past max_shard_bytes)."""
+    cfg = model.cfg
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dt = DTYPES[dtype] if dtype else next(model.parameters()).dtype
+    name = next(k for k, v in DTYPES.items() if v == dt)
+    tensors = {
+        hf_name(cfg, n): to_hf_tensor(cfg, n, p.detach()).to("cpu", dt).contiguous()
+        for n, p in model.named_parameters()
+    }
+    (out / "config.json").write_text(
+        json.dumps({**cfg.to_hf_dict(), "torch_dtype": name}, indent=2) + "\n"
+    )
+    shards, cur, size = [], {}, 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = t, size + nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
+    return out

@@ -1,0 +1,128 @@
+"""`expresslane run MODEL --prompt TEXT`: one request, streamed to stdout.
+
+Ends with one line of figures (prompt tokens, time to first token, decode tokens/s), or with
+--json prints one JSON object instead (text, token_ids, prompt_tokens, ttft_ms,
+decode_tokens_per_s, ...). MODEL defaults to the embedded model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..assets import default_model_dir
+from ..config import SamplingParams
+from ..engine import Engine
+from ..errors import ConfigError
+from ..textgen import generate_text
+from ..tokenizer import Tokenizer
+
+HELP = "generate from one prompt (or one chat message) and stream the text"
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags every command that loads a model shares (run, serve, bench)."""
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="checkpoint folder or org/name in the HF cache (default: embedded model)",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context size of the KV cache (default: the config's)",
+    )
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="raw text prompt (BOS added as the tokenizer says)")
+    src.add_argument("--chat", help="one user message, rendered with the chat template")
+    add_sampling_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    try:
+        params.validate()
+    except Exception as e:  # RequestError names the parameter; on the CLI it is a flag
+        raise ConfigError(f"--{str(e).replace('_', '-')}") from None
+    return params
+
+
+def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
+    path = args.model or str(default_model_dir())
+    engine = Engine.from_pretrained(
+        path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len
+    )
+    return engine, Tokenizer.from_dir(path)
+
+
+def main(args: argparse.Namespace) -> int:
+    params = sampling_from_args(args)
+    engine, tok = load_engine(args)
+    if args.chat is not None:
+        prompt_ids = tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": args.chat}]),
+            add_special_tokens=False,
+        )
+    else:
+        prompt_ids = tok.encode(args.prompt if args.prompt is not None else "def ")
+    pieces, token_ids = [], []
+    for piece, ids in generate_text(engine, tok, prompt_ids, params, args.stop):
+        pieces.append(piece)
+        token_ids.extend(ids)
+        if not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    st = engine.stats
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": "".join(pieces),
+                    "token_ids": token_ids,
+                    "prompt_tokens": st.prompt_tokens,
+                    "completion_tokens": st.generated_tokens,
+                    "finish_reason": st.finish_reason,
+                    "ttft_ms": round(st.ttft_s * 1e3, 3),
+                    "prefill_tokens_per_s": round(st.prefill_tokens_per_s, 2),
+                    "decode_tokens_per_s": round(st.decode_tokens_per_s, 2),
+                    "device": str(engine.device),
+                    "dtype": str(engine.dtype).removeprefix("torch."),
+                }
+            )
+        )
+    else:
+        print(
+            f"\n[prompt tokens: {st.prompt_tokens}, time to first token: "
+            f"{st.ttft_s * 1e3:.1f} ms, decode: {st.decode_tokens_per_s:.1f} tokens/s, "
+            f"{st.generated_tokens} tokens, finish: {st.finish_reason}]"
+        )
+    return 0

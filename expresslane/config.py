@@ -1,0 +1,557 @@
+"""Configuration: ModelConfig (read from a checkpoint's config.json), EngineConfig, SamplingParams.
+
+One frozen ModelConfig describes both families. A Llama-family checkpoint (llama, mistral,
+qwen2) is the 1-lane case of the Laneformer decoder with "half" RoPE; a Laneformer checkpoint
+(model_type laneformer or laneformer_tp) carries lanes, the DTP delay and its head type
+(laneformer-spec.md sections 3 to 8). Every rule is checked here so that the model code can trust
+its config; a broken rule raises ConfigError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, RequestError
+
+LANEFORMER_TYPES = ("laneformer", "laneformer_tp")
+LLAMA_TYPES = ("llama", "mistral", "qwen2")
+HEAD_TYPES = ("replicate", "lane", "vocab_parallel")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "laneformer" or "llama"
+    model_type: str  # as written in config.json
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_style: str = "interleaved"  # "interleaved" (Meta/complex pairs) or "half" (HF rotate-half)
+    num_lanes: int = 1
+    broadcast_delay: int = 1
+    use_comm: bool = True
+    use_early_comm: bool = True
+    # Spec 6.5: "A" = the public implementation's wiring (present layers' partials are re-added
+    # at layers d..2d-1); "B" = layers < d do not broadcast, so layers d..2d-1 add only their own.
+    dtp_variant: str = "A"
+    lm_head_type: str = "replicate"
+    pre_norm_lane_agg: bool = False
+    replicated_rmsn_scale: bool = True
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window_n_layers: int = 0
+    unclamped_layers: tuple[int, ...] = ()
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    # --- derived shapes ---------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def lane_q_dim(self) -> int:
+        return self.q_dim // self.num_lanes
+
+    @property
+    def lane_kv_dim(self) -> int:
+        return self.kv_dim // self.num_lanes
+
+    @property
+    def lane_ffn_dim(self) -> int:
+        return self.intermediate_size // self.num_lanes
+
+    @property
+    def per_lane_norms(self) -> bool:
+        return not self.replicated_rmsn_scale
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == "sliding_attention"
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def reduce_mode(self, layer: int) -> str:
+        """The reduce of spec 6.3: present, no_reduce or past."""
+        if layer < self.broadcast_delay:
+            return "present" if self.use_early_comm else "no_reduce"
+        return "past" if self.use_comm else "no_reduce"
+
+    def past_source(self, layer: int) -> int | None:
+        """The layer whose per-lane partials a `past` layer consumes, or None when it adds none."""
+        if self.reduce_mode(layer) != "past":
+            return None
+        src = layer - self.broadcast_delay
+        if self.dtp_variant == "B" and src < self.broadcast_delay:
+            return None
+        return src
+
+    def broadcasts(self, layer: int) -> bool:
+        """True when some later layer consumes this layer's per-lane partials."""
+        return any(self.past_source(j) == layer for j in range(self.num_layers))
+
+    @property
+    def final_norm_shared(self) -> bool:
+        return self.replicated_rmsn_scale or self.pre_norm_lane_agg
+
+    def with_overrides(self, **kw: Any) -> ModelConfig:
+        cfg = replace(self, **kw)
+        cfg.validate()
+        return cfg
+
+    # --- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        L = self.num_lanes
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "num_lanes",
+            "broadcast_delay",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"config field {name}={v!r}: must be a positive integer")
+        if self.norm_eps <= 0:
+            raise ConfigError(f"config field norm_eps={self.norm_eps}: must be > 0")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"config field rope_theta={self.rope_theta}: must be > 0")
+        if self.head_dim % 2:
+            raise ConfigError(f"config field head_dim={self.head_dim}: RoPE needs an even head_dim")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"config field num_key_value_heads={self.num_kv_heads}: must divide "
+                f"num_attention_heads={self.num_heads}"
+            )
+        for name, v in (
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("intermediate_size", self.intermediate_size),
+        ):
+            if v % L:
+                raise ConfigError(f"config field {name}={v}: must be divisible by num_lanes={L}")
+        if self.lm_head_type not in HEAD_TYPES:
+            raise ConfigError(
+                f"config field lm_head_type={self.lm_head_type!r}: must be one of {HEAD_TYPES}"
+            )
+        if self.lm_head_type == "vocab_parallel" and self.vocab_size % L:
+            raise ConfigError(
+                f"config field vocab_size={self.vocab_size}: must be divisible by "
+                f"num_lanes={L} for lm_head_type 'vocab_parallel'"
+            )
+        if self.pre_norm_lane_agg and self.lm_head_type != "replicate":
+            raise ConfigError(
+                "config field pre_norm_lane_agg=true: only allowed with "
+                f"lm_head_type 'replicate', not {self.lm_head_type!r}"
+            )
+        if self.tie_word_embeddings and self.lm_head_type != "replicate":
+            raise ConfigError(
+                "config field tie_word_embeddings=true: only allowed with lm_head_type 'replicate'"
+            )
+        if self.dtp_variant not in ("A", "B"):
+            raise ConfigError(f"config field dtp_variant={self.dtp_variant!r}: must be 'A' or 'B'")
+        if self.rope_style not in ("interleaved", "half"):
+            raise ConfigError(f"rope_style={self.rope_style!r}: must be 'interleaved' or 'half'")
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(
+                f"config field layer_types has {len(self.layer_types)} entries: "
+                f"expected num_hidden_layers={self.num_layers}"
+            )
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(
+                f"config field layer_types: unknown type {bad[0]!r}, expected one of {LAYER_TYPES}"
+            )
+        if "sliding_attention" in self.layer_types and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ConfigError(
+                f"config field sliding_window={self.sliding_window!r}: sliding-window "
+                "layers need a positive integer window"
+            )
+        if self.rope_scaling and self.rope_scaling.rope_type not in ROPE_TYPES:
+            raise ConfigError(
+                f"config field rope_scaling.rope_type="
+                f"{self.rope_scaling.rope_type!r}: supported types are {ROPE_TYPES}"
+            )
+        for t in self.eos_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ConfigError(
+                    f"config field eos_token_id={t}: outside the vocabulary "
+                    f"(vocab_size={self.vocab_size})"
+                )
+
+    # --- config.json --------------------------------------------------------------------------
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no config.json there") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+        try:
+            return cls.from_hf_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict) -> ModelConfig:
+        mt = raw.get("model_type")
+        if mt in LANEFORMER_TYPES:
+            cfg = _laneformer_from_dict(raw)
+        elif mt in LLAMA_TYPES:
+            cfg = _llama_from_dict(raw)
+        else:
+            raise ConfigError(
+                f"config field model_type={mt!r}: unsupported; ExpressLane runs "
+                f"{LANEFORMER_TYPES + LLAMA_TYPES}"
+            )
+        cfg.validate()
+        return cfg
+
+    def to_hf_dict(self) -> dict:
+        """The config.json that writes this model back (the layout it was read from)."""
+        d: dict[str, Any] = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (
+                self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+            ),
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": self.dtype,
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types),
+        }
+        if self.rope_scaling:
+            d["rope_scaling"] = asdict(self.rope_scaling)
+        if self.family == "laneformer":
+            d.update(
+                model_type=self.model_type,
+                architectures=["LaneformerForCausalLM"],
+                norm_eps=self.norm_eps,
+                num_lanes=self.num_lanes,
+                broadcast_delay=self.broadcast_delay,
+                use_comm=self.use_comm,
+                use_early_comm=self.use_early_comm,
+                lm_head_type=self.lm_head_type,
+                pre_norm_lane_agg=self.pre_norm_lane_agg,
+                replicated_rmsn_scale=self.replicated_rmsn_scale,
+                sliding_window_n_layers=self.sliding_window_n_layers,
+                unclamped_layers=list(self.unclamped_layers),
+                dtp_variant=self.dtp_variant,
+            )
+        else:
+            arch = {
+                "llama": "LlamaForCausalLM",
+                "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
+            }[self.model_type]
+            d.update(
+                model_type=self.model_type,
+                architectures=[arch],
+                rms_norm_eps=self.norm_eps,
+                head_dim=self.head_dim,
+                hidden_act="silu",
+                attention_bias=self.attention_bias,
+            )
+        return d
+
+
+# --- parsing helpers --------------------------------------------------------------------------
+def _int(raw: dict, key: str, default: Any = None) -> Any:
+    v = raw.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"config field {key}={v!r}: must be an integer")
+    return v
+
+
+def _num(raw: dict, key: str, default: float) -> float:
+    v = raw.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"config field {key}={v!r}: must be a number")
+    return float(v)
+
+
+def _bool(raw: dict, key: str, default: bool) -> bool:
+    v = raw.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"config field {key}={v!r}: must be true or false")
+    return v
+
+
+def _eos(raw: dict, default: Any) -> tuple[int, ...]:
+    v = raw.get("eos_token_id", default)
+    if v is None:
+        return ()
+    vals = v if isinstance(v, list) else [v]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in vals):
+        raise ConfigError(f"config field eos_token_id={v!r}: must be an integer or a list of them")
+    return tuple(vals)
+
+
+def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
+    """RoPE from rope_theta/rope_scaling (transformers 4) or rope_parameters (transformers 5)."""
+    params = raw.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(f"config field rope_parameters={params!r}: must be an object")
+        if "full_attention" in params and isinstance(params["full_attention"], dict):
+            params = params["full_attention"]
+        theta = _num(params, "rope_theta", _num(raw, "rope_theta", 10000.0))
+        scaling = params
+    else:
+        theta = _num(raw, "rope_theta", 10000.0)
+        scaling = raw.get("rope_scaling")
+    if scaling is None:
+        return theta, None
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"config field rope_scaling={scaling!r}: must be an object or null")
+    rtype = scaling.get("rope_type", scaling.get("type", "default"))
+    if rtype not in ROPE_TYPES:
+        raise ConfigError(
+            f"config field rope_scaling.rope_type={rtype!r}: supported types are {ROPE_TYPES}"
+        )
+    if rtype == "default":
+        return theta, None
+    return theta, RopeScaling(
+        rope_type=rtype,
+        factor=_num(scaling, "factor", 1.0),
+        low_freq_factor=_num(scaling, "low_freq_factor", 1.0),
+        high_freq_factor=_num(scaling, "high_freq_factor", 4.0),
+        original_max_position_embeddings=_int(scaling, "original_max_position_embeddings", 8192),
+    )
+
+
+def _layer_types(raw: dict, n: int) -> tuple[str, ...] | None:
+    lt = raw.get("layer_types")
+    if lt is None:
+        return None
+    if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
+        raise ConfigError(f"config field layer_types={lt!r}: must be a list of strings")
+    return tuple(lt)
+
+
+def _dtype(raw: dict) -> str:
+    d = raw.get("torch_dtype", raw.get("dtype")) or "float32"
+    return str(d).removeprefix("torch.")
+
+
+def _laneformer_from_dict(raw: dict) -> ModelConfig:
+    # Defaults are the reference LaneformerTPConfig's (spec section 3).
+    hidden = _int(raw, "hidden_size", 4096)
+    heads = _int(raw, "num_attention_heads", 32)
+    kv = _int(raw, "num_key_value_heads", None) or heads
+    n = _int(raw, "num_hidden_layers", 32)
+    if not hidden or not heads or hidden % heads:
+        raise ConfigError(
+            f"config field hidden_size={hidden}: must be divisible by num_attention_heads={heads}"
+        )
+    window = _int(raw, "sliding_window", None)
+    swn = _int(raw, "sliding_window_n_layers", 0) or 0
+    unclamped = raw.get("unclamped_layers") or []
+    if not isinstance(unclamped, list) or not all(isinstance(x, int) for x in unclamped):
+        raise ConfigError(f"config field unclamped_layers={unclamped!r}: must be a list of ints")
+    types = _layer_types(raw, n)
+    if types is None:  # spec section 8
+        types = tuple(
+            "full_attention"
+            if i in unclamped or window is None
+            else "sliding_attention"
+            if (i < swn or i >= n + swn)
+            else "full_attention"
+            for i in range(n)
+        )
+    theta, scaling = _rope(raw)
+    lanes = _int(raw, "num_lanes", 1)
+    return ModelConfig(
+        family="laneformer",
+        model_type=raw["model_type"],
+        vocab_size=_int(raw, "vocab_size", 128256),
+        hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size", 16384),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hidden // heads,
+        max_position_embeddings=_int(raw, "max_position_embeddings", 131072),
+        norm_eps=_num(raw, "norm_eps", 1e-5),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_style="interleaved",
+        num_lanes=lanes,
+        broadcast_delay=_int(raw, "broadcast_delay", 1),
+        use_comm=_bool(raw, "use_comm", True),
+        use_early_comm=_bool(raw, "use_early_comm", True),
+        dtp_variant=raw.get("dtp_variant", "A"),
+        lm_head_type=raw.get("lm_head_type", "replicate"),
+        pre_norm_lane_agg=_bool(raw, "pre_norm_lane_agg", False),
+        replicated_rmsn_scale=_bool(raw, "replicated_rmsn_scale", True),
+        sliding_window=window,
+        layer_types=types,
+        sliding_window_n_layers=swn,
+        unclamped_layers=tuple(unclamped),
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
+        bos_token_id=_int(raw, "bos_token_id", 1),
+        eos_token_ids=_eos(raw, 0),
+        pad_token_id=_int(raw, "pad_token_id", None),
+        dtype=_dtype(raw),
+    )
+
+
+def _llama_from_dict(raw: dict) -> ModelConfig:
+    mt = raw["model_type"]
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"config field hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
+    hidden = _int(raw, "hidden_size", 4096)
+    heads = _int(raw, "num_attention_heads", 32)
+    n = _int(raw, "num_hidden_layers", 32)
+    head_dim = _int(raw, "head_dim", None) or (hidden // heads if heads else 0)
+    window = _int(raw, "sliding_window", None)
+    types = _layer_types(raw, n)
+    if types is None:
+        if mt == "mistral" and window is not None:
+            types = ("sliding_attention",) * n
+        elif mt == "qwen2" and raw.get("use_sliding_window") and window is not None:
+            first = _int(raw, "max_window_layers", n)
+            types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+        else:
+            types = ("full_attention",) * n
+    if "sliding_attention" not in types:
+        window = None
+    theta, scaling = _rope(raw)
+    bias = _bool(raw, "attention_bias", mt == "qwen2")
+    if _bool(raw, "mlp_bias", False):
+        raise ConfigError("config field mlp_bias=true: MLP biases are not supported")
+    return ModelConfig(
+        family="llama",
+        model_type=mt,
+        vocab_size=_int(raw, "vocab_size", 32000),
+        hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size", 11008),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=_int(raw, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
+        norm_eps=_num(raw, "rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_style="half",
+        num_lanes=1,
+        broadcast_delay=1,
+        lm_head_type="replicate",
+        sliding_window=window,
+        layer_types=types,
+        attention_bias=bias,
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
+        bos_token_id=_int(raw, "bos_token_id", 1),
+        eos_token_ids=_eos(raw, 2),
+        pad_token_id=_int(raw, "pad_token_id", None),
+        dtype=_dtype(raw),
+    )
+
+
+# --- engine and sampling ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    prefill_chunk: int = 512
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n >= 0: the chosen token's plus the top n
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        def check(ok: bool, param: str, rule: str) -> None:
+            if not ok:
+                raise RequestError(f"{param}={getattr(self, param)!r}: {rule}", param=param)
+
+        check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+            "max_tokens",
+            "must be an integer >= 0",
+        )
+        check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "must be a finite number >= 0",
+        )
+        check(
+            isinstance(self.top_k, int) and self.top_k >= -1,
+            "top_k",
+            "must be an integer >= -1 (0 or -1 turn it off)",
+        )
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            "must be an integer in [0, 20]",
+        )

@@ -1,0 +1,209 @@
+"""Engine: owns one model, its static KV cache and the sampler; generate() streams token ids.
+
+One request at a time (batch 1). Prefill runs in chunks, then one decode step per token.
+Cancellation is checked between prefill chunks and between decode steps: set the `cancel` event
+or simply stop iterating. `reference_generate` beside it recomputes the whole sequence at every
+step with no cache: the slow path every fast path is compared with.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .checkpoint import load_model
+from .config import ModelConfig, SamplingParams
+from .errors import RequestError
+from .model import Laneformer
+from .sampler import logprobs_of, make_generator, sample
+
+
+@dataclass
+class Step:
+    """One generated token, with its logprob data when requested."""
+
+    token: int
+    finish_reason: str | None = None  # "stop", "length" or None while going on
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # request start -> first token sampled
+    decode_s: float = 0.0  # first token -> last token
+    finish_reason: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = self.generated_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+
+class Engine:
+    def __init__(
+        self, model: Laneformer, max_model_len: int | None = None, prefill_chunk: int = 512
+    ):
+        self.model = model
+        self.cfg: ModelConfig = model.cfg
+        self.max_len = max_model_len or self.cfg.max_position_embeddings
+        if self.max_len < 2:
+            raise RequestError(
+                f"max_model_len={self.max_len}: must be at least 2", param="max_model_len"
+            )
+        self.prefill_chunk = prefill_chunk
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = KVCache(self.cfg, self.max_len, self.device, self.dtype)
+        self.stats = Stats()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        progress: bool = True,
+    ) -> Engine:
+        return cls(
+            load_model(path, device=device, dtype=dtype, progress=progress),
+            max_model_len=max_model_len,
+        )
+
+    # --- request checks -----------------------------------------------------------------------
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        if len(prompt_ids) == 0:
+            raise RequestError("prompt: must contain at least one token", param="prompt")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.cfg.vocab_size)]
+        if bad:
+            raise RequestError(
+                f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab_size})",
+                param="prompt",
+            )
+        if len(prompt_ids) >= self.max_len:
+            raise RequestError(
+                f"prompt: {len(prompt_ids)} tokens leave no room to generate in "
+                f"the context of {self.max_len} tokens",
+                param="prompt",
+            )
+
+    def stop_ids(self, params: SamplingParams) -> set[int]:
+        eos = set() if params.ignore_eos else set(self.cfg.eos_token_ids)
+        return eos | set(params.stop_token_ids)
+
+    # --- generation ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: Sequence[int], cancel: threading.Event | None = None):
+        """Fill the cache with the prompt; returns the last position's logits (V,) or None."""
+        self.cache.reset()
+        ids = torch.tensor(prompt_ids, device=self.device, dtype=torch.long)[None]
+        logits = None
+        for start in range(0, ids.shape[1], self.prefill_chunk):
+            if cancel is not None and cancel.is_set():
+                return None
+            logits = self.model(
+                ids[:, start : start + self.prefill_chunk], cache=self.cache, last_only=True
+            )
+        return logits[0, -1]
+
+    @torch.inference_mode()
+    def generate_steps(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Step]:
+        params.validate()
+        self.check_prompt(prompt_ids)
+        budget = min(params.max_tokens, self.max_len - len(prompt_ids))
+        stops = self.stop_ids(params)
+        gen = make_generator(params, self.device)
+        self.stats = st = Stats(prompt_tokens=len(prompt_ids))
+        t0 = time.perf_counter()
+        if budget == 0:
+            st.finish_reason = "length"
+            return
+        logits = self.prefill(prompt_ids, cancel)
+        t_first = None
+        for i in range(budget):
+            if logits is None or (cancel is not None and cancel.is_set()):
+                st.finish_reason = "abort"
+                return
+            tok = sample(logits, params, gen)
+            step = Step(token=int(tok))  # the one host copy per token
+            if t_first is None:
+                t_first = time.perf_counter()
+                st.ttft_s = t_first - t0
+            if params.logprobs is not None:
+                lp, ids, vals = logprobs_of(logits, tok, params.logprobs)
+                step.logprob = float(lp)
+                if ids is not None:
+                    step.top_logprobs = list(zip(ids.tolist(), vals.tolist(), strict=True))
+            st.generated_tokens += 1
+            st.decode_s = time.perf_counter() - t_first
+            if step.token in stops:
+                step.finish_reason = "stop"
+            elif i == budget - 1:
+                step.finish_reason = "length"
+            st.finish_reason = step.finish_reason
+            yield step
+            if step.finish_reason:
+                return
+            logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[int]:
+        for step in self.generate_steps(prompt_ids, params, cancel):
+            yield step.token
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        """log-softmax of the logits at every prompt position: (S, V) fp32 (for echo scoring)."""
+        self.check_prompt(prompt_ids)
+        self.cache.reset()
+        ids = torch.tensor(prompt_ids, device=self.device, dtype=torch.long)[None]
+        out = [
+            self.model(ids[:, s : s + self.prefill_chunk], cache=self.cache)[0]
+            for s in range(0, ids.shape[1], self.prefill_chunk)
+        ]
+        return torch.cat(out).float().log_softmax(-1)
+
+
+@torch.inference_mode()
+def reference_generate(
+    model: Laneformer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    stop_ids: set[int] | None = None,
+) -> list[int]:
+    """The naive path: no cache, the whole sequence recomputed for every token."""
+    device = next(model.parameters()).device
+    stops = set(model.cfg.eos_token_ids) if stop_ids is None else stop_ids
+    gen = make_generator(params, device)
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(params.max_tokens):
+        logits = model(torch.tensor([ids], device=device))[0, -1]
+        tok = int(sample(logits, params, gen))
+        out.append(tok)
+        ids.append(tok)
+        if tok in stops:
+            break
+    return out

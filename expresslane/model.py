@@ -1,0 +1,248 @@
+"""The decoder, pure math: one Laneformer that is also every Llama (the 1-lane case).
+
+The residual stream carries a lane axis, h: (B, S, L, D). Per-lane projections are lane-major
+(L, out/L, in) "row" or (L, out, in/L) "column" weights, kept as the checkpoint has them; a Llama
+(out, in) matrix is held as (1, out, in). After every attention and MLP module the per-lane
+partials are reduced by the layer's mode (spec 6.2): present (immediate all-reduce), no_reduce,
+or past (own fresh partial + the other lanes' partials from `broadcast_delay` layers earlier).
+Parameter names are the Laneformer checkpoint keys, so a Laneformer state dict loads as is.
+
+`forward(tokens, positions, cache)` covers prefill, decode and training (cache=None).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVCache
+from .config import ModelConfig
+from .rope import apply_rope, cos_sin, inv_frequencies
+
+
+def lane_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., l, :] = W[l] @ x[..., l, :] (+ b[l]) for x (..., L, in) and W (L, out, in)."""
+    if w.shape[0] == 1:
+        return F.linear(x, w[0], None if b is None else b[0])
+    lead = x.shape[:-2]
+    xl = x.reshape(-1, w.shape[0], w.shape[2]).transpose(0, 1)  # (L, N, in)
+    y = torch.bmm(xl, w.transpose(1, 2)).transpose(0, 1)  # (N, L, out)
+    if b is not None:
+        y = y + b
+    return y.reshape(*lead, w.shape[0], w.shape[1])
+
+
+class RMSNorm(nn.Module):
+    """Shared weight (D,) applied to every lane, or a per-lane scale (L, D) (spec 5.3).
+
+    `round_before_scale` follows each reference's rounding: transformers' Llama and the per-lane
+    LaneRMSNorm round the normalised value to the activation dtype before scaling; the shared
+    Laneformer norm scales in fp32 and rounds once.
+    """
+
+    def __init__(self, dim: int, eps: float, lanes: int | None, round_before_scale: bool):
+        super().__init__()
+        self.eps, self.round_before_scale = eps, round_before_scale
+        self.per_lane = lanes is not None
+        shape = (lanes, dim) if self.per_lane else (dim,)
+        self.register_parameter(
+            "scale" if self.per_lane else "weight", nn.Parameter(torch.ones(shape))
+        )
+
+    @property
+    def gamma(self) -> torch.Tensor:
+        return self.scale if self.per_lane else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.round_before_scale:
+            return xf.to(x.dtype) * self.gamma
+        return (xf * self.gamma.float()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        L, D = cfg.num_lanes, cfg.hidden_size
+        self.cfg, self.layer, self.window = cfg, layer, cfg.window(layer)
+        self.wq = _Proj((L, cfg.lane_q_dim, D), cfg.attention_bias)
+        self.wk = _Proj((L, cfg.lane_kv_dim, D), cfg.attention_bias)
+        self.wv = _Proj((L, cfg.lane_kv_dim, D), cfg.attention_bias)
+        self.wo = _Proj((L, D, cfg.lane_q_dim), False)
+
+    def forward(self, x, cos, sin, positions, cache: KVCache | None) -> torch.Tensor:
+        cfg = self.cfg
+        B, S, L, _ = x.shape
+        q = self.wq(x).reshape(B, S, cfg.num_heads, cfg.head_dim)  # lanes then heads
+        k = self.wk(x).reshape(B, S, cfg.num_kv_heads, cfg.head_dim)
+        v = self.wv(x).reshape(B, S, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin, cfg.rope_style), apply_rope(k, cos, sin, cfg.rope_style)
+        kpos = positions
+        if cache is not None:
+            k, v, kpos = cache.update(self.layer, k[0], v[0], positions)
+            k, v = k[None], v[None]  # (1, T, H_kv, hd)
+        visible = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] >= 0)  # (S, T)
+        if self.window is not None:
+            visible &= kpos[None, :] > positions[:, None] - self.window
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=visible,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )  # (B, H, S, hd)
+        o = o.transpose(1, 2).reshape(B, S, L, cfg.lane_q_dim)  # each lane gets its own heads
+        return self.wo(o)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        L, D, F_ = cfg.num_lanes, cfg.hidden_size, cfg.lane_ffn_dim
+        self.w1, self.w3, self.w2 = _Proj((L, F_, D)), _Proj((L, F_, D)), _Proj((L, D, F_))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _Proj(nn.Module):
+    """A lane-major linear: weight (L, out, in), optional bias (L, out)."""
+
+    def __init__(self, shape: tuple[int, int, int], bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.zeros(shape[:2])) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lane_linear(x, self.weight, self.bias)
+
+
+def reduce(y: torch.Tensor, mode: str, past: torch.Tensor | None) -> torch.Tensor:
+    """What a module adds to each lane's residual (spec 6.2); y, past: (B, S, L, D)."""
+    if mode == "present":
+        return y.sum(-2, keepdim=True)
+    if mode == "no_reduce":
+        return y * math.sqrt(y.shape[-2])
+    if past is None:  # Option B at layers d..2d-1: nothing arrives yet
+        return y
+    return y + (past.sum(-2, keepdim=True) - past)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        lanes = cfg.num_lanes if cfg.per_lane_norms else None
+        rbs = cfg.family == "llama" or cfg.per_lane_norms
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, lanes, rbs)
+        self.attention = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, lanes, rbs)
+        self.feed_forward = FeedForward(cfg)
+        self.mode = cfg.reduce_mode(layer)
+
+    def forward(self, h, cos, sin, positions, cache, past_a, past_m):
+        a = self.attention(self.attention_norm(h), cos, sin, positions, cache)
+        h = h + reduce(a, self.mode, past_a)
+        m = self.feed_forward(self.ffn_norm(h))
+        h = h + reduce(m, self.mode, past_m)
+        return h, a, m
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        lanes = None if cfg.final_norm_shared else cfg.num_lanes
+        rbs = cfg.family == "llama" or lanes is not None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, lanes, rbs)
+
+
+class LaneLMHead(nn.Module):
+    """lm_head_type 'lane': one (V, L*D) linear over the lane-major concatenation."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.linear = nn.Linear(cfg.num_lanes * cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class Laneformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_lanes
+        if cfg.lm_head_type == "lane":
+            self.lm_head = LaneLMHead(cfg)
+        elif cfg.lm_head_type == "vocab_parallel":
+            self.lm_head = _Proj((L, V // L, D))
+        elif not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(D, V, bias=False)
+        self.register_buffer(
+            "inv_freq",
+            inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            persistent=False,
+        )
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """tokens (B, S) -> logits (B, S, V) (or (B, 1, V) with last_only), fp32 or model dtype."""
+        cfg = self.cfg
+        B, S = tokens.shape
+        if cache is not None and B != 1:
+            raise ValueError("a KV cache holds one sequence: batch size must be 1")
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + S, device=tokens.device)
+        cos, sin = cos_sin(self.inv_freq, positions)
+        h = self.model.tok_embeddings(tokens)  # (B, S, D)
+        h = h.unsqueeze(2).expand(B, S, cfg.num_lanes, cfg.hidden_size)  # (B, S, L, D)
+        past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
+        past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
+        for i, block in enumerate(self.model.layers):
+            src = cfg.past_source(i)
+            pa, pm = (None, None) if src is None else (past_a[src], past_m[src])
+            h, a, m = block(h, cos, sin, positions, cache, pa, pm)
+            if cfg.broadcasts(i):
+                past_a[i], past_m[i] = a, m
+        if cache is not None:
+            cache.advance(S)
+        if last_only:
+            h = h[:, -1:]
+        return self.head(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, lane aggregation and LM head (spec 7); h (B, S, L, D) -> (B, S, V)."""
+        cfg, norm = self.cfg, self.model.norm
+        B, S, L, D = h.shape
+        if cfg.lm_head_type == "vocab_parallel":
+            return self.lm_head(norm(h)).reshape(B, S, cfg.vocab_size)  # lane slices in order
+        if cfg.lm_head_type == "lane":
+            return self.lm_head.linear(norm(h).reshape(B, S, L * D))
+        z = norm(h.sum(-2)) if cfg.pre_norm_lane_agg else norm(h).mean(-2)  # (B, S, D)
+        w = self.model.tok_embeddings.weight if cfg.tie_word_embeddings else self.lm_head.weight
+        return F.linear(z, w)
+
+
+@torch.no_grad()
+def init_weights(model: Laneformer, seed: int = 0, norm_noise: float = 0.0) -> Laneformer:
+    """Random weights with fan-in scaling (for presets, tests and training from scratch)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight", "norm.scale")):
+            p.copy_(1.0 + norm_noise * torch.randn(p.shape, generator=g))
+        elif name.endswith(".bias"):
+            p.copy_(0.02 * torch.randn(p.shape, generator=g))
+        elif "tok_embeddings" in name:
+            p.copy_(torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return model

@@ -1,0 +1,59 @@
+"""Token ids -> streamed text: incremental UTF-8-safe detokenization and stop strings.
+
+The engine deals in token ids only (ARCHITECTURE decision 6); this is the text side shared by
+the CLI and the server. A stop string ends generation (the engine's generator is closed, which
+frees it at once) and is never emitted, nor anything after it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+from .config import SamplingParams
+from .engine import Engine, Step
+from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+def stream_text(
+    engine: Engine,
+    tok: Tokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    stop: Sequence[str] = (),
+    cancel: threading.Event | None = None,
+) -> Iterator[tuple[str, Step]]:
+    """Yield (new text, step) per generated token; text may be '' while bytes are pending."""
+    detok = IncrementalDetokenizer(tok)
+    matcher = StopStringMatcher(list(stop))
+    stops = engine.stop_ids(params)
+    steps = engine.generate_steps(prompt_ids, params, cancel)
+    try:
+        for step in steps:
+            special = step.token in stops and step.finish_reason == "stop"
+            text = "" if special else detok.push(step.token)
+            if step.finish_reason:
+                text += detok.flush()
+            emit, stopped = matcher.push(text)
+            if stopped:
+                step.finish_reason = engine.stats.finish_reason = "stop"
+                yield emit, step
+                return
+            if step.finish_reason:
+                emit += matcher.flush()
+            yield emit, step
+    finally:
+        steps.close()
+
+
+def generate_text(
+    engine: Engine,
+    tok: Tokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    stop: Sequence[str] = (),
+    cancel: threading.Event | None = None,
+) -> Iterator[tuple[str, list[int]]]:
+    """Like stream_text, yielding (text, [token id]) pairs for simple callers."""
+    for text, step in stream_text(engine, tok, prompt_ids, params, stop, cancel):
+        yield text, [step.token]

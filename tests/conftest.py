@@ -1,0 +1,21 @@
+"""Shared fixtures: tiny checkpoints written to disk once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def random_laneformer_dir(tmp_path_factory):
+    """A random tiny Laneformer (8 lanes, delay 2, sliding + full layers) with a tokenizer."""
+    from expresslane.assets import build_random_model
+
+    return build_random_model(tmp_path_factory.mktemp("random-laneformer"))

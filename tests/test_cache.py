@@ -1,0 +1,86 @@
+"""The static KV cache: incremental decode equals one full forward; rings hold `window` slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expresslane.cache import KVCache
+from expresslane.config import ModelConfig
+from expresslane.model import Laneformer, init_weights
+
+CFG = dict(
+    model_type="laneformer",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_lanes=4,
+    broadcast_delay=2,
+    lm_head_type="vocab_parallel",
+    sliding_window=64,
+    sliding_window_n_layers=2,
+    max_position_embeddings=512,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_weights(Laneformer(ModelConfig.from_hf_dict(CFG)), seed=3, norm_noise=0.1).eval()
+
+
+def test_decode_300_tokens_one_at_a_time_equals_full_forward(model):
+    tokens = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(model.cfg, max_len=320)
+    with torch.no_grad():
+        full = model(tokens)[0]
+        steps = torch.cat([model(tokens[:, t : t + 1], cache=cache)[0] for t in range(300)])
+    assert (full - steps).abs().max().item() <= 1e-4
+    assert cache.length == 300
+
+
+@pytest.mark.parametrize("chunks", [(100, 1, 150, 49), (70, 70, 70, 90), (1, 299)])
+def test_chunked_prefill_across_ring_wrap_equals_full_forward(model, chunks):
+    tokens = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    cache = KVCache(model.cfg, max_len=300)
+    out, start = [], 0
+    with torch.no_grad():
+        full = model(tokens)[0]
+        for n in chunks:
+            out.append(model(tokens[:, start : start + n], cache=cache)[0])
+            start += n
+    assert (full - torch.cat(out)).abs().max().item() <= 1e-4
+
+
+def test_ring_buffer_memory_is_window_positions(model):
+    cache = KVCache(model.cfg, max_len=512)
+    caps = [k.shape[0] for k in cache.k]
+    assert caps == [64, 64, 512]
+    per_pos = 2 * model.cfg.num_kv_heads * model.cfg.head_dim * 4
+    assert cache.nbytes == (64 + 64 + 512) * per_pos
+
+
+def test_laneformer_2b_kv_bytes_at_4096():
+    cfg = ModelConfig.from_hf_dict(
+        dict(
+            model_type="laneformer",
+            vocab_size=32000,
+            hidden_size=3072,
+            intermediate_size=12288,
+            num_hidden_layers=15,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            num_lanes=8,
+            broadcast_delay=2,
+            lm_head_type="vocab_parallel",
+            sliding_window=2048,
+            sliding_window_n_layers=10,
+            max_position_embeddings=4096,
+            eos_token_id=2,
+        )
+    )
+    cache = KVCache(cfg, max_len=4096, device="meta", dtype=torch.bfloat16)
+    assert cache.nbytes == 251_658_240  # spec 16.2: 251.7 MB, not 377.5 MB
