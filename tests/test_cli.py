@@ -1,0 +1,156 @@
+"""The `expresslane` CLI: run streams text or JSON; bad input is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from expresslane.__main__ import main
+from expresslane.config import SamplingParams
+from expresslane.engine import Engine
+from expresslane.tokenizer import Tokenizer
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_run_json_matches_the_engine(random_laneformer_dir, capsys):
+    code, out, _ = _run(
+        capsys,
+        "run",
+        str(random_laneformer_dir),
+        "--prompt",
+        "def add(a, b):",
+        "--max-tokens",
+        "12",
+        "--json",
+    )
+    assert code == 0
+    res = json.loads(out.strip().splitlines()[-1])
+    for key in ("text", "token_ids", "prompt_tokens", "ttft_ms", "decode_tokens_per_s"):
+        assert key in res
+    tok = Tokenizer.from_dir(random_laneformer_dir)
+    engine = Engine.from_pretrained(str(random_laneformer_dir), device="cpu", progress=False)
+    prompt = tok.encode("def add(a, b):")
+    assert res["prompt_tokens"] == len(prompt)
+    expected = list(engine.generate(prompt, SamplingParams(max_tokens=12)))
+    assert res["token_ids"] == expected
+    stops = engine.stop_ids(SamplingParams())
+    assert res["text"] == tok.decode([t for t in expected if t not in stops])
+
+
+def test_run_streams_text_then_one_line_of_figures(random_laneformer_dir, capsys):
+    code, out, _ = _run(
+        capsys,
+        "run",
+        str(random_laneformer_dir),
+        "--chat",
+        "hi",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "1",
+    )
+    assert code == 0
+    last = out.rstrip("\n").splitlines()[-1]
+    assert "prompt tokens" in last and "time to first token" in last and "tokens/s" in last
+
+
+def test_same_seed_same_output(random_laneformer_dir, capsys):
+    argv = (
+        "run",
+        str(random_laneformer_dir),
+        "--prompt",
+        "x",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "42",
+        "--json",
+    )
+    a = json.loads(_run(capsys, *argv)[1].splitlines()[-1])["token_ids"]
+    b = json.loads(_run(capsys, *argv)[1].splitlines()[-1])["token_ids"]
+    assert a == b
+
+
+@pytest.fixture()
+def broken(random_laneformer_dir, tmp_path):
+    def make(kind):
+        d = tmp_path / kind
+        shutil.copytree(random_laneformer_dir, d)
+        cfg = json.loads((d / "config.json").read_text())
+        if kind == "bad-field":
+            cfg["num_lanes"] = 3  # 16 heads are not divisible by 3 lanes
+        elif kind == "unknown-type":
+            cfg["model_type"] = "mamba"
+        (d / "config.json").write_text(json.dumps(cfg))
+        if kind == "truncated":
+            f = d / "model.safetensors"
+            f.write_bytes(f.read_bytes()[:1000])
+        if kind == "pickle":
+            (d / "model.safetensors").rename(d / "pytorch_model.bin")
+        if kind == "no-tokenizer":
+            (d / "tokenizer.json").unlink()
+        return d
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "kind,words",
+    [
+        ("bad-field", ["num_attention_heads", "num_lanes"]),
+        ("unknown-type", ["model_type", "mamba"]),
+        ("truncated", ["model.safetensors"]),
+        ("pickle", ["pytorch_model.bin", "pickle"]),
+        ("no-tokenizer", ["tokenizer"]),
+    ],
+)
+def test_bad_checkpoints_exit_2_with_one_line(broken, capsys, kind, words):
+    code, _, err = _run(capsys, "run", str(broken(kind)), "--prompt", "x", "--max-tokens", "2")
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.startswith("expresslane")]
+    assert len(lines) == 1
+    for w in words:
+        assert w in lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv,word",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top-p"),
+        (["--dtype", "float8"], "dtype"),
+        (["--device", "cuda"], "cuda"),
+        (["--max-tokens", "many"], "max-tokens"),
+    ],
+)
+def test_bad_flags_exit_2(random_laneformer_dir, capsys, argv, word):
+    try:  # argparse rejects some flags itself (SystemExit 2), the engine the rest (return 2)
+        code = main(["run", str(random_laneformer_dir), "--prompt", "x", *argv])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and word in err
+
+
+def test_missing_folder_from_a_real_process(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "expresslane", "run", str(tmp_path / "absent"), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert str(tmp_path / "absent") in proc.stderr and "Traceback" not in proc.stderr
