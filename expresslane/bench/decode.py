@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -55,8 +56,8 @@ class Timer:
     def steps_s(self) -> list[float]:
         if self.cuda:
             torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+            return [a.elapsed_time(b) / 1e3 for a, b in pairwise(self.marks)]
+        return [b - a for a, b in pairwise(self.marks)]
 
 
 def random_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0) -> Path:
