@@ -35,6 +35,9 @@ class KVCache:
             self.v.append(torch.zeros(cap, heads, cfg.head_dim, device=device, dtype=dtype))
             self.pos.append(torch.full((cap,), -1, device=device, dtype=torch.long))
         self.length = 0
+        # static: positions come only from the device tensor (no host counter), every slot is
+        # returned and masked by `pos`; the shape a captured decode graph needs.
+        self.static = False
 
     def reset(self) -> None:
         for p in self.pos:
@@ -56,6 +59,12 @@ class KVCache:
         """
         kc, vc, pc = self.k[layer], self.v[layer], self.pos[layer]
         cap, n = kc.shape[0], k.shape[0]
+        if self.static:  # one token per step; the caller keeps positions < max_len
+            slots = positions % cap
+            kc.index_copy_(0, slots, k)
+            vc.index_copy_(0, slots, v)
+            pc.index_copy_(0, slots, positions)
+            return kc, vc, pc
         start, end = self.length, self.length + n
         if self.windows[layer] is None and end > cap:
             raise ValueError(f"KV cache overflow: {end} positions > max_len {cap}")
