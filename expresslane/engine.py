@@ -19,6 +19,7 @@ from .cache import KVCache
 from .checkpoint import load_model
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
+from .graph import DecodeGraph, DecodeStream
 from .model import Laneformer
 from .sampler import logprobs_of, make_generator, sample
 
@@ -54,7 +55,12 @@ class Stats:
 
 class Engine:
     def __init__(
-        self, model: Laneformer, max_model_len: int | None = None, prefill_chunk: int = 512
+        self,
+        model: Laneformer,
+        max_model_len: int | None = None,
+        prefill_chunk: int = 512,
+        decode: str = "auto",
+        steps_per_replay: int = 1,
     ):
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -68,6 +74,30 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
         self.cache = KVCache(self.cfg, self.max_len, self.device, self.dtype)
         self.stats = Stats()
+        # "graph": decode from static buffers (captured on CUDA, eager elsewhere); "eager": the
+        # plain loop. auto = graph on CUDA, eager on a CPU where capture brings nothing.
+        if decode not in ("auto", "graph", "eager"):
+            raise RequestError(f"decode={decode!r}: expected auto, graph or eager", "decode")
+        self.decode = (
+            ("graph" if self.device.type == "cuda" else "eager") if decode == "auto" else decode
+        )
+        self.steps_per_replay = steps_per_replay
+        self._graphs: dict[tuple, DecodeGraph] = {}
+
+    def _graph_for(self, params: SamplingParams) -> DecodeGraph:
+        """One captured graph per sampler setting (seed and lengths are not part of the key)."""
+        key = (params.greedy, params.temperature, params.top_k, params.top_p, params.min_p)
+        if key not in self._graphs:
+            self._graphs[key] = DecodeGraph(
+                self.model, self.cache, params, steps=self.steps_per_replay
+            )
+        graph = self._graphs[key]
+        if graph.generator is not None:
+            if params.seed is None:
+                graph.generator.seed()
+            else:
+                graph.generator.manual_seed(params.seed)
+        return graph
 
     @classmethod
     def from_pretrained(
@@ -136,13 +166,21 @@ class Engine:
         if budget == 0:
             st.finish_reason = "length"
             return
+        use_graph = self.decode == "graph" and params.logprobs is None
+        graph = self._graph_for(params) if use_graph else None
+        if graph is not None:
+            gen = graph.generator
         logits = self.prefill(prompt_ids, cancel)
         t_first = None
+        stream = None
         for i in range(budget):
             if logits is None or (cancel is not None and cancel.is_set()):
                 st.finish_reason = "abort"
                 return
-            tok = sample(logits, params, gen)
+            if stream is None:
+                tok = sample(logits, params, gen)
+            else:
+                tok = torch.tensor(next(stream))
             step = Step(token=int(tok))  # the one host copy per token
             if t_first is None:
                 t_first = time.perf_counter()
@@ -162,6 +200,11 @@ class Engine:
             yield step
             if step.finish_reason:
                 return
+            if graph is not None:
+                if stream is None:
+                    graph.load(tok, position=len(prompt_ids))
+                    stream = DecodeStream(graph).tokens(budget - 1)
+                continue
             logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
 
     def generate(

@@ -1,0 +1,1 @@
+"""Training-side tools built on the public APIs: tokenizer training today."""

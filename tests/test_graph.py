@@ -1,0 +1,82 @@
+"""The graph-capable decode step (static buffers), run eagerly here, equals the model's forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expresslane.config import ModelConfig, SamplingParams
+from expresslane.engine import Engine, reference_generate
+from expresslane.model import Laneformer, init_weights
+
+CFG = dict(
+    model_type="laneformer",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_lanes=4,
+    broadcast_delay=2,
+    lm_head_type="vocab_parallel",
+    sliding_window=16,
+    sliding_window_n_layers=2,
+    max_position_embeddings=256,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_weights(Laneformer(ModelConfig.from_hf_dict(CFG)), seed=5, norm_noise=0.1).eval()
+
+
+PROMPT = [1, 7, 9, 30, 11, 12, 40]
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_static_decode_equals_forward_for_200_greedy_steps(model, steps):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    ref = reference_generate(model, PROMPT, params, stop_ids=set())
+    eng = Engine(model, max_model_len=220, decode="graph", steps_per_replay=steps)
+    assert list(eng.generate(PROMPT, params)) == ref
+    assert len(ref) == 200
+
+
+def test_stop_token_in_the_middle_of_a_multi_step_replay(model):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    ref = reference_generate(model, PROMPT, params, stop_ids=set())
+    # a stop id first produced at an index that is not a replay boundary (4 steps per replay)
+    idx = next(i for i, t in enumerate(ref) if i % 4 in (1, 2) and i > 5 and t not in ref[:i])
+    stop = SamplingParams(max_tokens=200, ignore_eos=True, stop_token_ids=(ref[idx],))
+    eng = Engine(model, max_model_len=220, decode="graph", steps_per_replay=4)
+    got = list(eng.generate(PROMPT, stop))
+    assert got == ref[: idx + 1]
+    assert eng.stats.finish_reason == "stop"
+    # the engine is free and exact for the next request after stopping mid-replay
+    assert list(eng.generate(PROMPT, params)) == ref
+
+
+def test_seeded_sampling_same_in_graph_and_eager_modes(model):
+    params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+    eager = list(Engine(model, max_model_len=64, decode="eager").generate(PROMPT, params))
+    graph = list(
+        Engine(model, max_model_len=64, decode="graph", steps_per_replay=3).generate(PROMPT, params)
+    )
+    assert eager == graph
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replay_equals_eager_decode_256_steps(model):
+    m = model.to("cuda")
+    params = SamplingParams(max_tokens=256, ignore_eos=True)
+    eager = list(Engine(m, max_model_len=300, decode="eager").generate(PROMPT, params))
+    for steps in (1, 4):
+        graph = list(
+            Engine(m, max_model_len=300, decode="graph", steps_per_replay=steps).generate(
+                PROMPT, params
+            )
+        )
+        assert graph == eager
+    model.to("cpu")
