@@ -88,15 +88,34 @@ class Attention(nn.Module):
         visible = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] >= 0)  # (S, T)
         if self.window is not None:
             visible &= kpos[None, :] > positions[:, None] - self.window
-        o = F.scaled_dot_product_attention(
+        o = attend(q, k, v, visible)  # (B, H, S, hd)
+        o = o.transpose(1, 2).reshape(B, S, L, cfg.lane_q_dim)  # each lane gets its own heads
+        return self.wo(o)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor):
+    """q (B, S, H, hd), k/v (B, T, H_kv, hd), visible (S, T) -> (B, H, S, hd).
+
+    Few queries (decode, small chunks): grouped matmuls with no KV repetition, softmax in fp32
+    (spec 5.5); CPU SDPA with a mask and GQA is an order of magnitude slower there. Long
+    prefills and training: SDPA.
+    """
+    B, S, H, hd = q.shape
+    Hkv = k.shape[2]
+    if S > 16:
+        return F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
             attn_mask=visible,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )  # (B, H, S, hd)
-        o = o.transpose(1, 2).reshape(B, S, L, cfg.lane_q_dim)  # each lane gets its own heads
-        return self.wo(o)
+            enable_gqa=H != Hkv,
+        )
+    rep = H // Hkv
+    qg = q.reshape(B, S, Hkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep * S, hd)
+    scores = (qg @ k.permute(0, 2, 3, 1)).float() * hd**-0.5  # (B, H_kv, rep*S, T)
+    scores = scores.masked_fill(~visible.repeat(rep, 1), float("-inf"))
+    o = scores.softmax(-1).to(v.dtype) @ v.transpose(1, 2)  # (B, H_kv, rep*S, hd)
+    return o.reshape(B, Hkv, rep, S, hd).reshape(B, H, S, hd)
 
 
 class FeedForward(nn.Module):
