@@ -19,7 +19,9 @@ from .cache import KVCache
 from .checkpoint import load_model
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
+from .fused import FusedDecoder, supports
 from .graph import DecodeGraph, DecodeStream
+from .kernels import use_triton
 from .model import Laneformer
 from .sampler import logprobs_of, make_generator, sample
 
@@ -61,6 +63,7 @@ class Engine:
         prefill_chunk: int = 512,
         decode: str = "auto",
         steps_per_replay: int = 1,
+        kernels: str = "auto",
     ):
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -83,13 +86,19 @@ class Engine:
         )
         self.steps_per_replay = steps_per_replay
         self._graphs: dict[tuple, DecodeGraph] = {}
+        # The fused-kernel step replaces the model's forward inside the decode graph: auto = on
+        # where the Triton kernels run (CUDA), "on" forces it (their references elsewhere).
+        if kernels not in ("auto", "on", "off"):
+            raise RequestError(f"kernels={kernels!r}: expected auto, on or off", "kernels")
+        want = kernels == "on" or (kernels == "auto" and use_triton(p) and supports(model))
+        self.decoder = FusedDecoder(model, self.cache) if want and self.decode == "graph" else None
 
     def _graph_for(self, params: SamplingParams) -> DecodeGraph:
         """One captured graph per sampler setting (seed and lengths are not part of the key)."""
         key = (params.greedy, params.temperature, params.top_k, params.top_p, params.min_p)
         if key not in self._graphs:
             self._graphs[key] = DecodeGraph(
-                self.model, self.cache, params, steps=self.steps_per_replay
+                self.model, self.cache, params, steps=self.steps_per_replay, decoder=self.decoder
             )
         graph = self._graphs[key]
         if graph.generator is not None:
@@ -217,15 +226,21 @@ class Engine:
             yield step.token
 
     @torch.inference_mode()
-    def prompt_logprobs(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        """log-softmax of the logits at every prompt position: (S, V) fp32 (for echo scoring)."""
+    def prompt_logprobs(
+        self, prompt_ids: Sequence[int], cancel: threading.Event | None = None
+    ) -> torch.Tensor | None:
+        """log-softmax of the logits at every prompt position: (S, V) fp32 (for echo scoring).
+
+        Returns None when `cancel` is set between prefill chunks.
+        """
         self.check_prompt(prompt_ids)
         self.cache.reset()
         ids = torch.tensor(prompt_ids, device=self.device, dtype=torch.long)[None]
-        out = [
-            self.model(ids[:, s : s + self.prefill_chunk], cache=self.cache)[0]
-            for s in range(0, ids.shape[1], self.prefill_chunk)
-        ]
+        out = []
+        for s in range(0, ids.shape[1], self.prefill_chunk):
+            if cancel is not None and cancel.is_set():
+                return None
+            out.append(self.model(ids[:, s : s + self.prefill_chunk], cache=self.cache)[0])
         return torch.cat(out).float().log_softmax(-1)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .cache import KVCache
 from .config import SamplingParams
+from .fused import FusedDecoder
 from .model import Laneformer
 from .sampler import make_generator, sample
 
@@ -31,9 +32,11 @@ class DecodeGraph:
         params: SamplingParams,
         steps: int = 1,
         capture: bool | None = None,
+        decoder: FusedDecoder | None = None,
     ):
         dev = cache.k[0].device
         self.model, self.cache, self.params, self.steps = model, cache, params, steps
+        self.decoder = decoder  # the fused-kernel step, or None for the model's own forward
         self.token = torch.zeros((1, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros((1,), dtype=torch.long, device=dev)
         self.out = torch.zeros((steps,), dtype=torch.long, device=dev)
@@ -44,8 +47,11 @@ class DecodeGraph:
     @torch.inference_mode()
     def _body(self) -> None:
         for j in range(self.steps):
-            logits = self.model(self.token, positions=self.pos, cache=self.cache)[0, -1]
-            tok = sample(logits, self.params, self.generator)
+            if self.decoder is not None:
+                tok = self.decoder.next_token(self.token, self.pos, self.params, self.generator)
+            else:
+                logits = self.model(self.token, positions=self.pos, cache=self.cache)[0, -1]
+                tok = sample(logits, self.params, self.generator)
             self.out[j] = tok
             self.token.copy_(tok.view(1, 1))
             self.pos.add_(1)

@@ -80,3 +80,35 @@ def test_cuda_graph_replay_equals_eager_decode_256_steps(model):
         )
         assert graph == eager
     model.to("cpu")
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"replicated_rmsn_scale": False, "lm_head_type": "lane"},
+    {"lm_head_type": "replicate", "pre_norm_lane_agg": True, "broadcast_delay": 1},
+])
+def test_fused_step_with_reference_kernels_equals_forward(extra):
+    cfg = ModelConfig.from_hf_dict({**CFG, **extra})
+    m = init_weights(Laneformer(cfg), seed=6, norm_noise=0.1).eval()
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    ref = reference_generate(m, PROMPT, params, stop_ids=set())
+    eng = Engine(m, max_model_len=80, decode="graph", kernels="on", steps_per_replay=2)
+    assert eng.decoder is not None and not eng.decoder.kernels
+    assert list(eng.generate(PROMPT, params)) == ref
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=4, ignore_eos=True)
+    eager = list(Engine(m, max_model_len=80, decode="eager").generate(PROMPT, sampled))
+    assert list(eng.generate(PROMPT, sampled)) == eager
+
+
+def test_fused_logits_equal_the_model_forward(model):
+    from expresslane.cache import KVCache
+    from expresslane.fused import FusedDecoder
+
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        full = model(tokens)[0]
+        cache = KVCache(model.cfg, max_len=32)
+        cache.static = True
+        dec = FusedDecoder(model, cache, kernels=False)
+        got = torch.stack([dec.logits(tokens[:, i:i + 1], torch.tensor([i]))
+                           for i in range(len(PROMPT))])
+    assert (full - got).abs().max().item() <= 1e-4

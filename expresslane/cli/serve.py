@@ -1,0 +1,139 @@
+"""`expresslane serve MODEL`: the OpenAI-compatible API and the playground, on one engine.
+
+The server listens at once and loads the model in the background: `/health` answers 503 until
+the engine is ready, then 200, and the playground's URL is printed. `--api-key` protects the
+`/v1` routes (Bearer); health, metrics, the tokenizer routes and the page stay open. MODEL
+defaults to the embedded model (`make serve`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import threading
+import time
+
+from .run import add_model_arguments, load_engine
+
+HELP = "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) and playground"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) the API accepts; the first is reported (default: the "
+        "model folder's name)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EXPRESSLANE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (env EXPRESSLANE_API_KEY)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed for requests that bring none (reproducible runs)",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def _names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:  # the folder's name is reported; the path as given is accepted too
+        base = os.path.basename(os.path.normpath(args.model)) or args.model
+        return list(dict.fromkeys([base, args.model]))
+    return ["expresslane"]
+
+
+def _load(args: argparse.Namespace, app, server, failure: list) -> None:
+    """Load the engine while the server already answers /health with 503."""
+    from ..serve import attach
+
+    try:
+        engine, tok = load_engine(args)
+        attach(app, engine, tok)
+    except BaseException as e:  # reported by main() after the server stops
+        failure.append(e)
+        server.should_exit = True
+        return
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    print(
+        f"ExpressLane is ready: model {app.state.service.names[0]!r} on {engine.device}, "
+        f"context {engine.max_len} tokens\n"
+        f"  playground:  http://{host}:{args.port}/\n"
+        f"  OpenAI API:  http://{host}:{args.port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from ..serve import create_app
+
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    app = create_app(
+        None,
+        None,
+        served_model_name=_names(args),
+        api_key=args.api_key,
+        seed=args.seed,
+        root=args.model or "",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30
+        )
+    )
+    failure: list[BaseException] = []
+    loader = threading.Thread(target=_load, args=(args, app, server, failure), daemon=True)
+    loader.start()
+    server.run()
+    if failure:
+        raise failure[0]
+    worker = app.state.service.worker
+    if worker is not None:
+        worker.shutdown()
+    return 0
+
+
+@contextlib.contextmanager
+def serving(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    """Run `app` under uvicorn in a background thread (tests, notebooks); yields its base URL.
+
+    Port 0 picks a free port. On exit the server stops and the engine thread is shut down.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        if app.state.service.worker is not None:
+            app.state.service.worker.shutdown()

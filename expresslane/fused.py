@@ -1,0 +1,127 @@
+"""The decode step assembled from the fused kernels: one token through every layer and the head.
+
+Applied to a loaded model from outside (the model stays pure math): the layer weights are taken
+by reference, in the checkpoint's lane-major layout, and each layer runs as five kernels
+(kernels/decode_step.py). On CUDA with triton the Triton kernels run; elsewhere their
+plain-PyTorch twins from kernels/ref.py, so the same wiring is checked on any machine. The KV
+cache is the engine's static cache; positions live on the device only, so a CUDA graph can
+capture `next_token` whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import KVCache
+from .config import SamplingParams
+from .kernels import decode_step, ref, use_triton
+from .model import Laneformer
+from .rope import cos_sin
+from .sampler import sample
+
+
+def supports(model: Laneformer) -> bool:
+    """The kernels cover everything but attention biases (qwen2)."""
+    return not model.cfg.attention_bias
+
+
+class FusedDecoder:
+    def __init__(self, model: Laneformer, cache: KVCache, kernels: bool | None = None):
+        if not supports(model):
+            raise ValueError("the fused decode step does not cover attention biases")
+        cfg = model.cfg
+        self.cfg, self.cache = cfg, cache
+        w0 = model.model.tok_embeddings.weight
+        self.kernels = use_triton(w0) if kernels is None else kernels
+        self.layer_fn = (
+            decode_step.fused_decode_layer if self.kernels else decode_step.reference_decode_layer
+        )
+        self.embed = w0
+        self.layers = [
+            {
+                "attention_norm": b.attention_norm.gamma,
+                "wq": b.attention.wq.weight,
+                "wk": b.attention.wk.weight,
+                "wv": b.attention.wv.weight,
+                "wo": b.attention.wo.weight,
+                "ffn_norm": b.ffn_norm.gamma,
+                "w1": b.feed_forward.w1.weight,
+                "w3": b.feed_forward.w3.weight,
+                "w2": b.feed_forward.w2.weight,
+            }
+            for b in model.model.layers
+        ]
+        self.final_norm = model.model.norm.gamma
+        head = cfg.lm_head_type
+        self.head_w = (
+            model.lm_head.linear.weight
+            if head == "lane"
+            else model.lm_head.weight
+            if head == "vocab_parallel" or not cfg.tie_word_embeddings
+            else w0
+        )
+        positions = torch.arange(cache.max_len, device=w0.device)
+        self.cos, self.sin = cos_sin(model.inv_freq, positions)  # (max_len, hd/2) fp32
+        self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
+
+    def hidden(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """token (1, 1), position (1,) -> final residual stream (L, D); writes this step's KV."""
+        cfg, cache = self.cfg, self.cache
+        L, D = cfg.num_lanes, cfg.hidden_size
+        h = self.embed[token.view(1)].expand(L, D).contiguous()  # (L, D): lanes start equal
+        past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
+        past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
+        for i, w in enumerate(self.layers):
+            src = cfg.past_source(i)
+            h, a, m = self.layer_fn(
+                h,
+                w,
+                cache.k[i],
+                cache.v[i],
+                cache.pos[i],
+                position,
+                self.cos,
+                self.sin,
+                reduce_mode=cfg.reduce_mode(i),
+                past_attn=None if src is None else past_a[src],
+                past_mlp=None if src is None else past_m[src],
+                window=cfg.window(i),
+                eps=cfg.norm_eps,
+                rope_style=cfg.rope_style,
+            )
+            if cfg.broadcasts(i):
+                past_a[i], past_m[i] = a, m
+        return h
+
+    def _head(self, fn_name: str, h: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            from .kernels import lm_head
+
+            fn = getattr(lm_head, fn_name)
+        else:
+            fn = getattr(ref, fn_name)
+        return fn(
+            h,
+            self.final_norm,
+            self.head_w,
+            head_type=self.cfg.lm_head_type,
+            eps=self.cfg.norm_eps,
+            pre_norm_lane_agg=self.cfg.pre_norm_lane_agg,
+        )
+
+    def logits(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (V,) for the token at `position`."""
+        return self._head("lm_head_logits", self.hidden(token, position))
+
+    def next_token(
+        self,
+        token: torch.Tensor,
+        position: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
+        """The sampled next token (a 0-d device tensor); greedy never materialises logits."""
+        h = self.hidden(token, position)
+        if params.greedy:
+            return self._head("lm_head_argmax", h).view(())
+        return sample(self._head("lm_head_logits", h), params, generator)

@@ -1,0 +1,43 @@
+"""Fused decode kernels: when to use them.
+
+The package owns the choice between the Triton kernels (one module per kernel family) and their
+plain-PyTorch references in `ref.py`. Importing this package never imports triton: the kernel
+modules are imported by the caller only once `use_triton(t)` said yes, so a CPU-only install
+without triton works unchanged.
+
+    norm_qkv.py          RMSNorm + Q/K/V projection + RoPE + KV-cache write    -> q (Hq, hd)
+    decode_attention.py  flash-decoding GQA attention over the cache            -> (Hq, hd)
+    gemv_reduce.py       wo / w2 projection + DTP reduce + residual add         -> h, partial
+    swiglu.py            RMSNorm + w1/w3 projection + SiLU(gate) * up           -> (L, F/L)
+    lm_head.py           final norm + LM head (3 head types) + greedy argmax / fp32 logits
+    gemv.py              shared tile heuristics, PDL switch, norm helpers, lane-major GEMV
+    decode_step.py       one decoder layer for one token, fused and reference twins
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+# find_spec instead of `import triton`: importing triton costs ~0.5 s, and the CLI should not pay
+# that on a CPU-only machine. A broken triton install shows up at the first kernel import.
+HAS_TRITON: bool = importlib.util.find_spec("triton") is not None
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when the fused Triton kernels should run on `tensor`'s device.
+
+    That is a CUDA tensor with triton installed, or any tensor when EXPRESSLANE_FORCE_TRITON=1
+    (tests on the CPU set it together with TRITON_INTERPRET=1, which must be set before triton
+    is first imported).
+    """
+    if not HAS_TRITON:
+        return False
+    if os.environ.get("EXPRESSLANE_FORCE_TRITON") == "1":
+        return True
+    return tensor.is_cuda
+
+
+__all__ = ["HAS_TRITON", "use_triton"]

@@ -1,0 +1,264 @@
+"""Lane-major GEMV for batch-1 decode, and the pieces every decode kernel shares.
+
+At batch 1 every projection is a matrix-vector product: y[l] = W[l] @ x[l] with W (L, O, K)
+row-major. The time is the time to stream W once, so the kernels here are shaped for HBM:
+- each program owns BLOCK_O output rows of one lane and walks K in BLOCK_K-wide chunks; a warp
+  reads contiguous row segments, so loads vectorise to 16 bytes;
+- block sizes come from the shape (`tile_sizes`): enough programs to keep every SM streaming
+  (~4 per SM), shrinking BLOCK_O first and splitting K only when the output is too narrow;
+- split-K programs write fp32 partials (SPLIT_K, L, O) that a consumer sums (no atomics, so the
+  result is deterministic and bitwise repeatable, which greedy decoding relies on).
+
+Shared helpers (imported by the other kernel files):
+- `pdl_enabled(t)`: Programmatic Dependent Launch. Launched with `launch_pdl=True`, a kernel may
+  be scheduled while the previous kernel in the stream drains; it must then call `gdc_wait()`
+  before touching anything a predecessor wrote (we do it first thing in every kernel, see
+  the prologue below), and `gdc_launch_dependents()` lets the next kernel's CTAs launch early. Only
+  on CUDA with compute capability >= 9 (Hopper) and a triton that has both `tl.extra.cuda.gdc_*`
+  and the `launch_pdl` launch option; EXPRESSLANE_PDL=0 turns it off. Never in the interpreter.
+  Every kernel starts with the same three lines (inlined, not a helper: the interpreter pays
+  ~1 ms per nested jit call, per program):
+      if USE_PDL:
+          tl.extra.cuda.gdc_wait()
+          tl.extra.cuda.gdc_launch_dependents()
+- `rms_rstd` / `normed_chunk`: the fused RMSNorm prologue (fp32 statistics, one rounding).
+- `round_as` / `cast_as`: round an fp32 value to a pointer's element type (and back), to
+  reproduce the reference's rounding points exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --- launch configuration --------------------------------------------------------------------
+@functools.cache
+def _pdl_device_ok(device_index: int) -> bool:
+    if torch.version.hip is not None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        has_option = "launch_pdl" in CUDAOptions.__dataclass_fields__
+    except ImportError:
+        return False
+    has_ops = hasattr(tl.extra.cuda, "gdc_wait") and hasattr(tl.extra.cuda, "gdc_launch_dependents")
+    return has_option and has_ops and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """True when kernels on t's device launch with PDL (CUDA, sm90+, supporting triton)."""
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("EXPRESSLANE_PDL", "1") == "0":
+        return False
+    return _pdl_device_ok(t.device.index if t.device.index is not None else 0)
+
+
+def launch_kwargs(t: torch.Tensor) -> dict:
+    """Extra launch options and the USE_PDL constexpr for a kernel running on t's device."""
+    if pdl_enabled(t):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(t: torch.Tensor) -> int:
+    """Streaming multiprocessors of t's GPU; 0 off CUDA (the interpreter wants few programs)."""
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    return _num_sms(t.device.index if t.device.index is not None else 0)
+
+
+def tile_sizes(
+    t: torch.Tensor, rows: int, k: int, programs: int, min_rows: int = 4, max_rows: int = 16
+) -> tuple[int, int, int]:
+    """(BLOCK_O, BLOCK_K, SPLIT_K) for `programs` independent GEMVs of `rows` x `k` each.
+
+    On a GPU: BLOCK_K = 256 (a warp reads 512 contiguous bytes of bf16 per row), BLOCK_O from
+    `max_rows` down to `min_rows` until there are ~4 programs per SM, then split K by powers of 2
+    while each split keeps >= 2 chunks. The (BLOCK_O, BLOCK_K) fp32 accumulator stays <= 4096
+    elements (32 registers a thread at 4 warps): sm_90 builds of 8192-element tiles need ~210
+    registers, which caps occupancy at two CTAs per SM. In the interpreter: the largest tiles, to
+    keep the program count low.
+    """
+    sms = num_sms(t)
+    if sms == 0:
+        return min(triton.next_power_of_2(rows), 64), min(triton.next_power_of_2(k), 512), 1
+    block_k = min(triton.next_power_of_2(k), 256)
+    target = 4 * sms
+    block_o = min(max_rows, triton.next_power_of_2(rows))
+    while block_o > min_rows and programs * triton.cdiv(rows, block_o) < target:
+        block_o //= 2
+    split_k = 1
+    while programs * triton.cdiv(rows, block_o) * split_k < target and k // (2 * split_k) >= (
+        2 * block_k
+    ):
+        split_k *= 2
+    return block_o, block_k, split_k
+
+
+def assert_lane_weight(w: torch.Tensor, lanes: int, k: int, dtype: torch.dtype, name: str) -> None:
+    """A lane-major weight (L, O, K): contiguous, matching lanes, K and dtype."""
+    assert w.dim() == 3 and w.shape[0] == lanes and w.shape[2] == k, (
+        f"{name}: expected (L={lanes}, O, K={k}), got {tuple(w.shape)}"
+    )
+    assert w.is_contiguous(), f"{name} must be contiguous, strides {w.stride()}"
+    assert w.dtype == dtype, f"{name}: dtype {w.dtype}, activations are {dtype}"
+
+
+def assert_norm_weight(nw: torch.Tensor, lanes: int, d: int, name: str) -> int:
+    """A shared (D,) or per-lane (L, D) norm weight; returns its lane stride (0 when shared)."""
+    assert nw.is_contiguous(), f"{name} must be contiguous"
+    if nw.dim() == 1:
+        assert nw.shape[0] == d, f"{name}: expected ({d},), got {tuple(nw.shape)}"
+        return 0
+    assert nw.shape == (lanes, d), f"{name}: expected ({d},) or ({lanes}, {d}), got {nw.shape}"
+    return d
+
+
+# --- shared device helpers ---------------------------------------------------------------------
+@triton.jit
+def round_as(x, like_ptr):
+    """fp32 x rounded (to nearest even) to like_ptr's element type, back in fp32.
+
+    bf16 is rounded with integer ops rather than `.to(tl.bfloat16)`: identical on a GPU, but the
+    interpreter's bf16 cast truncates, which would bias every rounding point of a CPU test.
+    """
+    if like_ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # RTNE on the low 16 bits
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def cast_as(x, like_ptr):
+    """fp32 x converted to like_ptr's element type for a store (exact RTNE, see round_as)."""
+    # round_as's body, not a call: the interpreter pays ~1 ms per nested jit call.
+    if like_ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(like_ptr.dtype.element_ty)
+
+
+@triton.jit
+def rms_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of the K-vector at x_ptr, in fp32."""
+    offs = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        acc += x * x
+    return 1.0 / tl.sqrt(tl.sum(acc, 0) / K + eps)
+
+
+@triton.jit
+def normed_chunk(x_ptr, nw_ptr, offs_k, mask_k, rstd, HAS_NORM: tl.constexpr):
+    """x[offs_k] (or its RMSNorm with weight nw) as fp32, rounded like the reference."""
+    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        w = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        x = round_as(x * rstd * w, x_ptr)
+    return x
+
+
+# --- the lane-major GEMV kernel ----------------------------------------------------------------
+@triton.jit
+def lane_gemv_kernel(
+    # Pointers
+    w_ptr,  # (L, O, K) weights, contiguous
+    x_ptr,  # (L, K) inputs, contiguous
+    nw_ptr,  # (K,) or (L, K) norm weight (unused without HAS_NORM)
+    y_ptr,  # (L, O) output, or (SPLIT_K, L, O) fp32 partials when SPLIT_K > 1
+    # Sizes
+    L,
+    O,
+    K,
+    eps,
+    stride_nwl,  # 0 for a shared norm weight
+    # Meta-parameters
+    HAS_NORM: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_O: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    lane = tl.program_id(0)
+    pid_o = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if USE_PDL:  # PDL prologue, see gemv.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x_row = x_ptr + lane * K
+    rstd = 1.0
+    if HAS_NORM:
+        rstd = rms_rstd(x_row, K, eps, BLOCK_K)
+    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    mask_o = offs_o < O
+    w_rows = w_ptr + lane * O * K + offs_o[:, None] * K  # (BLOCK_O, 1) row starts
+    # This split's K range, a whole number of chunks so that only the last split is ragged.
+    k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * k_len
+    k_hi = tl.minimum(k_lo + k_len, K)
+    acc = tl.zeros([BLOCK_O, BLOCK_K], dtype=tl.float32)  # reduced once, after the loop
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_hi
+        x = normed_chunk(x_row, nw_ptr + lane * stride_nwl, offs_k, mask_k, rstd, HAS_NORM)
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_o[:, None] & mask_k[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)  # (BLOCK_O,)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + lane * O + offs_o, cast_as(y, y_ptr), mask=mask_o)
+    else:
+        tl.store(y_ptr + (pid_k * L + lane) * O + offs_o, y, mask=mask_o)
+
+
+def launch_lane_gemv(w, x, nw, stride_nwl, eps, out, block_o, block_k, split_k):
+    """Launch lane_gemv_kernel; `out` is (L, O) or the (split_k, L, O) fp32 workspace."""
+    L, O, K = w.shape
+    grid = (L, triton.cdiv(O, block_o), split_k)
+    lane_gemv_kernel[grid](
+        w, x, nw if nw is not None else x, out, L, O, K, eps, stride_nwl,
+        HAS_NORM=nw is not None, SPLIT_K=split_k, BLOCK_O=block_o, BLOCK_K=block_k,
+        **launch_kwargs(x),
+    )  # fmt: skip
+
+
+def lane_gemv(
+    w: torch.Tensor,  # (L, O, K)
+    x: torch.Tensor,  # (L, K)
+    *,
+    norm_weight: torch.Tensor | None = None,  # (K,) or (L, K): RMSNorm x first
+    eps: float = 1e-5,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """(L, O) = w[l] @ (norm(x[l]) or x[l]), fp32 accumulation, rounded once to x.dtype."""
+    assert x.dim() == 2 and x.is_contiguous(), f"x: expected contiguous (L, K), got {x.shape}"
+    L, K = x.shape
+    assert_lane_weight(w, L, K, x.dtype, "w")
+    stride_nwl = 0
+    if norm_weight is not None:
+        stride_nwl = assert_norm_weight(norm_weight, L, K, "norm_weight")
+    O = w.shape[1]
+    block_o, block_k, auto_split = tile_sizes(x, O, K, L)
+    split_k = split_k or auto_split
+    if split_k == 1:
+        y = torch.empty((L, O), device=x.device, dtype=x.dtype)
+        launch_lane_gemv(w, x, norm_weight, stride_nwl, eps, y, block_o, block_k, 1)
+        return y
+    ws = torch.empty((split_k, L, O), device=x.device, dtype=torch.float32)
+    launch_lane_gemv(w, x, norm_weight, stride_nwl, eps, ws, block_o, block_k, split_k)
+    return ws.sum(0).to(x.dtype)  # fixed order over splits: deterministic

@@ -1,0 +1,204 @@
+"""Attention prologue in one kernel: RMSNorm -> Q/K/V projection -> RoPE -> KV-cache write.
+
+For one token, lane l computes xn = attention_norm(h[l]) and q/k/v = wq/wk/wv[l] @ xn, rotates
+q and k by the position's RoPE angles, and appends k and v to the cache. Unfused that is a norm
+kernel, three GEMVs, two RoPE kernels and two cache copies; here it is one pass over wq, wk, wv
+(the only bytes that matter: L*(Hq + 2*Hkv)*hd*D weights) with a tiny prologue.
+
+Work split. RoPE rotates pairs of rows of the same head: interleaved (Laneformer, Meta) pairs
+(2i, 2i+1), half (Llama, HF) pairs (i, i + hd/2). A program therefore owns BLOCK_P pairs of one
+head: it streams both rows of every pair, so the rotation needs nothing from other programs.
+BLOCK_P divides hd/2, so a program never straddles a head, and the per-lane "pair blocks" are laid
+out q heads, then k heads, then v heads (v pairs are just not rotated).
+
+Every program recomputes the lane's RMS statistics from h (D elements, L2-resident), which is
+cheaper than a separate norm kernel and its launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import (
+    assert_lane_weight,
+    assert_norm_weight,
+    cast_as,
+    launch_kwargs,
+    normed_chunk,
+    num_sms,
+    rms_rstd,
+    round_as,
+)
+
+
+@triton.jit
+def norm_qkv_kernel(
+    # Pointers
+    x_ptr,  # (L, D) hidden state
+    nw_ptr,  # (D,) or (L, D) attention_norm weight
+    wq_ptr,  # (L, QL, D), QL = Hq*hd/L
+    wk_ptr,  # (L, KL, D), KL = Hkv*hd/L
+    wv_ptr,  # (L, KL, D)
+    cos_ptr,  # (max_pos, hd/2) fp32
+    sin_ptr,  # (max_pos, hd/2) fp32
+    position_ptr,  # (1,) int64
+    q_ptr,  # (Hq, hd) output
+    k_cache_ptr,  # (cap, Hkv, hd)
+    v_cache_ptr,  # (cap, Hkv, hd)
+    pos_cache_ptr,  # (cap,) int64
+    # Sizes
+    D,
+    cap,
+    eps,
+    stride_nwl,  # 0 when the norm weight is shared
+    HQ_LANE,  # query heads per lane
+    HKV_LANE,  # KV heads per lane
+    N_KV,  # KV heads in total (cache row = N_KV * HEAD_DIM)
+    # Meta-parameters
+    HEAD_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    lane = tl.program_id(0)
+    blk = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    BLOCKS_PER_HEAD: tl.constexpr = HALF // BLOCK_P
+    n_q = HQ_LANE * BLOCKS_PER_HEAD  # pair blocks of q in this lane
+    n_k = HKV_LANE * BLOCKS_PER_HEAD  # ... of k, and as many of v
+    if USE_PDL:  # PDL prologue, see gemv.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pos = tl.load(position_ptr)
+    slot = pos % cap  # full layers: cap = max_len so slot = pos; sliding layers: a ring
+
+    # Which projection this program computes, and where its result goes.
+    if blk < n_q:
+        hb = blk
+        w_lane = wq_ptr + lane * HQ_LANE * HEAD_DIM * D
+        out_base = q_ptr + lane * HQ_LANE * HEAD_DIM  # (Hq, hd): lane l owns heads l*Hq/L ...
+    elif blk < n_q + n_k:
+        hb = blk - n_q
+        w_lane = wk_ptr + lane * HKV_LANE * HEAD_DIM * D
+        out_base = k_cache_ptr + slot * N_KV * HEAD_DIM + lane * HKV_LANE * HEAD_DIM
+    else:
+        hb = blk - n_q - n_k
+        w_lane = wv_ptr + lane * HKV_LANE * HEAD_DIM * D
+        out_base = v_cache_ptr + slot * N_KV * HEAD_DIM + lane * HKV_LANE * HEAD_DIM
+    head = hb // BLOCKS_PER_HEAD
+    offs_i = (hb % BLOCKS_PER_HEAD) * BLOCK_P + tl.arange(0, BLOCK_P)  # pair index in the head
+    if INTERLEAVED:
+        r0 = 2 * offs_i  # (BLOCK_P,) rows of the pair inside the head
+        r1 = r0 + 1
+    else:
+        r0 = offs_i
+        r1 = offs_i + HALF
+    w0_rows = w_lane + (head * HEAD_DIM + r0)[:, None] * D  # (BLOCK_P, 1)
+    w1_rows = w_lane + (head * HEAD_DIM + r1)[:, None] * D
+
+    x_row = x_ptr + lane * D
+    rstd = rms_rstd(x_row, D, eps, BLOCK_K)
+    acc0 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < D
+        xn = normed_chunk(x_row, nw_ptr + lane * stride_nwl, offs_k, mask_k, rstd, True)
+        w0 = tl.load(w0_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+        w1 = tl.load(w1_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
+        acc0 += w0.to(tl.float32) * xn[None, :]
+        acc1 += w1.to(tl.float32) * xn[None, :]
+    a0 = round_as(tl.sum(acc0, 1), x_ptr)  # the projection output, rounded like the reference
+    a1 = round_as(tl.sum(acc1, 1), x_ptr)
+
+    # RoPE in fp32; v programs rotate by angle 0 (cos 1, sin 0) instead of branching.
+    rotate = blk < n_q + n_k
+    c = tl.load(cos_ptr + pos * HALF + offs_i)
+    s = tl.load(sin_ptr + pos * HALF + offs_i)
+    c = tl.where(rotate, c, 1.0)
+    s = tl.where(rotate, s, 0.0)
+    o0 = a0 * c - a1 * s
+    o1 = a0 * s + a1 * c
+    dst = out_base + head * HEAD_DIM
+    tl.store(dst + r0, cast_as(o0, dst))
+    tl.store(dst + r1, cast_as(o1, dst))
+    if (lane == 0) & (blk == n_q):  # exactly one program records the slot's position
+        tl.store(pos_cache_ptr + slot, pos)
+
+
+def _pick_block_p(x: torch.Tensor, half: int) -> int:
+    """Largest power of two dividing hd/2, at most 8 on a GPU (64 in the interpreter).
+
+    8 pairs = 16 rows a program: two (8, BLOCK_K) fp32 accumulators stay in registers, and the
+    per-program norm prologue (3*D reads from L2) stays small next to the 16*D weights streamed.
+    Laneformer-2B: 8 lanes x (4 + 2 + 2) heads x 48/8 blocks = 384 programs.
+    """
+    block_p = 1
+    while half % (block_p * 2) == 0 and block_p * 2 <= (8 if num_sms(x) else 64):
+        block_p *= 2
+    return block_p
+
+
+def norm_qkv(
+    x: torch.Tensor,  # (L, D) residual stream, before attention_norm
+    norm_weight: torch.Tensor,  # (D,) or (L, D)
+    wq: torch.Tensor,  # (L, Hq*hd/L, D)
+    wk: torch.Tensor,  # (L, Hkv*hd/L, D)
+    wv: torch.Tensor,  # (L, Hkv*hd/L, D)
+    cos: torch.Tensor,  # (max_pos, hd/2) fp32
+    sin: torch.Tensor,  # (max_pos, hd/2) fp32
+    position: torch.Tensor,  # (1,) int64, absolute position of this token
+    k_cache: torch.Tensor,  # (cap, Hkv, hd), written at slot position % cap
+    v_cache: torch.Tensor,  # (cap, Hkv, hd)
+    pos_cache: torch.Tensor,  # (cap,) int64, absolute position held by each slot, -1 = empty
+    *,
+    eps: float = 1e-5,
+    rope_style: str = "interleaved",
+    block_p: int | None = None,
+) -> torch.Tensor:
+    """Returns q (Hq, hd) after RoPE; writes k (after RoPE), v and the position into the cache.
+
+    The position stays on the device (no sync, CUDA-graph safe), so two things are not checked:
+    position < cos.shape[0], and, on a full-attention layer, position < cap.
+    """
+    assert x.dim() == 2 and x.is_contiguous(), f"x: expected contiguous (L, D), got {x.shape}"
+    L, D = x.shape
+    dt = x.dtype
+    cap, n_kv, hd = k_cache.shape
+    assert hd % 2 == 0, f"head_dim={hd} must be even for RoPE"
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        assert c.shape == (cap, n_kv, hd) and c.is_contiguous() and c.dtype == dt, (
+            f"{name}: expected contiguous {(cap, n_kv, hd)} {dt}, got {tuple(c.shape)} {c.dtype}"
+        )
+    assert pos_cache.shape == (cap,) and pos_cache.dtype == torch.int64, "pos_cache: (cap,) int64"
+    assert position.shape == (1,) and position.dtype == torch.int64, "position: (1,) int64"
+    assert rope_style in ("interleaved", "half"), f"rope_style={rope_style!r}"
+    stride_nwl = assert_norm_weight(norm_weight, L, D, "norm_weight")
+    assert_lane_weight(wq, L, D, dt, "wq")
+    assert_lane_weight(wk, L, D, dt, "wk")
+    assert_lane_weight(wv, L, D, dt, "wv")
+    assert wq.shape[1] % hd == 0 and wk.shape[1] % hd == 0, "per-lane widths must be whole heads"
+    assert wv.shape == wk.shape, f"wv {tuple(wv.shape)} != wk {tuple(wk.shape)}"
+    hq_lane, hkv_lane = wq.shape[1] // hd, wk.shape[1] // hd
+    assert hkv_lane * L == n_kv, f"wk gives {hkv_lane * L} KV heads, the cache holds {n_kv}"
+    assert hq_lane % hkv_lane == 0, "GQA needs Hq divisible by Hkv"
+    for name, t in (("cos", cos), ("sin", sin)):
+        assert t.dim() == 2 and t.shape[1] == hd // 2, f"{name}: expected (max_pos, {hd // 2})"
+        assert t.dtype == torch.float32 and t.is_contiguous(), f"{name}: contiguous fp32"
+
+    half = hd // 2
+    block_p = block_p or _pick_block_p(x, half)
+    assert half % block_p == 0, f"block_p={block_p} must divide head_dim/2={half}"
+    block_k = min(triton.next_power_of_2(D), 256 if num_sms(x) else 512)
+    q = torch.empty((hq_lane * L, hd), device=x.device, dtype=dt)
+    grid = (L, (hq_lane + 2 * hkv_lane) * (half // block_p))
+    norm_qkv_kernel[grid](
+        x, norm_weight, wq, wk, wv, cos, sin, position, q, k_cache, v_cache, pos_cache,
+        D, cap, eps, stride_nwl, hq_lane, hkv_lane, n_kv,
+        HEAD_DIM=hd, INTERLEAVED=rope_style == "interleaved", BLOCK_P=block_p, BLOCK_K=block_k,
+        **launch_kwargs(x),
+    )  # fmt: skip
+    return q

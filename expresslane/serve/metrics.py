@@ -1,0 +1,109 @@
+"""Prometheus metrics for `GET /metrics`, named the way vLLM names them, with our own prefix.
+
+Latencies are measured with `time.monotonic()` from the moment the request arrived (so time to
+first token includes queueing and tokenization, as in vLLM). The headline figure of a batch-1
+engine is the per-request decode speed, so it gets its own histogram:
+`expresslane:request_decode_tokens_per_second`. Every metric carries a `model_name` label.
+Each app has its own registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+PREFIX = "expresslane:"
+FINISH_REASONS = ("stop", "length", "abort")
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
+               0.1, 0.25, 0.5, 1.0, 2.5)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
+# Per-request decode tokens/s: from a CPU toy model up to multi-GPU batch-1 speeds (~3,000).
+TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 300, 400, 500, 750, 1000, 1250, 1500, 2000, 2500,
+               3000, 4000, 5000, 7500, 10000)  # fmt: skip
+
+
+class Metrics:
+    """The server's metrics, already bound to one model name."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.model_name = model_name
+        self.registry = r = registry or CollectorRegistry()
+        label = ["model_name"]
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=r).labels(
+                model_name
+            )
+
+        self.ttft = hist(
+            "time_to_first_token_seconds", "Request arrival to first generated token.", TTFT_BUCKETS
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = hist(
+            "e2e_request_latency_seconds",
+            "Request arrival to the end of its generation.",
+            E2E_BUCKETS,
+        )
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Time a request waited in the FIFO queue.", E2E_BUCKETS
+        )
+        self.decode_tps = hist(
+            "request_decode_tokens_per_second",
+            "Per-request decode speed: (tokens - 1) / (last - first token).",
+            TPS_BUCKETS,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens processed.", label, registry=r
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", label, registry=r
+        ).labels(model_name)
+        self.running = Gauge(
+            PREFIX + "num_requests_running",
+            "Requests on the engine now (0 or 1: batch 1).",
+            label,
+            registry=r,
+        ).labels(model_name)
+        self.waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests waiting in the queue.", label, registry=r
+        ).labels(model_name)
+        self._finished = Counter(
+            PREFIX + "request_success",
+            "Finished sequences by finish reason (stop, length, abort).",
+            label + ["finished_reason"],
+            registry=r,
+        )
+        for reason in FINISH_REASONS:  # expose zeros from the start
+            self._finished.labels(model_name, reason)
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Plain `name{labels} value` lines -> {name{labels}: value} (for tests and tools)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

@@ -1,0 +1,399 @@
+"""The OpenAI-compatible wire format: pydantic request models, error bodies, response pieces.
+
+Requests are parsed with `parse()`, which turns every pydantic failure (invalid JSON, a wrong
+type, an out-of-range value) into a `RequestError` naming the parameter, answered as a 400 in
+OpenAI's shape `{"error": {"message", "type", "param", "code"}}` rather than FastAPI's 422.
+Unknown fields are ignored (lm-eval forwards leftover generation kwargs).
+
+Defaults follow OpenAI and vLLM: temperature 1, top_p 1, top_k off, `max_tokens` 16 on
+completions and "the rest of the context" on chat. `max_tokens` beyond the context is clamped,
+never refused. `stop` takes any number of strings (lm-eval sends more than OpenAI's 4).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from ..errors import ExpressLaneError, RequestError
+from ..tokenizer import Tokenizer
+from .worker import Accumulator, Event, TokenInfo
+
+
+def _no_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError("must be a number, not a boolean")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool)]
+SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20
+MAX_N = 128
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # byte-fallback tokens
+
+
+def _token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(type(t) is int for t in v)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    model: str | None = None
+    temperature: Float = Field(1.0, ge=0.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    top_k: Int = Field(0, ge=-1)
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    seed: Int | None = Field(None, **SEED_RANGE)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: bool = False
+    n: Int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def check(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            msg = "stream_options: only allowed when stream is true"
+            raise RequestError(msg, param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any
+    max_tokens: Int | None = Field(16, ge=0)
+    echo: bool = False
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = True  # string prompts only: token-id prompts never get a BOS
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        many = isinstance(v, list) and v and all(isinstance(p, str) or _token_ids(p) for p in v)
+        if not (isinstance(v, str) or _token_ids(v) or many):
+            raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or _token_ids(p) else list(p)
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, name, ... reach the template
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def for_template(self) -> dict:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            bad = [p.type for p in self.content if p.type != "text"]
+            if bad:
+                raise ValueError(f"content part of type {bad[0]!r} is not supported (text only)")
+            d["content"] = "".join(p.text or "" for p in self.content)
+        return d
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool | None = None  # None: continue a trailing assistant message
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs: needs logprobs set to true", param="top_logprobs")
+
+
+class TokenizeRequest(_Request):
+    prompt: str | None = None
+    content: str | None = None  # llama.cpp's name
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None  # llama.cpp's name
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    tokens: list[Int]
+
+
+def parse(cls: type[BaseModel], body: bytes) -> Any:
+    """Validate a JSON body; any failure becomes a RequestError naming the parameter."""
+    try:
+        req = cls.model_validate_json(body or b"")
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = [x for x in err["loc"] if isinstance(x, int) or x in _FIELDS]
+        if err["type"] == "json_invalid":
+            raise RequestError(
+                f"invalid JSON body: {err['msg'].removeprefix('Invalid JSON: ')}", param=None
+            ) from None
+        if not loc:
+            raise RequestError(f"request body: {err['msg']}", param=None) from None
+        path = str(loc[0]) + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc[1:])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise RequestError(f"{path}: {msg}", param=str(loc[0])) from None
+    if hasattr(req, "check"):
+        req.check()
+    return req
+
+
+_FIELDS = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart,
+                          StreamOptions, TokenizeRequest, DetokenizeRequest)
+           for name in m.model_fields}  # fmt: skip
+
+
+# --- errors -----------------------------------------------------------------------------------
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 503: "unavailable_error"}  # fmt: skip
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error shape (vLLM's too): the client shows `message` and exposes `param`."""
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_of(e: Exception) -> dict:
+    """The error body for an exception: a user error keeps its status, anything else is a 500."""
+    if isinstance(e, ExpressLaneError):
+        return error_body(str(e), e.status_code, getattr(e, "param", None))
+    return error_body(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+def sse(obj: dict | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# --- responses --------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class TokenText:
+    """Display text and UTF-8 bytes of single tokens, cached (for logprobs)."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            piece = self.tok.id_to_piece(token_id)
+            if BYTE_PIECE.fullmatch(piece):  # one byte of a character: named, not "\ufffd"
+                hit = (piece, [int(piece[3:5], 16)])
+            else:
+                text = self.tok.decode([token_id])
+                if piece.startswith("▁") and not text.startswith(" "):
+                    text = " " + text  # SentencePiece-style decoders strip a leading space
+                hit = (text, list(text.encode("utf-8")))
+            self._cache[token_id] = hit
+        return hit
+
+
+def completion_logprobs(tokens: list[TokenInfo], text: TokenText, offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object; top_logprobs also holds the chosen token."""
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for t in tokens:
+        s = text(t.id)[0]
+        out["tokens"].append(s)
+        out["token_logprobs"].append(t.logprob)
+        out["text_offset"].append(offset)
+        offset += len(s)
+        if t.logprob is None:
+            out["top_logprobs"].append(None)
+            continue
+        top: dict[str, float] = {}
+        for tid, lp in t.top or []:  # best first; a repeated string keeps its best value
+            top.setdefault(text(tid)[0], lp)
+        top.setdefault(s, t.logprob)
+        out["top_logprobs"].append(top)
+    return out
+
+
+def chat_logprobs(tokens: list[TokenInfo], text: TokenText) -> list[dict]:
+    """Entries of the chat `logprobs.content` list."""
+
+    def entry(tid: int, lp: float) -> dict:
+        s, raw = text(tid)
+        return {"token": s, "logprob": lp, "bytes": raw}
+
+    return [
+        entry(t.id, t.logprob) | {"top_logprobs": [entry(i, v) for i, v in t.top or []]}
+        for t in tokens
+    ]
+
+
+# --- assembling responses from worker events --------------------------------------------------
+class _Format:
+    def __init__(self, model: str, text: TokenText, prefix: str):
+        self.model, self.text = model, text
+        self.rid, self.created = new_id(prefix), int(time.time())
+
+    def envelope(self, obj: str | None = None) -> dict:
+        return {
+            "id": self.rid,
+            "object": obj or self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+        }
+
+
+class CompletionFormat(_Format):
+    """`/v1/completions`: the response and its stream chunks."""
+
+    chunk_object = "text_completion"
+
+    def __init__(self, model: str, text: TokenText, echo: dict[int, str], logprobs: bool):
+        super().__init__(model, text, "cmpl")
+        self.echo, self.logprobs = echo, logprobs
+
+    def _choice(
+        self,
+        i: int,
+        text: str,
+        lp: dict | None = None,
+        finish: str | None = None,
+        stop: int | str | None = None,
+    ) -> dict:
+        return {
+            "index": i,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": finish,
+            "stop_reason": stop,
+        }
+
+    def start(self) -> list[dict]:
+        # With logprobs the echo comes from the worker, scored; without, it is sent at once.
+        return [] if self.logprobs else [self._choice(i, t) for i, t in self.echo.items()]
+
+    def chunk(self, ev: Event) -> dict | None:
+        if ev.kind == "echo":
+            return self._choice(
+                ev.index, self.echo.get(ev.index, ""), completion_logprobs(ev.tokens, self.text)
+            )
+        if ev.kind == "delta":
+            if not ev.text and not ev.tokens:
+                return None
+            lp = completion_logprobs(ev.tokens, self.text) if self.logprobs else None
+            return self._choice(ev.index, ev.text, lp)
+        return self._choice(ev.index, "", None, ev.finish_reason, ev.stop_reason)
+
+    def response(self, accs: dict[int, Accumulator], usage: dict, timings: dict) -> dict:
+        choices = []
+        for i, a in sorted(accs.items()):
+            lp = completion_logprobs(a.echo + a.tokens, self.text) if self.logprobs else None
+            choices.append(
+                self._choice(i, self.echo.get(i, "") + a.text, lp, a.finish_reason, a.stop_reason)
+            )
+        return {**self.envelope(), "choices": choices, "usage": usage, "timings": timings}
+
+
+class ChatFormat(_Format):
+    """`/v1/chat/completions`: the response and its stream chunks."""
+
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model: str, text: TokenText, n: int, logprobs: bool):
+        super().__init__(model, text, "chatcmpl")
+        self.n, self.logprobs = n, logprobs
+
+    def _lp(self, tokens: list[TokenInfo]) -> dict | None:
+        return {"content": chat_logprobs(tokens, self.text)} if self.logprobs else None
+
+    def start(self) -> list[dict]:
+        return [
+            {
+                "index": j,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for j in range(self.n)
+        ]
+
+    def chunk(self, ev: Event) -> dict | None:
+        if ev.kind == "delta":
+            if not ev.text and not ev.tokens:
+                return None
+            return {
+                "index": ev.index,
+                "delta": {"content": ev.text},
+                "logprobs": self._lp(ev.tokens),
+                "finish_reason": None,
+            }
+        if ev.kind == "finish":
+            return {
+                "index": ev.index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": ev.finish_reason,
+                "stop_reason": ev.stop_reason,
+            }
+        return None
+
+    def response(self, accs: dict[int, Accumulator], usage: dict, timings: dict) -> dict:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": a.text},
+                "logprobs": self._lp(a.tokens),
+                "finish_reason": a.finish_reason,
+                "stop_reason": a.stop_reason,
+            }
+            for i, a in sorted(accs.items())
+        ]
+        return {
+            **self.envelope("chat.completion"),
+            "choices": choices,
+            "usage": usage,
+            "timings": timings,
+        }
