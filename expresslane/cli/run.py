@@ -17,6 +17,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..textgen import generate_text
 from ..tokenizer import Tokenizer
+from . import launch
 
 HELP = "generate from one prompt (or one chat message) and stream the text"
 
@@ -36,6 +37,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="context size of the KV cache (default: the config's)",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="split lanes (Llama: heads) over N processes: gloo on CPU, NCCL on GPU",
     )
 
 
@@ -77,6 +84,8 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
+    if launch.in_launch():  # rank 0 of `serve --devices N`: the lead of a parallel engine
+        return launch.load_lead_engine(args)
     path = args.model or str(default_model_dir())
     engine = Engine.from_pretrained(
         path, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len
@@ -85,6 +94,8 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.devices > 1 or launch.torchrun_env():
+        return launch.run_parallel(args)
     params = sampling_from_args(args)
     engine, tok = load_engine(args)
     if args.chat is not None:

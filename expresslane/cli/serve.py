@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from . import launch
 from .run import add_model_arguments, load_engine
 
 HELP = "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) and playground"
@@ -83,6 +84,9 @@ def _load(args: argparse.Namespace, app, server, failure: list) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
+
+    if (args.devices > 1 or launch.torchrun_env()) and not launch.in_launch():
+        return launch.launch(args, main)  # one process per device; rank 0 serves
 
     from ..serve import create_app
 

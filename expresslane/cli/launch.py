@@ -1,0 +1,232 @@
+"""`--devices N`: one process per device, lanes (or heads) split over them.
+
+`run_parallel(args)` is `expresslane run` on N ranks: it spawns N processes (torch
+multiprocessing, gloo on CPUs, NCCL with one GPU per rank), or, when launched by `torchrun`
+(RANK / WORLD_SIZE / LOCAL_RANK in the environment), is itself one rank. Every rank loads only
+its slices and runs the same generation (ParallelEngine role "spmd"); rank 0 prints exactly what
+`run` prints, the others stay silent.
+
+For serve and bench, `launch(args, main)` runs the command's own `main(args)` on rank 0 with a
+lead engine (`load_engine(args)` returns it there) while ranks > 0 follow (ParallelEngine
+role "lead"/"follow"). `spawn(fn, world, ...)` is the plain helper tests and benchmarks use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import socket
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..errors import ConfigError
+
+_ROLE = {"role": "spmd"}  # the role load_engine gives this process's engine
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world, local rank) when started by torchrun, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        r, w = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return r, w, int(os.environ.get("LOCAL_RANK", r))
+    return None
+
+
+def backend_for(device: str) -> str:
+    """NCCL for GPUs, gloo for CPUs."""
+    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "nccl" if gpu else "gloo"
+
+
+def init_distributed(
+    rank: int, world: int, device: str = "auto", port: int | None = None, threads: int = 0
+) -> str:
+    """Join the process group; returns the device this rank computes on."""
+    backend = backend_for(device)
+    local = torchrun_env()[2] if torchrun_env() else rank
+    dev = f"cuda:{local}" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(local)  # NCCL path: selectable, not exercised in our CI (no GPUs)
+    else:
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+    if not dist.is_initialized():
+        init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    return dev
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world, port, device, threads, queue, args):
+    dev = init_distributed(rank, world, device, port, threads)
+    try:
+        buf = io.BytesIO()  # tensors as bytes: shared-memory handles die with this process
+        torch.save(fn(rank, world, dev, *args), buf)
+        queue.put((rank, buf.getvalue(), None))
+    except BaseException as e:  # report, then let the other ranks fail on their collectives
+        queue.put((rank, None, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, *args, device: str = "cpu", threads: int = 0) -> list:
+    """Run fn(rank, world, device, *args) on `world` new processes; their results by rank."""
+    if world < 1:
+        raise ConfigError(f"--devices {world}: must be >= 1")
+    queue = mp.get_context("spawn").SimpleQueue()
+    procs = mp.spawn(
+        _entry,
+        args=(fn, world, free_port(), device, threads, queue, args),
+        nprocs=world,
+        join=False,
+    )
+    got = []  # read while they run: a big result blocks its sender until it is read
+    while len(got) < world:
+        if not queue.empty():
+            got.append(queue.get())
+        elif procs.join(timeout=0.05) and queue.empty():
+            raise RuntimeError(f"{world - len(got)} rank(s) exited without a result")
+    while not procs.join():
+        pass
+    results = {r: (out, err) for r, out, err in got}
+    errors = [f"rank {r}: {e}" for r, (_, e) in sorted(results.items()) if e]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return [torch.load(io.BytesIO(results[r][0]), weights_only=False) for r in range(world)]
+
+
+# --- expresslane run --devices N ----------------------------------------------------------------
+def load_engine(args: argparse.Namespace, device: str | None = None):
+    """(ParallelEngine, Tokenizer) for this rank: its slices only."""
+    from ..assets import default_model_dir
+    from ..parallel import ParallelEngine
+    from ..tokenizer import Tokenizer
+
+    path = args.model or str(default_model_dir())
+    engine = ParallelEngine.from_pretrained(
+        path,
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        device=device or _device_of_rank(args.device),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        role=_ROLE["role"],
+    )
+    return engine, Tokenizer.from_dir(path)
+
+
+def _device_of_rank(device: str) -> str:
+    if backend_for(device) == "nccl":
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def _run_rank(rank: int, world: int, device: str, args: argparse.Namespace) -> int:
+    from ..textgen import generate_text
+    from .run import sampling_from_args
+
+    params = sampling_from_args(args)
+    engine, tok = load_engine(args, device)
+    if args.chat is not None:
+        text = tok.apply_chat_template([{"role": "user", "content": args.chat}])
+        prompt_ids = tok.encode(text, add_special_tokens=False)
+    else:
+        prompt_ids = tok.encode(args.prompt if args.prompt is not None else "def ")
+    out = sys.stdout if rank == 0 else open(os.devnull, "w")  # noqa: SIM115
+    with contextlib.redirect_stdout(out):
+        pieces, ids = [], []
+        for piece, new in generate_text(engine, tok, prompt_ids, params, args.stop):
+            pieces.append(piece)
+            ids.extend(new)
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        st = engine.stats
+        if args.json:
+            print(json.dumps(_summary(engine, "".join(pieces), ids, world)))
+        else:
+            print(
+                f"\n[prompt tokens: {st.prompt_tokens}, time to first token: "
+                f"{st.ttft_s * 1e3:.1f} ms, decode: {st.decode_tokens_per_s:.1f} tokens/s, "
+                f"{st.generated_tokens} tokens, finish: {st.finish_reason}, devices: {world}]"
+            )
+        sys.stdout.flush()
+    return 0
+
+
+def _summary(engine, text: str, ids: list[int], world: int) -> dict:
+    st = engine.stats
+    return {
+        "text": text,
+        "token_ids": ids,
+        "prompt_tokens": st.prompt_tokens,
+        "completion_tokens": st.generated_tokens,
+        "finish_reason": st.finish_reason,
+        "ttft_ms": round(st.ttft_s * 1e3, 3),
+        "prefill_tokens_per_s": round(st.prefill_tokens_per_s, 2),
+        "decode_tokens_per_s": round(st.decode_tokens_per_s, 2),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "devices": world,
+        "backend": dist.get_backend(),
+    }
+
+
+def run_parallel(args: argparse.Namespace) -> int:
+    """`expresslane run --devices N` (or one torchrun rank of it); returns the exit code."""
+    env = torchrun_env()
+    if env is not None:  # torchrun started us: we are one rank
+        rank, world, _ = env
+        return _run_rank(rank, world, init_distributed(rank, world, args.device), args)
+    return spawn(_run_rank, args.devices, args, device=args.device)[0]
+
+
+# --- serve / bench: rank 0 runs the command, the others follow --------------------------------
+_LEAD: dict = {}  # rank 0's lead engine inside launch(), to shut the followers down at the end
+
+
+def in_launch() -> bool:
+    """True on rank 0 inside launch(): cli.run.load_engine should call load_lead_engine."""
+    return _ROLE["role"] == "lead"
+
+
+def load_lead_engine(args: argparse.Namespace):
+    """Rank 0's (ParallelEngine, Tokenizer) inside launch(): every call is mirrored by the rest."""
+    engine, tok = load_engine(args)
+    _LEAD["engine"] = engine
+    return engine, tok
+
+
+def _lead_entry(rank: int, world: int, device: str, args, main: Callable) -> int:
+    _ROLE["role"] = "lead" if rank == 0 else "follow"
+    try:
+        if rank > 0:
+            engine, _ = load_engine(args, device)
+            engine.follow()
+            return 0
+        return main(args)
+    finally:
+        if rank == 0 and "engine" in _LEAD:
+            _LEAD.pop("engine").shutdown()
+        _ROLE["role"] = "spmd"
+
+
+def launch(args: argparse.Namespace, main: Callable[[argparse.Namespace], int]) -> int:
+    """Run a command's `main` on rank 0 of `args.devices` ranks; ranks > 0 follow it."""
+    env = torchrun_env()
+    if env is not None:
+        rank, world, _ = env
+        return _lead_entry(rank, world, init_distributed(rank, world, args.device), args, main)
+    return spawn(_lead_entry, args.devices, args, main, device=args.device)[0]

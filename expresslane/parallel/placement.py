@@ -1,0 +1,192 @@
+"""Placement: which part of every tensor a rank holds, and loading only that part.
+
+A Laneformer is split by lanes (spec 15.1): with G ranks and L lanes, rank r holds lanes
+[r*L/G, (r+1)*L/G) of every per-lane tensor (wq/wk/wv/wo/w1/w2/w3, per-lane norm scales, the
+vocab-parallel head), a full replica of the embedding and of shared norms, and its lanes' KV.
+A Llama-family checkpoint (one lane) gets ordinary tensor parallelism: rank r holds a contiguous
+block of query heads, KV heads and FFN units (rows of q/k/v/gate/up, columns of o/down). Every
+LM head ends on a contiguous vocab chunk [r*V//G, (r+1)*V//G) per rank, so sampling can stay
+vocab-parallel. The slices are read straight from the safetensors slices (`get_slice`), never
+the whole tensor; `bytes_loaded` counts what was materialised.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
+
+from ..checkpoint import (
+    _reconcile_norms,
+    from_hf_tensor,
+    hf_name,
+    load_config,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_dir,
+    safetensors_files,
+    to_hf_tensor,
+)
+from ..config import ModelConfig
+from ..errors import CheckpointError, ConfigError
+from ..rope import inv_frequencies
+
+ROW = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.")
+COL = ("attention.wo.", "feed_forward.w2.")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Rank `rank` of `world` holding its share of the model described by `cfg` (global)."""
+
+    cfg: ModelConfig
+    rank: int = 0
+    world: int = 1
+
+    def __post_init__(self):
+        cfg, G = self.cfg, self.world
+        if not 0 <= self.rank < G:
+            raise ConfigError(f"rank {self.rank} outside a world of {G} devices")
+        if self.splits_lanes:
+            if cfg.num_lanes % G:
+                raise ConfigError(
+                    f"--devices {G}: must divide num_lanes={cfg.num_lanes} (1, 2, 4, 8, ...)"
+                )
+            return
+        for name, v in (
+            ("num_attention_heads", cfg.num_heads),
+            ("num_key_value_heads", cfg.num_kv_heads),
+            ("intermediate_size", cfg.intermediate_size),
+        ):
+            if v % G:
+                raise ConfigError(f"--devices {G}: must divide {name}={v} for tensor parallelism")
+
+    @property
+    def splits_lanes(self) -> bool:
+        """Laneformer (L > 1): split lanes; a one-lane model (Llama): split heads and FFN."""
+        return self.cfg.num_lanes > 1
+
+    @property
+    def lanes(self) -> tuple[int, int]:
+        """[lo, hi) of the global lanes held here (the single lane for tensor parallelism)."""
+        if not self.splits_lanes:
+            return (0, 1)
+        n = self.cfg.num_lanes // self.world
+        return (self.rank * n, (self.rank + 1) * n)
+
+    def vocab_chunk(self, rank: int | None = None) -> tuple[int, int]:
+        r = self.rank if rank is None else rank
+        V = self.cfg.vocab_size
+        return (r * V // self.world, (r + 1) * V // self.world)
+
+    @property
+    def vocab_sizes(self) -> list[int]:
+        return [b - a for a, b in map(self.vocab_chunk, range(self.world))]
+
+    @property
+    def local_cfg(self) -> ModelConfig:
+        """The shard's shapes: lanes, heads and FFN units divided; layers and vocab global."""
+        cfg, G = self.cfg, self.world
+        return cfg.with_overrides(
+            num_lanes=cfg.num_lanes // G if self.splits_lanes else 1,
+            num_heads=cfg.num_heads // G,
+            num_kv_heads=cfg.num_kv_heads // G,
+            intermediate_size=cfg.intermediate_size // G,
+        )
+
+    def select(self, name: str, sl, shape: tuple) -> torch.Tensor:
+        """The part of checkpoint tensor `name` (ours) held here, read from a safetensors slice."""
+        cfg, G, r = self.cfg, self.world, self.rank
+        lo, hi = self.lanes
+        if name.startswith("lm_head."):
+            if cfg.lm_head_type == "vocab_parallel":
+                return sl[lo:hi]
+            a, b = self.vocab_chunk()
+            return sl[a:b]
+        if name.endswith("norm.scale"):  # per-lane (L, D)
+            return sl[lo:hi]
+        if ".layers." not in name or "norm" in name:  # embedding, shared norms: replicated
+            return sl[:]
+        if self.splits_lanes:  # lane-major (L, out, in) or bias (L, out)
+            return sl[lo:hi]
+        if any(k in name for k in ROW):  # (out, in) or bias (out,): a block of rows
+            n = shape[0] // G
+            return sl[r * n : (r + 1) * n]
+        if any(k in name for k in COL):  # (out, in): a block of columns
+            n = shape[1] // G
+            return sl[:, r * n : (r + 1) * n]
+        raise CheckpointError(f"no placement rule for tensor {name}")
+
+
+def load_shard(
+    path: str | os.PathLike,
+    rank: int = 0,
+    world: int = 1,
+    device: str = "auto",
+    dtype: str = "auto",
+    overrides: dict | None = None,
+    **model_kw,
+):
+    """Read this rank's slices of a checkpoint folder into a ParallelLaneformer.
+
+    checkpoint.load_model's `select` hook cannot be used as is: it checks each slice against the
+    whole model's shapes and loads into a whole-size module. This reader shares its helpers.
+    """
+    from .model import ParallelLaneformer
+
+    folder = resolve_model_dir(path)
+    cfg = load_config(folder)
+    handles = {}
+    for f in safetensors_files(folder):
+        try:
+            handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+    where = {k: f for f, h in handles.items() for k in h.keys()}
+    cfg = _reconcile_norms(cfg, set(where))
+    if overrides:
+        cfg = cfg.with_overrides(**overrides)
+    place = Placement(cfg, rank, world)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, cfg, dev)
+    with torch.device("meta"), _NoInit():  # world 1: the whole model's names and shapes
+        whole = dict(ParallelLaneformer(Placement(cfg)).named_parameters())
+        model = ParallelLaneformer(place, **model_kw)
+    state, nbytes = {}, 0
+    for ours, p in model.named_parameters():
+        key = hf_name(cfg, ours)
+        if key not in where:
+            raise CheckpointError(f"{folder}: missing tensor {key}")
+        sl = handles[where[key]].get_slice(key)
+        full = tuple(sl.get_shape())
+        want = tuple(to_hf_tensor(cfg, ours, torch.empty(whole[ours].shape, device="meta")).shape)
+        if full != want:
+            raise CheckpointError(
+                f"{where[key]}: tensor {key} has shape {list(full)}, expected {list(want)}"
+            )
+        t = from_hf_tensor(cfg, ours, place.select(ours, sl, full))
+        if t.shape != p.shape:  # a placement bug, not a user error
+            raise AssertionError(f"{ours}: slice {tuple(t.shape)} != shard {tuple(p.shape)}")
+        nbytes += t.numel() * t.element_size()
+        state[ours] = t.to(device=dev, dtype=dt)
+    model.load_state_dict(state, strict=True, assign=True)  # every parameter leaves meta
+    model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
+    model.bytes_loaded = nbytes
+    return model.eval()
+
+
+class _NoInit(TorchFunctionMode):
+    """Skip random initialisation while building a module on meta (it is overwritten anyway).
+
+    On meta tensors torch.nn.init goes through Python decompositions that import torch._dynamo,
+    seconds per rank process at start-up.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("normal_", "uniform_", "kaiming_uniform_"):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
