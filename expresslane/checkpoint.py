@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from .config import ModelConfig
@@ -157,6 +158,20 @@ def from_hf_tensor(cfg: ModelConfig, name: str, t: torch.Tensor) -> torch.Tensor
     return t
 
 
+class NoInit(TorchFunctionMode):
+    """Skip random initialisation while building a module on meta (it is overwritten anyway).
+
+    On meta tensors torch.nn.init goes through Python decompositions that import torch._dynamo,
+    seconds per rank process at start-up.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("normal_", "uniform_", "kaiming_uniform_"):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 # --- loading --------------------------------------------------------------------------------
 Selector = Callable[[str, object, tuple], torch.Tensor]
 
@@ -193,7 +208,7 @@ def load_model(
         cfg = cfg.with_overrides(**overrides)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, cfg, dev)
-    with torch.device("meta"):
+    with torch.device("meta"), NoInit():
         model = Laneformer(cfg)
     expected = dict(model.named_parameters())
     wanted = {hf_name(cfg, n): n for n in expected}

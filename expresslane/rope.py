@@ -17,7 +17,9 @@ from .config import RopeScaling
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """omega_i = theta^(-2i/head_dim), then the llama3 / linear band scaling if configured."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # always computed on the CPU in fp32 (also while a model is being built on "meta")
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv = 1.0 / (theta ** (steps / head_dim))
     if scaling is None:
         return inv
     if scaling.rope_type == "linear":

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
-from torch.overrides import TorchFunctionMode
 
 from ..checkpoint import (
+    NoInit,
     _reconcile_norms,
     from_hf_tensor,
     hf_name,
@@ -152,7 +152,7 @@ def load_shard(
     place = Placement(cfg, rank, world)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, cfg, dev)
-    with torch.device("meta"), _NoInit():  # world 1: the whole model's names and shapes
+    with torch.device("meta"), NoInit():  # world 1: the whole model's names and shapes
         whole = dict(ParallelLaneformer(Placement(cfg)).named_parameters())
         model = ParallelLaneformer(place, **model_kw)
     state, nbytes = {}, 0
@@ -176,17 +176,3 @@ def load_shard(
     model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
     model.bytes_loaded = nbytes
     return model.eval()
-
-
-class _NoInit(TorchFunctionMode):
-    """Skip random initialisation while building a module on meta (it is overwritten anyway).
-
-    On meta tensors torch.nn.init goes through Python decompositions that import torch._dynamo,
-    seconds per rank process at start-up.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in ("normal_", "uniform_", "kaiming_uniform_"):
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **kwargs)
