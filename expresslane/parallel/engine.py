@@ -189,8 +189,14 @@ class ParallelEngine(Engine):
                 self._stop()
 
     @torch.inference_mode()
-    def prompt_logprobs(self, prompt_ids: Sequence[int]) -> torch.Tensor:
-        """log-softmax at every prompt position: (S, V) fp32, the vocab chunks gathered."""
+    def prompt_logprobs(
+        self, prompt_ids: Sequence[int], cancel: threading.Event | None = None
+    ) -> torch.Tensor:
+        """log-softmax at every prompt position: (S, V) fp32, the vocab chunks gathered.
+
+        `cancel` is not checked here: the followers would need a go flag per chunk, and a
+        scoring prefill is one forward; cancellation takes effect at the next request.
+        """
         self.check_prompt(prompt_ids)
         if self.role == "lead" and self.ex.world > 1:
             self._announce(("score", list(prompt_ids)))
