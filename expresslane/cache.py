@@ -45,7 +45,8 @@ class KVCache:
         self.length = 0
 
     def advance(self, n: int) -> None:
-        self.length += n
+        if not self.static:  # static steps keep positions on the device only (no host state)
+            self.length += n
 
     @property
     def nbytes(self) -> int:

@@ -64,6 +64,7 @@ class Engine:
         decode: str = "auto",
         steps_per_replay: int = 1,
         kernels: str = "auto",
+        compile: bool = False,
     ):
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -81,6 +82,9 @@ class Engine:
         # plain loop. auto = graph on CUDA, eager on a CPU where capture brings nothing.
         if decode not in ("auto", "graph", "eager"):
             raise RequestError(f"decode={decode!r}: expected auto, graph or eager", "decode")
+        if compile and decode == "auto":
+            decode = "graph"  # compilation needs the static step
+        self.compile = compile
         self.decode = (
             ("graph" if self.device.type == "cuda" else "eager") if decode == "auto" else decode
         )
@@ -98,7 +102,12 @@ class Engine:
         key = (params.greedy, params.temperature, params.top_k, params.top_p, params.min_p)
         if key not in self._graphs:
             self._graphs[key] = DecodeGraph(
-                self.model, self.cache, params, steps=self.steps_per_replay, decoder=self.decoder
+                self.model,
+                self.cache,
+                params,
+                steps=self.steps_per_replay,
+                decoder=self.decoder,
+                compile=self.compile,
             )
         graph = self._graphs[key]
         if graph.generator is not None:
@@ -116,11 +125,10 @@ class Engine:
         dtype: str = "auto",
         max_model_len: int | None = None,
         progress: bool = True,
+        **engine_kw,
     ) -> Engine:
-        return cls(
-            load_model(path, device=device, dtype=dtype, progress=progress),
-            max_model_len=max_model_len,
-        )
+        model = load_model(path, device=device, dtype=dtype, progress=progress)
+        return cls(model, max_model_len=max_model_len, **engine_kw)
 
     # --- request checks -----------------------------------------------------------------------
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:

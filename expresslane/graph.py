@@ -33,6 +33,7 @@ class DecodeGraph:
         steps: int = 1,
         capture: bool | None = None,
         decoder: FusedDecoder | None = None,
+        compile: bool = False,
     ):
         dev = cache.k[0].device
         self.model, self.cache, self.params, self.steps = model, cache, params, steps
@@ -43,9 +44,15 @@ class DecodeGraph:
         self.generator = make_generator(params, dev)
         self.capture = (dev.type == "cuda") if capture is None else capture
         self.graph: torch.cuda.CUDAGraph | None = None
+        # torch.compile of the static step: on a CPU it fuses the step's many small ops into a
+        # few C++ kernels (the per-op overhead is what bounds small models there).
+        self._fn = torch.compile(self._steps, dynamic=False) if compile else self._steps
 
     @torch.inference_mode()
     def _body(self) -> None:
+        self._fn()
+
+    def _steps(self) -> None:
         for j in range(self.steps):
             if self.decoder is not None:
                 tok = self.decoder.next_token(self.token, self.pos, self.params, self.generator)

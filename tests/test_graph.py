@@ -82,10 +82,14 @@ def test_cuda_graph_replay_equals_eager_decode_256_steps(model):
     model.to("cpu")
 
 
-@pytest.mark.parametrize("extra", [
-    {}, {"replicated_rmsn_scale": False, "lm_head_type": "lane"},
-    {"lm_head_type": "replicate", "pre_norm_lane_agg": True, "broadcast_delay": 1},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"replicated_rmsn_scale": False, "lm_head_type": "lane"},
+        {"lm_head_type": "replicate", "pre_norm_lane_agg": True, "broadcast_delay": 1},
+    ],
+)
 def test_fused_step_with_reference_kernels_equals_forward(extra):
     cfg = ModelConfig.from_hf_dict({**CFG, **extra})
     m = init_weights(Laneformer(cfg), seed=6, norm_noise=0.1).eval()
@@ -109,6 +113,18 @@ def test_fused_logits_equal_the_model_forward(model):
         cache = KVCache(model.cfg, max_len=32)
         cache.static = True
         dec = FusedDecoder(model, cache, kernels=False)
-        got = torch.stack([dec.logits(tokens[:, i:i + 1], torch.tensor([i]))
-                           for i in range(len(PROMPT))])
+        got = torch.stack(
+            [dec.logits(tokens[:, i : i + 1], torch.tensor([i])) for i in range(len(PROMPT))]
+        )
     assert (full - got).abs().max().item() <= 1e-4
+
+
+def test_compiled_static_step_equals_forward(model):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = reference_generate(model, PROMPT, params, stop_ids=set())
+    eng = Engine(model, max_model_len=40, compile=True, steps_per_replay=2)
+    assert eng.decode == "graph" and eng.compile
+    assert list(eng.generate(PROMPT, params)) == ref
+    assert list(eng.generate(PROMPT[:3], params)) == reference_generate(
+        model, PROMPT[:3], params, stop_ids=set()
+    )

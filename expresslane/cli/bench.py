@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..bench.bandwidth import copy_bandwidth_gb_s, datasheet_tb_s
+from ..bench.ceiling import bytes_per_token
 from ..bench.decode import BenchConfig, run_bench
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..presets import get_preset, preset_names
@@ -38,6 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--peer-compile",
         action="store_true",
         help="also run transformers with its static cache and torch.compile",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="also run our engine with the compiled step"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for both engines (default: the rule of `run --threads`)",
     )
     p.add_argument("--json", action="store_true", help="print only the JSON line")
 
@@ -92,7 +103,12 @@ def main(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         peer=not args.no_peer,
         peer_compile=args.peer_compile,
+        compile=args.compile,
     )
+    if device.type == "cpu":  # the same thread count for our engine and the peer
+        nbytes = bytes_per_token(model_cfg, 1, dtype_bytes=4)["weights"]
+        threads = args.threads or min(os.cpu_count() or 1, max(1, nbytes // (128 << 20)))
+        torch.set_num_threads(threads)
     copy_gb_s = copy_bandwidth_gb_s(device)
     sheet = datasheet_tb_s(device)
     rows = run_bench(model_cfg, cfg, checkpoint)
@@ -104,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
             (p for p in rows if p["engine"] == "transformers" and p["context"] == r["context"]),
             None,
         )
-        if r["engine"] == "expresslane" and peer:
+        if r["engine"].startswith("expresslane") and peer:
             r["speedup_vs_peer"] = r["decode_tok_s"] / peer["decode_tok_s"]
     summary = {
         "model": args.preset or str(checkpoint),
