@@ -1,1 +1,1 @@
-"""Training-side tools built on the public APIs: tokenizer training today."""
+"""Training-side tools built on the public APIs: corpus, tokenizer, trainer, SFT, DTP ablation."""
