@@ -1,0 +1,224 @@
+"""config.json dicts -> ModelConfig: each family's field names, defaults and layer layout.
+
+Laneformer (model_type laneformer / laneformer_tp) uses the reference LaneformerTPConfig's
+defaults (laneformer-spec.md section 3) and its sliding-window layer rule (section 8); the Llama
+family (llama, mistral, qwen2) follows transformers, RoPE given either as rope_theta /
+rope_scaling (transformers 4) or rope_parameters (transformers 5). A field of the wrong type is
+a ConfigError naming it; an unknown model type is refused, never guessed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import LANEFORMER_TYPES, LLAMA_TYPES, ROPE_TYPES, ModelConfig, RopeScaling
+from .errors import ConfigError
+
+
+def parse_hf_config(raw: dict) -> ModelConfig:
+    mt = raw.get("model_type")
+    if mt in LANEFORMER_TYPES:
+        return _laneformer_from_dict(raw)
+    if mt in LLAMA_TYPES:
+        return _llama_from_dict(raw)
+    raise ConfigError(
+        f"config field model_type={mt!r}: unsupported; ExpressLane runs "
+        f"{LANEFORMER_TYPES + LLAMA_TYPES}"
+    )
+
+
+# --- parsing helpers --------------------------------------------------------------------------
+def _int(raw: dict, key: str, default: Any = None) -> Any:
+    v = raw.get(key, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"config field {key}={v!r}: must be an integer")
+    return v
+
+
+def _num(raw: dict, key: str, default: float) -> float:
+    v = raw.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"config field {key}={v!r}: must be a number")
+    return float(v)
+
+
+def _bool(raw: dict, key: str, default: bool) -> bool:
+    v = raw.get(key, default)
+    if not isinstance(v, bool):
+        raise ConfigError(f"config field {key}={v!r}: must be true or false")
+    return v
+
+
+def _eos(raw: dict, default: Any) -> tuple[int, ...]:
+    v = raw.get("eos_token_id", default)
+    if v is None:
+        return ()
+    vals = v if isinstance(v, list) else [v]
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in vals):
+        raise ConfigError(f"config field eos_token_id={v!r}: must be an integer or a list of them")
+    return tuple(vals)
+
+
+def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
+    """RoPE from rope_theta/rope_scaling (transformers 4) or rope_parameters (transformers 5)."""
+    params = raw.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ConfigError(f"config field rope_parameters={params!r}: must be an object")
+        if "full_attention" in params and isinstance(params["full_attention"], dict):
+            params = params["full_attention"]
+        theta = _num(params, "rope_theta", _num(raw, "rope_theta", 10000.0))
+        scaling = params
+    else:
+        theta = _num(raw, "rope_theta", 10000.0)
+        scaling = raw.get("rope_scaling")
+    if scaling is None:
+        return theta, None
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"config field rope_scaling={scaling!r}: must be an object or null")
+    rtype = scaling.get("rope_type", scaling.get("type", "default"))
+    if rtype not in ROPE_TYPES:
+        raise ConfigError(
+            f"config field rope_scaling.rope_type={rtype!r}: supported types are {ROPE_TYPES}"
+        )
+    if rtype == "default":
+        return theta, None
+    return theta, RopeScaling(
+        rope_type=rtype,
+        factor=_num(scaling, "factor", 1.0),
+        low_freq_factor=_num(scaling, "low_freq_factor", 1.0),
+        high_freq_factor=_num(scaling, "high_freq_factor", 4.0),
+        original_max_position_embeddings=_int(scaling, "original_max_position_embeddings", 8192),
+    )
+
+
+def _layer_types(raw: dict, n: int) -> tuple[str, ...] | None:
+    lt = raw.get("layer_types")
+    if lt is None:
+        return None
+    if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
+        raise ConfigError(f"config field layer_types={lt!r}: must be a list of strings")
+    return tuple(lt)
+
+
+def _dtype(raw: dict) -> str:
+    d = raw.get("torch_dtype", raw.get("dtype")) or "float32"
+    return str(d).removeprefix("torch.")
+
+
+def _laneformer_from_dict(raw: dict) -> ModelConfig:
+    # Defaults are the reference LaneformerTPConfig's (spec section 3).
+    hidden = _int(raw, "hidden_size", 4096)
+    heads = _int(raw, "num_attention_heads", 32)
+    kv = _int(raw, "num_key_value_heads", None) or heads
+    n = _int(raw, "num_hidden_layers", 32)
+    if not hidden or not heads or hidden % heads:
+        raise ConfigError(
+            f"config field hidden_size={hidden}: must be divisible by num_attention_heads={heads}"
+        )
+    window = _int(raw, "sliding_window", None)
+    swn = _int(raw, "sliding_window_n_layers", 0) or 0
+    unclamped = raw.get("unclamped_layers") or []
+    if not isinstance(unclamped, list) or not all(isinstance(x, int) for x in unclamped):
+        raise ConfigError(f"config field unclamped_layers={unclamped!r}: must be a list of ints")
+    types = _layer_types(raw, n)
+    if types is None:  # spec section 8
+        types = tuple(
+            "full_attention"
+            if i in unclamped or window is None
+            else "sliding_attention"
+            if (i < swn or i >= n + swn)
+            else "full_attention"
+            for i in range(n)
+        )
+    theta, scaling = _rope(raw)
+    lanes = _int(raw, "num_lanes", 1)
+    return ModelConfig(
+        family="laneformer",
+        model_type=raw["model_type"],
+        vocab_size=_int(raw, "vocab_size", 128256),
+        hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size", 16384),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hidden // heads,
+        max_position_embeddings=_int(raw, "max_position_embeddings", 131072),
+        norm_eps=_num(raw, "norm_eps", 1e-5),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_style="interleaved",
+        num_lanes=lanes,
+        broadcast_delay=_int(raw, "broadcast_delay", 1),
+        use_comm=_bool(raw, "use_comm", True),
+        use_early_comm=_bool(raw, "use_early_comm", True),
+        dtp_variant=raw.get("dtp_variant", "A"),
+        lm_head_type=raw.get("lm_head_type", "replicate"),
+        pre_norm_lane_agg=_bool(raw, "pre_norm_lane_agg", False),
+        replicated_rmsn_scale=_bool(raw, "replicated_rmsn_scale", True),
+        sliding_window=window,
+        layer_types=types,
+        sliding_window_n_layers=swn,
+        unclamped_layers=tuple(unclamped),
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
+        bos_token_id=_int(raw, "bos_token_id", 1),
+        eos_token_ids=_eos(raw, 0),
+        pad_token_id=_int(raw, "pad_token_id", None),
+        dtype=_dtype(raw),
+    )
+
+
+def _llama_from_dict(raw: dict) -> ModelConfig:
+    mt = raw["model_type"]
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"config field hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
+    hidden = _int(raw, "hidden_size", 4096)
+    heads = _int(raw, "num_attention_heads", 32)
+    n = _int(raw, "num_hidden_layers", 32)
+    head_dim = _int(raw, "head_dim", None) or (hidden // heads if heads else 0)
+    window = _int(raw, "sliding_window", None)
+    types = _layer_types(raw, n)
+    if types is None:
+        if mt == "mistral" and window is not None:
+            types = ("sliding_attention",) * n
+        elif mt == "qwen2" and raw.get("use_sliding_window") and window is not None:
+            first = _int(raw, "max_window_layers", n)
+            types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+        else:
+            types = ("full_attention",) * n
+    if "sliding_attention" not in types:
+        window = None
+    theta, scaling = _rope(raw)
+    bias = _bool(raw, "attention_bias", mt == "qwen2")
+    if _bool(raw, "mlp_bias", False):
+        raise ConfigError("config field mlp_bias=true: MLP biases are not supported")
+    return ModelConfig(
+        family="llama",
+        model_type=mt,
+        vocab_size=_int(raw, "vocab_size", 32000),
+        hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size", 11008),
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=_int(raw, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
+        norm_eps=_num(raw, "rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rope_style="half",
+        num_lanes=1,
+        broadcast_delay=1,
+        lm_head_type="replicate",
+        sliding_window=window,
+        layer_types=types,
+        attention_bias=bias,
+        tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
+        bos_token_id=_int(raw, "bos_token_id", 1),
+        eos_token_ids=_eos(raw, 2),
+        pad_token_id=_int(raw, "pad_token_id", None),
+        dtype=_dtype(raw),
+    )
