@@ -215,15 +215,7 @@ class Laneformer(nn.Module):
     ) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, V) (or (B, 1, V) with last_only), fp32 or model dtype."""
         cfg = self.cfg
-        B, S = tokens.shape
-        if cache is not None and B != 1:
-            raise ValueError("a KV cache holds one sequence: batch size must be 1")
-        if positions is None:
-            start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + S, device=tokens.device)
-        cos, sin = cos_sin(self.inv_freq, positions)
-        h = self.model.tok_embeddings(tokens)  # (B, S, D)
-        h = h.unsqueeze(2).expand(B, S, cfg.num_lanes, cfg.hidden_size)  # (B, S, L, D)
+        h, positions, cos, sin = self.embed(tokens, positions, cache)
         past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
         past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
         for i, block in enumerate(self.model.layers):
@@ -233,10 +225,23 @@ class Laneformer(nn.Module):
             if cfg.broadcasts(i):
                 past_a[i], past_m[i] = a, m
         if cache is not None:
-            cache.advance(S)
+            cache.advance(tokens.shape[1])
         if last_only:
             h = h[:, -1:]
         return self.head(h)
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVCache | None):
+        """tokens (B, S) -> the lane-expanded residual (B, S, L, D), positions and RoPE angles."""
+        B, S = tokens.shape
+        if cache is not None and B != 1:
+            raise ValueError("a KV cache holds one sequence: batch size must be 1")
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + S, device=tokens.device)
+        cos, sin = cos_sin(self.inv_freq, positions)
+        h = self.model.tok_embeddings(tokens)  # (B, S, D): every lane starts from the same row
+        h = h.unsqueeze(2).expand(B, S, self.cfg.num_lanes, self.cfg.hidden_size)  # (B,S,L,D)
+        return h, positions, cos, sin
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, lane aggregation and LM head (spec 7); h (B, S, L, D) -> (B, S, V)."""

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import KVCache
-from ..model import Backbone, _Proj
-from ..rope import cos_sin, inv_frequencies
+from ..model import Backbone, Laneformer, _Proj
+from ..rope import inv_frequencies
 from .exchange import Exchange
 from .placement import Placement
 
@@ -76,16 +76,8 @@ class ParallelLaneformer(nn.Module):
         last_only: bool = False,
     ) -> torch.Tensor:
         """tokens (B, S) -> this rank's vocab chunk of the logits, (B, S, V_r)."""
-        cfg = self.cfg
-        B, S = tokens.shape
-        if cache is not None and B != 1:
-            raise ValueError("a KV cache holds one sequence: batch size must be 1")
-        if positions is None:
-            start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + S, device=tokens.device)
-        cos, sin = cos_sin(self.inv_freq, positions)
-        h = self.model.tok_embeddings(tokens)
-        h = h.unsqueeze(2).expand(B, S, cfg.num_lanes, cfg.hidden_size)
+        # the same prologue as the whole model (it reads only cfg, inv_freq and the embedding)
+        h, positions, cos, sin = Laneformer.embed(self, tokens, positions, cache)
         kept: dict[str, tuple] = {}  # "A3" -> (message or sum, own per-lane partials)
         for i, block in enumerate(self.model.layers):
             a = block.attention(block.attention_norm(h), cos, sin, positions, cache)
@@ -95,7 +87,7 @@ class ParallelLaneformer(nn.Module):
         if kept:  # a message sent but never consumed would desynchronise the ranks
             raise AssertionError(f"unconsumed DTP messages: {sorted(kept)}")
         if cache is not None:
-            cache.advance(S)
+            cache.advance(tokens.shape[1])
         if last_only:
             h = h[:, -1:]
         return self.head(h)
