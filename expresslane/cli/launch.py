@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import socket
 import sys
@@ -134,54 +133,14 @@ def _device_of_rank(device: str) -> str:
 
 
 def _run_rank(rank: int, world: int, device: str, args: argparse.Namespace) -> int:
-    from ..textgen import generate_text
-    from .run import sampling_from_args
+    from .run import generate_and_print, sampling_from_args
 
     params = sampling_from_args(args)
     engine, tok = load_engine(args, device)
-    if args.chat is not None:
-        text = tok.apply_chat_template([{"role": "user", "content": args.chat}])
-        prompt_ids = tok.encode(text, add_special_tokens=False)
-    else:
-        prompt_ids = tok.encode(args.prompt if args.prompt is not None else "def ")
     out = sys.stdout if rank == 0 else open(os.devnull, "w")  # noqa: SIM115
-    with contextlib.redirect_stdout(out):
-        pieces, ids = [], []
-        for piece, new in generate_text(engine, tok, prompt_ids, params, args.stop):
-            pieces.append(piece)
-            ids.extend(new)
-            if not args.json:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
-        st = engine.stats
-        if args.json:
-            print(json.dumps(_summary(engine, "".join(pieces), ids, world)))
-        else:
-            print(
-                f"\n[prompt tokens: {st.prompt_tokens}, time to first token: "
-                f"{st.ttft_s * 1e3:.1f} ms, decode: {st.decode_tokens_per_s:.1f} tokens/s, "
-                f"{st.generated_tokens} tokens, finish: {st.finish_reason}, devices: {world}]"
-            )
-        sys.stdout.flush()
-    return 0
-
-
-def _summary(engine, text: str, ids: list[int], world: int) -> dict:
-    st = engine.stats
-    return {
-        "text": text,
-        "token_ids": ids,
-        "prompt_tokens": st.prompt_tokens,
-        "completion_tokens": st.generated_tokens,
-        "finish_reason": st.finish_reason,
-        "ttft_ms": round(st.ttft_s * 1e3, 3),
-        "prefill_tokens_per_s": round(st.prefill_tokens_per_s, 2),
-        "decode_tokens_per_s": round(st.decode_tokens_per_s, 2),
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "devices": world,
-        "backend": dist.get_backend(),
-    }
+    with contextlib.redirect_stdout(out):  # every rank generates; rank 0 prints
+        extra = {"devices": world, "backend": dist.get_backend()}
+        return generate_and_print(args, engine, tok, params, extra)
 
 
 def run_parallel(args: argparse.Namespace) -> int:

@@ -132,11 +132,16 @@ def main(args: argparse.Namespace) -> int:
         return launch.run_parallel(args)
     params = sampling_from_args(args)
     engine, tok = load_engine(args)
+    return generate_and_print(args, engine, tok, params)
+
+
+def generate_and_print(
+    args, engine, tok: Tokenizer, params: SamplingParams, extra: dict | None = None
+) -> int:
+    """Encode --prompt/--chat, stream the text (or collect it for --json), print the figures."""
     if args.chat is not None:
-        prompt_ids = tok.encode(
-            tok.apply_chat_template([{"role": "user", "content": args.chat}]),
-            add_special_tokens=False,
-        )
+        text = tok.apply_chat_template([{"role": "user", "content": args.chat}])
+        prompt_ids = tok.encode(text, add_special_tokens=False)
     else:
         prompt_ids = tok.encode(args.prompt if args.prompt is not None else "def ")
     pieces, token_ids = [], []
@@ -147,6 +152,7 @@ def main(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
     st = engine.stats
+    extra = extra or {}
     if args.json:
         print(
             json.dumps(
@@ -161,13 +167,16 @@ def main(args: argparse.Namespace) -> int:
                     "decode_tokens_per_s": round(st.decode_tokens_per_s, 2),
                     "device": str(engine.device),
                     "dtype": str(engine.dtype).removeprefix("torch."),
+                    **extra,
                 }
             )
         )
     else:
+        tail = "".join(f", {k}: {v}" for k, v in extra.items())
         print(
             f"\n[prompt tokens: {st.prompt_tokens}, time to first token: "
             f"{st.ttft_s * 1e3:.1f} ms, decode: {st.decode_tokens_per_s:.1f} tokens/s, "
-            f"{st.generated_tokens} tokens, finish: {st.finish_reason}]"
+            f"{st.generated_tokens} tokens, finish: {st.finish_reason}{tail}]"
         )
+    sys.stdout.flush()
     return 0
