@@ -25,7 +25,7 @@ serve: $(STAMP)
 	$(VENV)/bin/expresslane serve
 
 bench: $(STAMP)
-	$(VENV)/bin/expresslane bench --preset llama-small
+	$(VENV)/bin/expresslane bench --preset llama-tiny --contexts 16 128 --decode-tokens 128 --compile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check expresslane tests
