@@ -188,7 +188,6 @@ class Engine:
         if graph is not None:
             gen = graph.generator
         logits = self.prefill(prompt_ids, cancel)
-        t_first = None
         stream = None
         for i in range(budget):
             if logits is None or (cancel is not None and cancel.is_set()):
@@ -198,22 +197,8 @@ class Engine:
                 tok = sample(logits, params, gen)
             else:
                 tok = torch.tensor(next(stream))
-            step = Step(token=int(tok))  # the one host copy per token
-            if t_first is None:
-                t_first = time.perf_counter()
-                st.ttft_s = t_first - t0
-            if params.logprobs is not None:
-                lp, ids, vals = logprobs_of(logits, tok, params.logprobs)
-                step.logprob = float(lp)
-                if ids is not None:
-                    step.top_logprobs = list(zip(ids.tolist(), vals.tolist(), strict=True))
-            st.generated_tokens += 1
-            st.decode_s = time.perf_counter() - t_first
-            if step.token in stops:
-                step.finish_reason = "stop"
-            elif i == budget - 1:
-                step.finish_reason = "length"
-            st.finish_reason = step.finish_reason
+            lp_logits = logits if params.logprobs is not None else None
+            step = self.make_step(tok, lp_logits, params, stops, i == budget - 1, t0)
             yield step
             if step.finish_reason:
                 return
@@ -223,6 +208,32 @@ class Engine:
                     stream = DecodeStream(graph).tokens(budget - 1)
                 continue
             logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
+
+    def make_step(
+        self,
+        tok: torch.Tensor,
+        logits: torch.Tensor | None,
+        params: SamplingParams,
+        stops: set[int],
+        last: bool,
+        t0: float,
+    ) -> Step:
+        """A sampled token as a Step (logprobs from `logits` when given); updates self.stats."""
+        st = self.stats
+        step = Step(token=int(tok))  # the one host copy per token
+        now = time.perf_counter()
+        if st.generated_tokens == 0:
+            st.ttft_s = now - t0
+        if logits is not None:
+            lp, ids, vals = logprobs_of(logits, tok, params.logprobs)
+            step.logprob = float(lp)
+            if ids is not None:
+                step.top_logprobs = list(zip(ids.tolist(), vals.tolist(), strict=True))
+        st.generated_tokens += 1
+        st.decode_s = now - t0 - st.ttft_s
+        step.finish_reason = "stop" if step.token in stops else "length" if last else None
+        st.finish_reason = step.finish_reason
+        return step
 
     def generate(
         self,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..config import SamplingParams
 from ..engine import Engine, Stats, Step
-from ..sampler import logprobs_of, make_generator, sample
+from ..sampler import make_generator, sample
 from .exchange import gather_vocab, sample_sharded
 from .model import ParallelLaneformer
 from .placement import load_shard
@@ -152,7 +152,7 @@ class ParallelEngine(Engine):
             st.finish_reason = "length"
             return
         logits = self.prefill(prompt_ids, cancel)
-        t_first, done = None, False
+        done = False
         try:
             for i in range(budget):
                 if logits is None:
@@ -160,22 +160,7 @@ class ParallelEngine(Engine):
                     done = True
                     return
                 tok, full = self._pick(logits, params, gen)
-                step = Step(token=int(tok))  # the one host copy per token
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    st.ttft_s = t_first - t0
-                if full is not None:
-                    lp, ids, vals = logprobs_of(full, tok, params.logprobs)
-                    step.logprob = float(lp)
-                    if ids is not None:
-                        step.top_logprobs = list(zip(ids.tolist(), vals.tolist(), strict=True))
-                st.generated_tokens += 1
-                st.decode_s = time.perf_counter() - t_first
-                if step.token in stops:
-                    step.finish_reason = "stop"
-                elif i == budget - 1:
-                    step.finish_reason = "length"
-                st.finish_reason = step.finish_reason
+                step = self.make_step(tok, full, params, stops, i == budget - 1, t0)
                 done = step.finish_reason is not None  # every rank knows: no flag needed
                 yield step
                 if done:
