@@ -35,8 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-
 # --- launch configuration --------------------------------------------------------------------
+# A GPU to plan launches for when none is here: kernels/aot.py sets {"sms": 132, "pdl": True} to
+# record the launches an H100 would make and compile them ahead of time. Empty: ask the device.
+PLANNED_GPU: dict = {}
+
+
 @functools.cache
 def _pdl_device_ok(device_index: int) -> bool:
     if torch.version.hip is not None:
@@ -53,6 +57,8 @@ def _pdl_device_ok(device_index: int) -> bool:
 
 def pdl_enabled(t: torch.Tensor) -> bool:
     """True when kernels on t's device launch with PDL (CUDA, sm90+, supporting triton)."""
+    if "pdl" in PLANNED_GPU:
+        return PLANNED_GPU["pdl"]
     if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if os.environ.get("EXPRESSLANE_PDL", "1") == "0":
@@ -74,6 +80,8 @@ def _num_sms(device_index: int) -> int:
 
 def num_sms(t: torch.Tensor) -> int:
     """Streaming multiprocessors of t's GPU; 0 off CUDA (the interpreter wants few programs)."""
+    if "sms" in PLANNED_GPU:
+        return PLANNED_GPU["sms"]
     if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return 0
     return _num_sms(t.device.index if t.device.index is not None else 0)

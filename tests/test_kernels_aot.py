@@ -1,0 +1,64 @@
+"""The fused kernels build for Hopper (sm_90) with the installed triton, on a machine with no GPU.
+
+`python -m expresslane.kernels.aot` records the decode step's launches on the meta device with an
+H100's launch plan (132 SMs, PDL) and compiles each distinct kernel with triton + ptxas. It runs
+in a subprocess because this test session runs triton in the interpreter, which compiles nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+pytestmark = pytest.mark.skipif(
+    not (BIN / "ptxas").exists() or not (BIN / "cuobjdump").exists(),
+    reason="this triton build has no bundled ptxas / cuobjdump",
+)
+
+# Kernels that stream weights: each must put at least one program on every SM.
+STREAMING = ("norm_qkv", "gemv_reduce", "norm_swiglu", "lane_gemv", "head_argmax", "head_logits")
+
+
+def aot(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "expresslane.kernels.aot", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "model,per_layer",
+    [("laneformer-2b", {"norm_qkv", "attn_partial", "attn_combine", "gemv_reduce", "norm_swiglu"}),
+     ("llama-3.2-1b", {"norm_qkv", "attn_partial", "attn_combine", "lane_gemv", "norm_swiglu"})],
+)  # fmt: skip
+def test_decode_step_kernels_compile_for_sm90(model, per_layer):
+    out = aot("--model", model, "--arch", "90", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = report["kernels"]
+    families = {r["kernel"].split("_kernel")[0] for r in rows}
+    assert per_layer | {"head_argmax", "argmax_combine", "head_logits"} <= families
+    for r in rows:
+        assert r["registers"] > 0, r
+        assert r["pdl"], f"{r['kernel']}: planned with PDL but no griddepcontrol in its PTX"
+        if r["kernel"].startswith(STREAMING):
+            programs = 1
+            for g in r["grid"]:
+                programs *= g
+            assert programs >= 132, f"{r['kernel']}: {programs} programs for 132 SMs"
+    assert report["launches_per_step"] > 0
+
+
+def test_aot_rejects_unknown_model_and_interpreter():
+    out = aot("--model", "no-such-model")
+    assert out.returncode == 2 and "no-such-model" in out.stderr
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "expresslane.kernels.aot"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "TRITON_INTERPRET" in out.stderr
