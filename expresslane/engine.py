@@ -19,11 +19,11 @@ from .cache import KVCache
 from .checkpoint import load_model
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
-from .fused import FusedDecoder, supports
+from .fused import MAX_OVERRUN, FusedDecoder, supports
 from .graph import DecodeGraph, DecodeStream
 from .kernels import use_triton
 from .model import Laneformer
-from .sampler import logprobs_of, make_generator, sample
+from .sampler import logprobs_of, make_generator, sample, structure_key
 
 
 @dataclass
@@ -88,6 +88,11 @@ class Engine:
         self.decode = (
             ("graph" if self.device.type == "cuda" else "eager") if decode == "auto" else decode
         )
+        if not 1 <= steps_per_replay <= MAX_OVERRUN:
+            raise RequestError(
+                f"steps_per_replay={steps_per_replay}: expected 1..{MAX_OVERRUN}",
+                "steps_per_replay",
+            )
         self.steps_per_replay = steps_per_replay
         self._graphs: dict[tuple, DecodeGraph] = {}
         # The fused-kernel step replaces the model's forward inside the decode graph: auto = on
@@ -98,8 +103,8 @@ class Engine:
         self.decoder = FusedDecoder(model, self.cache) if want and self.decode == "graph" else None
 
     def _graph_for(self, params: SamplingParams) -> DecodeGraph:
-        """One captured graph per sampler setting (seed and lengths are not part of the key)."""
-        key = (params.greedy, params.temperature, params.top_k, params.top_p, params.min_p)
+        """One captured graph per sampler structure; values and seed are loaded per request."""
+        key = structure_key(params)
         if key not in self._graphs:
             self._graphs[key] = DecodeGraph(
                 self.model,
@@ -110,11 +115,7 @@ class Engine:
                 compile=self.compile,
             )
         graph = self._graphs[key]
-        if graph.generator is not None:
-            if params.seed is None:
-                graph.generator.seed()
-            else:
-                graph.generator.manual_seed(params.seed)
+        graph.set_params(params)
         return graph
 
     @classmethod

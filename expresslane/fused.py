@@ -17,7 +17,10 @@ from .config import SamplingParams
 from .kernels import decode_step, ref, use_triton
 from .model import Laneformer
 from .rope import cos_sin
-from .sampler import sample
+from .sampler import SamplerKnobs, sample
+
+# The most steps one CUDA-graph replay may run (Engine checks steps_per_replay against it).
+MAX_OVERRUN = 64
 
 
 def supports(model: Laneformer) -> bool:
@@ -60,8 +63,10 @@ class FusedDecoder:
             if head == "vocab_parallel" or not cfg.tie_word_embeddings
             else w0
         )
-        positions = torch.arange(cache.max_len, device=w0.device)
-        self.cos, self.sin = cos_sin(model.inv_freq, positions)  # (max_len, hd/2) fp32
+        # A multi-step replay may run up to MAX_OVERRUN positions past the budget (tokens that are
+        # then discarded); the tables cover them so the kernels never read past their end.
+        positions = torch.arange(cache.max_len + MAX_OVERRUN, device=w0.device)
+        self.cos, self.sin = cos_sin(model.inv_freq, positions)  # (max_len + slack, hd/2) fp32
         self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
 
     def hidden(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -119,9 +124,10 @@ class FusedDecoder:
         position: torch.Tensor,
         params: SamplingParams,
         generator: torch.Generator | None,
+        knobs: SamplerKnobs | None = None,
     ) -> torch.Tensor:
         """The sampled next token (a 0-d device tensor); greedy never materialises logits."""
         h = self.hidden(token, position)
         if params.greedy:
             return self._head("lm_head_argmax", h).view(())
-        return sample(self._head("lm_head_logits", h), params, generator)
+        return sample(self._head("lm_head_logits", h), params, generator, knobs)

@@ -21,7 +21,7 @@ from .cache import KVCache
 from .config import SamplingParams
 from .fused import FusedDecoder
 from .model import Laneformer
-from .sampler import make_generator, sample
+from .sampler import SamplerKnobs, make_generator, sample
 
 
 class DecodeGraph:
@@ -42,6 +42,8 @@ class DecodeGraph:
         self.pos = torch.zeros((1,), dtype=torch.long, device=dev)
         self.out = torch.zeros((steps,), dtype=torch.long, device=dev)
         self.generator = make_generator(params, dev)
+        self.knobs = SamplerKnobs(dev)  # temperature / top-p / min-p, read at replay time
+        self.knobs.load(params)
         self.capture = (dev.type == "cuda") if capture is None else capture
         self.graph: torch.cuda.CUDAGraph | None = None
         # torch.compile of the static step: on a CPU it fuses the step's many small ops into a
@@ -55,36 +57,83 @@ class DecodeGraph:
     def _steps(self) -> None:
         for j in range(self.steps):
             if self.decoder is not None:
-                tok = self.decoder.next_token(self.token, self.pos, self.params, self.generator)
+                tok = self.decoder.next_token(
+                    self.token, self.pos, self.params, self.generator, self.knobs
+                )
             else:
                 logits = self.model(self.token, positions=self.pos, cache=self.cache)[0, -1]
-                tok = sample(logits, self.params, self.generator)
+                tok = sample(logits, self.params, self.generator, self.knobs)
             self.out[j] = tok
             self.token.copy_(tok.view(1, 1))
             self.pos.add_(1)
+
+    def set_params(self, params: SamplingParams) -> None:
+        """A request's sampler values and seed (same structure_key as the captured params)."""
+        self.knobs.load(params)
+        if self.generator is not None:
+            if params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(params.seed)
 
     def load(self, token: torch.Tensor, position: int) -> None:
         """Set the step's input: the last sampled token (a device tensor) at `position`."""
         self.token.copy_(token.view(1, 1))
         self.pos.fill_(position)
 
+    def _snapshot(self) -> dict:
+        """Everything a replay changes: inputs, outputs, RNG, and the cache slots it writes."""
+        first = int(self.pos.item())
+        positions = torch.arange(first, first + self.steps, device=self.pos.device)
+        kv = []
+        for i, k in enumerate(self.cache.k):
+            slots = positions % k.shape[0]  # ring layers wrap
+            kv.append((slots, k[slots], self.cache.v[i][slots], self.cache.pos[i][slots]))
+        return {
+            "token": self.token.clone(),
+            "pos": self.pos.clone(),
+            "out": self.out.clone(),
+            "rng": None if self.generator is None else self.generator.get_state(),
+            "kv": kv,  # per layer: (slots, keys, values, positions); indexing copies
+        }
+
+    def _restore(self, snap: dict) -> None:
+        self.token.copy_(snap["token"])
+        self.pos.copy_(snap["pos"])
+        self.out.copy_(snap["out"])
+        if snap["rng"] is not None:
+            self.generator.set_state(snap["rng"])
+        for i, (slots, k, v, p) in enumerate(snap["kv"]):
+            self.cache.k[i].index_copy_(0, slots, k)
+            self.cache.v[i].index_copy_(0, slots, v)
+            self.cache.pos[i].index_copy_(0, slots, p)
+
+    def warm_up(self, runs: int = 2) -> None:
+        """Run the step `runs` times for its lazy work (kernel builds, compilation, cuBLAS
+        handles), then undo it: the next step sees the cache, inputs and RNG as they were. A
+        ring slot written ahead would otherwise destroy a key still inside the window."""
+        snap = self._snapshot()
+        was_static, self.cache.static = self.cache.static, True
+        try:
+            for _ in range(runs):
+                self._body()
+                self._restore(snap)
+        finally:
+            self.cache.static = was_static
+
     def _capture(self) -> None:
-        saved_token, saved_pos = self.token.clone(), self.pos.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy inits happen outside the graph
-            for _ in range(2):
-                self._body()
-                self.token.copy_(saved_token)
-                self.pos.copy_(saved_pos)
+        with torch.cuda.stream(side):  # lazy inits happen outside the graph
+            self.warm_up()
         torch.cuda.current_stream().wait_stream(side)
+        snap = self._snapshot()
         self.graph = torch.cuda.CUDAGraph()
         if self.generator is not None:
             self.graph.register_generator_state(self.generator)
         with torch.cuda.graph(self.graph):
             self._body()
-        self.token.copy_(saved_token)  # capture recorded the work but did not advance anything
-        self.pos.copy_(saved_pos)
+        self._restore(snap)  # capture records the work; nothing may look advanced
 
     def run(self) -> torch.Tensor:
         """Advance `steps` tokens; returns the device buffer of their ids."""

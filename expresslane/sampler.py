@@ -23,9 +23,44 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return g
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks; logits (..., V) in fp32."""
-    x = logits.float() / params.temperature
+class SamplerKnobs:
+    """Temperature, top-p and min-p as (1,) device tensors, for a captured decode graph.
+
+    A CUDA graph freezes Python floats into its kernels' arguments. With the continuous settings
+    in buffers one captured graph serves every value (a server sees a new temperature on every
+    other request, and each capture costs a warm-up and a memory pool), so the graph is keyed
+    only by the step's structure (`structure_key`). The arithmetic is the float path's: the
+    scalar would be rounded to fp32 the same way, so the same seed gives the same tokens.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.temperature = torch.ones(1, device=device)
+        self.top_p = torch.ones(1, device=device)
+        self.min_p = torch.zeros(1, device=device)
+
+    def load(self, params: SamplingParams) -> None:
+        """Set the buffers for a request (three fills on the device, no synchronisation)."""
+        self.temperature.fill_(1.0 if params.greedy else params.temperature)
+        self.top_p.fill_(params.top_p)
+        self.min_p.fill_(params.min_p)
+
+
+def structure_key(params: SamplingParams) -> tuple:
+    """What changes the sampling step's ops (and so needs its own graph); values do not."""
+    return (params.greedy, params.top_k, params.top_p < 1.0, params.min_p > 0.0)
+
+
+def filter_logits(
+    logits: torch.Tensor, params: SamplingParams, knobs: SamplerKnobs | None = None
+) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as -inf masks; logits (..., V) in fp32.
+
+    `params` decides which filters run; `knobs`, when given, supplies their values.
+    """
+    temperature, top_p, min_p = params.temperature, params.top_p, params.min_p
+    if knobs is not None:
+        temperature, top_p, min_p = knobs.temperature, knobs.top_p, knobs.min_p
+    x = logits.float() / temperature
     V = x.shape[-1]
     if 0 < params.top_k < V:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
@@ -34,21 +69,24 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         # drop a token once the mass before it already reaches top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
+        drop = (probs.cumsum(-1) - probs) >= top_p
         x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     if params.min_p > 0.0:
         probs = x.softmax(-1)
-        x = x.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf"))
+        x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return x
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    knobs: SamplerKnobs | None = None,
 ) -> torch.Tensor:
     """logits (..., V) -> token ids (...,) as a device tensor (no host synchronisation)."""
     if params.greedy:
         return logits.argmax(-1)
-    probs = filter_logits(logits, params).softmax(-1)
+    probs = filter_logits(logits, params, knobs).softmax(-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax(-1)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -128,3 +130,101 @@ def test_compiled_static_step_equals_forward(model):
     assert list(eng.generate(PROMPT[:3], params)) == reference_generate(
         model, PROMPT[:3], params, stop_ids=set()
     )
+
+
+def test_warm_up_leaves_cache_inputs_and_rng_as_they_were(model):
+    """Capture warms the step up first; on a full ring that must not eat keys still in the
+    window, nor draws from the request's generator. The plain step does change them."""
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+    eng = Engine(model, max_model_len=64, decode="graph", steps_per_replay=4)
+    prompt = list(range(3, 3 + 30))  # longer than the 16-slot ring of the sliding layers
+    graph = eng._graph_for(params)
+    logits = eng.prefill(prompt)
+    graph.load(logits.argmax(), position=len(prompt))
+
+    def state():
+        c = eng.cache
+        return [t.clone() for t in (*c.k, *c.v, *c.pos, graph.token, graph.pos, graph.out)] + [
+            graph.generator.get_state()
+        ]
+
+    before = state()
+    graph.warm_up()
+    assert all(torch.equal(a, b) for a, b in zip(before, state(), strict=True))
+    graph._body()  # what warm-up undoes
+    assert not all(torch.equal(a, b) for a, b in zip(before, state(), strict=True))
+
+
+def test_one_graph_serves_every_temperature_and_top_p(model):
+    """The sampler values live in device buffers: a new temperature needs no new capture and
+    gives the eager path's tokens for the same seed."""
+    eng = Engine(model, max_model_len=64, decode="graph", steps_per_replay=2)
+    eager = Engine(model, max_model_len=64, decode="eager")
+    for temperature, top_p, min_p in [(0.7, 0.9, 0.05), (1.4, 0.6, 0.2), (1.0, 0.95, 0.01)]:
+        p = SamplingParams(max_tokens=24, temperature=temperature, top_p=top_p, min_p=min_p,
+                           seed=9, ignore_eos=True)  # fmt: skip
+        assert list(eng.generate(PROMPT, p)) == list(eager.generate(PROMPT, p))
+    assert len(eng._graphs) == 1
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square(df), Wilson-Hilferty approximation."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * a**0.5) ** 3
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU"))],
+)  # fmt: skip
+def test_graph_sampling_follows_the_filtered_distribution(model, device):
+    """Replays from one state draw from softmax(filter(logits)) (chi-square, p = 0.001): the
+    graph's RNG advances per replay and the device-side filters are the CPU path's."""
+    from expresslane.graph import DecodeGraph
+    from expresslane.sampler import filter_logits
+
+    m = copy.deepcopy(model).to(device)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(3.0)  # peaked logits (std ~3): a wrong filter would show
+    params = SamplingParams(temperature=1.5, top_k=12, top_p=0.9, seed=1)
+    eng = Engine(m, max_model_len=32, decode="graph")
+    eng.prefill(PROMPT)
+    with torch.no_grad():
+        ref = m(torch.tensor([[5]], device=device), cache=eng.cache)[0, -1]
+    eng.prefill(PROMPT)  # the reference step above advanced the cache: start over
+    probs = filter_logits(ref.cpu().double(), params).softmax(-1)
+    graph = DecodeGraph(m, eng.cache, params, steps=1)
+    n = 4000 if device == "cuda" else 2000
+    counts = torch.zeros(probs.shape[0], dtype=torch.float64)
+    for _ in range(n):
+        graph.load(torch.tensor(5, device=device), position=len(PROMPT))
+        counts[graph.run()[0].item()] += 1
+    support = probs > 0
+    assert counts[~support].sum() == 0, "drew a token the filters removed"
+    expected = probs[support] * n
+    stat = (((counts[support] - expected) ** 2) / expected).sum().item()
+    assert stat < chi_square_critical(int(support.sum()) - 1), stat
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_host_synchronisation_inside_the_replay_loop(model):
+    """After capture, replays and the pinned copies run with CUDA's sync debug mode on 'error'."""
+    from expresslane.graph import DecodeGraph
+
+    m = model.to("cuda")
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=2)
+    eng = Engine(m, max_model_len=300, decode="graph")
+    eng.prefill(PROMPT)
+    graph = DecodeGraph(m, eng.cache, params, steps=4)
+    graph.load(torch.tensor(5, device="cuda"), position=len(PROMPT))
+    graph.run()  # capture (synchronises, by design)
+    host = torch.empty(4, dtype=torch.long, pin_memory=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(50):
+            host.copy_(graph.run(), non_blocking=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        model.to("cpu")
