@@ -85,16 +85,24 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, kpos = cache.update(self.layer, k[0], v[0], positions)
             k, v = k[None], v[None]  # (1, T, H_kv, hd)
-        visible = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] >= 0)  # (S, T)
-        if self.window is not None:
-            visible &= kpos[None, :] > positions[:, None] - self.window
+        T = k.shape[1]
+        # Keys that are exactly these queries' own (consecutive) positions, none out of the
+        # window: a first prefill chunk or a training batch. Then the mask is plain causal and
+        # SDPA takes its causal kernels (flash on GPUs) instead of a materialised mask.
+        causal = S > 16 and T == S and (self.window is None or self.window >= S)
+        visible = None
+        if not causal:
+            visible = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] >= 0)  # (S, T)
+            if self.window is not None:
+                visible &= kpos[None, :] > positions[:, None] - self.window
         o = attend(q, k, v, visible)  # (B, H, S, hd)
         o = o.transpose(1, 2).reshape(B, S, L, cfg.lane_q_dim)  # each lane gets its own heads
         return self.wo(o)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor):
-    """q (B, S, H, hd), k/v (B, T, H_kv, hd), visible (S, T) -> (B, H, S, hd).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None):
+    """q (B, S, H, hd), k/v (B, T, H_kv, hd), visible (S, T) or None (causal, T == S)
+    -> (B, H, S, hd).
 
     Few queries (decode, small chunks): grouped matmuls with no KV repetition, softmax in fp32
     (spec 5.5); CPU SDPA with a mask and GQA is an order of magnitude slower there. Long
@@ -108,6 +116,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
             k.transpose(1, 2),
             v.transpose(1, 2),
             attn_mask=visible,
+            is_causal=visible is None,
             enable_gqa=H != Hkv,
         )
     rep = H // Hkv
