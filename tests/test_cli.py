@@ -134,6 +134,8 @@ def test_bad_checkpoints_exit_2_with_one_line(broken, capsys, kind, words):
         (["--dtype", "float8"], "dtype"),
         (["--device", "cuda"], "cuda"),
         (["--max-tokens", "many"], "max-tokens"),
+        (["--devices", "3"], "--devices 3: must divide num_lanes=8"),  # before any process starts
+        (["--devices", "0"], "--devices 0"),
     ],
 )
 def test_bad_flags_exit_2(random_laneformer_dir, capsys, argv, word):

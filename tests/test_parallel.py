@@ -8,7 +8,9 @@ gathered logits equal the one-process model's within fp32 tolerance, 64 greedy t
 seeded temperature-sampled tokens equal the one-process Engine's, each rank loads exactly its
 slices' bytes, and consuming DTP messages one layer early is caught by the logits comparison.
 The 2-rank group also runs `expresslane run` as torchrun ranks (rank 0 alone prints) and a
-serve-like lead with a follower (a closed stream and a cancel both stop the follower in step)."""
+serve-like lead with a follower (a closed stream and a cancel both stop the follower in step).
+`expresslane bench --devices 2` on a preset decodes the single-device bench's tokens; a bad
+--devices is one line and exit code 2 before any process starts."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from expresslane.__main__ import main
 from expresslane.checkpoint import load_model, save_model
 from expresslane.cli.launch import _lead_entry, load_lead_engine, run_parallel, spawn
 from expresslane.config import ModelConfig, SamplingParams
@@ -282,6 +285,45 @@ def test_world_of_one_is_bit_exact(checkpoints):
         model = load_shard(path, 0, 1)
         with torch.no_grad():
             assert (model(torch.tensor([PROMPT]))[0] - ref["logits"]).abs().max() <= 1e-6, name
+
+
+def _bench(capsys, *argv) -> tuple[int, str, str]:
+    tiny = ["--preset", "laneformer-tiny", "--contexts", "16", "--decode-tokens", "8"]
+    code = main(["bench", *tiny, *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_bench_on_two_devices_decodes_what_one_does(capsys):
+    """The preset's random weights reach both ranks through a temporary checkpoint."""
+    code, out, _ = _bench(capsys, "--devices", "2")
+    assert code == 0
+    res = json.loads(out.splitlines()[-1])
+    assert res["devices"] == 2
+    assert "note: transformers peer skipped" in out  # said, not silently dropped
+    [row] = res["rows"]  # no peer row
+    assert row["engine"] == "expresslane" and row["devices"] == 2
+    assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["ttft_ms"] > 0
+    assert 0 < row["bytes_per_token_per_device"] < row["bytes_per_token"]
+    code, out, _ = _bench(capsys, "--no-peer")
+    [one] = json.loads(out.splitlines()[-1])["rows"]
+    assert code == 0 and one["devices"] == 1
+    assert row["token_ids"] == one["token_ids"] and len(one["token_ids"]) == 16  # 8 + warm-up
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--devices", "3"], ["--devices 3", "num_lanes=8"]),
+        (["--devices", "0"], ["--devices 0", ">= 1"]),
+        (["--devices", "2", "--compile"], ["--compile"]),
+    ],
+)
+def test_bench_bad_devices_exit_2(capsys, argv, words):
+    code, out, err = _bench(capsys, *argv)
+    lines = [ln for ln in err.splitlines() if ln.startswith("expresslane bench: error:")]
+    assert code == 2 and out == "" and len(lines) == 1
+    assert all(w in lines[0] for w in words), lines[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")

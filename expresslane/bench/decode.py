@@ -7,6 +7,10 @@ come from the ceiling calculator (weights streamed + KV at that context), so uti
 bytes/token x tokens/s over the device's bandwidth. The peer is `transformers` generation on the
 very same weights (a Llama-architecture model; for a Laneformer, the equal-byte Llama of the
 same dims, said so in the table).
+
+`parallel_rows` is one rank of `bench --devices N`: every rank runs the same generations on its
+ParallelEngine (role "spmd", no per-token flag), so the timings are those of `run --devices N`.
+Bytes per token there count the whole model (all ranks), with the busiest rank's share beside.
 """
 
 from __future__ import annotations
@@ -99,9 +103,10 @@ def bench_engine(engine: Engine, cfg: BenchConfig, context: int) -> dict:
     params = SamplingParams(max_tokens=cfg.decode_tokens + cfg.warmup_tokens, ignore_eos=True)
     timer = Timer(engine.device)
     t0 = time.perf_counter()
-    ttft = None
-    for _ in engine.generate(prompt, params):
+    ttft, tokens = None, []
+    for tok in engine.generate(prompt, params):
         timer.mark()
+        tokens.append(tok)
         if ttft is None:
             ttft = time.perf_counter() - t0
     steps = timer.steps_s()[cfg.warmup_tokens :]
@@ -111,6 +116,7 @@ def bench_engine(engine: Engine, cfg: BenchConfig, context: int) -> dict:
         "prefill_tok_s": context / ttft,
         "decode_tok_s": 1.0 / med,
         "ms_per_token": med * 1e3,
+        "token_ids": tokens,
     }
 
 
@@ -168,10 +174,9 @@ def run_bench(
     if checkpoint is None:
         checkpoint = random_checkpoint(model_cfg, Path(tmp.name) / "ours")
     model = load_model(checkpoint, device=cfg.device, dtype=cfg.dtype, progress=False)
-    max_len = max(cfg.contexts) + cfg.decode_tokens + cfg.warmup_tokens + 1
     rows = []
     for compiled in (False, True) if cfg.compile else (False,):
-        engine = Engine(model, max_model_len=max_len, compile=compiled)
+        engine = Engine(model, max_model_len=_max_len(cfg), compile=compiled)
         rows += _engine_rows(
             engine, cfg, "expresslane" + ("+compile" if compiled else ""), bandwidth_tb_s
         )
@@ -183,21 +188,41 @@ def run_bench(
     return rows
 
 
-def _engine_rows(engine: Engine, cfg: BenchConfig, name: str, bandwidth_tb_s) -> list[dict]:
+def _max_len(cfg: BenchConfig) -> int:
+    return max(cfg.contexts) + cfg.decode_tokens + cfg.warmup_tokens + 1
+
+
+def parallel_rows(rank: int, world: int, device: str, checkpoint: str, cfg: BenchConfig) -> list:
+    """One rank of `bench --devices N`: its slices of `checkpoint`, the same rows on every rank."""
+    from ..parallel import ParallelEngine
+
+    engine = ParallelEngine.from_pretrained(
+        checkpoint, rank, world, device=device, dtype=cfg.dtype, max_model_len=_max_len(cfg)
+    )
+    return _engine_rows(engine, cfg, "expresslane", None, devices=world)
+
+
+def _engine_rows(
+    engine: Engine, cfg: BenchConfig, name: str, bandwidth_tb_s, devices: int = 1
+) -> list[dict]:
     dtype_bytes = engine.dtype.itemsize
     # one-time costs (imports, torch.compile, graph capture) stay out of the measured rows
     list(engine.generate([1, 2, 3], SamplingParams(max_tokens=cfg.warmup_tokens, ignore_eos=True)))
     rows = []
     for ctx in cfg.contexts:
         r = bench_engine(engine, cfg, ctx)
-        nbytes = bytes_per_token(engine.model.cfg, ctx + 1, dtype_bytes=dtype_bytes)["total"]
+        # engine.cfg is the whole model's config (a ParallelEngine's too)
+        b = bytes_per_token(engine.cfg, ctx + 1, dtype_bytes=dtype_bytes, devices=devices)
         r.update(
             engine=name,
             model=engine.cfg.model_type,
             context=ctx,
-            bytes_per_token=nbytes,
-            achieved_gb_s=nbytes * r["decode_tok_s"] / 1e9,
+            devices=devices,
+            bytes_per_token=b["total"],
+            achieved_gb_s=b["total"] * r["decode_tok_s"] / 1e9,
         )
+        if devices > 1:
+            r["bytes_per_token_per_device"] = b["per_device"]["total"]
         if bandwidth_tb_s:
             r["bw_util"] = r["achieved_gb_s"] / (bandwidth_tb_s * 1e3)
         rows.append(r)
@@ -219,6 +244,6 @@ def _peer_rows(model_cfg: ModelConfig, cfg: BenchConfig, checkpoint: Path, tmp: 
             if r is None:
                 return rows
             name = "transformers" + ("+static+compile" if compiled else "")
-            r.update(engine=name, model=note, context=ctx)
+            r.update(engine=name, model=note, context=ctx, devices=1)
             rows.append(r)
     return rows

@@ -2,6 +2,11 @@
 
 A preset builds random weights of a real shape; a folder benchmarks that checkpoint. One table,
 then one JSON line last.
+
+`--devices N` (or a torchrun launch) benchmarks the parallel engine: N ranks through cli/launch.py
+(gloo on CPUs, NCCL with one GPU per rank), every rank running the same generations; rank 0
+reports. A preset's random weights are written once to a temporary checkpoint that every rank
+loads its slices from. The transformers peer is single-device only: skipped there, with a note.
 """
 
 from __future__ import annotations
@@ -11,15 +16,19 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
 
 from ..bench.bandwidth import copy_bandwidth_gb_s, datasheet_tb_s
 from ..bench.ceiling import bytes_per_token
-from ..bench.decode import BenchConfig, run_bench
+from ..bench.decode import BenchConfig, parallel_rows, random_checkpoint, run_bench
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
+from ..config import ModelConfig
+from ..errors import ConfigError
 from ..presets import get_preset, preset_names
+from . import launch
 
 HELP = "benchmark time to first token, prefill and batch-1 decode speed (with a peer baseline)"
 
@@ -50,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU threads for both engines (default: the rule of `run --threads`)",
     )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="benchmark the parallel engine on N processes (gloo on CPU, NCCL on GPU); "
+        "no peer baseline there",
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON line")
 
 
@@ -68,7 +84,7 @@ def _commit() -> str:
 
 def _table(rows: list[dict]) -> str:
     head = (
-        f"{'engine':<30} {'model':<36} {'ctx':>6} {'TTFT ms':>9} {'prefill t/s':>12} "
+        f"{'engine':<30} {'model':<36} {'dev':>3} {'ctx':>6} {'TTFT ms':>9} {'prefill t/s':>12} "
         f"{'decode t/s':>11} {'ms/tok':>8} {'GB/tok':>8} {'GB/s':>8} {'x peer':>7}"
     )
     lines = [head, "-" * len(head)]
@@ -77,7 +93,7 @@ def _table(rows: list[dict]) -> str:
         gbs = f"{r['achieved_gb_s']:8.1f}" if "achieved_gb_s" in r else f"{'':>8}"
         ratio = f"{r['speedup_vs_peer']:7.2f}" if "speedup_vs_peer" in r else f"{'':>7}"
         lines.append(
-            f"{r['engine']:<30} {str(r['model'])[:36]:<36} {r['context']:>6} "
+            f"{r['engine']:<30} {str(r['model'])[:36]:<36} {r['devices']:>3} {r['context']:>6} "
             f"{r['ttft_ms']:9.1f} {r['prefill_tok_s']:12.1f} {r['decode_tok_s']:11.1f} "
             f"{1e3 / r['decode_tok_s']:8.2f} {gb} {gbs} {ratio}"
         )
@@ -85,33 +101,103 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    if (args.model is None) == (args.preset is None):
-        from ..errors import ConfigError
-
-        raise ConfigError("give either a checkpoint folder or --preset NAME")
-    checkpoint = None
-    if args.preset:
-        model_cfg = get_preset(args.preset)
-    else:
-        checkpoint = resolve_model_dir(args.model)
-        model_cfg = load_config(checkpoint)
+    model_cfg, checkpoint = _source(args)
+    name = args.preset or str(checkpoint)
+    if args.devices != 1 or launch.torchrun_env():
+        return _main_parallel(args, model_cfg, checkpoint, name)
     device = resolve_device(args.device)
-    cfg = BenchConfig(
+    if device.type == "cpu":  # the same thread count for our engine and the peer
+        torch.set_num_threads(_threads(args, model_cfg, 1))
+    machine = _machine(device)
+    rows = run_bench(model_cfg, _bench_config(args, str(device), peer=not args.no_peer), checkpoint)
+    return _report(args, name, rows, machine, devices=1)
+
+
+def _source(args: argparse.Namespace) -> tuple[ModelConfig, Path | None]:
+    """(config, checkpoint folder or None for a preset's random weights)."""
+    if (args.model is None) == (args.preset is None):
+        raise ConfigError("give either a checkpoint folder or --preset NAME")
+    if args.preset:
+        return get_preset(args.preset), None
+    checkpoint = resolve_model_dir(args.model)
+    return load_config(checkpoint), checkpoint
+
+
+def _bench_config(args: argparse.Namespace, device: str, peer: bool) -> BenchConfig:
+    return BenchConfig(
         contexts=tuple(args.contexts),
         decode_tokens=args.decode_tokens,
-        device=str(device),
+        device=device,
         dtype=args.dtype,
-        peer=not args.no_peer,
+        peer=peer,
         peer_compile=args.peer_compile,
         compile=args.compile,
     )
-    if device.type == "cpu":  # the same thread count for our engine and the peer
-        nbytes = bytes_per_token(model_cfg, 1, dtype_bytes=4)["weights"]
-        threads = args.threads or min(os.cpu_count() or 1, max(1, nbytes // (128 << 20)))
-        torch.set_num_threads(threads)
-    copy_gb_s = copy_bandwidth_gb_s(device)
+
+
+def _threads(args: argparse.Namespace, cfg: ModelConfig, devices: int) -> int:
+    """--threads, else one per 128 MB of weights a process streams (CPU cores shared by ranks)."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads {args.threads}: must be at least 1")
+        return args.threads
+    nbytes = bytes_per_token(cfg, 1, dtype_bytes=4, devices=devices)["per_device"]["weights"]
+    cores = max(1, (os.cpu_count() or 1) // devices)
+    return min(cores, max(1, nbytes // (128 << 20)))
+
+
+def _machine(device: torch.device) -> dict:
+    """What the figures were measured on, with its copy bandwidth (the utilisation denominator)."""
     sheet = datasheet_tb_s(device)
-    rows = run_bench(model_cfg, cfg, checkpoint)
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "copy_gb_s": copy_bandwidth_gb_s(device),
+        "datasheet": sheet,
+    }
+
+
+# --- --devices N: one process per device -------------------------------------------------------
+def _main_parallel(args, model_cfg: ModelConfig, checkpoint: Path | None, name: str) -> int:
+    env = launch.torchrun_env()
+    world = env[1] if env else args.devices
+    launch.check_devices(world, model_cfg, args.device)
+    if args.compile:
+        raise ConfigError(
+            f"--compile: the parallel engine (--devices {world}) has no compiled step"
+        )
+    cfg = _bench_config(args, args.device, peer=False)
+    threads = _threads(args, model_cfg, world)
+    with tempfile.TemporaryDirectory(prefix="expresslane-bench-") as tmp:
+        if checkpoint is None:  # under torchrun every rank writes the same seeded weights
+            checkpoint = random_checkpoint(model_cfg, Path(tmp) / "model")
+        if env is None:
+            ranks = launch.spawn(
+                _rank, world, str(checkpoint), cfg, device=args.device, threads=threads
+            )
+            out = ranks[0]
+        else:
+            dev = launch.init_distributed(env[0], world, args.device, threads=threads)
+            out = _rank(env[0], world, dev, str(checkpoint), cfg)
+            if env[0] > 0:
+                return 0
+    notes = []
+    if not args.no_peer:
+        notes.append("transformers peer skipped: it runs on one device (--devices 1 runs it)")
+    return _report(args, name, out["rows"], out["machine"], world, notes)
+
+
+def _rank(rank: int, world: int, device: str, checkpoint: str, cfg: BenchConfig) -> dict | None:
+    """Every rank decodes; rank 0 then measures its device's copy bandwidth and reports."""
+    rows = parallel_rows(rank, world, device, checkpoint, cfg)
+    return {"rows": rows, "machine": _machine(torch.device(device))} if rank == 0 else None
+
+
+def _report(args, name: str, rows: list, machine: dict, devices: int, notes=()) -> int:
+    copy_gb_s, sheet = machine["copy_gb_s"], machine["datasheet"]
     for r in rows:
         r["copy_bw_util"] = r.get("achieved_gb_s", 0) / copy_gb_s if "achieved_gb_s" in r else None
         if sheet and "achieved_gb_s" in r:
@@ -123,22 +209,25 @@ def main(args: argparse.Namespace) -> int:
         if r["engine"].startswith("expresslane") and peer:
             r["speedup_vs_peer"] = r["decode_tok_s"] / peer["decode_tok_s"]
     summary = {
-        "model": args.preset or str(checkpoint),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
+        "model": name,
+        "device": machine["device"],
+        "devices": devices,
+        "device_name": machine["device_name"],
+        "threads": machine["threads"],
         "copy_gb_s": round(copy_gb_s, 1),
         "datasheet_tb_s": sheet[1] if sheet else None,
         "commit": _commit(),
+        "notes": list(notes),
         "rows": rows,
     }
     if not args.json:
         print(_table(rows))
         print(
             f"copy bandwidth {copy_gb_s:.1f} GB/s (read+write) on {summary['device_name']}"
+            + (f" (rank 0 of {devices})" if devices > 1 else "")
             + (f"; datasheet {sheet[0]} {sheet[1]} TB/s" if sheet else "")
         )
+        for note in notes:
+            print(f"note: {note}")
     print(json.dumps(summary, default=lambda x: round(x, 4) if isinstance(x, float) else str(x)))
     return 0

@@ -6,9 +6,12 @@ multiprocessing, gloo on CPUs, NCCL with one GPU per rank), or, when launched by
 its slices and runs the same generation (ParallelEngine role "spmd"); rank 0 prints exactly what
 `run` prints, the others stay silent.
 
-For serve and bench, `launch(args, main)` runs the command's own `main(args)` on rank 0 with a
-lead engine (`load_engine(args)` returns it there) while ranks > 0 follow (ParallelEngine
-role "lead"/"follow"). `spawn(fn, world, ...)` is the plain helper tests and benchmarks use.
+For serve, `launch(args, main)` runs the command's own `main(args)` on rank 0 with a lead
+engine (`load_engine(args)` returns it there) while ranks > 0 follow (ParallelEngine role
+"lead"/"follow"). `spawn(fn, world, ...)` is the plain helper tests and benchmarks use
+(`bench --devices N` spawns ranks that all run the same generations, like run).
+`check_devices` turns a bad N (< 1, not dividing the lanes or heads, more GPUs than visible) into
+one ConfigError (exit 2) before any process starts.
 """
 
 from __future__ import annotations
@@ -59,6 +62,28 @@ def init_distributed(
         init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     return dev
+
+
+def check_devices(devices: int, cfg, device: str = "auto") -> None:
+    """Raise ConfigError, naming the flag, for a world the model or the machine cannot take."""
+    from ..parallel.placement import Placement
+
+    if devices < 1:
+        raise ConfigError(f"--devices {devices}: must be >= 1")
+    Placement(cfg, 0, devices)  # must divide the lanes (a Llama: its heads and FFN units)
+    if backend_for(device) == "nccl" and devices > torch.cuda.device_count():
+        raise ConfigError(
+            f"--devices {devices}: NCCL needs one GPU per rank, {torch.cuda.device_count()} visible"
+        )
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """check_devices for run/serve, on the config of the model they would load."""
+    from ..assets import default_model_dir
+    from ..checkpoint import load_config, resolve_model_dir
+
+    cfg = load_config(resolve_model_dir(args.model or str(default_model_dir())))
+    check_devices(args.devices, cfg, args.device)
 
 
 def free_port() -> int:
@@ -149,10 +174,11 @@ def run_parallel(args: argparse.Namespace) -> int:
     if env is not None:  # torchrun started us: we are one rank
         rank, world, _ = env
         return _run_rank(rank, world, init_distributed(rank, world, args.device), args)
+    _check_args(args)
     return spawn(_run_rank, args.devices, args, device=args.device)[0]
 
 
-# --- serve / bench: rank 0 runs the command, the others follow --------------------------------
+# --- serve: rank 0 runs the command, the others follow ----------------------------------------
 _LEAD: dict = {}  # rank 0's lead engine inside launch(), to shut the followers down at the end
 
 
@@ -188,4 +214,5 @@ def launch(args: argparse.Namespace, main: Callable[[argparse.Namespace], int]) 
     if env is not None:
         rank, world, _ = env
         return _lead_entry(rank, world, init_distributed(rank, world, args.device), args, main)
+    _check_args(args)
     return spawn(_lead_entry, args.devices, args, main, device=args.device)[0]

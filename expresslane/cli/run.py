@@ -128,7 +128,7 @@ def set_cpu_threads(engine: Engine, threads: int | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.devices > 1 or launch.torchrun_env():
+    if args.devices != 1 or launch.torchrun_env():  # --devices 0 is refused there
         return launch.run_parallel(args)
     params = sampling_from_args(args)
     engine, tok = load_engine(args)

@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    if (args.devices > 1 or launch.torchrun_env()) and not launch.in_launch():
+    if (args.devices != 1 or launch.torchrun_env()) and not launch.in_launch():
         return launch.launch(args, main)  # one process per device; rank 0 serves
 
     from ..serve import create_app
