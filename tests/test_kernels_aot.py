@@ -62,3 +62,26 @@ def test_aot_rejects_unknown_model_and_interpreter():
     cmd = [sys.executable, "-m", "expresslane.kernels.aot"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "TRITON_INTERPRET" in out.stderr
+
+
+def test_launch_count_and_prediction():
+    """The fused step is six launches a layer (two for attention) plus the head's two; the
+    model's own static step launches many more, and the prediction orders them so."""
+    from expresslane.presets import get_preset
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "expresslane.bench.launches", "--model", "laneformer-tiny",
+           "--context", "64"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    layers = get_preset("laneformer-tiny").num_layers
+    fused = [r for r in report["rows"] if r["step"] == "fused step"]
+    eager = [r for r in report["rows"] if r["step"] != "fused step"]
+    assert all(r["kernels"] == 6 * layers + 2 for r in fused)
+    assert all(r["kernels"] > 4 * fused[0]["kernels"] for r in eager)
+    for r in report["rows"]:
+        assert r["token_us"] > report["stream_us"]
+        assert abs(r["token_us"] - report["stream_us"] - r["kernels"] * r["gap_us"]) < 1e-6
+    bad = subprocess.run(cmd + ["--efficiency", "1.5"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "--efficiency" in bad.stderr
