@@ -82,8 +82,8 @@ class Engine:
         # plain loop. auto = graph on CUDA, eager on a CPU where capture brings nothing.
         if decode not in ("auto", "graph", "eager"):
             raise RequestError(f"decode={decode!r}: expected auto, graph or eager", "decode")
-        if compile and decode == "auto":
-            decode = "graph"  # compilation needs the static step
+        if (compile or kernels == "on") and decode == "auto":
+            decode = "graph"  # compilation and the fused step need the static step
         self.compile = compile
         self.decode = (
             ("graph" if self.device.type == "cuda" else "eager") if decode == "auto" else decode

@@ -156,3 +156,14 @@ def test_missing_folder_from_a_real_process(tmp_path):
     )
     assert proc.returncode == 2
     assert str(tmp_path / "absent") in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_kernels_both_rows_decode_the_same_tokens(capsys):
+    """`bench --kernels both`: the fused step (its references on a CPU) beside the model's own
+    forward, one row each, the same greedy tokens."""
+    argv = ["bench", "--preset", "laneformer-tiny", "--contexts", "16", "--decode-tokens", "8",
+            "--kernels", "both", "--no-peer"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
+    assert [r["engine"] for r in rows] == ["expresslane (no kernels)", "expresslane+kernels"]
+    assert rows[0]["token_ids"] == rows[1]["token_ids"] and len(rows[0]["token_ids"]) == 16

@@ -41,6 +41,7 @@ class BenchConfig:
     peer: bool = True
     peer_compile: bool = False
     compile: bool = False  # also run our engine with the torch.compile'd static step
+    kernels: str = "auto"  # the fused Triton step: auto (on CUDA), on, off, or both (ablation)
 
 
 class Timer:
@@ -175,17 +176,24 @@ def run_bench(
         checkpoint = random_checkpoint(model_cfg, Path(tmp.name) / "ours")
     model = load_model(checkpoint, device=cfg.device, dtype=cfg.dtype, progress=False)
     rows = []
-    for compiled in (False, True) if cfg.compile else (False,):
-        engine = Engine(model, max_model_len=_max_len(cfg), compile=compiled)
-        rows += _engine_rows(
-            engine, cfg, "expresslane" + ("+compile" if compiled else ""), bandwidth_tb_s
-        )
+    for compiled, kernels in _variants(cfg):
+        engine = Engine(model, max_model_len=_max_len(cfg), compile=compiled, kernels=kernels)
+        name = "expresslane" + ("+compile" if compiled else "")
+        if cfg.kernels == "both":
+            name += "+kernels" if kernels == "on" else " (no kernels)"
+        rows += _engine_rows(engine, cfg, name, bandwidth_tb_s)
         del engine
     del model
     if cfg.peer:
         rows += _peer_rows(model_cfg, cfg, checkpoint, Path(tmp.name))
     tmp.cleanup()
     return rows
+
+
+def _variants(cfg: BenchConfig) -> list[tuple[bool, str]]:
+    """(compile, kernels) per engine row group; `both` measures what the fused kernels buy."""
+    kernels = ("off", "on") if cfg.kernels == "both" else (cfg.kernels,)
+    return [(c, k) for c in ((False, True) if cfg.compile else (False,)) for k in kernels]
 
 
 def _max_len(cfg: BenchConfig) -> int:

@@ -60,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CPU threads for both engines (default: the rule of `run --threads`)",
     )
     p.add_argument(
+        "--kernels",
+        choices=("auto", "on", "off", "both"),
+        default="auto",
+        help="the fused Triton decode step: auto = on CUDA; both = a row each (what they buy)",
+    )
+    p.add_argument(
         "--devices",
         type=int,
         default=1,
@@ -132,6 +138,7 @@ def _bench_config(args: argparse.Namespace, device: str, peer: bool) -> BenchCon
         peer=peer,
         peer_compile=args.peer_compile,
         compile=args.compile,
+        kernels=args.kernels,
     )
 
 
