@@ -1,9 +1,11 @@
 """Engine: owns one model, its static KV cache and the sampler; generate() streams token ids.
 
 One request at a time (batch 1). Prefill runs in chunks, then one decode step per token.
-Cancellation is checked between prefill chunks and between decode steps: set the `cancel` event
-or simply stop iterating. `reference_generate` beside it recomputes the whole sequence at every
-step with no cache: the slow path every fast path is compared with.
+Cancellation is checked between prefill chunks, after the last one and between decode steps: set
+the `cancel` event or simply stop iterating. `generate_steps` is the one generation loop: the
+parallel engine changes it through small hooks (request start, go on?, token pick, early end).
+`reference_generate` beside it recomputes the whole sequence at every step with no cache: the
+slow path every fast path is compared with.
 """
 
 from __future__ import annotations
@@ -153,6 +155,26 @@ class Engine:
         return eos | set(params.stop_token_ids)
 
     # --- generation ---------------------------------------------------------------------------
+    # The one generation loop is generate_steps; an engine over other hardware (ParallelEngine)
+    # changes it only through the hooks _begin, _go_on, _pick and _left_early.
+    def _begin(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """A checked request is about to run: the params it runs with."""
+        return params
+
+    def _go_on(self, cancel: threading.Event | None) -> bool:
+        """May the request go on? Asked before every prefill chunk, when the prompt is in and
+        before every decode step: the one place where cancellation is seen."""
+        return cancel is None or not cancel.is_set()
+
+    def _pick(
+        self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the next token, the logits its logprobs come from when they were asked for)."""
+        return sample(logits, params, generator), logits if params.logprobs is not None else None
+
+    def _left_early(self) -> None:
+        """The consumer stopped iterating (or an error ended the loop) mid-request."""
+
     @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int], cancel: threading.Event | None = None):
         """Fill the cache with the prompt; returns the last position's logits (V,) or None."""
@@ -160,12 +182,12 @@ class Engine:
         ids = torch.tensor(prompt_ids, device=self.device, dtype=torch.long)[None]
         logits = None
         for start in range(0, ids.shape[1], self.prefill_chunk):
-            if cancel is not None and cancel.is_set():
+            if not self._go_on(cancel):
                 return None
             logits = self.model(
                 ids[:, start : start + self.prefill_chunk], cache=self.cache, last_only=True
             )
-        return logits[0, -1]
+        return logits[0, -1] if self._go_on(cancel) else None  # a cancel during the last chunk
 
     @torch.inference_mode()
     def generate_steps(
@@ -176,6 +198,7 @@ class Engine:
     ) -> Iterator[Step]:
         params.validate()
         self.check_prompt(prompt_ids)
+        params = self._begin(prompt_ids, params)
         budget = min(params.max_tokens, self.max_len - len(prompt_ids))
         stops = self.stop_ids(params)
         gen = make_generator(params, self.device)
@@ -189,26 +212,36 @@ class Engine:
         if graph is not None:
             gen = graph.generator
         logits = self.prefill(prompt_ids, cancel)
+        if logits is None:
+            st.finish_reason = "abort"
+            return
         stream = None
-        for i in range(budget):
-            if logits is None or (cancel is not None and cancel.is_set()):
-                st.finish_reason = "abort"
-                return
-            if stream is None:
-                tok = sample(logits, params, gen)
-            else:
-                tok = torch.tensor(next(stream))
-            lp_logits = logits if params.logprobs is not None else None
-            step = self.make_step(tok, lp_logits, params, stops, i == budget - 1, t0)
-            yield step
-            if step.finish_reason:
-                return
-            if graph is not None:
+        # Over for every rank too: a stop or length token (all pick the same), an agreed abort.
+        # A local, as a consumer may rewrite the step's and the stats' finish_reason (stop text).
+        over = False
+        try:
+            for i in range(budget):
                 if stream is None:
-                    graph.load(tok, position=len(prompt_ids))
-                    stream = DecodeStream(graph).tokens(budget - 1)
-                continue
-            logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
+                    tok, lp_logits = self._pick(logits, params, gen)
+                else:
+                    tok, lp_logits = torch.tensor(next(stream)), None
+                step = self.make_step(tok, lp_logits, params, stops, i == budget - 1, t0)
+                over = step.finish_reason is not None
+                yield step
+                if over:
+                    return
+                if not self._go_on(cancel):
+                    st.finish_reason, over = "abort", True
+                    return
+                if graph is not None:
+                    if stream is None:
+                        graph.load(tok, position=len(prompt_ids))
+                        stream = DecodeStream(graph).tokens(budget - 1)
+                    continue
+                logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
+        finally:
+            if not over:
+                self._left_early()
 
     def make_step(
         self,

@@ -9,23 +9,27 @@ Two ways to keep the ranks' calls identical:
 
 - "spmd": every rank runs the same program (run, bench, tests): nothing extra is exchanged.
 - "lead" / "follow" (serve): rank 0 takes requests; before each request it broadcasts it, and
-  before every prefill chunk and decode step a go/stop flag (cancellation, a closed stream),
-  while ranks > 0 sit in `follow()`. The flag is one tiny blocking broadcast per token.
+  before every prefill chunk, after the last and before every decode step a go/stop flag
+  (cancellation, a closed stream), while ranks > 0 sit in `follow()`. The flag is one tiny
+  blocking broadcast per token.
+
+The generation loop itself is Engine.generate_steps (prefill and decode steps give each rank its
+vocab chunk of the logits); this file supplies its hooks: the request's start (seed,
+announcement), the go flag, the vocab-parallel pick and the lead's stop flag for a closed stream.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from ..config import SamplingParams
-from ..engine import Engine, Stats, Step
-from ..sampler import make_generator, sample
+from ..engine import Engine
+from ..sampler import sample
 from .exchange import gather_vocab, sample_sharded
 from .model import ParallelLaneformer
 from .placement import load_shard
@@ -43,7 +47,9 @@ class ParallelEngine(Engine):
     ):
         if role not in ROLES:
             raise ValueError(f"role {role!r}: expected one of {ROLES}")
-        super().__init__(model, max_model_len, prefill_chunk)  # cache for the local KV heads
+        # The cache holds the local KV heads. Eager decode: a pick exchanges between ranks, which
+        # the single-device decode graph (sampler inside the step) has no place for.
+        super().__init__(model, max_model_len, prefill_chunk, decode="eager")
         self.cfg = model.global_cfg
         self.ex, self.place, self.role = model.exchange, model.place, role
 
@@ -69,18 +75,6 @@ class ParallelEngine(Engine):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _go(self, cancel: threading.Event | None) -> bool:
-        stop = cancel is not None and cancel.is_set()
-        if self.role == "spmd" or self.ex.world == 1:
-            return not stop
-        flag = torch.tensor([0 if stop else 1], device=self.device)
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
-
-    def _stop(self) -> None:
-        """Lead: tell the followers that the stream ended early (closed or cancelled)."""
-        dist.broadcast(torch.tensor([0], device=self.device), src=0)
-
     def _with_seed(self, params: SamplingParams) -> SamplingParams:
         """A sampled request needs the same noise everywhere: rank 0's seed when none is given."""
         if params.greedy or params.seed is not None or self.ex.world == 1:
@@ -89,6 +83,37 @@ class ParallelEngine(Engine):
         if self.role == "spmd":  # the lead sends its seed with the request instead
             dist.broadcast(seed, src=0)
         return replace(params, seed=int(seed))
+
+    # --- Engine.generate_steps hooks: the vocab-parallel pick and the lead/follow flags ---------
+    def _begin(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """Agree on the seed; the lead announces the request to its followers."""
+        if self.role != "follow":
+            params = self._with_seed(params)
+        if self.role == "lead" and self.ex.world > 1:
+            self._announce(("generate", list(prompt_ids), params))
+        return params
+
+    def _go_on(self, cancel: threading.Event | None) -> bool:
+        """spmd: this rank's own answer. lead/follow: rank 0's, broadcast (only it has a cancel)."""
+        stop = cancel is not None and cancel.is_set()
+        if self.role == "spmd" or self.ex.world == 1:
+            return not stop
+        flag = torch.tensor([0 if stop else 1], device=self.device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _pick(self, logits, params, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(token, full logits when logprobs were asked for); `logits` is this rank's chunk."""
+        if params.logprobs is not None:
+            full = gather_vocab(self.ex, logits, self.place.vocab_sizes)
+            return sample(full, params, generator), full
+        offset, sizes = self.model.vocab_offset, self.place.vocab_sizes
+        return sample_sharded(self.ex, logits, params, generator, offset, sizes), None
+
+    def _left_early(self) -> None:
+        """Lead: the followers wait on the next go flag; a stop flag ends their request too."""
+        if self.role == "lead" and self.ex.world > 1:
+            dist.broadcast(torch.tensor([0], device=self.device), src=0)
 
     def follow(self) -> None:
         """Ranks > 0 in "follow" role: do what rank 0 announces until it says shutdown."""
@@ -105,73 +130,6 @@ class ParallelEngine(Engine):
     def shutdown(self) -> None:
         if self.role == "lead" and self.ex.world > 1:
             self._announce(("shutdown",))
-
-    # --- generation ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, prompt_ids: Sequence[int], cancel: threading.Event | None = None):
-        """Fill the cache; returns this rank's vocab chunk of the last logits, or None."""
-        self.cache.reset()
-        ids = torch.tensor(prompt_ids, device=self.device, dtype=torch.long)[None]
-        logits = None
-        for start in range(0, ids.shape[1], self.prefill_chunk):
-            if not self._go(cancel):
-                return None
-            logits = self.model(
-                ids[:, start : start + self.prefill_chunk], cache=self.cache, last_only=True
-            )
-        return logits[0, -1]
-
-    def _pick(self, logits, params, gen) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(token, full logits when logprobs were asked for)."""
-        if params.logprobs is not None:
-            full = gather_vocab(self.ex, logits, self.place.vocab_sizes)
-            return sample(full, params, gen), full
-        offset = self.model.vocab_offset
-        return sample_sharded(self.ex, logits, params, gen, offset, self.place.vocab_sizes), None
-
-    @torch.inference_mode()
-    def generate_steps(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[Step]:
-        """Engine.generate_steps with the vocab-parallel pick and the lead/follow flags."""
-        params.validate()
-        self.check_prompt(prompt_ids)
-        if self.role != "follow":
-            params = self._with_seed(params)
-        if self.role == "lead" and self.ex.world > 1:
-            self._announce(("generate", list(prompt_ids), params))
-        budget = min(params.max_tokens, self.max_len - len(prompt_ids))
-        stops = self.stop_ids(params)
-        gen = make_generator(params, self.device)
-        self.stats = st = Stats(prompt_tokens=len(prompt_ids))
-        t0 = time.perf_counter()
-        if budget == 0:
-            st.finish_reason = "length"
-            return
-        logits = self.prefill(prompt_ids, cancel)
-        done = False
-        try:
-            for i in range(budget):
-                if logits is None:
-                    st.finish_reason = "abort"
-                    done = True
-                    return
-                tok, full = self._pick(logits, params, gen)
-                step = self.make_step(tok, full, params, stops, i == budget - 1, t0)
-                done = step.finish_reason is not None  # every rank knows: no flag needed
-                yield step
-                if done:
-                    return
-                if not self._go(cancel):
-                    st.finish_reason, done = "abort", True
-                    return
-                logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
-        finally:
-            if not done and self.role == "lead" and self.ex.world > 1:
-                self._stop()
 
     @torch.inference_mode()
     def prompt_logprobs(
