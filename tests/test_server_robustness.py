@@ -8,9 +8,9 @@ in FIFO order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from functools import partial
 from types import SimpleNamespace
 
 import httpx
@@ -20,7 +20,6 @@ import torch
 from serverkit import (
     CTX,
     NAME,
-    delta,
     metric,
     metrics,
     wait_idle,
@@ -108,61 +107,72 @@ def test_api_key_guards_v1_only(server):
 LONG = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
 
 
+class Slow:
+    """The model at a fixed pace (so that tests about time are not races), counting calls."""
+
+    def __init__(self, model, seconds: float):
+        self.model, self.seconds, self.calls = model, seconds, []
+
+    def __call__(self, *args, **kw):
+        self.calls.append(time.monotonic())
+        time.sleep(self.seconds)
+        return self.model(*args, **kw)
+
+
+@contextlib.contextmanager
+def slow_server(server, seconds: float, **engine_kw):
+    """A second server over the same weights whose every forward call takes `seconds`."""
+    engine = Engine(server.engine.model, max_model_len=CTX, **engine_kw)
+    engine.model = slow = Slow(engine.model, seconds)
+    app = create_app(engine, server.tok, served_model_name=NAME)
+    with serving(app) as url:
+        yield SimpleNamespace(url=url, calls=slow.calls)
+
+
 def test_client_closing_a_stream_frees_the_engine(server):
-    before = metrics(server)
-    with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}) as r:
-        seen = 0
-        for line in r.iter_lines():
-            seen += line.startswith("data: ")
-            if seen >= 3:
-                break
-    took = wait_idle(server)
-    d = partial(delta, before, metrics(server))
-    assert d("generation_tokens_total") < 100  # far from the 200 asked for
-    assert took < 2.0 and d("request_success_total", finished_reason="abort") == 1
-    nxt = server.cmpl(prompt="y", max_tokens=2)
-    assert nxt.usage.completion_tokens >= 1
+    with slow_server(server, 0.02) as s:  # 50 tokens/s: 200 tokens would take 4 s
+        body = {**LONG, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break
+        wait_idle(s)
+        m = metrics(s)
+        nxt = httpx.post(s.url + "/v1/completions", json={"prompt": "y", "max_tokens": 2})
+    assert metric(m, "generation_tokens_total") < 100  # far from the 200 asked for
+    assert metric(m, "request_success_total", finished_reason="abort") == 1
+    assert nxt.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_client_gone_non_streaming_and_while_queued(server):
-    before = metrics(server)
-    url = server.url + "/v1/completions"
-    first = threading.Thread(
-        target=lambda: pytest.raises(httpx.ReadTimeout, httpx.post, url, json=LONG, timeout=0.6)
-    )
-    first.start()
-    time.sleep(0.2)  # the second request waits in the queue behind the first
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(url, json=LONG, timeout=0.3)
-    first.join()
-    wait_idle(server)
-    d = partial(delta, before, metrics(server))
-    assert d("request_success_total", finished_reason="abort") == 2
-    assert d("generation_tokens_total") < 150
+    with slow_server(server, 0.02) as s:  # 50 tokens/s: 200 tokens would take 4 s
+        url = s.url + "/v1/completions"
+        first = threading.Thread(
+            target=lambda: pytest.raises(httpx.ReadTimeout, httpx.post, url, json=LONG, timeout=0.6)
+        )
+        first.start()
+        time.sleep(0.2)  # the second request waits in the queue behind the first
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=LONG, timeout=0.3)
+        first.join()
+        wait_idle(s)
+        m = metrics(s)
+    assert metric(m, "request_success_total", finished_reason="abort") == 2
+    assert metric(m, "generation_tokens_total") < 150  # far from the 400 asked for
 
 
 def test_client_gone_during_prefill_stops_it_between_chunks(server):
-    calls = []
-
-    class Slow:  # the model, 0.1 s per forward call, counting the calls
-        def __init__(self, model):
-            self.model = model
-
-        def __call__(self, *args, **kw):
-            calls.append(time.monotonic())
-            time.sleep(0.1)
-            return self.model(*args, **kw)
-
-    engine = Engine(server.engine.model, max_model_len=CTX, prefill_chunk=8)
-    engine.model = Slow(engine.model)  # a 128-token prompt: 16 prefill chunks, 1.6 s
-    app = create_app(engine, server.tok, served_model_name=NAME)
-    with serving(app) as url:
+    # a 128-token prompt in 8-token chunks at 0.1 s each: 16 prefill chunks, 1.6 s
+    with slow_server(server, 0.1, prefill_chunk=8) as s:
         with pytest.raises(httpx.ReadTimeout):
             body = {"prompt": list(range(3, 131)), "max_tokens": 4}
-            httpx.post(url + "/v1/completions", json=body, timeout=0.35)
+            httpx.post(s.url + "/v1/completions", json=body, timeout=0.35)
         gone = time.monotonic()
-        wait_idle(SimpleNamespace(url=url))
-        m = metrics(SimpleNamespace(url=url))
+        wait_idle(s)
+        m = metrics(s)
+    calls = s.calls
     assert 1 <= len(calls) < 16 and sum(t > gone for t in calls) <= 1  # one chunk at most
     assert metric(m, "generation_tokens_total") == 0
     assert metric(m, "request_success_total", finished_reason="abort") == 1
