@@ -6,6 +6,10 @@ on the device. Nothing in it touches the host; the host copies the `out` buffer 
 after each replay and reads it one replay behind (`DecodeStream`), only to stream tokens and to
 notice a stop token, so the device runs ahead.
 
+The sampler's temperature / top-p / min-p are device buffers (`SamplerKnobs`), so one capture
+serves every value of a sampler structure. Capture first warms the step up and undoes that
+warm-up exactly (cache slots, inputs, RNG), so capturing mid-request changes nothing.
+
 The same `_body` runs eagerly on a CPU (or when capture is off); that is the path CI checks
 against the model's forward. The KV cache runs in its static mode (positions only on the
 device; every slot masked by `pos`), so no shape depends on the step.
