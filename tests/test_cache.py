@@ -3,33 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import tiny
 import torch
 
 from expresslane.cache import KVCache
-from expresslane.config import ModelConfig
-from expresslane.model import Laneformer, init_weights
-
-CFG = dict(
-    model_type="laneformer",
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    num_lanes=4,
-    broadcast_delay=2,
-    lm_head_type="vocab_parallel",
-    sliding_window=64,
-    sliding_window_n_layers=2,
-    max_position_embeddings=512,
-    eos_token_id=2,
-)
+from expresslane.presets import get_preset
 
 
 @pytest.fixture(scope="module")
 def model():
-    return init_weights(Laneformer(ModelConfig.from_hf_dict(CFG)), seed=3, norm_noise=0.1).eval()
+    return tiny.laneformer(seed=3, vocab_size=128, hidden_size=64, intermediate_size=128,
+                           sliding_window=64, max_position_embeddings=512)  # fmt: skip
 
 
 def test_decode_300_tokens_one_at_a_time_equals_full_forward(model):
@@ -64,23 +48,6 @@ def test_ring_buffer_memory_is_window_positions(model):
 
 
 def test_laneformer_2b_kv_bytes_at_4096():
-    cfg = ModelConfig.from_hf_dict(
-        dict(
-            model_type="laneformer",
-            vocab_size=32000,
-            hidden_size=3072,
-            intermediate_size=12288,
-            num_hidden_layers=15,
-            num_attention_heads=32,
-            num_key_value_heads=16,
-            num_lanes=8,
-            broadcast_delay=2,
-            lm_head_type="vocab_parallel",
-            sliding_window=2048,
-            sliding_window_n_layers=10,
-            max_position_embeddings=4096,
-            eos_token_id=2,
-        )
-    )
+    cfg = get_preset("laneformer-2b")  # the spec's 2B shape
     cache = KVCache(cfg, max_len=4096, device="meta", dtype=torch.bfloat16)
     assert cache.nbytes == 251_658_240  # spec 16.2: 251.7 MB, not 377.5 MB

@@ -5,33 +5,16 @@ from __future__ import annotations
 import copy
 
 import pytest
+import tiny
 import torch
 
-from expresslane.config import ModelConfig, SamplingParams
+from expresslane.config import SamplingParams
 from expresslane.engine import Engine, reference_generate
-from expresslane.model import Laneformer, init_weights
-
-CFG = dict(
-    model_type="laneformer",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    num_lanes=4,
-    broadcast_delay=2,
-    lm_head_type="vocab_parallel",
-    sliding_window=16,
-    sliding_window_n_layers=2,
-    max_position_embeddings=256,
-    eos_token_id=2,
-)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return init_weights(Laneformer(ModelConfig.from_hf_dict(CFG)), seed=5, norm_noise=0.1).eval()
+    return tiny.laneformer(seed=5)
 
 
 PROMPT = [1, 7, 9, 30, 11, 12, 40]
@@ -93,8 +76,7 @@ def test_cuda_graph_replay_equals_eager_decode_256_steps(model):
     ],
 )
 def test_fused_step_with_reference_kernels_equals_forward(extra):
-    cfg = ModelConfig.from_hf_dict({**CFG, **extra})
-    m = init_weights(Laneformer(cfg), seed=6, norm_noise=0.1).eval()
+    m = tiny.laneformer(seed=6, **extra)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     ref = reference_generate(m, PROMPT, params, stop_ids=set())
     eng = Engine(m, max_model_len=80, decode="graph", kernels="on", steps_per_replay=2)

@@ -369,30 +369,13 @@ def test_wrappers_reject_bad_inputs():
 
 def test_engine_with_fused_kernels_equals_reference_generate(monkeypatch):
     """The whole decode step on the kernels (interpreted here) gives the model's greedy tokens."""
-    from expresslane.config import ModelConfig, SamplingParams
+    import tiny
+
+    from expresslane.config import SamplingParams
     from expresslane.engine import Engine, reference_generate
-    from expresslane.model import Laneformer, init_weights
 
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
-    cfg = ModelConfig.from_hf_dict(
-        dict(
-            model_type="laneformer",
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            num_lanes=4,
-            broadcast_delay=2,
-            lm_head_type="vocab_parallel",
-            sliding_window=4,
-            sliding_window_n_layers=2,
-            max_position_embeddings=64,
-            eos_token_id=2,
-        )
-    )
-    model = init_weights(Laneformer(cfg), seed=2, norm_noise=0.1).eval().to(DEVICE)
+    model = tiny.laneformer(seed=2, sliding_window=4, max_position_embeddings=64).to(DEVICE)
     prompt = [1, 5, 9, 13, 17]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = reference_generate(model, prompt, params, stop_ids=set())
