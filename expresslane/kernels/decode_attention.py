@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import cast_as, launch_kwargs, num_sms
+from .gemv import cast_as, launch_kwargs, num_sms, pdl_prologue
 
 LOG2E = 1.4426950408889634
 
@@ -58,9 +58,7 @@ def attn_partial_kernel(
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     q_pos = tl.load(position_ptr)
     n_scan = tl.minimum(q_pos + 1, cap)
     chunk = tl.cdiv(tl.cdiv(n_scan, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -127,9 +125,7 @@ def attn_combine_kernel(
     USE_PDL: tl.constexpr,
 ):
     head = tl.program_id(0)
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS

@@ -16,11 +16,8 @@ Shared helpers (imported by the other kernel files):
   the prologue below), and `gdc_launch_dependents()` lets the next kernel's CTAs launch early. Only
   on CUDA with compute capability >= 9 (Hopper) and a triton that has both `tl.extra.cuda.gdc_*`
   and the `launch_pdl` launch option; EXPRESSLANE_PDL=0 turns it off. Never in the interpreter.
-  Every kernel starts with the same three lines (inlined, not a helper: the interpreter pays
-  ~1 ms per nested jit call, per program):
-      if USE_PDL:
-          tl.extra.cuda.gdc_wait()
-          tl.extra.cuda.gdc_launch_dependents()
+  Every kernel starts with `pdl_prologue(USE_PDL)` (compiled inline; the interpreter pays a
+  little per nested call, ~15% on the kernel tests, a fair price for one copy of the rule).
 - `rms_rstd` / `normed_chunk`: the fused RMSNorm prologue (fp32 statistics, one rounding).
 - `round_as` / `cast_as`: round an fp32 value to a pointer's element type (and back), to
   reproduce the reference's rounding points exactly.
@@ -162,6 +159,14 @@ def cast_as(x, like_ptr):
 
 
 @triton.jit
+def pdl_prologue(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel's writes, then let the next kernel start its prologue."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def rms_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
     """rsqrt(mean(x^2) + eps) of the K-vector at x_ptr, in fp32."""
     offs = tl.arange(0, BLOCK_K)
@@ -206,9 +211,7 @@ def lane_gemv_kernel(
     lane = tl.program_id(0)
     pid_o = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     x_row = x_ptr + lane * K
     rstd = 1.0
     if HAS_NORM:

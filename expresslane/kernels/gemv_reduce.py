@@ -30,6 +30,7 @@ from .gemv import (
     cast_as,
     launch_kwargs,
     launch_lane_gemv,
+    pdl_prologue,
     round_as,
     tile_sizes,
 )
@@ -109,9 +110,7 @@ def gemv_reduce_kernel(
     USE_PDL: tl.constexpr,
 ):
     pid_o = tl.program_id(0)
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < D
     if MODE == 1:
@@ -149,9 +148,7 @@ def reduce_epilogue_kernel(
     USE_PDL: tl.constexpr,
 ):
     pid_o = tl.program_id(0)
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < D
     s = tl.zeros([BLOCK_O], dtype=tl.float32)

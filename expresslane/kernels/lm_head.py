@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import assert_norm_weight, launch_kwargs, num_sms, rms_rstd, round_as
+from .gemv import assert_norm_weight, launch_kwargs, num_sms, pdl_prologue, rms_rstd, round_as
 
 HEAD_MODES = {"replicate": 0, "replicate_prenorm": 1, "lane": 2, "vocab_parallel": 3}
 
@@ -121,9 +121,7 @@ def head_logits_kernel(
 ):  # fmt: skip
     lane = tl.program_id(0)  # vocab_parallel only; grid axis 0 is 1 otherwise
     pid_v = tl.program_id(1)
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < VL
     logits = head_logits(h_ptr, nw_ptr, w_ptr, L, D, VL, eps, stride_nwl, lane, offs_v, mask_v,
@@ -139,9 +137,7 @@ def head_argmax_kernel(
 ):  # fmt: skip
     lane = tl.program_id(0)
     pid_v = tl.program_id(1)
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < VL
     logits = head_logits(h_ptr, nw_ptr, w_ptr, L, D, VL, eps, stride_nwl, lane, offs_v, mask_v,
@@ -156,9 +152,7 @@ def head_argmax_kernel(
 @triton.jit
 def argmax_combine_kernel(part_val_ptr, part_idx_ptr, token_ptr, n_parts, BLOCK: tl.constexpr,
                           USE_PDL: tl.constexpr):  # fmt: skip
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_parts
     val = tl.load(part_val_ptr + offs, mask=mask, other=float("-inf"))

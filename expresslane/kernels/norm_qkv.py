@@ -28,6 +28,7 @@ from .gemv import (
     launch_kwargs,
     normed_chunk,
     num_sms,
+    pdl_prologue,
     rms_rstd,
     round_as,
 )
@@ -69,9 +70,7 @@ def norm_qkv_kernel(
     BLOCKS_PER_HEAD: tl.constexpr = HALF // BLOCK_P
     n_q = HQ_LANE * BLOCKS_PER_HEAD  # pair blocks of q in this lane
     n_k = HKV_LANE * BLOCKS_PER_HEAD  # ... of k, and as many of v
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     pos = tl.load(position_ptr)
     slot = pos % cap  # full layers: cap = max_len so slot = pos; sliding layers: a ring
 

@@ -24,6 +24,7 @@ from .gemv import (
     cast_as,
     launch_kwargs,
     normed_chunk,
+    pdl_prologue,
     rms_rstd,
     round_as,
     tile_sizes,
@@ -50,9 +51,7 @@ def norm_swiglu_kernel(
 ):
     lane = tl.program_id(0)
     pid_o = tl.program_id(1)
-    if USE_PDL:  # PDL prologue, see gemv.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_prologue(USE_PDL)
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < FL
     rows = lane * FL * D + offs_o[:, None] * D  # (BLOCK_O, 1) element offsets of the rows
