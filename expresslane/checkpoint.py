@@ -180,24 +180,12 @@ def _whole(name: str, sl, shape: tuple) -> torch.Tensor:
     return sl[:]
 
 
-def load_model(
-    name: str | os.PathLike,
-    device: str = "auto",
-    dtype: str = "auto",
-    select: Selector = _whole,
-    overrides: dict | None = None,
-    progress: bool = True,
-) -> Laneformer:
-    """Read a checkpoint folder into a Laneformer on `device` in `dtype`.
-
-    `select(our_name, safetensors_slice, full_shape)` returns the part of each tensor to keep
-    (parallel placement loads only its lanes' slices); by default the whole tensor.
-    """
+def open_checkpoint(name: str | os.PathLike, overrides: dict | None = None):
+    """(folder, config, open safetensors handles by file, file of each tensor name)."""
     folder = resolve_model_dir(name)
     cfg = load_config(folder)
-    files = safetensors_files(folder)
     handles = {}
-    for f in files:
+    for f in safetensors_files(folder):
         try:
             handles[f] = safe_open(str(f), framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error types for bad headers
@@ -206,6 +194,18 @@ def load_model(
     cfg = _reconcile_norms(cfg, set(where))
     if overrides:
         cfg = cfg.with_overrides(**overrides)
+    return folder, cfg, handles, where
+
+
+def load_model(
+    name: str | os.PathLike,
+    device: str = "auto",
+    dtype: str = "auto",
+    overrides: dict | None = None,
+    progress: bool = True,
+) -> Laneformer:
+    """Read a checkpoint folder into a Laneformer on `device` in `dtype`."""
+    folder, cfg, handles, where = open_checkpoint(name, overrides)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, cfg, dev)
     with torch.device("meta"), NoInit():
@@ -234,8 +234,8 @@ def load_model(
         wanted.items(), desc="loading", unit="tensor", file=sys.stderr, disable=not progress or None
     )
     for key, ours in bar:
-        state[ours] = _read(
-            cfg, handles[where[key]], key, ours, expected[ours].shape, select, where[key]
+        state[ours] = read_tensor(
+            cfg, handles[where[key]], key, ours, expected[ours].shape, where[key]
         ).to(device=dev, dtype=dt)
     model = model.to_empty(device=dev)
     model.load_state_dict(state, strict=True, assign=True)
@@ -244,7 +244,12 @@ def load_model(
     return model.eval()
 
 
-def _read(cfg, handle, key, ours, shape, select, file) -> torch.Tensor:
+def read_tensor(
+    cfg, handle, key: str, ours: str, shape, file, select: Selector = _whole
+) -> torch.Tensor:
+    """Tensor `key` of an open file, checked against our parameter `ours` of the whole model's
+    `shape`, in our layout; `select(ours, slice, full_shape)` picks the part to read (a rank's
+    slices), by default all of it."""
     try:
         sl = handle.get_slice(key)
         hf_shape = tuple(sl.get_shape())

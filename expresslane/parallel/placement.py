@@ -16,19 +16,14 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from ..checkpoint import (
     NoInit,
-    _reconcile_norms,
-    from_hf_tensor,
     hf_name,
-    load_config,
+    open_checkpoint,
+    read_tensor,
     resolve_device,
     resolve_dtype,
-    resolve_model_dir,
-    safetensors_files,
-    to_hf_tensor,
 )
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
@@ -132,23 +127,12 @@ def load_shard(
 ):
     """Read this rank's slices of a checkpoint folder into a ParallelLaneformer.
 
-    checkpoint.load_model's `select` hook cannot be used as is: it checks each slice against the
-    whole model's shapes and loads into a whole-size module. This reader shares its helpers.
+    It opens the folder and reads each tensor through checkpoint.py (open_checkpoint,
+    read_tensor with this rank's `select`), then builds the shard-size module load_model cannot.
     """
     from .model import ParallelLaneformer
 
-    folder = resolve_model_dir(path)
-    cfg = load_config(folder)
-    handles = {}
-    for f in safetensors_files(folder):
-        try:
-            handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
-    where = {k: f for f, h in handles.items() for k in h.keys()}
-    cfg = _reconcile_norms(cfg, set(where))
-    if overrides:
-        cfg = cfg.with_overrides(**overrides)
+    folder, cfg, handles, where = open_checkpoint(path, overrides)
     place = Placement(cfg, rank, world)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, cfg, dev)
@@ -160,14 +144,9 @@ def load_shard(
         key = hf_name(cfg, ours)
         if key not in where:
             raise CheckpointError(f"{folder}: missing tensor {key}")
-        sl = handles[where[key]].get_slice(key)
-        full = tuple(sl.get_shape())
-        want = tuple(to_hf_tensor(cfg, ours, torch.empty(whole[ours].shape, device="meta")).shape)
-        if full != want:
-            raise CheckpointError(
-                f"{where[key]}: tensor {key} has shape {list(full)}, expected {list(want)}"
-            )
-        t = from_hf_tensor(cfg, ours, place.select(ours, sl, full))
+        t = read_tensor(
+            cfg, handles[where[key]], key, ours, whole[ours].shape, where[key], place.select
+        )
         if t.shape != p.shape:  # a placement bug, not a user error
             raise AssertionError(f"{ours}: slice {tuple(t.shape)} != shard {tuple(p.shape)}")
         nbytes += t.numel() * t.element_size()
