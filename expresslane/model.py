@@ -233,11 +233,13 @@ class Laneformer(nn.Module):
             h, a, m = block(h, cos, sin, positions, cache, pa, pm)
             if cfg.broadcasts(i):
                 past_a[i], past_m[i] = a, m
+        return self.finish(h, tokens.shape[1], cache, last_only)
+
+    def finish(self, h: torch.Tensor, n: int, cache: KVCache | None, last_only: bool):
+        """After the layers: the cache counts the `n` new positions, then the head's logits."""
         if cache is not None:
-            cache.advance(tokens.shape[1])
-        if last_only:
-            h = h[:, -1:]
-        return self.head(h)
+            cache.advance(n)
+        return self.head(h[:, -1:] if last_only else h)
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None, cache: KVCache | None):
         """tokens (B, S) -> the lane-expanded residual (B, S, L, D), positions and RoPE angles."""

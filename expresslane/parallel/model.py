@@ -76,7 +76,7 @@ class ParallelLaneformer(nn.Module):
         last_only: bool = False,
     ) -> torch.Tensor:
         """tokens (B, S) -> this rank's vocab chunk of the logits, (B, S, V_r)."""
-        # the same prologue as the whole model (it reads only cfg, inv_freq and the embedding)
+        # the whole model's prologue and epilogue (they read cfg, inv_freq, embedding, head)
         h, positions, cos, sin = Laneformer.embed(self, tokens, positions, cache)
         kept: dict[str, tuple] = {}  # "A3" -> (message or sum, own per-lane partials)
         for i, block in enumerate(self.model.layers):
@@ -86,11 +86,7 @@ class ParallelLaneformer(nn.Module):
             h = h + self._reduce(i, "M", m, kept)
         if kept:  # a message sent but never consumed would desynchronise the ranks
             raise AssertionError(f"unconsumed DTP messages: {sorted(kept)}")
-        if cache is not None:
-            cache.advance(tokens.shape[1])
-        if last_only:
-            h = h[:, -1:]
-        return self.head(h)
+        return Laneformer.finish(self, h, tokens.shape[1], cache, last_only)  # our own head
 
     def _reduce(self, i: int, mod: str, y: torch.Tensor, kept: dict) -> torch.Tensor:
         ex, mode, tag = self.exchange, self.modes[i], f"{mod}{i}"
