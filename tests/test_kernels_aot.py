@@ -56,8 +56,10 @@ def test_decode_step_kernels_compile_for_sm90(model, per_layer):
 
 
 def test_aot_rejects_unknown_model_and_interpreter():
-    out = aot("--model", "no-such-model")
-    assert out.returncode == 2 and "no-such-model" in out.stderr
+    for args, word in [(("--model", "no-such-model"), "no-such-model"),
+                       (("--arch", "7"), "--arch 7"), (("--sms", "0"), "--sms 0")]:  # fmt: skip
+        out = aot(*args)
+        assert out.returncode == 2 and word in out.stderr, out.stderr[-500:]
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "expresslane.kernels.aot"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

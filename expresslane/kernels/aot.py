@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         load_model_config(args.model)
+        if args.arch < 80:  # bf16 arithmetic and the kernels' shuffles need Ampere or newer
+            raise ConfigError(f"--arch {args.arch}: expected a compute capability x10 >= 80")
+        if args.sms < 1:
+            raise ConfigError(f"--sms {args.sms}: expected the GPU's SM count (>= 1)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
