@@ -317,6 +317,7 @@ def test_bench_on_two_devices_decodes_what_one_does(capsys):
         (["--devices", "3"], ["--devices 3", "num_lanes=8"]),
         (["--devices", "0"], ["--devices 0", ">= 1"]),
         (["--devices", "2", "--compile"], ["--compile"]),
+        (["--devices", "2", "--kernels", "both"], ["--kernels both", "no fused step"]),
     ],
 )
 def test_bench_bad_devices_exit_2(capsys, argv, words):

@@ -176,6 +176,10 @@ def _main_parallel(args, model_cfg: ModelConfig, checkpoint: Path | None, name: 
         raise ConfigError(
             f"--compile: the parallel engine (--devices {world}) has no compiled step"
         )
+    if args.kernels not in ("auto", "off"):
+        raise ConfigError(
+            f"--kernels {args.kernels}: the parallel engine (--devices {world}) has no fused step"
+        )
     cfg = _bench_config(args, args.device, peer=False)
     threads = _threads(args, model_cfg, world)
     with tempfile.TemporaryDirectory(prefix="expresslane-bench-") as tmp:
