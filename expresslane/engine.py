@@ -101,6 +101,10 @@ class Engine:
         # where the Triton kernels run (CUDA), "on" forces it (their references elsewhere).
         if kernels not in ("auto", "on", "off"):
             raise RequestError(f"kernels={kernels!r}: expected auto, on or off", "kernels")
+        if kernels == "on" and (self.decode != "graph" or not supports(model)):
+            why = "decode='eager'" if self.decode != "graph" else "attention biases (qwen2)"
+            raise RequestError(f"kernels='on': the fused decode step cannot run with {why}",
+                               "kernels")  # fmt: skip
         want = kernels == "on" or (kernels == "auto" and use_triton(p) and supports(model))
         self.decoder = FusedDecoder(model, self.cache) if want and self.decode == "graph" else None
 

@@ -210,3 +210,18 @@ def test_no_host_synchronisation_inside_the_replay_loop(model):
         torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         model.to("cpu")
+
+
+def test_fused_step_refuses_what_it_cannot_run(model):
+    from expresslane.config import ModelConfig
+    from expresslane.errors import RequestError
+    from expresslane.model import Laneformer
+
+    with pytest.raises(RequestError, match="decode='eager'"):
+        Engine(model, max_model_len=32, decode="eager", kernels="on")
+    with pytest.raises(RequestError, match="attention biases"):
+        qwen2 = ModelConfig.from_hf_dict(
+            dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+        )  # fmt: skip
+        Engine(Laneformer(qwen2), max_model_len=32, kernels="on")
