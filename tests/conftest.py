@@ -15,8 +15,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-pytest_plugins = ["serverkit"]  # the `server` fixture of the two server test files
-
 
 @pytest.fixture(scope="session")
 def random_laneformer_dir(tmp_path_factory):
