@@ -3,8 +3,9 @@
 One frozen ModelConfig describes both families. A Llama-family checkpoint (llama, mistral,
 qwen2) is the 1-lane case of the Laneformer decoder with "half" RoPE; a Laneformer checkpoint
 (model_type laneformer or laneformer_tp) carries lanes, the DTP delay and its head type
-(laneformer-spec.md sections 3 to 8). Every rule is checked here so that the model code can trust
-its config; a broken rule raises ConfigError naming the field.
+(docs/laneformer.md). Every rule is checked here so that the model code can trust its config; a
+broken rule raises ConfigError naming the field. hf_config.py translates config.json names and
+defaults into the fields; this file builds and checks the ModelConfig from them.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, RequestError
+from .hf_config import ROPE_TYPES, parse_hf_config
 
-LANEFORMER_TYPES = ("laneformer", "laneformer_tp")
-LLAMA_TYPES = ("llama", "mistral", "qwen2")
 HEAD_TYPES = ("replicate", "lane", "vocab_parallel")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -237,9 +236,10 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict) -> ModelConfig:
         """Parse a transformers-style config.json dict (hf_config.py owns the field rules)."""
-        from .hf_config import parse_hf_config
-
-        cfg = parse_hf_config(raw)
+        fields = parse_hf_config(raw)
+        if fields["rope_scaling"] is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+        cfg = cls(**fields)
         cfg.validate()
         return cfg
 

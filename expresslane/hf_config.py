@@ -1,7 +1,11 @@
-"""config.json dicts -> ModelConfig: each family's field names, defaults and layer layout.
+"""config.json dicts -> ModelConfig fields: each family's field names, defaults and layers.
 
-Laneformer (model_type laneformer / laneformer_tp) uses the reference LaneformerTPConfig's
-defaults (laneformer-spec.md section 3) and its sliding-window layer rule (section 8); the Llama
+This file only translates names and defaults; config.py builds and validates the ModelConfig
+from what `parse_hf_config` returns (a dict of its field values, `rope_scaling` as a dict), so
+the dependency runs one way: config.py -> hf_config.py.
+
+Laneformer (model_type laneformer / laneformer_tp) uses the public reference implementation's
+defaults and its sliding-window layer rule (docs/laneformer.md, "Configuration"); the Llama
 family (llama, mistral, qwen2) follows transformers, RoPE given either as rope_theta /
 rope_scaling (transformers 4) or rope_parameters (transformers 5). A field of the wrong type is
 a ConfigError naming it; an unknown model type is refused, never guessed.
@@ -11,11 +15,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import LANEFORMER_TYPES, LLAMA_TYPES, ROPE_TYPES, ModelConfig, RopeScaling
 from .errors import ConfigError
 
+LANEFORMER_TYPES = ("laneformer", "laneformer_tp")
+LLAMA_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
 
-def parse_hf_config(raw: dict) -> ModelConfig:
+
+def parse_hf_config(raw: dict) -> dict[str, Any]:
+    """A config.json dict -> keyword arguments of ModelConfig (not yet validated)."""
     mt = raw.get("model_type")
     if mt in LANEFORMER_TYPES:
         return _laneformer_from_dict(raw)
@@ -61,7 +69,7 @@ def _eos(raw: dict, default: Any) -> tuple[int, ...]:
     return tuple(vals)
 
 
-def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
+def _rope(raw: dict) -> tuple[float, dict | None]:
     """RoPE from rope_theta/rope_scaling (transformers 4) or rope_parameters (transformers 5)."""
     params = raw.get("rope_parameters")
     if params is not None:
@@ -85,7 +93,7 @@ def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
         )
     if rtype == "default":
         return theta, None
-    return theta, RopeScaling(
+    return theta, dict(  # the fields of config.RopeScaling
         rope_type=rtype,
         factor=_num(scaling, "factor", 1.0),
         low_freq_factor=_num(scaling, "low_freq_factor", 1.0),
@@ -108,7 +116,7 @@ def _dtype(raw: dict) -> str:
     return str(d).removeprefix("torch.")
 
 
-def _laneformer_from_dict(raw: dict) -> ModelConfig:
+def _laneformer_from_dict(raw: dict) -> dict[str, Any]:
     # Defaults are the reference LaneformerTPConfig's (spec section 3).
     hidden = _int(raw, "hidden_size", 4096)
     heads = _int(raw, "num_attention_heads", 32)
@@ -135,7 +143,7 @@ def _laneformer_from_dict(raw: dict) -> ModelConfig:
         )
     theta, scaling = _rope(raw)
     lanes = _int(raw, "num_lanes", 1)
-    return ModelConfig(
+    return dict(
         family="laneformer",
         model_type=raw["model_type"],
         vocab_size=_int(raw, "vocab_size", 128256),
@@ -170,7 +178,7 @@ def _laneformer_from_dict(raw: dict) -> ModelConfig:
     )
 
 
-def _llama_from_dict(raw: dict) -> ModelConfig:
+def _llama_from_dict(raw: dict) -> dict[str, Any]:
     mt = raw["model_type"]
     act = raw.get("hidden_act", "silu")
     if act != "silu":
@@ -195,7 +203,7 @@ def _llama_from_dict(raw: dict) -> ModelConfig:
     bias = _bool(raw, "attention_bias", mt == "qwen2")
     if _bool(raw, "mlp_bias", False):
         raise ConfigError("config field mlp_bias=true: MLP biases are not supported")
-    return ModelConfig(
+    return dict(
         family="llama",
         model_type=mt,
         vocab_size=_int(raw, "vocab_size", 32000),

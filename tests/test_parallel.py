@@ -23,7 +23,8 @@ import torch
 
 from expresslane.__main__ import main
 from expresslane.checkpoint import load_model, save_model
-from expresslane.cli.launch import _lead_entry, load_lead_engine, run_parallel, spawn
+from expresslane.cli.launch import _lead_entry, load_lead_engine, spawn
+from expresslane.cli.run import main as run_main
 from expresslane.config import ModelConfig, SamplingParams
 from expresslane.engine import Engine
 from expresslane.model import Laneformer, init_weights
@@ -210,7 +211,7 @@ def _run_as_torchrun_rank(rank: int, world: int, path: str) -> str:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert run_parallel(_run_args(path, world)) == 0
+        assert run_main(_run_args(path, world)) == 0
     return out.getvalue()
 
 

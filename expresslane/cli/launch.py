@@ -1,6 +1,6 @@
 """`--devices N`: one process per device, lanes (or heads) split over them.
 
-`run_parallel(args)` is `expresslane run` on N ranks: it spawns N processes (torch
+`run_parallel(args, generate)` is `expresslane run` on N ranks: it spawns N processes (torch
 multiprocessing, gloo on CPUs, NCCL with one GPU per rank), or, when launched by `torchrun`
 (RANK / WORLD_SIZE / LOCAL_RANK in the environment), is itself one rank. Every rank loads only
 its slices and runs the same generation (ParallelEngine role "spmd"); rank 0 prints exactly what
@@ -157,25 +157,28 @@ def _device_of_rank(device: str) -> str:
     return "cpu"
 
 
-def _run_rank(rank: int, world: int, device: str, args: argparse.Namespace) -> int:
-    from .run import generate_and_print, sampling_from_args
+# The command's own generation: (args, engine, tokenizer, extra figures) -> exit code. run.py
+# passes it in (a module-level function, so it pickles into the spawned ranks), so this file
+# never imports the command it serves.
+Generate = Callable[[argparse.Namespace, object, object, dict], int]
 
-    params = sampling_from_args(args)
+
+def _run_rank(rank: int, world: int, device: str, args: argparse.Namespace, gen: Generate) -> int:
     engine, tok = load_engine(args, device)
     out = sys.stdout if rank == 0 else open(os.devnull, "w")  # noqa: SIM115
     with contextlib.redirect_stdout(out):  # every rank generates; rank 0 prints
-        extra = {"devices": world, "backend": dist.get_backend()}
-        return generate_and_print(args, engine, tok, params, extra)
+        return gen(args, engine, tok, {"devices": world, "backend": dist.get_backend()})
 
 
-def run_parallel(args: argparse.Namespace) -> int:
+def run_parallel(args: argparse.Namespace, generate: Generate) -> int:
     """`expresslane run --devices N` (or one torchrun rank of it); returns the exit code."""
     env = torchrun_env()
     if env is not None:  # torchrun started us: we are one rank
         rank, world, _ = env
-        return _run_rank(rank, world, init_distributed(rank, world, args.device), args)
+        dev = init_distributed(rank, world, args.device)
+        return _run_rank(rank, world, dev, args, generate)
     _check_args(args)
-    return spawn(_run_rank, args.devices, args, device=args.device)[0]
+    return spawn(_run_rank, args.devices, args, generate, device=args.device)[0]
 
 
 # --- serve: rank 0 runs the command, the others follow ----------------------------------------

@@ -128,11 +128,16 @@ def set_cpu_threads(engine: Engine, threads: int | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    params = sampling_from_args(args)  # bad flags fail before any rank starts
     if args.devices != 1 or launch.torchrun_env():  # --devices 0 is refused there
-        return launch.run_parallel(args)
-    params = sampling_from_args(args)
+        return launch.run_parallel(args, generate_on_rank)
     engine, tok = load_engine(args)
     return generate_and_print(args, engine, tok, params)
+
+
+def generate_on_rank(args: argparse.Namespace, engine, tok: Tokenizer, extra: dict) -> int:
+    """One rank's part of `run --devices N` (launch.run_parallel calls it on every rank)."""
+    return generate_and_print(args, engine, tok, sampling_from_args(args), extra)
 
 
 def generate_and_print(

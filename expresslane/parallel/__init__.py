@@ -1,6 +1,7 @@
 """Lanes (or heads) placed on several devices, and the delayed (DTP) exchange between them.
 
-- placement.py: which slice of every tensor a rank holds; loading only those slices.
+- placement.py: which slice of every tensor a rank holds.
+- shard.py: load_shard, reading only those slices into a ParallelLaneformer.
 - exchange.py: asynchronous all-reduces waited on where consumed, tracing, injected latency,
   and the vocab-parallel token pick.
 - model.py: ParallelLaneformer, the forward over local lanes with the DTP wiring.
@@ -12,6 +13,7 @@ Processes are started by expresslane/cli/launch.py (`--devices N`, or torchrun).
 from .engine import ParallelEngine
 from .exchange import Exchange
 from .model import ParallelLaneformer
-from .placement import Placement, load_shard
+from .placement import Placement
+from .shard import load_shard
 
 __all__ = ["Exchange", "ParallelEngine", "ParallelLaneformer", "Placement", "load_shard"]

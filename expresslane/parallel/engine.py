@@ -32,7 +32,7 @@ from ..engine import Engine
 from ..sampler import sample
 from .exchange import gather_vocab, sample_sharded
 from .model import ParallelLaneformer
-from .placement import load_shard
+from .shard import load_shard
 
 ROLES = ("spmd", "lead", "follow")
 

@@ -1,4 +1,4 @@
-"""Placement: which part of every tensor a rank holds, and loading only that part.
+"""Placement: which part of every tensor a rank holds (shard.py reads only that part).
 
 A Laneformer is split by lanes (spec 15.1): with G ranks and L lanes, rank r holds lanes
 [r*L/G, (r+1)*L/G) of every per-lane tensor (wq/wk/wv/wo/w1/w2/w3, per-lane norm scales, the
@@ -7,27 +7,17 @@ A Llama-family checkpoint (one lane) gets ordinary tensor parallelism: rank r ho
 block of query heads, KV heads and FFN units (rows of q/k/v/gate/up, columns of o/down). Every
 LM head ends on a contiguous vocab chunk [r*V//G, (r+1)*V//G) per rank, so sampling can stay
 vocab-parallel. The slices are read straight from the safetensors slices (`get_slice`), never
-the whole tensor; `bytes_loaded` counts what was materialised.
+the whole tensor (`select`, used by shard.py's load_shard).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint import (
-    NoInit,
-    hf_name,
-    open_checkpoint,
-    read_tensor,
-    resolve_device,
-    resolve_dtype,
-)
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
-from ..rope import inv_frequencies
 
 ROW = ("attention.wq.", "attention.wk.", "attention.wv.", "feed_forward.w1.", "feed_forward.w3.")
 COL = ("attention.wo.", "feed_forward.w2.")
@@ -114,44 +104,3 @@ class Placement:
             n = shape[1] // G
             return sl[:, r * n : (r + 1) * n]
         raise CheckpointError(f"no placement rule for tensor {name}")
-
-
-def load_shard(
-    path: str | os.PathLike,
-    rank: int = 0,
-    world: int = 1,
-    device: str = "auto",
-    dtype: str = "auto",
-    overrides: dict | None = None,
-    **model_kw,
-):
-    """Read this rank's slices of a checkpoint folder into a ParallelLaneformer.
-
-    It opens the folder and reads each tensor through checkpoint.py (open_checkpoint,
-    read_tensor with this rank's `select`), then builds the shard-size module load_model cannot.
-    """
-    from .model import ParallelLaneformer
-
-    folder, cfg, handles, where = open_checkpoint(path, overrides)
-    place = Placement(cfg, rank, world)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, cfg, dev)
-    with torch.device("meta"), NoInit():  # world 1: the whole model's names and shapes
-        whole = dict(ParallelLaneformer(Placement(cfg)).named_parameters())
-        model = ParallelLaneformer(place, **model_kw)
-    state, nbytes = {}, 0
-    for ours, p in model.named_parameters():
-        key = hf_name(cfg, ours)
-        if key not in where:
-            raise CheckpointError(f"{folder}: missing tensor {key}")
-        t = read_tensor(
-            cfg, handles[where[key]], key, ours, whole[ours].shape, where[key], place.select
-        )
-        if t.shape != p.shape:  # a placement bug, not a user error
-            raise AssertionError(f"{ours}: slice {tuple(t.shape)} != shard {tuple(p.shape)}")
-        nbytes += t.numel() * t.element_size()
-        state[ours] = t.to(device=dev, dtype=dt)
-    model.load_state_dict(state, strict=True, assign=True)  # every parameter leaves meta
-    model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
-    model.bytes_loaded = nbytes
-    return model.eval()

@@ -1,0 +1,120 @@
+"""The package's import graph has no cycle: every import, at module level or inside a function.
+
+The graph is read from the source with `ast` (nothing is imported): an edge a -> b for every
+`import` / `from ... import` in module a, wherever it stands (a lazy import inside a function
+is a dependency all the same, only a later one). `from pkg import name` points at `pkg.name`
+when that is a module and at `pkg` otherwise. A cycle is reported with the import statements
+(file:line) that close it, so the failure says what to move.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import expresslane
+
+Graph = dict[str, dict[str, str]]  # module -> {imported module: "file:line" of the import}
+
+
+def modules(root: Path, package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under the package folder `root`."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [package, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _targets(name: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:  # relative: strip the module itself (unless a package), then level - 1 more
+        parts = name.split(".")[: len(name.split(".")) - (0 if is_package else 1)]
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    return [f"{base}.{alias.name}" for alias in node.names]  # a name, or a module under base
+
+
+def import_graph(root: Path, package: str) -> Graph:
+    mods = modules(root, package)
+    graph: Graph = {m: {} for m in mods}
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in _targets(name, path.name == "__init__.py", node):
+                hit = _owner(target, mods)  # `from pkg import module`: the module, not pkg
+                if hit and hit != name:
+                    graph[name].setdefault(hit, f"{path.relative_to(root.parent)}:{node.lineno}")
+    return graph
+
+
+def _owner(target: str, mods: dict[str, Path]) -> str | None:
+    """The module of ours that `target` (a module or a name inside one) belongs to."""
+    while target and target not in mods:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def describe(graph: Graph, comp: list[str]) -> str:
+    edges = [f"{a} -> {b} ({graph[a][b]})" for a in comp for b in sorted(graph[a]) if b in comp]
+    return "import cycle: " + "; ".join(edges)
+
+
+def test_package_has_no_import_cycle():
+    root = Path(expresslane.__file__).parent
+    graph = import_graph(root, "expresslane")
+    assert len(graph) > 50 and graph["expresslane.engine"], "the graph was not read"
+    found = cycles(graph)
+    assert not found, "\n".join(describe(graph, c) for c in found)
+
+
+def test_detector_sees_lazy_and_relative_cycles(tmp_path):
+    """The checker itself: a cycle closed by a lazy relative import inside a function is found;
+    `from . import sub` in a package's own module is not a cycle through the package."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("from .b import g\n\ndef f():\n    return g()\n")
+    (pkg / "b.py").write_text("def g():\n    from .a import f\n    return f\n")
+    (pkg / "sub" / "__init__.py").write_text("from .x import h\n")
+    (pkg / "sub" / "x.py").write_text("from . import y\nh = y\n")
+    (pkg / "sub" / "y.py").write_text("import os\n")
+    graph = import_graph(pkg, "pkg")
+    assert cycles(graph) == [["pkg.a", "pkg.b"]]
+    assert "pkg/b.py:2" in describe(graph, ["pkg.a", "pkg.b"])
+    assert graph["pkg.sub.x"] == {"pkg.sub.y": "pkg/sub/x.py:1"}
