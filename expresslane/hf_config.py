@@ -117,7 +117,7 @@ def _dtype(raw: dict) -> str:
 
 
 def _laneformer_from_dict(raw: dict) -> dict[str, Any]:
-    # Defaults are the reference LaneformerTPConfig's (spec section 3).
+    # Defaults are the reference LaneformerTPConfig's (docs/laneformer.md, "Configuration").
     hidden = _int(raw, "hidden_size", 4096)
     heads = _int(raw, "num_attention_heads", 32)
     kv = _int(raw, "num_key_value_heads", None) or heads
@@ -131,17 +131,9 @@ def _laneformer_from_dict(raw: dict) -> dict[str, Any]:
     unclamped = raw.get("unclamped_layers") or []
     if not isinstance(unclamped, list) or not all(isinstance(x, int) for x in unclamped):
         raise ConfigError(f"config field unclamped_layers={unclamped!r}: must be a list of ints")
-    types = _layer_types(raw, n)
-    if types is None:  # spec section 8
-        types = tuple(
-            "full_attention"
-            if i in unclamped or window is None
-            else "sliding_attention"
-            if (i < swn or i >= n + swn)
-            else "full_attention"
-            for i in range(n)
-        )
-    theta, scaling = _rope(raw)
+    types = _laneformer_layer_types(n, window, swn, unclamped)
+    theta = _num(raw, "rope_theta", 10000.0)
+    _check_ignored_fields(raw, hidden // heads, types, theta, _num(raw, "norm_eps", 1e-5))
     lanes = _int(raw, "num_lanes", 1)
     return dict(
         family="laneformer",
@@ -156,7 +148,7 @@ def _laneformer_from_dict(raw: dict) -> dict[str, Any]:
         max_position_embeddings=_int(raw, "max_position_embeddings", 131072),
         norm_eps=_num(raw, "norm_eps", 1e-5),
         rope_theta=theta,
-        rope_scaling=scaling,
+        rope_scaling=None,  # the reference has no RoPE scaling (checked above)
         rope_style="interleaved",
         num_lanes=lanes,
         broadcast_delay=_int(raw, "broadcast_delay", 1),
@@ -176,6 +168,59 @@ def _laneformer_from_dict(raw: dict) -> dict[str, Any]:
         pad_token_id=_int(raw, "pad_token_id", None),
         dtype=_dtype(raw),
     )
+
+
+def _laneformer_layer_types(n: int, window, swn: int, unclamped: list) -> tuple[str, ...]:
+    """The reference's rule: unclamped layers are full; else layer i slides iff i < swn or
+    i >= n + swn (swn < 0 counts from the end). Like the reference, a sliding layer without a
+    window is refused rather than quietly made full."""
+    sliding = [i not in unclamped and (i < swn or i >= n + swn) for i in range(n)]
+    if any(sliding) and window is None:
+        layers = [i for i, s in enumerate(sliding) if s]
+        raise ConfigError(
+            f"config field sliding_window=null: sliding_window_n_layers={swn} makes layers "
+            f"{layers} sliding-window layers, which need a window size (the reference "
+            "implementation refuses this too); set sliding_window or sliding_window_n_layers=0"
+        )
+    return tuple("sliding_attention" if s else "full_attention" for s in sliding)
+
+
+def _check_ignored_fields(raw: dict, head_dim: int, types: tuple, theta: float, eps: float):
+    """Fields the reference Laneformer implementation never reads (it builds plain RoPE from
+    rope_theta, its layers from sliding_window_n_layers, its shapes from hidden_size).
+
+    Each is accepted only where it says what the reference computes anyway, so a checkpoint
+    that relies on one (a RoPE scaling, a layer_types list of its own) is refused with the
+    reason instead of being run as something its authors' code would not compute."""
+    why = "the Laneformer reference implementation ignores this field and computes"
+    expected = {
+        "layer_types": list(types),
+        "head_dim": head_dim,
+        "rms_norm_eps": eps,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+    }
+    for key, want in expected.items():
+        if raw.get(key) is not None and raw[key] != want:
+            raise ConfigError(f"config field {key}={raw[key]!r}: {why} {want!r}")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(key)
+        if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+            rope = rope["full_attention"]  # transformers 5: per layer type
+        if rope is None:
+            continue
+        rtype = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else 0
+        if rtype != "default":
+            raise ConfigError(
+                f"config field {key}={raw[key]!r}: {why} plain RoPE from rope_theta; "
+                "remove it or give rope_type 'default'"
+            )
+        if "rope_theta" in rope and rope["rope_theta"] != theta:
+            raise ConfigError(
+                f"config field {key}.rope_theta={rope['rope_theta']!r}: {why} rope_theta={theta}"
+                " (the top-level field, or its default 10000)"
+            )
 
 
 def _llama_from_dict(raw: dict) -> dict[str, Any]:

@@ -55,16 +55,16 @@ def past_source(cfg, i: int) -> int | None:
 
 
 def sliding_layers(cfg) -> list[bool]:
-    """Spec 8: unclamped layers are full; else layer i slides iff i < n or i >= N + n, where
-    n = sliding_window_n_layers. Without a sliding_window every layer is full.
+    """Laneformer: unclamped layers are full; else layer i slides iff i < n or i >= N + n,
+    where n = sliding_window_n_layers (the reference implementation reads nothing else; a
+    `layer_types` list is never consulted). Without a sliding_window every layer is full.
 
-    Llama-family configs (and Laneformer configs that give an explicit `layer_types` list
-    instead of sliding_window_n_layers, spec 3) use the config's layer_types."""
+    Llama-family configs use the config's layer_types."""
     n_layers = cfg.num_layers
     if cfg.sliding_window is None:
         return [False] * n_layers
     n = cfg.sliding_window_n_layers
-    if cfg.family == "laneformer" and (n != 0 or cfg.unclamped_layers):
+    if cfg.family == "laneformer":
         unclamped = set(cfg.unclamped_layers)
         return [(i not in unclamped) and (i < n or i >= n_layers + n) for i in range(n_layers)]
     return [t == "sliding_attention" for t in cfg.layer_types]

@@ -32,7 +32,7 @@ def test_laneformer_2b_layer_assignment():
     assert [cfg.is_sliding(i) for i in range(15)] == [True] * 10 + [False] * 5
     assert [cfg.reduce_mode(i) for i in range(15)] == ["present"] * 2 + ["past"] * 13
     assert cfg.head_dim == 96 and cfg.lane_q_dim == 384 and cfg.lane_kv_dim == 192
-    # Option A: layers 0..12 are consumed later (spec 6.6); Option B: only 2..12 broadcast
+    # Option A: layers 0..12 are consumed later; Option B: only 2..12 broadcast
     assert [i for i in range(15) if cfg.broadcasts(i)] == list(range(13))
     b = cfg.with_overrides(dtp_variant="B")
     assert [i for i in range(15) if b.broadcasts(i)] == list(range(2, 13))
@@ -41,9 +41,57 @@ def test_laneformer_2b_layer_assignment():
 def test_negative_window_layers_and_unclamped_and_layer_types():
     cfg = ModelConfig.from_hf_dict({**LF, "sliding_window_n_layers": -5, "unclamped_layers": [12]})
     assert [i for i in range(15) if cfg.is_sliding(i)] == [10, 11, 13, 14]
-    types = ["full_attention", "sliding_attention"] * 7 + ["full_attention"]
-    cfg = ModelConfig.from_hf_dict({**LF, "layer_types": types})
-    assert cfg.layer_types == tuple(types)
+    # layer_types is not read by the reference: accepted when it agrees with its rule...
+    same = ["sliding_attention"] * 10 + ["full_attention"] * 5
+    assert ModelConfig.from_hf_dict({**LF, "layer_types": same}).layer_types == tuple(same)
+    # ...and refused, not obeyed, when it asks for other layers
+    other = ["full_attention", "sliding_attention"] * 7 + ["full_attention"]
+    with pytest.raises(ConfigError, match="layer_types.*reference implementation ignores"):
+        ModelConfig.from_hf_dict({**LF, "layer_types": other})
+
+
+def test_laneformer_window_null_with_sliding_layers_is_refused_like_the_reference():
+    with pytest.raises(ConfigError, match=r"sliding_window=null.*layers \[0, 1, 2\]"):
+        ModelConfig.from_hf_dict({**LF, "sliding_window": None, "sliding_window_n_layers": 3})
+    # no layer would slide: nothing to refuse (n = 0, or every sliding layer unclamped)
+    for kw in (
+        {"sliding_window_n_layers": 0},
+        {"sliding_window_n_layers": 1, "unclamped_layers": [0]},
+    ):
+        cfg = ModelConfig.from_hf_dict({**LF, "sliding_window": None, **kw})
+        assert not any(cfg.is_sliding(i) for i in range(15))
+
+
+def test_laneformer_rope_is_plain_rope_from_rope_theta_like_the_reference():
+    # what the reference computes anyway is accepted (transformers 5 writes rope_parameters)
+    for extra in (
+        {"rope_scaling": None},
+        {"rope_scaling": {"rope_type": "default"}},
+        {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+        {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    ):
+        cfg = ModelConfig.from_hf_dict({**LF, **extra})
+        assert cfg.rope_scaling is None and cfg.rope_theta == extra.get("rope_theta", 1e4)
+    # a scaling, or a theta the reference would not use, is refused with the reason
+    refused = [
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "rope_theta=10000"),
+    ]
+    for extra, says in refused:
+        with pytest.raises(ConfigError, match="reference implementation ignores") as e:
+            ModelConfig.from_hf_dict({**LF, **extra})
+        assert says in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "field,agrees,differs",
+    [("head_dim", 96, 128), ("attention_bias", False, True), ("hidden_act", "silu", "gelu")],
+)
+def test_laneformer_llama_fields_the_reference_ignores(field, agrees, differs):
+    assert ModelConfig.from_hf_dict({**LF, field: agrees}).head_dim == 96
+    with pytest.raises(ConfigError, match=f"config field {field}=.*ignores"):
+        ModelConfig.from_hf_dict({**LF, field: differs})
 
 
 @pytest.mark.parametrize(

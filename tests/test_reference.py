@@ -153,9 +153,10 @@ SLIDING_CASES = {
         **L4,
         **PER_LANE,
     ),
-    "swa-layer-types-w3": dict(
+    "swa-last2-layer-types-w3": dict(  # a layer_types list that agrees with the rule
         sliding_window=3,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        sliding_window_n_layers=-2,
+        layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"],
     ),
 }
 
