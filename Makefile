@@ -2,26 +2,33 @@
 # make test  - set up .venv and run the whole test suite (what CI runs)
 VENV ?= .venv
 PY := $(VENV)/bin/python
+SETUP := scripts/setup_venv.sh
 STAMP := $(VENV)/.installed
-PROMPT ?= def fibonacci(n):
+RUN_STAMP := $(VENV)/.installed-run
+# `make run`'s request: the format the embedded model was chat-tuned on, sampled with the
+# settings that gave its most Python-like answers of those tried (README, "The embedded model");
+# seed 0 makes the answer repeatable. Override: make run CHAT='...' SAMPLING='...'
+CHAT ?= Write a Python function `def is_even(n)` that does this: Return True if n is even.
+SAMPLING ?= --temperature 1.0 --min-p 0.2 --seed 0 --max-tokens 96
 
 .PHONY: run test serve bench lint format clean
 
-$(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# the CPU build of torch that lies on this machine's disk; a bare `torch` pulls CUDA (GBs)
-	$(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
-	$(PY) -m pip install -q -e '.[test]'
-	touch $@
+# set-up: one progress line per step, pip's output in $(VENV)/setup.log
+$(RUN_STAMP): pyproject.toml $(SETUP)
+	@bash $(SETUP) $(VENV) run
+	@touch $@
 
-run: $(STAMP)
-	$(VENV)/bin/expresslane run --prompt '$(PROMPT)' --max-tokens 96
+$(STAMP): pyproject.toml $(SETUP)
+	@bash $(SETUP) $(VENV) test
+	@touch $@ $(RUN_STAMP)
+
+run: $(RUN_STAMP)
+	@$(VENV)/bin/expresslane run --chat '$(CHAT)' $(SAMPLING)
 
 test: $(STAMP)
 	$(PY) -m pytest
 
-serve: $(STAMP)
+serve: $(RUN_STAMP)
 	$(VENV)/bin/expresslane serve
 
 bench: $(STAMP)

@@ -167,3 +167,18 @@ def test_bench_kernels_both_rows_decode_the_same_tokens(capsys):
     rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
     assert [r["engine"] for r in rows] == ["expresslane (no kernels)", "expresslane+kernels"]
     assert rows[0]["token_ids"] == rows[1]["token_ids"] and len(rows[0]["token_ids"]) == 16
+
+
+def test_run_without_a_model_says_what_the_embedded_model_is(capsys):
+    """The first-contact path (`make run`): the first line says what the model is and what to
+    expect, then the request and a label before the answer; --json output stays one object."""
+    argv = ["run", "--chat", "Write a function.", "--max-tokens", "4", "--temperature", "1.0"]
+    code, out, _ = _run(capsys, *argv, "--min-p", "0.2", "--seed", "0")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("embedded model: a 5.6 M-parameter Laneformer")
+    assert "not working code" in lines[0]
+    assert lines[1] == "chat (temperature 1, min-p 0.2, seed 0): Write a function."
+    assert lines[2] == "answer:" and lines[-1].startswith("[prompt tokens: ")
+    code, out, _ = _run(capsys, *argv, "--json")
+    assert code == 0 and "embedded model" not in out and json.loads(out)["completion_tokens"]

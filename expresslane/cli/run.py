@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from ..assets import default_model_dir
+from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
@@ -144,6 +144,8 @@ def generate_and_print(
     args, engine, tok: Tokenizer, params: SamplingParams, extra: dict | None = None
 ) -> int:
     """Encode --prompt/--chat, stream the text (or collect it for --json), print the figures."""
+    if not args.json and args.model is None and has_trained_model():
+        label_embedded_answer(args, params)
     if args.chat is not None:
         text = tok.apply_chat_template([{"role": "user", "content": args.chat}])
         prompt_ids = tok.encode(text, add_special_tokens=False)
@@ -185,3 +187,18 @@ def generate_and_print(
         )
     sys.stdout.flush()
     return 0
+
+
+def label_embedded_answer(args: argparse.Namespace, params: SamplingParams) -> None:
+    """The first-contact path (no MODEL, e.g. `make run`): say what the embedded model is and
+    what to expect, then label the answer. On stdout, which only rank 0 of a parallel run keeps."""
+    knobs = ["greedy"] if params.greedy else [f"temperature {params.temperature:g}"]
+    if not params.greedy:
+        knobs += [f"top-k {params.top_k}"] if params.top_k > 0 else []
+        knobs += [f"top-p {params.top_p:g}"] if params.top_p < 1 else []
+        knobs += [f"min-p {params.min_p:g}"] if params.min_p > 0 else []
+        knobs += [f"seed {params.seed}"] if params.seed is not None else []
+    kind, text = ("chat", args.chat) if args.chat is not None else ("prompt", args.prompt or "def ")
+    print(f"embedded model: {SUMMARY}")
+    print(f"{kind} ({', '.join(knobs)}): {text}")
+    print("answer:", flush=True)
