@@ -124,7 +124,7 @@ def load_config(folder: Path) -> ModelConfig:
 
 
 def _reconcile_norms(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
-    """The checkpoint's keys decide shared vs per-lane norms (spec 5.3, 19.2)."""
+    """The checkpoint's keys decide shared vs per-lane norms (laneformer.md 3.3)."""
     if cfg.family != "laneformer":
         return cfg
     if "model.layers.0.attention_norm.scale" in keys and cfg.replicated_rmsn_scale:
@@ -239,7 +239,8 @@ def load_model(
         ).to(device=dev, dtype=dt)
     model = model.to_empty(device=dev)
     model.load_state_dict(state, strict=True, assign=True)
-    # to_empty left the non-persistent RoPE buffer uninitialised: recompute it (fp32, spec 10).
+    # to_empty left the non-persistent RoPE buffer uninitialised: recompute it (fp32,
+    # laneformer.md 4.4).
     model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
     return model.eval()
 

@@ -52,8 +52,9 @@ class ModelConfig:
     broadcast_delay: int = 1
     use_comm: bool = True
     use_early_comm: bool = True
-    # Spec 6.5: "A" = the public implementation's wiring (present layers' partials are re-added
-    # at layers d..2d-1); "B" = layers < d do not broadcast, so layers d..2d-1 add only their own.
+    # laneformer.md 5.4: "A" = the public implementation's wiring (present layers' partials are
+    # re-added at layers d..2d-1); "B" = layers < d do not broadcast, so layers d..2d-1 add only
+    # their own.
     dtp_variant: str = "A"
     lm_head_type: str = "replicate"
     pre_norm_lane_agg: bool = False
@@ -102,7 +103,7 @@ class ModelConfig:
         return self.sliding_window if self.is_sliding(layer) else None
 
     def reduce_mode(self, layer: int) -> str:
-        """The reduce of spec 6.3: present, no_reduce or past."""
+        """The reduce of laneformer.md 5.3: present, no_reduce or past."""
         if layer < self.broadcast_delay:
             return "present" if self.use_early_comm else "no_reduce"
         return "past" if self.use_comm else "no_reduce"

@@ -3,8 +3,9 @@
 The residual stream carries a lane axis, h: (B, S, L, D). Per-lane projections are lane-major
 (L, out/L, in) "row" or (L, out, in/L) "column" weights, kept as the checkpoint has them; a Llama
 (out, in) matrix is held as (1, out, in). After every attention and MLP module the per-lane
-partials are reduced by the layer's mode (spec 6.2): present (immediate all-reduce), no_reduce,
-or past (own fresh partial + the other lanes' partials from `broadcast_delay` layers earlier).
+partials are reduced by the layer's mode (laneformer.md 5.2): present (immediate all-reduce),
+no_reduce, or past (own fresh partial + the other lanes' partials from `broadcast_delay` layers
+earlier).
 Parameter names are the Laneformer checkpoint keys, so a Laneformer state dict loads as is.
 
 `forward(tokens, positions, cache)` covers prefill, decode and training (cache=None).
@@ -36,7 +37,7 @@ def lane_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
 
 
 class RMSNorm(nn.Module):
-    """Shared weight (D,) applied to every lane, or a per-lane scale (L, D) (spec 5.3).
+    """Shared weight (D,) applied to every lane, or a per-lane scale (L, D) (laneformer.md 4.1).
 
     `round_before_scale` follows each reference's rounding: transformers' Llama and the per-lane
     LaneRMSNorm round the normalised value to the activation dtype before scaling; the shared
@@ -105,7 +106,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     -> (B, H, S, hd).
 
     Few queries (decode, small chunks): grouped matmuls with no KV repetition, softmax in fp32
-    (spec 5.5); CPU SDPA with a mask and GQA is an order of magnitude slower there. Long
+    (laneformer.md 4.3); CPU SDPA with a mask and GQA is an order of magnitude slower there. Long
     prefills and training: SDPA.
     """
     B, S, H, hd = q.shape
@@ -150,7 +151,7 @@ class _Proj(nn.Module):
 
 
 def reduce(y: torch.Tensor, mode: str, past: torch.Tensor | None) -> torch.Tensor:
-    """What a module adds to each lane's residual (spec 6.2); y, past: (B, S, L, D)."""
+    """What a module adds to each lane's residual (laneformer.md 5.2); y, past: (B, S, L, D)."""
     if mode == "present":
         return y.sum(-2, keepdim=True)
     if mode == "no_reduce":
@@ -255,7 +256,7 @@ class Laneformer(nn.Module):
         return h, positions, cos, sin
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm, lane aggregation and LM head (spec 7); h (B, S, L, D) -> (B, S, V)."""
+        """Final norm, lane aggregation, LM head (laneformer.md 6); h (B, S, L, D) -> (B, S, V)."""
         cfg, norm = self.cfg, self.model.norm
         B, S, L, D = h.shape
         if cfg.lm_head_type == "vocab_parallel":

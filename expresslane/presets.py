@@ -4,7 +4,7 @@ A preset is written exactly as the checkpoint's config.json would be, so it goes
 parser and validation (`ModelConfig.from_hf_dict`) as a real checkpoint. Presets let the ceiling
 calculator, benchmarks and tests name a model without downloading it:
 
-- `laneformer-2b`: Kog's Laneformer 2B (laneformer-spec.md section 2).
+- `laneformer-2b`: Kog's Laneformer 2B (docs/laneformer.md 3.1).
 - `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`: Meta's published configs.
 - `laneformer-tiny`, `llama-tiny`: small random-init shapes for CPU tests (float32).
 
@@ -63,8 +63,8 @@ def _llama3(
 
 
 PRESETS: dict[str, dict] = {
-    # Spec section 2 (CARD values). norm_eps is not published: 1e-5 is the reference config's
-    # default. dtp_variant is left to the parser default until spec 6.5 is resolved.
+    # The model card's values (laneformer.md 3.1). norm_eps is not published: 1e-5 is the
+    # reference config's default. dtp_variant is left to the parser default (laneformer.md 5.4, 11).
     "laneformer-2b": {
         "model_type": "laneformer",
         "architectures": ["LaneformerForCausalLM"],

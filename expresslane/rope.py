@@ -1,9 +1,9 @@
 """Rotary position embeddings: frequencies (with llama3 scaling) and the two pairing conventions.
 
-Laneformer rotates adjacent pairs (2i, 2i+1), the Meta/complex convention (spec 5.5); Llama as
-transformers stores it rotates (i, i + head_dim/2), "rotate-half". Angles are computed from the
-positions on the fly in fp32 (no table), so any position a cache allows is valid and a captured
-graph only needs the position tensor.
+Laneformer rotates adjacent pairs (2i, 2i+1), the Meta/complex convention (laneformer.md 4.4);
+Llama as transformers stores it rotates (i, i + head_dim/2), "rotate-half". Angles are computed
+from the positions on the fly in fp32 (no table), so any position a cache allows is valid and a
+captured graph only needs the position tensor.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Token ids -> streamed text: incremental UTF-8-safe detokenization and stop strings.
 
-The engine deals in token ids only (ARCHITECTURE decision 6); this is the text side shared by
-the CLI and the server. A stop string ends generation (the engine's generator is closed, which
-frees it at once) and is never emitted, nor anything after it.
+The engine deals in token ids only (docs/architecture.md, decision 6); this is the text side
+shared by the CLI and the server. A stop string ends generation (the engine's generator is
+closed, which frees it at once) and is never emitted, nor anything after it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
-"""Naive reference (oracle) Laneformer decoder, written from laneformer-spec.md sections 4 to 8.
+"""Naive reference (oracle) Laneformer decoder, written from docs/laneformer.md 3 to 7.
 
 This file is deliberately independent of expresslane/model.py, cache.py and rope.py: it reads
-only the checkpoint-style state dict (spec section 9 key names) and the ModelConfig fields, and
+only the checkpoint-style state dict (laneformer.md 3.3 key names) and the ModelConfig fields, and
 re-derives every rule (layer reduce modes, DTP wiring, sliding-window layers, heads) from the
-spec text. It is slow on purpose:
+documented semantics. It is slow on purpose:
 
 - no KV cache: the logits of position q are computed by running the whole decoder on the causal
   prefix tokens[: q + 1] from scratch and keeping its last position;
 - lanes, layers and attention heads are Python loops; every lane linear is a plain matmul with
-  that lane's weight slice (spec 5.1);
-- RoPE is the complex-number formula of spec 5.5 step 4 (torch.polar), interleaved pairs
+  that lane's weight slice (laneformer.md 3.2);
+- RoPE is the complex-number formula of laneformer.md 4.4 (torch.polar), interleaved pairs
   (2i, 2i+1) for Laneformer and rotate-half pairs (i, i + hd/2) for rope_style "half" (Llama);
-- the attention mask is built element by element from the predicate of spec 8
+- the attention mask is built element by element from the predicate of laneformer.md 7
   (kv <= q and, on sliding layers, kv > q - W);
 - everything runs in float64.
 """
@@ -30,10 +30,10 @@ __all__ = [
 ]
 
 
-# --- layer assignment (spec 6.3, 6.5 and 8) ---------------------------------------------------
+# --- layer assignment (laneformer.md 5.3, 5.4 and 7) -------------------------------------------
 def reduce_mode(cfg, i: int) -> str:
-    """Spec 6.3: layers i < d use present/no_reduce per use_early_comm; layers i >= d use past
-    when use_comm, else no_reduce."""
+    """laneformer.md 5.3: layers i < d use present/no_reduce per use_early_comm; layers i >= d
+    use past when use_comm, else no_reduce."""
     d = cfg.broadcast_delay
     if i < d:
         return "present" if cfg.use_early_comm else "no_reduce"
@@ -41,9 +41,10 @@ def reduce_mode(cfg, i: int) -> str:
 
 
 def past_source(cfg, i: int) -> int | None:
-    """The layer whose per-lane partials a `past` layer i consumes (spec 6.1 step 4: i - d).
+    """The layer whose per-lane partials a `past` layer i consumes (laneformer.md 5.2: i - d).
 
-    Option A (spec 6.5): every layer stores its per-lane outputs, so layer i always reads i - d.
+    Option A (laneformer.md 5.4): every layer stores its per-lane outputs, so layer i always
+    reads i - d.
     Option B: layers < d do not broadcast, so layers d..2d-1 get no past (the term is zero)."""
     if reduce_mode(cfg, i) != "past":
         return None
@@ -72,7 +73,7 @@ def sliding_layers(cfg) -> list[bool]:
 
 # --- building blocks --------------------------------------------------------------------------
 def _rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dimension (spec 5.3)."""
+    """x / sqrt(mean(x^2) + eps) over the last dimension (laneformer.md 4.1)."""
     return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps)
 
 
@@ -90,7 +91,7 @@ def _norm(sd: dict, prefix: str, x_lanes: list[torch.Tensor], eps: float, shared
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float, style: str) -> torch.Tensor:
-    """Rotate one head's vectors x (T, hd) at absolute positions (T,) (spec 5.5 step 4).
+    """Rotate one head's vectors x (T, hd) at absolute positions (T,) (laneformer.md 4.4).
 
     Pair i (i = 0 .. hd/2 - 1) is the complex number x[2i] + j x[2i+1] (interleaved) or
     x[i] + j x[i + hd/2] (half), multiplied by exp(j p w_i) with w_i = theta^(-2i/hd)."""
@@ -113,7 +114,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float, style: str) ->
 
 
 def _visible(q: int, kv: int, window: int | None) -> bool:
-    """Spec 8: causal, plus kv > q - W on sliding layers."""
+    """laneformer.md 7: causal, plus kv > q - W on sliding layers."""
     if kv > q:
         return False
     return window is None or kv > q - window
@@ -129,7 +130,7 @@ def _row_linear(sd: dict, key: str, x: torch.Tensor, lane: int) -> torch.Tensor:
 
 
 def _attention(cfg, sd, prefix, xn_lanes, positions, window):
-    """Spec 5.5 for all T positions of the current prefix. Returns the per-lane partials a_l."""
+    """laneformer.md 4.3 for all T positions of the current prefix; the per-lane partials a_l."""
     L = cfg.num_lanes
     H, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     T = positions.shape[0]
@@ -163,7 +164,7 @@ def _attention(cfg, sd, prefix, xn_lanes, positions, window):
 
 
 def _mlp(cfg, sd, prefix, xn_lanes):
-    """Spec 5.6: m_l = W2[l] (silu(W1[l] x_l) * W3[l] x_l)."""
+    """laneformer.md 4.5: m_l = W2[l] (silu(W1[l] x_l) * W3[l] x_l)."""
     out = []
     for lane, x in enumerate(xn_lanes):
         g = x @ sd[prefix + ".w1.weight"][lane].T
@@ -174,7 +175,7 @@ def _mlp(cfg, sd, prefix, xn_lanes):
 
 
 def _reduce(cfg, mode, y, past):
-    """Spec 6.2. y, past: lists of per-lane (T, D) tensors (past None = no past term).
+    """laneformer.md 5.2. y, past: lists of per-lane (T, D) tensors (past None = no past term).
     Returns the list of values to add to each lane's residual."""
     L = len(y)
     if mode == "no_reduce":
@@ -195,7 +196,7 @@ def _reduce(cfg, mode, y, past):
 
 
 def _final_logits(cfg, sd, h_lanes, emb):
-    """Spec 5.3 (final norm rule) and spec 7 (heads). h_lanes: per-lane (T, D)."""
+    """laneformer.md 6: final norm rule and heads. h_lanes: per-lane (T, D)."""
     L, V, eps = cfg.num_lanes, cfg.vocab_size, cfg.norm_eps
     final_shared = cfg.replicated_rmsn_scale or cfg.pre_norm_lane_agg
     head = cfg.lm_head_type
@@ -215,7 +216,7 @@ def _final_logits(cfg, sd, h_lanes, emb):
             x = x / L
         return x @ w.T
     if cfg.pre_norm_lane_agg:
-        raise ValueError("pre_norm_lane_agg needs lm_head_type 'replicate' (spec 7)")
+        raise ValueError("pre_norm_lane_agg needs lm_head_type 'replicate' (laneformer.md 6)")
     n = _norm(sd, "model.norm", h_lanes, eps, final_shared)
     if head == "lane":
         w = sd["lm_head.linear.weight"]  # (V, L*D), lane-major input
@@ -235,7 +236,7 @@ def _forward_prefix(cfg, sd, tokens: list[int]) -> torch.Tensor:
     positions = torch.arange(T)
     emb = sd["model.tok_embeddings.weight"]
     e = emb[torch.tensor(tokens, dtype=torch.long)]  # (T, D)
-    h = [e.clone() for _ in range(L)]  # spec 5.4: broadcast unchanged to all lanes
+    h = [e.clone() for _ in range(L)]  # laneformer.md 4.2: copied unchanged to all lanes
     sliding = sliding_layers(cfg)
     future_attention: list[list[torch.Tensor]] = []
     future_mlp: list[list[torch.Tensor]] = []

@@ -50,4 +50,4 @@ def test_ring_buffer_memory_is_window_positions(model):
 def test_laneformer_2b_kv_bytes_at_4096():
     cfg = get_preset("laneformer-2b")  # the spec's 2B shape
     cache = KVCache(cfg, max_len=4096, device="meta", dtype=torch.bfloat16)
-    assert cache.nbytes == 251_658_240  # spec 16.2: 251.7 MB, not 377.5 MB
+    assert cache.nbytes == 251_658_240  # laneformer.md 7: 251.7 MB, not 377.5 MB

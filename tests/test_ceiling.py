@@ -1,4 +1,4 @@
-"""The ceiling calculator against laneformer-spec.md sections 15-16 and seeds 002/003; presets."""
+"""The ceiling calculator against laneformer.md 8-9 and Kog's published figures; presets."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_load_model_config_sources(tmp_path):
         load_model_config(tmp_path / "empty")
 
 
-# --- spec 16: bytes per token ---------------------------------------------------------------------
+# --- laneformer.md 9: bytes per token ------------------------------------------------------------
 def test_spec_16_1_weights():
     b = bytes_per_token(LF2B, 1024)
     assert b["attention"] == 849_346_560 and b["mlp"] == 3_397_386_240
@@ -100,7 +100,7 @@ def test_spec_15_1_per_device_bytes():
     dev = bytes_per_token(LF2B, 4096, devices=8)["per_device"]
     assert dev["shard"] == 555_417_600
     assert dev["weights"] == 555_417_600 + 190_464 + 6_144  # replicated norms + embedding row
-    assert dev["kv"] == 31_457_280  # spec 15.1: 31.5 MB for a full 4k context
+    assert dev["kv"] == 31_457_280  # laneformer.md 8.1: 31.5 MB for a full 4k context
     assert bytes_per_token(LF2B, 1024, devices=8)["per_device"]["kv"] == 1024 * 11_520
     with pytest.raises(ConfigError, match="at most 8"):
         bytes_per_token(LF2B, 1024, devices=16)
@@ -111,7 +111,7 @@ def test_tied_head_counts_embedding_once():
     assert b["embedding_row"] == 0 and b["lm_head"] == 512 * 128 * 2
 
 
-# --- spec 16.3: ceilings --------------------------------------------------------------------------
+# --- laneformer.md 9: ceilings -------------------------------------------------------------------
 @pytest.mark.parametrize(
     "gpu,count,at_1k,at_4k",
     [
@@ -136,7 +136,7 @@ def test_bandwidth_override_is_aggregate():
     assert round(r["ceiling_tok_s"]) == 6765 and r["device_bandwidth_tb_s"] == pytest.approx(3.8375)
 
 
-# --- seeds 002/003 --------------------------------------------------------------------------------
+# --- Kog's published figures (laneformer.md 9.1) -------------------------------------------------
 def test_seed_simple_ceilings():
     assert simple_ceiling(4e9, 30.7) == pytest.approx(7675)
     assert round_sig(simple_ceiling(4e9, 30.7), 2) == 7700
@@ -158,7 +158,7 @@ def test_seed_002_moe_table_within_rounding():
 def test_dtp_beats_immediate_all_reduce():
     r = ceiling(LF2B, "h200", 8, context=1024, message_latency_us=3.0)
     assert r["tp"]["exposed_comm_us"] == pytest.approx(31 * 3.0)  # 2N + 1 blocking messages
-    assert r["dtp"]["exposed_comm_us"] == pytest.approx(5 * 3.0)  # spec 15.5: 4 + sampling
+    assert r["dtp"]["exposed_comm_us"] == pytest.approx(5 * 3.0)  # laneformer.md 8.3: 4 + sampling
     assert r["dtp"]["tok_s"] > r["tp"]["tok_s"]
     assert r["tp"]["token_us"] == pytest.approx(r["stream_us"] + 93.0)
 
@@ -171,7 +171,7 @@ def test_dtp_equals_tp_without_latency_or_on_one_gpu():
 
 
 def test_dtp_window_is_four_modules():
-    # Spec 15.4: on H200 the d=2 window is ~15.1 us at 1k context; longer latency is exposed.
+    # laneformer.md 8.3: on H200 the d=2 window is ~15.1 us at 1k context; longer is exposed.
     hidden = ceiling(LF2B, "h200", 8, context=1024, message_latency_us=15.0)["dtp"]
     exposed = ceiling(LF2B, "h200", 8, context=1024, message_latency_us=16.0)["dtp"]
     assert hidden["delayed_stall_us"] == 0.0 and exposed["delayed_stall_us"] > 0.0

@@ -1,4 +1,4 @@
-"""Lanes over 2 and 4 gloo processes give one process's tokens and logits (spec 15).
+"""Lanes over 2 and 4 gloo processes give one process's tokens and logits (laneformer.md 8).
 
 Each spawned group of ranks runs every case at once (starting processes is the slow part):
 Laneformers with delays 1 and 2, shared and per-lane norms, each head type, variants A and B,
@@ -88,7 +88,7 @@ SAMPLED_AT_4 = ("d1-perlane-vocab-B",)
 
 
 def expected_bytes(cfg: ModelConfig, world: int, itemsize: int = 4) -> tuple[int, int]:
-    """(replicated bytes, per-rank share of the split bytes) a rank should load (spec 15.1)."""
+    """(replicated bytes, per-rank share of the split bytes) a rank loads (laneformer.md 8.1)."""
     D, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_lanes
     rep = V * D  # embedding
     split = 0

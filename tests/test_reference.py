@@ -2,10 +2,10 @@
 
 Every case builds a tiny model, randomises it with init_weights (with norm noise, so per-lane
 scales matter), and compares the model's cache-free forward with the reference computed
-position by position in float64 (spec sections 4 to 8). Extra checks: a 1-lane Laneformer is a
-Llama with Meta->HF permuted wq/wk (spec 5.5), the lane linears are their standard matrices
-(spec 5.1), the wiring is really exercised (wrong delay / Option / RoPE / window must diverge,
-spec 19.9), and attention is lane-local (spec 5.5 step 3, 19.9).
+position by position in float64 (docs/laneformer.md 3 to 7). Extra checks: a 1-lane Laneformer
+is a Llama with Meta->HF permuted wq/wk (laneformer.md 4.4), the lane linears are their standard
+matrices (laneformer.md 3.2), the wiring is really exercised (wrong delay / Option / RoPE /
+window must diverge, laneformer.md 10), and attention is lane-local (laneformer.md 4.3).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ LANE_CASES = {
     ),
 }
 
-# sliding windows smaller than the 20-token sequence (spec 8)
+# sliding windows smaller than the 20-token sequence (laneformer.md 7)
 SLIDING_CASES = {
     "swa-first2-w5": dict(sliding_window=5, sliding_window_n_layers=2),
     "swa-last2-w4": dict(sliding_window=4, sliding_window_n_layers=-2),
@@ -205,7 +205,7 @@ def test_llama_matches_reference(kw):
     assert diff <= TOL, f"max |model - reference| = {diff:.3g}"
 
 
-# --- 1 lane Laneformer == Llama with permuted wq/wk (spec 5.5 step 4) --------------------------
+# --- 1 lane Laneformer == Llama with permuted wq/wk (laneformer.md 4.4) ------------------------
 def meta_to_hf_rows(head_dim: int) -> list[int]:
     """New row order inside one head: [0, 2, 4, ..., 1, 3, 5, ...]."""
     return list(range(0, head_dim, 2)) + list(range(1, head_dim, 2))
@@ -255,7 +255,7 @@ def test_one_lane_laneformer_is_llama(kw):
     assert max_diff(reference_logits(ll_cfg, lf_sd, TOKENS_12), a) > 100 * TOL
 
 
-# --- lane linears are their standard matrices (spec 5.1) ---------------------------------------
+# --- lane linears are their standard matrices (laneformer.md 3.2) -------------------------------
 @pytest.mark.parametrize("lanes", [1, 2, 4])
 def test_lane_linear_standard_matrices(lanes):
     g = torch.Generator().manual_seed(lanes)
@@ -283,7 +283,7 @@ def test_lane_linear_standard_matrices(lanes):
     torch.testing.assert_close(y.sum(dim=2), x_full @ w_std.T, rtol=1e-12, atol=1e-12)
 
 
-# --- negative tests: the wiring is exercised (spec 19.9) ---------------------------------------
+# --- negative tests: the wiring is exercised (laneformer.md 10) ---------------------------------
 @pytest.mark.parametrize(
     "kw",
     [
@@ -311,7 +311,7 @@ def test_wrong_wiring_diverges(kw):
         assert diff > 100 * TOL, f"{name}: reference only {diff:.3g} away from the model"
 
 
-# --- attention is lane-local (spec 5.5 step 3, 19.9) -------------------------------------------
+# --- attention is lane-local (laneformer.md 4.3) -----------------------------------------------
 def _capture_attention_inputs(model, layer, tokens):
     captured = {}
 
@@ -360,7 +360,7 @@ def test_attention_is_lane_local(lanes, kv):
                     assert diff > 1e-3, f"lane {k}'s own output ignored its wk/wv"
                 else:
                     assert diff == 0.0, f"lane {k}'s wk/wv changed lane {lane} by {diff:.3g}"
-    # the reference has the same property, derived from the global GQA mapping of spec 5.5
+    # the reference has the same property, derived from the global GQA mapping of laneformer.md 4.3
     sd = {k: v.double() for k, v in model.state_dict().items()}
     prefix = f"model.layers.{layer}"
     xn = [x[0, :, lane, :].double() for lane in range(lanes)]  # the normed attention input

@@ -1,13 +1,13 @@
 """Decode-speed ceilings at batch 1: bytes streamed per token, bandwidth bounds, TP vs DTP latency.
 
-This file owns the arithmetic of laneformer-spec.md sections 15 and 16 and of the seeds' figures:
+This file owns the arithmetic of laneformer.md 8-9 and of Kog's published figures (9.1):
 
 - `bytes_per_token`: weights and KV read per token, for the whole model and for the busiest device
   when lanes (Laneformer) or heads (Llama-style tensor parallelism) are split over `devices`.
 - `GPUS` / `get_gpu`: datasheet HBM bandwidths per device, plus Kog's "effective" node figures.
 - `ceiling`: tokens/s = bandwidth / bytes per token, and a latency model that predicts tokens/s
   with an immediate all-reduce after every module versus Delayed Tensor Parallelism.
-- `simple_ceiling`, `launch_cap`, `moe_projections`: the back-of-envelope numbers of seeds 002/003.
+- `simple_ceiling`, `launch_cap`, `moe_projections`: Kog's back-of-envelope numbers.
 
 Everything is plain integer/float arithmetic on a `ModelConfig`; nothing here touches torch.
 """
@@ -33,7 +33,7 @@ GPUS: dict[str, GPU] = {
     "h200": GPU("H200", 4.8, "HBM3e datasheet"),
     "mi300x": GPU("MI300X", 5.3, "HBM3 datasheet"),
     "b200": GPU("B200", 8.0, "HBM3e datasheet"),
-    # Kog quotes node totals (seed 003): 30.7 TB/s for 8x H200 and 33.6 TB/s for 8x MI300X,
+    # Kog quotes node totals: 30.7 TB/s for 8x H200 and 33.6 TB/s for 8x MI300X,
     # i.e. ~80% of datasheet. Stored per device so that `--count 8` gives the quoted totals.
     "h200-effective": GPU("H200 (Kog effective)", 30.7 / 8, "Kog: 30.7 TB/s per 8x H200 node"),
     "mi300x-effective": GPU("MI300X (Kog effective)", 33.6 / 8, "Kog: 33.6 TB/s per 8x MI300X"),
@@ -89,11 +89,11 @@ class _Layout:
 def _layout(cfg: ModelConfig, context: int, dtype_bytes: int, devices: int) -> _Layout:
     """The busiest device's share when the model is split over `devices`.
 
-    Laneformer (lanes > 1): a device holds ceil(L/G) whole lanes (spec 15.1); a lane is the unit
-    of placement, so G may not exceed L. Llama-style (1 lane): Megatron tensor parallelism, heads
-    and FFN units split over G, KV heads replicated when there are fewer than G. Every head type
-    is split by vocabulary rows (an engine may always do so); norms and the embedding table are
-    replicated, and only one embedding row is read per token.
+    Laneformer (lanes > 1): a device holds ceil(L/G) whole lanes (laneformer.md 8.1); a lane is
+    the unit of placement, so G may not exceed L. Llama-style (1 lane): Megatron tensor
+    parallelism, heads and FFN units split over G, KV heads replicated when there are fewer than
+    G. Every head type is split by vocabulary rows (an engine may always do so); norms and the
+    embedding table are replicated, and only one embedding row is read per token.
     """
     D, L, V, b = cfg.hidden_size, cfg.num_lanes, cfg.vocab_size, dtype_bytes
     if L > 1:
@@ -146,10 +146,11 @@ def _check_context(cfg: ModelConfig, context: int) -> None:
 def bytes_per_token(cfg: ModelConfig, context: int, dtype_bytes: int = 2, devices: int = 1) -> dict:
     """Bytes read from HBM to decode one token at context T (T counts the current token).
 
-    Assumptions (spec 16): batch 1, every weight used is read exactly once, `dtype_bytes` per
-    weight and KV element; sliding layers read min(T, window) positions and full layers T;
-    activations and the KV write of the new token are negligible and left out. The embedding
-    table is resident but only one row is read (none when tied: the head streams the table).
+    Assumptions (laneformer.md 9): batch 1, every weight used is read exactly once,
+    `dtype_bytes` per weight and KV element; sliding layers read min(T, window) positions and
+    full layers T; activations and the KV write of the new token are negligible and left out.
+    The embedding table is resident but only one row is read (none when tied: the head streams
+    the table).
 
     Returns the whole-model breakdown (attention, mlp, lm_head, norms, embedding_row, weights,
     kv, total) and `per_device`: the same for the busiest of `devices` devices, plus `shard`
@@ -177,8 +178,8 @@ def _token_us(
     Modules run back to back. Immediate TP: every module ends with a blocking all-reduce. DTP:
     only `present` modules block; a `past` module's residual add waits for the partials its
     source module (2d modules earlier) broadcast, which left when that module's compute ended.
-    Sources that were themselves all-reduced (`present`) need no message (spec 15.3). The head
-    stage ends with the sampling exchange, which always blocks.
+    Sources that were themselves all-reduced (`present`) need no message (laneformer.md 8.2).
+    The head stage ends with the sampling exchange, which always blocks.
     """
     t, stall, sent = 0.0, 0.0, {}
     for k, dur in enumerate(module_us[:-1]):
@@ -222,7 +223,7 @@ def ceiling(
     `bandwidth` (TB/s) overrides the node's *aggregate* bandwidth (e.g. Kog's 30.7 for 8x H200);
     otherwise it is the GPU's datasheet figure times `count`.
 
-    - `ceiling_tok_s` = aggregate bandwidth / whole-model bytes per token (spec 16.3's table).
+    - `ceiling_tok_s` = aggregate bandwidth / whole-model bytes per token (laneformer.md 9's table).
     - `device_ceiling_tok_s` = per-device bandwidth / the busiest device's bytes; slightly lower,
       since norms and the embedding row are read on every device.
 
@@ -230,14 +231,14 @@ def ceiling(
     - Each module's stream time = its bytes / per-device bandwidth (attention modules include
       their KV read); weights are assumed streamed at full bandwidth, compute is free.
     - `kernel_overhead_us` x `kernels_per_layer` is a dead gap per layer, split over its two
-      modules (0 models a persistent monokernel; 4.5 us x 10 is the seeds' launch example).
+      modules (0 models a persistent monokernel; 4.5 us x 10 is Kog's launch example).
     - A message (all-reduce, broadcast or sampling exchange) costs `message_latency_us` from
-      send to use, independent of size (6 KB payloads are latency-bound, spec 15.3).
+      send to use, independent of size (6 KB payloads are latency-bound, laneformer.md 8.2).
     - `tp`: an immediate all-reduce after every module plus the sampling exchange:
       stream + (2 N + 1) x latency + kernel gaps.
     - `dtp` (Laneformer with lanes > 1 only, else None): the 2d `present` modules and the
       sampling exchange block; a delayed message is free when it arrives within the 2d modules
-      of work between send and use (spec 15.4), else only the excess is exposed, simulated
+      of work between send and use (laneformer.md 8.3), else only the excess is exposed, simulated
       module by module from the per-module stream times. The stalled device is assumed idle.
     - With count = 1 there is no communication, so both predictions are the streaming time plus
       kernel gaps.
@@ -291,9 +292,9 @@ def ceiling(
     }
 
 
-# --- the seeds' back-of-envelope figures ----------------------------------------------------------
+# --- Kog's published back-of-envelope figures (laneformer.md 9.1) ---------------------------------
 def simple_ceiling(model_bytes: float, bandwidth: float) -> float:
-    """Tokens/s when each token streams `model_bytes` at `bandwidth` TB/s (seeds 002/003).
+    """Tokens/s when each token streams `model_bytes` at `bandwidth` TB/s (Kog's figures).
 
     4e9 B at 30.7 TB/s gives 7,675 (quoted as ~7,700); at 33.6 TB/s exactly 8,400.
     """
@@ -303,7 +304,7 @@ def simple_ceiling(model_bytes: float, bandwidth: float) -> float:
 def launch_cap(
     num_layers: int = 25, kernels_per_layer: int = 10, overhead_us: float = 4.5
 ) -> float:
-    """Tokens/s if kernel launches were the only cost (seed 003: 25 x 10 x 4.5 us -> ~890)."""
+    """Tokens/s if kernel launches were the only cost (Kog's example: 25 x 10 x 4.5 us -> ~890)."""
     return 1e6 / (num_layers * kernels_per_layer * overhead_us)
 
 
@@ -311,10 +312,10 @@ def launch_cap(
 class MoEModel:
     name: str
     active_params_b: float  # billions of parameters used per token
-    precision: str  # as seed 002's table labels it
+    precision: str  # as Kog's table labels it
     nominal_bytes_per_param: float  # the label's width alone
     active_gb: float  # bytes streamed per token, 1e9 B; see the notes in MOE_MODELS
-    published: tuple[int, int]  # seed 002: (8x H200, 8x MI300X) tokens/s
+    published: tuple[int, int]  # Kog's table: (8x H200, 8x MI300X) tokens/s
 
 
 # Both published columns imply the same bytes per token only with Kog's effective 30.7 TB/s and

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--moe",
         action="store_true",
-        help="also print seed 002's MoE projections, published vs computed",
+        help="also print Kog's published MoE projections, published vs computed",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
 
@@ -118,7 +118,7 @@ def _table(results: list[dict]) -> list[str]:
 
 def _moe_table(rows: list[dict], mbu: float) -> list[str]:
     lines = [
-        f"MoE projections at {mbu:.0%} MBU (seed 002; 8x H200 at 30.7 TB/s, "
+        f"MoE projections at {mbu:.0%} MBU (Kog's table; 8x H200 at 30.7 TB/s, "
         "8x MI300X at 33.6 TB/s)",
         f"{'model':<20}{'active':>8}{'precision':>11}{'GB/token':>10}"
         f"{'H200 pub':>10}{'computed':>10}{'MI300X pub':>12}{'computed':>10}",

@@ -1,12 +1,13 @@
 """Column projection (wo or w2) fused with the DTP reduce and the residual add.
 
 Per lane, y_l = W[l] @ a_l is a full-width (D) partial: the lane's share of what an all-reduce
-would sum (laneformer-spec 5.1 and 6). The residual update of lane l is then, by reduce mode:
+would sum (laneformer.md 3.2 and 5). The residual update of lane l is then, by reduce mode:
     past       h_l = r_l + (y_l + (sum_k past_k - past_l))   other lanes' partials of layer i-d
     present    h_l = r_l + sum_k y_k                          immediate all-reduce (Llama: L=1)
     no_reduce  h_l = r_l + sqrt(L) * y_l
-with the rounding order of spec 6.2 (S = sum past, T = S - past_l, U = y_l + T, h = r_l + U, each
-rounded to the activation dtype, sums in fp32). The kernel also stores y, which layer i+d needs.
+with the rounding order of laneformer.md 5.6 (S = sum past, T = S - past_l, U = y_l + T,
+h = r_l + U, each rounded to the activation dtype, sums in fp32). The kernel also stores y,
+which layer i+d needs.
 
 Grids:
 - past / no_reduce: (D / BLOCK_O, L), every program independent: stream BLOCK_O rows of W[l],
@@ -176,7 +177,7 @@ def gemv_reduce(
     mode: str,
     split_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (new h (L, D), fresh partial y (L, D)), y_l = w[l] @ a[l] (laneformer-spec 6.2)."""
+    """Returns (new h (L, D), fresh partial y (L, D)), y_l = w[l] @ a[l] (laneformer.md 5.2)."""
     assert mode in MODES, f"mode={mode!r}: expected one of {sorted(MODES)}"
     assert a.dim() == 2 and a.is_contiguous(), f"a: expected contiguous (L, K), got {a.shape}"
     L, K = a.shape

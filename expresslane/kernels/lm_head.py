@@ -1,6 +1,6 @@
 """Final norm + LM head, fused with greedy argmax, or producing fp32 logits for sampling.
 
-Head types (laneformer-spec 7), h (L, D) the final residual stream, n_l = final_norm(h_l):
+Head types (laneformer.md 6), h (L, D) the final residual stream, n_l = final_norm(h_l):
     replicate          W (V, D)      on mean_l n_l, or on norm(sum_l h_l) with pre_norm_lane_agg
     lane               W (V, L*D)    on the lane-major concatenation [n_0, n_1, ...]
     vocab_parallel     W (L, V/L, D) lane l: W[l] @ n_l, the lanes' slices concatenated in order

@@ -8,7 +8,7 @@ Numerics (what the kernels reproduce, rounding point for rounding point):
 - RMSNorm in fp32: y = x * rsqrt(mean(x^2) + eps) * w, rounded once to x.dtype. (The HF
   LaneRMSNorm rounds before the scale multiply, a second rounding we deliberately do not copy.)
 - Projections accumulate in fp32 and round once to the activation dtype.
-- RoPE, softmax and the DTP sums run in fp32 with the rounding order of laneformer-spec 6.2.
+- RoPE, softmax and the DTP sums run in fp32 with the rounding order of laneformer.md 5.6.
 - LM-head logits are fp32 and never rounded to the activation dtype.
 
 Tuning knobs of the wrappers (`split_k`, `num_splits`, `block_p`) are accepted and ignored here, so
@@ -123,7 +123,7 @@ def gemv_reduce(
     mode: str,
     split_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (new h (L, D), fresh partial y (L, D)), y_l = w[l] @ a[l] (laneformer-spec 6.2)."""
+    """Returns (new h (L, D), fresh partial y (L, D)), y_l = w[l] @ a[l] (laneformer.md 5.2)."""
     dt = residual.dtype
     y = lane_matmul(w, a)  # (L, D), read L*D*K
     n_lanes = y.shape[0]

@@ -1,10 +1,10 @@
 """The exchange between ranks: collectives issued at once and waited on only where consumed.
 
 Everything goes through `torch.distributed` (NCCL on GPUs, gloo on CPUs): `start` issues an
-asynchronous all-reduce of this rank's partial sum (spec 15.6: a rank holding several lanes sends
-their sum; the all-reduce of rank sums is the sum over all lanes) and returns a `Message`;
-`wait` blocks on it where the sum is consumed, `broadcast_delay` layers later. A "present"
-reduce is `start` then `wait` at once.
+asynchronous all-reduce of this rank's partial sum (laneformer.md 8.2: a rank holding several
+lanes sends their sum; the all-reduce of rank sums is the sum over all lanes) and returns a
+`Message`; `wait` blocks on it where the sum is consumed, `broadcast_delay` layers later. A
+"present" reduce is `start` then `wait` at once.
 
 Tracing records, per message, when it was issued, when the collective completed (a future
 callback), when the consumer asked for it and how long that wait blocked, relative to the start

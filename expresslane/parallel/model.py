@@ -1,13 +1,13 @@
 """ParallelLaneformer: the decoder's forward for the lanes (or heads) one rank holds.
 
 It reuses the model's modules (Block, RMSNorm, Attention, FeedForward) built from the shard's
-config, so every per-lane computation is the model's own; only the reduces differ (spec 6.2,
-15.2). Per module of layer i:
+config, so every per-lane computation is the model's own; only the reduces differ
+(laneformer.md 5.2, 8.2). Per module of layer i:
 
 - present (i < d, or every layer of a Llama): blocking all-reduce of the sum of local partials;
 - no_reduce: sqrt(L) * y with the global lane count L (nothing sent);
 - past: y + (S - own), S = the sum over all lanes of layer src = i - d, own = this rank's
-  per-lane partials of layer src (spec 15.6 order: all-reduce of rank sums, then subtract).
+  per-lane partials of layer src (laneformer.md 5.6 order: all-reduce of rank sums, then subtract).
 
 A layer some later layer consumes sends its rank sum right after the module (an asynchronous
 all-reduce) and the consumer waits on that message only. Option A's sums for the present
@@ -107,7 +107,7 @@ class ParallelLaneformer(nn.Module):
         return y + (total - own)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm, lane aggregation and this rank's rows of the LM head (spec 7)."""
+        """Final norm, lane aggregation and this rank's rows of the LM head (laneformer.md 6)."""
         g, norm, ex = self.global_cfg, self.model.norm, self.exchange
         B, S, n, D = h.shape
         if g.lm_head_type == "vocab_parallel":  # local lanes own the local vocab slices

@@ -1,6 +1,6 @@
 """Placement: which part of every tensor a rank holds (shard.py reads only that part).
 
-A Laneformer is split by lanes (spec 15.1): with G ranks and L lanes, rank r holds lanes
+A Laneformer is split by lanes (laneformer.md 8.1): with G ranks and L lanes, rank r holds lanes
 [r*L/G, (r+1)*L/G) of every per-lane tensor (wq/wk/wv/wo/w1/w2/w3, per-lane norm scales, the
 vocab-parallel head), a full replica of the embedding and of shared norms, and its lanes' KV.
 A Llama-family checkpoint (one lane) gets ordinary tensor parallelism: rank r holds a contiguous

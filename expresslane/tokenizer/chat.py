@@ -1,6 +1,6 @@
 """Chat templates rendered the way transformers renders them (sandboxed jinja2).
 
-Also the Laneformer-IT template of laneformer-spec.md 12.2, used by the tokenizers we train.
+Also the Laneformer-IT template of docs/laneformer.md 12.2, used by the tokenizers we train.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import TokenizerError
 
-# Laneformer-IT chat format (laneformer-spec.md 12.2; the real file was never seen, so this is
-# the spec's inferred form). BOS choice: the template prints {{ bos_token }}, as the Llama 2 and
+# Laneformer-IT chat format (laneformer.md 12.2; the real file was never seen, so this is
+# the form inferred there). BOS choice: the template prints {{ bos_token }}, as the Llama 2 and
 # Llama 3 chat templates do. Llama-2-style models see <s> at the start of every training
 # sequence, and transformers' apply_chat_template(tokenize=True) encodes the rendered text with
 # add_special_tokens=False, so a template without it would give chat prompts no BOS at all.

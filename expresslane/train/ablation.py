@@ -1,6 +1,6 @@
 """The DTP ablation: one model size, one data set, one token budget, five ways to wire the lanes.
 
-Variants (spec 6.2-6.3; every one is the `ablation` preset with 8 lanes and 6 layers):
+Variants (laneformer.md 5.2-5.3; every one is the `ablation` preset with 8 lanes and 6 layers):
 - tp: standard tensor parallelism, every layer `present` (broadcast_delay = num_layers, so no
   layer reaches the `past` mode; use_comm stays true).
 - no_comm: use_comm=false with delay 2: layers 0-1 `present`, then lanes never talk again.

@@ -1,6 +1,6 @@
 """Train a Llama-2-style byte-fallback BPE tokenizer and save it as a Hugging Face tokenizer folder.
 
-The layout follows laneformer-spec.md 12.1: `<unk>`=0, `<s>`=1, `</s>`=2, the 256 byte tokens
+The layout follows laneformer.md 12.1: `<unk>`=0, `<s>`=1, `</s>`=2, the 256 byte tokens
 `<0x00>`..`<0xFF>` at ids 3..258, then the learned pieces. Spaces become "▁" with a dummy prefix
 (the normalizer of Llama 2's tokenizer.json), digits are split one by one, and the vocab size is a
 multiple of the lane count so that a vocab-parallel head splits it evenly. The folder loads with

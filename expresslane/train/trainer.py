@@ -36,8 +36,8 @@ from .data import IGNORE
 
 # The embedded model: every feature of the 2B (8 lanes, delay 2, GQA with 2 KV heads per lane,
 # sliding-window then full-attention layers, vocab-parallel head) at a size that trains on 2 CPU
-# cores in under an hour. The ablation model is smaller still (spec 6.3 variants differ only in
-# broadcast_delay / use_comm / replicated_rmsn_scale).
+# cores in under an hour. The ablation model is smaller still (laneformer.md 5.3 variants differ
+# only in broadcast_delay / use_comm / replicated_rmsn_scale).
 _COMMON = {
     "model_type": "laneformer",
     "num_lanes": 8,
