@@ -1,16 +1,19 @@
-"""The package's import graph has no cycle: every import, at module level or inside a function.
+"""The package's import graph has no cycle, and imports run down the layers of the architecture.
 
 The graph is read from the source with `ast` (nothing is imported): an edge a -> b for every
 `import` / `from ... import` in module a, wherever it stands (a lazy import inside a function
 is a dependency all the same, only a later one). `from pkg import name` points at `pkg.name`
-when that is a module and at `pkg` otherwise. A cycle is reported with the import statements
-(file:line) that close it, so the failure says what to move.
+when that is a module and at `pkg` otherwise. A cycle, or an import that climbs LAYERS (the
+picture in docs/architecture.md, section 2), is reported with the import statements (file:line),
+so the failure says what to move. A module LAYERS does not name is not checked for climbing.
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import expresslane
 
@@ -95,12 +98,74 @@ def describe(graph: Graph, comp: list[str]) -> str:
     return "import cycle: " + "; ".join(edges)
 
 
-def test_package_has_no_import_cycle():
-    root = Path(expresslane.__file__).parent
-    graph = import_graph(root, "expresslane")
+# docs/architecture.md, section 2, top to bottom: a module may import its own layer and below.
+LAYERS = [
+    ("__main__", "cli"),
+    ("evals",),
+    ("serve",),
+    ("bench",),
+    ("cli.launch",),
+    ("assets",),
+    ("train",),
+    ("textgen",),
+    ("parallel",),
+    ("engine",),
+    ("graph",),
+    ("fused", "kernels.aot"),
+    ("kernels",),
+    ("checkpoint",),
+    ("model",),
+    ("sampler", "cache", "rope", "presets"),
+    ("tokenizer",),
+    ("config",),
+    ("hf_config",),
+    ("errors",),
+]
+
+
+def layer_of(module: str, package: str = "expresslane") -> int | None:
+    """Index in LAYERS of the longest name that `module` is, or lies inside; None if unnamed."""
+    rest = module.removeprefix(package + ".")
+    best = None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (rest == name or rest.startswith(name + ".")) and (
+                best is None or len(name) > best[1]
+            ):
+                best = (i, len(name))
+    return None if best is None else best[0]
+
+
+def climbing(graph: Graph) -> list[str]:
+    """Imports from a lower layer to a higher one, as 'a -> b (file:line)'."""
+    out = []
+    for a, targets in graph.items():
+        for b, where in targets.items():
+            la, lb = layer_of(a), layer_of(b)
+            if la is not None and lb is not None and lb < la:
+                out.append(f"{a} (layer {la}) -> {b} (layer {lb}) ({where})")
+    return out
+
+
+@pytest.fixture(scope="module")
+def graph() -> Graph:
+    return import_graph(Path(expresslane.__file__).parent, "expresslane")
+
+
+def test_package_has_no_import_cycle(graph):
     assert len(graph) > 50 and graph["expresslane.engine"], "the graph was not read"
     found = cycles(graph)
     assert not found, "\n".join(describe(graph, c) for c in found)
+
+
+def test_imports_run_down_the_layers(graph):
+    assert layer_of("expresslane.cli.launch") == 4 and layer_of("expresslane.cli.run") == 0
+    assert layer_of("expresslane.kernels.aot") == 11 and layer_of("expresslane.kernels.ref") == 12
+    fake = {"expresslane.model": {"expresslane.engine": "m.py:1", "expresslane.config": "m.py:2"}}
+    (only,) = climbing(fake)  # model -> config runs down; model -> engine climbs
+    assert only == "expresslane.model (layer 14) -> expresslane.engine (layer 9) (m.py:1)"
+    up = climbing(graph)
+    assert not up, "imports that climb the layers of docs/architecture.md:\n" + "\n".join(up)
 
 
 def test_detector_sees_lazy_and_relative_cycles(tmp_path):
