@@ -5,11 +5,11 @@ PY := $(VENV)/bin/python
 SETUP := scripts/setup_venv.sh
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
-# `make run`'s request: the format the embedded model was chat-tuned on, sampled with the
-# settings that gave its most Python-like answers of those tried (README, "The embedded model");
-# seed 0 makes the answer repeatable. Override: make run CHAT='...' SAMPLING='...'
-CHAT ?= Write a Python function `def is_even(n)` that does this: Return True if n is even.
-SAMPLING ?= --temperature 1.0 --min-p 0.2 --seed 0 --max-tokens 96
+# `make run`'s request: the format the embedded model was chat-tuned on, greedy, which gave its
+# most Python-like answers of the settings scripts/sampling_survey.py tried (README, "The
+# embedded model") and the same answer on any device. Override: make run CHAT='...' SAMPLING='...'
+CHAT ?= Write a Python function `def add(a, b)` that does this: Return the sum of a and b.
+SAMPLING ?= --max-tokens 96
 
 .PHONY: run test serve bench lint format clean
 
