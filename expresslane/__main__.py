@@ -1,7 +1,8 @@
 """The `expresslane` command: one subcommand per module in expresslane/cli/.
 
 Each module there defines `HELP`, `add_arguments(parser)` and `main(args) -> int`. User errors
-(ExpressLaneError) print one line on stderr and exit 2; anything else is a bug and keeps its
+(ExpressLaneError) print one line on stderr and exit 2 (a process group that lost a rank: 1,
+its error's `exit_code`); anything else is a bug and keeps its
 traceback.
 """
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return args._main(args) or 0
     except ExpressLaneError as e:
         print(f"expresslane {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
     except KeyboardInterrupt:
         return 130
 

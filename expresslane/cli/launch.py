@@ -6,6 +6,11 @@ multiprocessing, gloo on CPUs, NCCL with one GPU per rank), or, when launched by
 its slices and runs the same generation (ParallelEngine role "spmd"); rank 0 prints exactly what
 `run` prints, the others stay silent.
 
+Across hosts (`--nnodes M --node-rank R --rdzv-endpoint HOST:PORT`, torchrun's flags; see
+parallel/rendezvous.py) this host starts its devices/M ranks, which join the other hosts' at
+HOST:PORT; a single local rank runs in this process. Every join and collective is bounded by
+`--rdzv-timeout`.
+
 For serve, `launch(args, main)` runs the command's own `main(args)` on rank 0 with a lead
 engine (`load_engine(args)` returns it there) while ranks > 0 follow (ParallelEngine role
 "lead"/"follow"). `spawn(fn, world, ...)` is the plain helper tests and benchmarks use
@@ -28,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ExpressLaneError
+from ..parallel import rendezvous
 
 _ROLE = {"role": "spmd"}  # the role load_engine gives this process's engine
 
@@ -48,9 +54,16 @@ def backend_for(device: str) -> str:
 
 
 def init_distributed(
-    rank: int, world: int, device: str = "auto", port: int | None = None, threads: int = 0
+    rank: int,
+    world: int,
+    device: str = "auto",
+    port: int | None = None,
+    threads: int = 0,
+    rdzv: rendezvous.Rendezvous | None = None,
+    timeout_s: float = rendezvous.DEFAULT_TIMEOUT_S,
 ) -> str:
-    """Join the process group; returns the device this rank computes on."""
+    """Join the process group (at `rdzv`, 127.0.0.1:`port`, or torchrun's env); returns the
+    device this rank computes on."""
     backend = backend_for(device)
     local = torchrun_env()[2] if torchrun_env() else rank
     dev = f"cuda:{local}" if backend == "nccl" else "cpu"
@@ -59,8 +72,12 @@ def init_distributed(
     else:
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
     if not dist.is_initialized():
-        init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
-        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+        init, flags = "env://", "torchrun's MASTER_ADDR:MASTER_PORT"
+        if rdzv is not None:
+            init, flags, timeout_s = rdzv.init_method, "--rdzv-endpoint", rdzv.timeout_s
+        elif port is not None:
+            init = f"tcp://127.0.0.1:{port}"
+        rendezvous.join(backend, rank, world, init, timeout_s, flags)
     return dev
 
 
@@ -92,43 +109,69 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world, port, device, threads, queue, args):
-    dev = init_distributed(rank, world, device, port, threads)
+def _run_one(rank, fn, world, port, device, threads, rdzv, args):
+    """One rank in this process: join, run fn, leave the group (also after an error)."""
+    dev = init_distributed(rank, world, device, port, threads, rdzv)
     try:
-        buf = io.BytesIO()  # tensors as bytes: shared-memory handles die with this process
-        torch.save(fn(rank, world, dev, *args), buf)
-        queue.put((rank, buf.getvalue(), None))
-    except BaseException as e:  # report, then let the other ranks fail on their collectives
-        queue.put((rank, None, f"{type(e).__name__}: {e}"))
-        raise
+        return fn(rank, world, dev, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world: int, *args, device: str = "cpu", threads: int = 0) -> list:
-    """Run fn(rank, world, device, *args) on `world` new processes; their results by rank."""
+def _entry(local, fn, world, port, device, threads, rdzv, offset, queue, args):
+    rank = offset + local
+    try:
+        buf = io.BytesIO()  # tensors as bytes: shared-memory handles die with this process
+        torch.save(_run_one(rank, fn, world, port, device, threads, rdzv, args), buf)
+        queue.put((rank, buf.getvalue(), None))
+    except BaseException as e:  # report, then let the other ranks fail on their collectives
+        user = isinstance(e, ExpressLaneError) and len(e.args) == 1  # re-raised as itself
+        queue.put((rank, None, e if user else f"{type(e).__name__}: {e}"))
+        if not user:
+            raise
+
+
+def spawn(
+    fn: Callable,
+    world: int,
+    *args,
+    device: str = "cpu",
+    threads: int = 0,
+    rdzv: rendezvous.Rendezvous | None = None,
+) -> list:
+    """Run fn(rank, world, device, *args) on this host's ranks of `world` (all of them without
+    `rdzv`), each in a new process (or in this one when it is the host's only rank); their
+    results in rank order. A rank's ExpressLaneError is raised here as itself."""
     if world < 1:
         raise ConfigError(f"--devices {world}: must be >= 1")
+    ranks = rdzv.local_ranks(world) if rdzv is not None else range(world)
+    port = None if rdzv is not None else free_port()
+    if rdzv is not None and len(ranks) == 1:
+        return [_run_one(ranks[0], fn, world, port, device, threads, rdzv, args)]
     queue = mp.get_context("spawn").SimpleQueue()
     procs = mp.spawn(
         _entry,
-        args=(fn, world, free_port(), device, threads, queue, args),
-        nprocs=world,
+        args=(fn, world, port, device, threads, rdzv, ranks[0], queue, args),
+        nprocs=len(ranks),
         join=False,
     )
     got = []  # read while they run: a big result blocks its sender until it is read
-    while len(got) < world:
+    while len(got) < len(ranks):
         if not queue.empty():
             got.append(queue.get())
         elif procs.join(timeout=0.05) and queue.empty():
-            raise RuntimeError(f"{world - len(got)} rank(s) exited without a result")
-    while not procs.join():
-        pass
+            raise RuntimeError(f"{len(ranks) - len(got)} rank(s) exited without a result")
+    with contextlib.suppress(Exception):  # a rank re-raising a user error exits non-zero
+        while not procs.join():
+            pass
     results = {r: (out, err) for r, out, err in got}
+    for _, err in sorted(results.items()):
+        if isinstance(err[1], ExpressLaneError):
+            raise err[1]
     errors = [f"rank {r}: {e}" for r, (_, e) in sorted(results.items()) if e]
     if errors:
         raise RuntimeError("; ".join(errors))
-    return [torch.load(io.BytesIO(results[r][0]), weights_only=False) for r in range(world)]
+    return [torch.load(io.BytesIO(results[r][0]), weights_only=False) for r in ranks]
 
 
 # --- expresslane run --devices N ----------------------------------------------------------------
@@ -170,15 +213,37 @@ def _run_rank(rank: int, world: int, device: str, args: argparse.Namespace, gen:
         return gen(args, engine, tok, {"devices": world, "backend": dist.get_backend()})
 
 
+def parallel_requested(args: argparse.Namespace) -> bool:
+    """Several ranks: --devices N, a torchrun launch, or the multi-host flags."""
+    multi = getattr(args, "nnodes", 1) != 1 or getattr(args, "rdzv_endpoint", None) is not None
+    return args.devices != 1 or torchrun_env() is not None or multi
+
+
+def _rendezvous(args: argparse.Namespace) -> rendezvous.Rendezvous | None:
+    """The multi-host flags of the command line (None: one host, or a torchrun launch)."""
+    rdzv = rendezvous.from_args(args, args.devices)
+    if rdzv is not None and torchrun_env() is not None:
+        raise ConfigError(
+            "--nnodes/--node-rank/--rdzv-endpoint: torchrun started this process and placed "
+            "the ranks already; give those flags to torchrun only"
+        )
+    return rdzv
+
+
+def _torchrun_join(args: argparse.Namespace) -> tuple[int, int, str]:
+    """(rank, world, device) of a torchrun rank, joined within --rdzv-timeout."""
+    rank, world, _ = torchrun_env()
+    timeout = getattr(args, "rdzv_timeout", None) or rendezvous.DEFAULT_TIMEOUT_S
+    return rank, world, init_distributed(rank, world, args.device, timeout_s=timeout)
+
+
 def run_parallel(args: argparse.Namespace, generate: Generate) -> int:
     """`expresslane run --devices N` (or one torchrun rank of it); returns the exit code."""
-    env = torchrun_env()
-    if env is not None:  # torchrun started us: we are one rank
-        rank, world, _ = env
-        dev = init_distributed(rank, world, args.device)
-        return _run_rank(rank, world, dev, args, generate)
+    rdzv = _rendezvous(args)
+    if torchrun_env() is not None:  # torchrun started us: we are one rank
+        return _run_rank(*_torchrun_join(args), args, generate)
     _check_args(args)
-    return spawn(_run_rank, args.devices, args, generate, device=args.device)[0]
+    return spawn(_run_rank, args.devices, args, generate, device=args.device, rdzv=rdzv)[0]
 
 
 # --- serve: rank 0 runs the command, the others follow ----------------------------------------
@@ -202,9 +267,12 @@ def _lead_entry(rank: int, world: int, device: str, args, main: Callable) -> int
     try:
         if rank > 0:
             engine, _ = load_engine(args, device)
-            engine.follow()
+            engine.follow()  # raises GroupLostError when the group breaks
             return 0
-        return main(args)
+        code = main(args)
+        if _LEAD.get("engine") is not None and _LEAD["engine"].lost is not None:
+            raise _LEAD["engine"].lost  # served its last answers; now say why, exit 1
+        return code
     finally:
         if rank == 0 and "engine" in _LEAD:
             _LEAD.pop("engine").shutdown()
@@ -213,9 +281,8 @@ def _lead_entry(rank: int, world: int, device: str, args, main: Callable) -> int
 
 def launch(args: argparse.Namespace, main: Callable[[argparse.Namespace], int]) -> int:
     """Run a command's `main` on rank 0 of `args.devices` ranks; ranks > 0 follow it."""
-    env = torchrun_env()
-    if env is not None:
-        rank, world, _ = env
-        return _lead_entry(rank, world, init_distributed(rank, world, args.device), args, main)
+    rdzv = _rendezvous(args)
+    if torchrun_env() is not None:
+        return _lead_entry(*_torchrun_join(args), args, main)
     _check_args(args)
-    return spawn(_lead_entry, args.devices, args, main, device=args.device)[0]
+    return spawn(_lead_entry, args.devices, args, main, device=args.device, rdzv=rdzv)[0]

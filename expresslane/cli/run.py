@@ -18,6 +18,7 @@ from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
+from ..parallel import rendezvous
 from ..textgen import generate_text
 from ..tokenizer import Tokenizer
 from . import launch
@@ -59,6 +60,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="split lanes (Llama: heads) over N processes: gloo on CPU, NCCL on GPU",
     )
+    rendezvous.add_arguments(p)  # --nnodes, --node-rank, --rdzv-endpoint: N over several hosts
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,7 +131,7 @@ def set_cpu_threads(engine: Engine, threads: int | None) -> None:
 
 def main(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)  # bad flags fail before any rank starts
-    if args.devices != 1 or launch.torchrun_env():  # --devices 0 is refused there
+    if launch.parallel_requested(args):  # --devices 0 is refused there
         return launch.run_parallel(args, generate_on_rank)
     engine, tok = load_engine(args)
     return generate_and_print(args, engine, tok, params)

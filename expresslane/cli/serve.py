@@ -63,6 +63,8 @@ def _load(args: argparse.Namespace, app, server, failure: list) -> None:
 
     try:
         engine, tok = load_engine(args)
+        if hasattr(engine, "on_lost"):  # ranks on several hosts: a lost one ends this server
+            engine.on_lost.append(lambda _: setattr(server, "should_exit", True))
         attach(app, engine, tok)
     except BaseException as e:  # reported by main() after the server stops
         failure.append(e)
@@ -85,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    if (args.devices != 1 or launch.torchrun_env()) and not launch.in_launch():
+    if launch.parallel_requested(args) and not launch.in_launch():
         return launch.launch(args, main)  # one process per device; rank 0 serves
 
     from ..serve import create_app

@@ -13,6 +13,12 @@ Two ways to keep the ranks' calls identical:
   (cancellation, a closed stream), while ranks > 0 sit in `follow()`. The flag is one tiny
   blocking broadcast per token.
 
+A lost peer (gone, or silent past the group's timeout) ends the request on every rank with
+`GroupLostError` (parallel/rendezvous.py), and the engine refuses all later work with the same
+error: the group must be restarted. An idle lead sends an "idle" announcement every
+`idle_interval` seconds (the server's worker calls `idle()`), so that followers never wait on
+a collective longer than the timeout, and a follower lost while nobody asks is noticed anyway.
+
 The generation loop itself is Engine.generate_steps (prefill and decode steps give each rank its
 vocab chunk of the logits); this file supplies its hooks: the request's start (seed,
 announcement), the go flag, the vocab-parallel pick and the lead's stop flag for a closed stream.
@@ -20,18 +26,20 @@ announcement), the go flag, the vocab-parallel pick and the lead's stop flag for
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from ..config import SamplingParams
-from ..engine import Engine
+from ..engine import Engine, Step
 from ..sampler import sample
 from .exchange import gather_vocab, sample_sharded
 from .model import ParallelLaneformer
+from .rendezvous import GroupLostError, group_guard, is_peer_failure, joined_timeout_s
 from .shard import load_shard
 
 ROLES = ("spmd", "lead", "follow")
@@ -52,6 +60,35 @@ class ParallelEngine(Engine):
         super().__init__(model, max_model_len, prefill_chunk, decode="eager")
         self.cfg = model.global_cfg
         self.ex, self.place, self.role = model.exchange, model.place, role
+        self.lost: GroupLostError | None = None
+        self.on_lost: list[Callable[[GroupLostError], None]] = []  # e.g. stop the server
+
+    # --- a group that lost a rank ---------------------------------------------------------------
+    def _guard(self):
+        if self.lost is not None:
+            raise GroupLostError(str(self.lost))
+        return group_guard(self._lose)
+
+    def _lose(self, err: GroupLostError) -> None:
+        self.lost = err
+        for fn in self.on_lost:
+            fn(err)
+
+    @property
+    def idle_interval(self) -> float | None:
+        """Seconds between the idle lead's announcements (None: nobody waits on this rank)."""
+        if self.role != "lead" or self.ex.world == 1 or self.lost is not None:
+            return None
+        return min(30.0, joined_timeout_s() / 4)
+
+    def idle(self) -> None:
+        """Lead, between requests: tell the followers it is alive (they time out otherwise)."""
+        with self._guard():
+            self._announce(("idle",))
+
+    def generate_steps(self, prompt_ids, params, cancel=None) -> Iterator[Step]:
+        with self._guard():
+            yield from super().generate_steps(prompt_ids, params, cancel)
 
     @classmethod
     def from_pretrained(
@@ -112,13 +149,17 @@ class ParallelEngine(Engine):
 
     def _left_early(self) -> None:
         """Lead: the followers wait on the next go flag; a stop flag ends their request too."""
+        exc = sys.exc_info()[1]  # set when an error ends the loop
+        if exc is not None and is_peer_failure(exc):
+            return  # the group is gone: nobody is waiting
         if self.role == "lead" and self.ex.world > 1:
             dist.broadcast(torch.tensor([0], device=self.device), src=0)
 
     def follow(self) -> None:
         """Ranks > 0 in "follow" role: do what rank 0 announces until it says shutdown."""
         while True:
-            what = self._announce(None)
+            with self._guard():
+                what = self._announce(None)
             if what[0] == "shutdown":
                 return
             if what[0] == "generate":
@@ -128,8 +169,9 @@ class ParallelEngine(Engine):
                 self.prompt_logprobs(what[1])
 
     def shutdown(self) -> None:
-        if self.role == "lead" and self.ex.world > 1:
-            self._announce(("shutdown",))
+        if self.role == "lead" and self.ex.world > 1 and self.lost is None:
+            with self._guard():
+                self._announce(("shutdown",))
 
     @torch.inference_mode()
     def prompt_logprobs(
@@ -141,6 +183,10 @@ class ParallelEngine(Engine):
         scoring prefill is one forward; cancellation takes effect at the next request.
         """
         self.check_prompt(prompt_ids)
+        with self._guard():
+            return self._score(prompt_ids)
+
+    def _score(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         if self.role == "lead" and self.ex.world > 1:
             self._announce(("score", list(prompt_ids)))
         self.cache.reset()

@@ -175,8 +175,19 @@ class Worker:
         self._thread.join(timeout)
 
     # --- the engine thread --------------------------------------------------------------------
+    def _next(self) -> Job | None:
+        """The next job. An engine of several ranks is kept in touch while idle (`idle()`)."""
+        while True:
+            try:
+                return self._queue.get(timeout=getattr(self.engine, "idle_interval", None))
+            except queue.Empty:
+                try:
+                    self.engine.idle()
+                except ExpressLaneError as e:  # the group is lost: later jobs get the error
+                    log.error("%s", e)
+
     def _loop(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while (job := self._next()) is not None:
             self.metrics.waiting.dec()
             self.served.append(job.seq)
             job.timings.start = time.monotonic()

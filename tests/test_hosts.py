@@ -1,0 +1,219 @@
+"""Lanes across hosts: ranks in network namespaces joined over TCP, and replicas behind HAProxy.
+
+One set of 4 namespace "hosts" (scripts/netns.sh, veth pairs on a bridge) serves every test;
+where namespaces cannot be made (not root, no iproute2, a container without them) every test
+skips, saying why. Each rank is its own process inside its own namespace and joins with the
+multi-host flags' Rendezvous, exactly as on separate machines.
+
+- 2 and 4 ranks over the network give one process's logits (1e-4) and greedy tokens, for a
+  tiny config of each reduce mode (present + past, no_reduce + past in variant B, no_reduce
+  only, Llama tensor parallelism) and the embedded model;
+- a rank killed mid-request ends it on every other rank with GroupLostError from the closed
+  connection (not a timeout), and later requests are refused with the same error;
+- `expresslane serve` on 2 hosts: killing the follower mid-stream ends the stream with a 503
+  error event, and the lead exits with status 1, saying the group must be restarted;
+- a wrong --rdzv-endpoint and a node that never arrives: exit 2 within --rdzv-timeout, one
+  line naming the flag;
+- two `expresslane serve` replicas behind HAProxy (docs/haproxy.cfg): both serve, one is
+  killed, every request still succeeds on the other.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from netns import ROOT, Hosts
+
+from expresslane.assets import default_model_dir
+from expresslane.checkpoint import load_model, save_model
+from expresslane.config import ModelConfig, SamplingParams
+from expresslane.engine import Engine
+from expresslane.model import Laneformer, init_weights
+
+HERE = Path(__file__).resolve().parent
+PROMPT = [1, 17, 40, 5, 88, 23, 9, 61]
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+LOGITS_TOL = 1e-4
+TIMEOUT_S = 60  # --rdzv-timeout of the groups: a test never waits on it
+BASE = dict(
+    model_type="laneformer",
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=5,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_lanes=4,
+    max_position_embeddings=128,
+    lm_head_type="vocab_parallel",
+)
+CASES = {  # one tiny config per reduce mode (spec 6.3)
+    "present-past": dict(broadcast_delay=1),
+    "noreduce-past-B": dict(broadcast_delay=2, use_early_comm=False, dtp_variant="B"),
+    "noreduce": dict(broadcast_delay=2, use_comm=False, lm_head_type="replicate"),
+    "llama-tp": dict(model_type="llama", num_lanes=1, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="session")
+def hosts():
+    made, why = Hosts.make(4)
+    if made is None:
+        pytest.skip(f"no network namespaces here: {why}")
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict:
+    """name -> (folder, one-process logits and greedy tokens)."""
+    paths = {"embedded": str(default_model_dir())}
+    for i, (name, extra) in enumerate(CASES.items()):
+        path = tmp_path_factory.mktemp(name)
+        cfg = ModelConfig.from_hf_dict({**BASE, **extra})
+        save_model(init_weights(Laneformer(cfg), seed=i, norm_noise=0.2), path)
+        paths[name] = str(path)
+    return paths
+
+
+def _reference(path: str) -> dict:
+    model = load_model(path, device="cpu", dtype="float32", progress=False)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT]))[0]
+    engine = Engine(model, max_model_len=64, prefill_chunk=5)
+    return dict(logits=logits, greedy=list(engine.generate(PROMPT, GREEDY)))
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, e = p.communicate()
+            pytest.fail(f"{p.args[-3:]} hung: {e[-2000:]}")
+        out.append((p.returncode, o, e))
+    return out
+
+
+def test_ranks_over_the_network_match_one_process(hosts, checkpoints, tmp_path):
+    """2 ranks, then 4, then the 4 with one killed mid-request: one process per host."""
+    a0 = hosts.addr(0)
+    phases = [
+        dict(world=2, endpoint=f"{a0}:29401", cases=checkpoints, out=str(tmp_path / "two")),
+        dict(world=4, endpoint=f"{a0}:29402", cases=checkpoints, out=str(tmp_path / "four")),
+        dict(world=4, endpoint=f"{a0}:29403", path=checkpoints["embedded"], victim=3, after=3,
+             out=str(tmp_path / "kill")),
+    ]  # fmt: skip
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(dict(phases=phases, timeout_s=TIMEOUT_S)))
+    procs = [hosts.python(r, str(HERE / "netns_rank.py"), str(plan), str(r)) for r in range(4)]
+    refs = {name: _reference(path) for name, path in checkpoints.items()}  # while they load
+    done = _finish(procs)
+    assert [code for code, _, _ in done[:3]] == [0, 0, 0], [e[-3000:] for _, _, e in done]
+    assert done[3][0] == 17  # the victim's own exit
+    for world, tag in ((2, "two"), (4, "four")):
+        ranks = [torch.load(f"{tmp_path / tag}.{r}", weights_only=False) for r in range(world)]
+        for name, ref in refs.items():
+            got = ranks[0][name]
+            err = (got["logits"] - ref["logits"]).abs().max().item()
+            assert err <= LOGITS_TOL, f"{name} on {world} hosts: logits differ by {err}"
+            assert got["greedy"] == ref["greedy"], f"{name} on {world} hosts: greedy tokens"
+            assert all(r[name]["greedy"] == got["greedy"] for r in ranks), name
+    for r in range(3):  # every survivor: the lost peer, from its closed connection
+        res = torch.load(f"{tmp_path / 'kill'}.{r}", weights_only=False)
+        assert res["error"] == "GroupLostError", res
+        assert "lost a rank" in res["message"] and "restarted" in res["message"], res
+        assert "timed out" not in res["message"].lower(), res
+        assert res["tokens"] >= 2 and res["refused_after"] == "GroupLostError", res
+
+
+def _serve(hosts, i: int, *flags: str) -> subprocess.Popen:
+    cmd = ["-m", "expresslane", "serve", "--device", "cpu", "--dtype", "float32"]
+    return hosts.python(i, *cmd, "--port", "8000", "--host", hosts.addr(i), *flags)
+
+
+def test_serve_on_two_hosts_a_lost_rank_ends_the_request_and_the_lead(hosts):
+    a0 = hosts.addr(0)
+    group = ["--devices", "2", "--nnodes", "2", "--rdzv-endpoint", f"{a0}:29411"]
+    group += ["--rdzv-timeout", str(TIMEOUT_S)]
+    lead = _serve(hosts, 0, *group, "--node-rank", "0")
+    follower = _serve(hosts, 1, *group, "--node-rank", "1")
+    client = hosts.python(2, str(HERE / "netns_client.py"), "stream", f"http://{a0}:8000", "2000")
+    events = []
+    for line in client.stdout:
+        events.append(json.loads(line))
+        if events[-1].get("chunks") == 5:
+            follower.send_signal(signal.SIGKILL)
+    (code, _, err), (fcode, _, _), (ccode, _, _) = _finish([lead, follower, client], 120)
+    assert ccode == 0 and events[0] == {"status": 200}, (events, err[-3000:])
+    errors = [e for e in events if "error" in e]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == 503, events
+    assert "lost a rank" in errors[0]["error"]["message"]
+    assert events[-1]["end"] >= 5
+    assert fcode == -signal.SIGKILL
+    assert code == 1, err[-3000:]  # the lead: not a usage error, and not a silent success
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("expresslane serve: error: the process group lost a rank"), last
+    assert "restarted" in last
+
+
+def test_wrong_endpoint_and_missing_node_are_clear_errors(hosts):
+    run = ["-m", "expresslane", "run", "--prompt", "a", "--max-tokens", "2", "--device", "cpu"]
+    group = ["--devices", "2", "--nnodes", "2", "--rdzv-timeout", "3"]
+    wrong = hosts.python(1, *run, *group, "--node-rank", "1", "--rdzv-endpoint", "10.77.0.9:29420")
+    alone = hosts.python(
+        0, *run, *group, "--node-rank", "0", "--rdzv-endpoint", f"{hosts.addr(0)}:29421"
+    )
+    (wcode, wout, werr), (acode, aout, aerr) = _finish([wrong, alone], 120)
+    wline, aline = werr.strip().splitlines()[-1], aerr.strip().splitlines()[-1]
+    assert wcode == 2 and wout == "", werr[-2000:]
+    assert wline.startswith("expresslane run: error: --rdzv-endpoint 10.77.0.9:29420: rank 1")
+    assert "could not reach node 0 within --rdzv-timeout 3 s" in wline
+    assert acode == 2 and aout == "", aerr[-2000:]
+    assert "not every rank joined within --rdzv-timeout 3 s" in aline, aline
+    assert "1/2" in aline  # how many came
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed (Debian)")
+def test_two_replicas_behind_haproxy_one_goes_down(hosts):
+    replicas = [f"{hosts.addr(i)}:8000" for i in (1, 2)]
+    servers = [_serve(hosts, i) for i in (1, 2)]
+    env = dict(LISTEN=f"{hosts.addr(0)}:8080", STATS=f"{hosts.addr(0)}:8404")
+    env.update(REPLICA1=replicas[0], REPLICA2=replicas[1])
+    proxy = hosts.popen(0, ["haproxy", "-db", "-f", str(ROOT / "docs" / "haproxy.cfg")], env=env)
+    client = hosts.python(
+        3, str(HERE / "netns_client.py"), "loop", f"http://{env['LISTEN']}", "12",
+        f"http://{env['STATS']}/stats;csv", *replicas,
+    )  # fmt: skip
+    lines, killed = [], None
+    for line in client.stdout:
+        lines.append(json.loads(line))
+        if len(lines) == 4:  # both have served by now (leastconn alternates when idle)
+            killed = {"r1": 0, "r2": 1}[lines[-1]["server"]]
+            servers[killed].send_signal(signal.SIGKILL)
+    ((ccode, _, cerr),) = _finish([client], 120)
+    for p in (proxy, *servers):
+        p.send_signal(signal.SIGTERM)
+    _finish([proxy, *servers], 60)
+    assert ccode == 0, cerr[-2000:]
+    results, metrics = lines[:-1], lines[-1]["metrics"]
+    assert [r["status"] for r in results] == [200] * 12, results
+    assert {r["server"] for r in results[:4]} == {"r1", "r2"}, results
+    survivor = f"r{2 - killed}"
+    assert {r["server"] for r in results[4:]} == {survivor}, results
+    assert metrics[replicas[killed]] is None  # really down
+    served = sum(r["server"] == survivor for r in results)
+    assert metrics[replicas[1 - killed]] == served  # its /metrics agrees with the router
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
