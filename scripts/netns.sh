@@ -17,8 +17,10 @@
 #
 # Shaping is on each host's egress (eth0), so a packet from one host to another is delayed
 # once: --delay D is the one-way delay between two hosts (tc netem, e.g. 50us, 1ms), --rate R a
-# bandwidth limit (tc htb, e.g. 10gbit). A kernel without sch_netem cannot delay: `up`/`shape`
-# with --delay then fail with exit 3 and say so (bandwidth still works).
+# bandwidth limit (tc htb, e.g. 10gbit). Where the kernel has no sch_netem, --delay-with auto
+# (the default) delays in user space instead: an iptables NFQUEUE rule on eth0 and
+# expresslane/bench/delayline.py inside each host (needs iptables; says so on stderr);
+# --delay-with netem refuses with exit 3 there, --delay-with nfqueue always uses the fallback.
 #
 # `up` undoes its own partial work when a step fails (trap); `with` tears down on any exit.
 set -euo pipefail
@@ -27,6 +29,8 @@ NAME=el
 SUBNET=77
 DELAY=""
 RATE=""
+DELAY_WITH=auto
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
 die() { echo "netns.sh: $*" >&2; exit "${CODE:-1}"; }
 
@@ -37,6 +41,7 @@ parse() {
       --subnet) SUBNET=$2; shift 2 ;;
       --delay) DELAY=$2; shift 2 ;;
       --rate) RATE=$2; shift 2 ;;
+      --delay-with) DELAY_WITH=$2; shift 2 ;;
       --) shift; REST=("$@"); return ;;
       *) die "unknown option $1 (see the header of $0)" ;;
     esac
@@ -65,14 +70,53 @@ down() {
   done
 }
 
+stop_delayline() {  # the user-space delay line of NS, if any: its process and its rule
+  local ns=$1 pid
+  for pid in $(ip netns pids "$ns" 2>/dev/null); do
+    if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "bench/delayline.py"; then
+      kill "$pid" 2>/dev/null || true
+    fi
+  done
+  ip netns exec "$ns" iptables -D OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass \
+    2>/dev/null || true
+}
+
+start_delayline() {  # start_delayline NS: packets leaving eth0 wait $DELAY in user space
+  local ns=$1
+  command -v iptables >/dev/null || CODE=3 die "no sch_netem in this kernel and no iptables" \
+    "for the user-space delay line (Debian: apt-get install iptables)"
+  ip netns exec "$ns" iptables -A OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass
+  ip netns exec "$ns" setsid "${PYTHON:-python3}" "$ROOT/expresslane/bench/delayline.py" \
+    --queue 0 --delay "$DELAY" </dev/null >/dev/null 2>&1 &
+}
+
+netem_ok() {  # can this kernel delay in tc? (probed once, on the first host)
+  if [ -z "${NETEM_OK:-}" ]; then
+    NETEM_OK=no
+    if ip netns exec "$1" tc qdisc add dev lo root handle 1: netem delay 1us 2>/dev/null; then
+      NETEM_OK=yes
+      ip netns exec "$1" tc qdisc del dev lo root
+    fi
+  fi
+  [ "$NETEM_OK" = yes ]
+}
+
 shape_one() {  # shape_one NS: replace eth0's root qdisc with netem and/or htb, or none
   local ns=$1
   ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
+  stop_delayline "$ns"
   if [ -n "$RATE" ]; then
     ip netns exec "$ns" tc qdisc add dev eth0 root handle 1: htb default 1
     ip netns exec "$ns" tc class add dev eth0 parent 1: classid 1:1 htb rate "$RATE"
   fi
-  if [ -n "$DELAY" ] && [ "$DELAY" != 0 ]; then
+  if [ -n "$DELAY" ] && [ "$DELAY" != 0 ] && [ "$DELAY_WITH" != netem ] \
+      && { [ "$DELAY_WITH" = nfqueue ] || ! netem_ok "$ns"; }; then
+    [ -n "${SAID:-}" ] || echo "netns.sh: delaying $DELAY in user space (NFQUEUE +" \
+      "expresslane/bench/delayline.py): $([ "$DELAY_WITH" = nfqueue ] && echo asked ||
+      echo this kernel has no sch_netem)" >&2
+    SAID=1
+    start_delayline "$ns"
+  elif [ -n "$DELAY" ] && [ "$DELAY" != 0 ]; then
     local parent="root"
     [ -n "$RATE" ] && parent="parent 1:1"
     local err
@@ -85,6 +129,8 @@ shape_one() {  # shape_one NS: replace eth0's root qdisc with netem and/or htb, 
 }
 
 shape() {
+  [[ -z "$DELAY" || "$DELAY" =~ ^[0-9.]+(us|ms|s)?$ ]] || die "--delay $DELAY: expected e.g. 50us, 1ms"
+  case "$DELAY_WITH" in auto|netem|nfqueue) ;; *) die "--delay-with $DELAY_WITH: auto, netem or nfqueue" ;; esac
   local ns
   for ns in $(hosts_of); do
     [ "$ns" = "${NAME}sw" ] || shape_one "$ns"
@@ -134,5 +180,6 @@ case "$cmd" in
     trap 'down' EXIT INT TERM
     up "$N"
     NETNS_NAME=$NAME "${REST[@]}" ;;
-  *) die "usage: $0 check | up N | shape | down | exec I -- CMD | with N -- CMD (options: --name P --subnet S --delay D --rate R)" ;;
+  *) die "usage: $0 check | up N | shape | down | exec I -- CMD | with N -- CMD (options:" \
+    "--name P --subnet S --delay D --rate R --delay-with auto|netem|nfqueue)" ;;
 esac

@@ -14,7 +14,13 @@ then one JSON line with everything. Per mode and latency, medians over --steps s
 traced): ms/token, `added` over the same mode at 0 latency, and the ms blocked per token in
 blocking waits (present layers, token pick) and in delayed waits. `delayed hidden` = 1 -
 blocked in delayed waits / (delayed messages * latency): the share of the delayed messages'
-injected latency that never reached the token time. Timings on a shared CPU are noisy.
+injected latency that never reached the token time. Each run also records `message_ms`: the
+median time of one blocking all-reduce of a hidden-size message (what the link really costs).
+Timings on a shared CPU are noisy.
+
+Across hosts, every host runs this command with the multi-host flags (`--nnodes N --node-rank
+R --rdzv-endpoint HOST:PORT`, one rank each) and node 0 prints; `python -m
+expresslane.bench.dtp_hosts` does that in network namespaces with delayed links.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from ..checkpoint import save_model
 from ..cli.launch import spawn
 from ..config import ModelConfig
 from ..model import Laneformer, init_weights
-from ..parallel import ParallelEngine, load_shard
+from ..parallel import ParallelEngine, load_shard, rendezvous
 from ..parallel.exchange import sample_sharded
 
 PROMPT = [1, 17, 40, 5, 88, 23, 9, 61, 3, 14, 15, 92, 65, 35, 89, 79]
@@ -103,8 +109,10 @@ def _rank(rank: int, world: int, device: str, path: str, args) -> dict:
         model = load_shard(path, rank, world, device="cpu", overrides=over)
         dec[mode] = _Decoder(ParallelEngine(model, max_model_len=len(PROMPT) + n + 4))
     out: dict = {"runs": [], "trace": []}
+    hidden = dec["dtp"].engine.cfg.hidden_size
     with torch.inference_mode():
         for ms in args.latencies:
+            message_ms = _message_ms(hidden, dec["dtp"].ex)
             got = {mode: [] for mode in dec}
             for d in dec.values():
                 d.restart(ms)
@@ -120,8 +128,20 @@ def _rank(rank: int, world: int, device: str, path: str, args) -> dict:
                     dict(mode=mode, latency_ms=ms, ms_per_token=took, blocked_now_ms=now)
                 )
                 out["runs"][-1].update(blocked_late_ms=late, messages=d.messages)
-                out["runs"][-1]["blocking"] = d.blocking
+                out["runs"][-1].update(blocking=d.blocking, message_ms=message_ms)
     return out
+
+
+def _message_ms(hidden: int, ex, reps: int = 40) -> float:
+    """Median ms of one blocking all-reduce of a (hidden,) fp32 message, latency included."""
+    t = torch.ones(hidden)
+    took = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ex.all_reduce(t, "probe")
+        took.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(took)
 
 
 def _tables(ranks: list[dict], args) -> tuple[str, str, list[dict]]:
@@ -174,6 +194,15 @@ def _tables(ranks: list[dict], args) -> tuple[str, str, list[dict]]:
     return "\n".join(rows), "\n".join(lat), summary
 
 
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The random model's shape (random_checkpoint)."""
+    for name, v in (("layers", 8), ("hidden", 1024), ("ffn", 4096), ("heads", 8)):
+        p.add_argument(f"--{name}", type=int, default=v)
+    p.add_argument("--lanes", type=int, default=4)
+    p.add_argument("--delay", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=2048)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="a Laneformer checkpoint (default: a random one)")
@@ -183,19 +212,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    for name, v in (("layers", 8), ("hidden", 1024), ("ffn", 4096), ("heads", 8)):
-        p.add_argument(f"--{name}", type=int, default=v)
-    p.add_argument("--lanes", type=int, default=4)
-    p.add_argument("--delay", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=2048)
+    add_shape_arguments(p)
+    rendezvous.add_arguments(p)  # one rank per host: --nnodes, --node-rank, --rdzv-endpoint
     args = p.parse_args(argv)
+    rdzv = rendezvous.from_args(args, args.devices)
     args.latencies = [float(x) for x in args.latencies.split(",")]
     if args.trace_latency not in args.latencies:
         args.latencies.append(args.trace_latency)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_checkpoint(args, tmp)
         args.layers_of_model = ModelConfig.from_json(f"{path}/config.json").num_layers
-        ranks = spawn(_rank, args.devices, path, args, device="cpu", threads=args.threads)
+        ranks = spawn(
+            _rank, args.devices, path, args, device="cpu", threads=args.threads, rdzv=rdzv
+        )
+    if rdzv is not None and rdzv.node_rank > 0:
+        return 0  # node 0 reports
     trace, lat, summary = _tables(ranks, args)
     when = datetime.date.today().isoformat()
     print(

@@ -1,0 +1,156 @@
+"""DTP across hosts: ms/token of DTP and TP over a real network stack with delayed links.
+
+`python -m expresslane.bench.dtp_hosts [--devices 2] [--delays 0,50us,200us,1ms]` (root, Linux)
+makes N namespace "hosts" with scripts/netns.sh (veth pairs on a bridge), and for each one-way
+link delay D (tc netem, or the user-space delay line where the kernel has no netem) runs
+`python -m expresslane.bench.dtp_trace` with one rank per host, joined over TCP with the
+multi-host flags, no latency injected. Every dtp_trace option after `--` is passed on (model
+shape, --steps, --model).
+
+One table, then one JSON line. Per delay: `message ms`, the median blocking all-reduce of one
+hidden-size message (what the link costs a consumer that waits at once); ms/token of TP (the
+same weights, an all-reduce after every module) and of DTP; each one's added time over D = 0;
+the ms per token DTP blocks in delayed waits; and `delayed hidden`, the share of the delayed
+messages' added cost that never reached the token time:
+
+    hidden = 1 - (delayed blocked(D) - delayed blocked(0)) / (delayed messages x (message(D) -
+             message(0)))
+
+Timings on a shared CPU are noisy; the namespaces share the machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "netns.sh"
+PORT = 29450
+
+
+def _netns(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True)
+
+
+def _point(name: str, devices: int, port: int, passed: list[str]) -> dict:
+    """One dtp_trace run with a rank on each host; node 0's JSON record."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    base = [sys.executable, "-m", "expresslane.bench.dtp_trace", "--latencies", "0"]
+    base += ["--trace-latency", "0", "--devices", str(devices), "--nnodes", str(devices)]
+    base += ["--rdzv-endpoint", f"10.77.0.1:{port}", "--rdzv-timeout", "300", *passed]
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", f"{name}{r}", *base, "--node-rank", str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(devices)
+    ]
+    outs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"dtp_trace rank failed ({p.returncode}): {err[-2000:]}")
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def _row(delay: str, rec: dict, base: dict | None) -> dict:
+    runs = {r["mode"]: r for r in rec["latency"][0].values() if isinstance(r, dict)}
+    tp, dtp = runs["tp"], runs["dtp"]
+    row = dict(delay=delay, message_ms=dtp["message_ms"], tp_ms=tp["ms_per_token"])
+    row.update(dtp_ms=dtp["ms_per_token"], dtp_blocked_late_ms=dtp["blocked_late_ms"])
+    row.update(dtp_blocked_now_ms=dtp["blocked_now_ms"], tp_blocked_ms=tp["blocked_now_ms"])
+    row["delayed_messages"] = dtp["messages"] - dtp["blocking"]
+    row["blocking_messages"] = {"tp": tp["messages"], "dtp": dtp["blocking"]}
+    if base is not None:
+        row["tp_added_ms"] = row["tp_ms"] - base["tp_ms"]
+        row["dtp_added_ms"] = row["dtp_ms"] - base["dtp_ms"]
+        extra = row["message_ms"] - base["message_ms"]  # per message, from the link
+        late = row["dtp_blocked_late_ms"] - base["dtp_blocked_late_ms"]
+        if extra > 0 and row["delayed_messages"]:
+            row["delayed_hidden"] = 1 - late / (row["delayed_messages"] * extra)
+    return row
+
+
+def _table(rows: list[dict]) -> str:
+    out = [
+        "| one-way delay | message ms | TP ms/token | TP added | DTP ms/token | DTP added "
+        "| DTP blocked in delayed waits | delayed hidden |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        hidden = f"{r['delayed_hidden']:.0%}" if "delayed_hidden" in r else ""
+        out.append(
+            f"| {r['delay']} | {r['message_ms']:.3f} | {r['tp_ms']:.1f} | "
+            f"{r.get('tp_added_ms', 0):+.1f} | {r['dtp_ms']:.1f} | {r.get('dtp_added_ms', 0):+.1f} "
+            f"| {r['dtp_blocked_late_ms']:.2f} ({r['delayed_messages']} waits) | {hidden} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=2, help="hosts, one rank each")
+    p.add_argument("--delays", default="0,50us,200us,1ms", help="one-way link delays (netem)")
+    p.add_argument("--delay-with", default="auto", choices=["auto", "netem", "nfqueue"])
+    args = p.parse_args(argv)
+    delays = args.delays.split(",")
+    if delays[0] not in ("0", "0us", "0ms"):
+        delays.insert(0, "0")  # the reference of every "added"
+    if not SCRIPT.exists():
+        p.error(f"{SCRIPT} not found: run from a checkout of the repository")
+    name = f"elb{os.getpid() % 100000}"
+    made = _netns("up", str(args.devices), "--name", name)
+    if made.returncode:
+        p.error(f"cannot make namespaces: {made.stderr.strip()}")
+    rows, notes = [], []
+    try:
+        with tempfile.TemporaryDirectory(prefix="expresslane-dtp-hosts-") as tmp:
+            if "--model" not in passed:  # one random checkpoint for every point
+                passed += ["--model", _checkpoint(passed, tmp)]
+            for i, delay in enumerate(delays):
+                shaped = _netns("shape", "--name", name, "--delay", delay,
+                                "--delay-with", args.delay_with)  # fmt: skip
+                if shaped.returncode:
+                    p.error(f"--delay {delay}: {shaped.stderr.strip()}")
+                notes += [ln for ln in shaped.stderr.splitlines() if ln not in notes]
+                rec = _point(name, args.devices, PORT + i, passed)
+                rows.append(_row(delay, rec, rows[0] if rows else None))
+                print(f"{delay}: done", file=sys.stderr, flush=True)
+    finally:
+        _netns("down", "--name", name)
+    when = datetime.date.today().isoformat()
+    print(f"## DTP vs TP across {args.devices} namespace hosts (gloo over veth, {when})\n")
+    for n in notes:
+        print(f"note: {n.removeprefix('netns.sh: ')}")
+    print(f"\n{_table(rows)}\n")
+    cfg = {k: v for k, v in rec["config"].items() if k not in ("model", "rdzv_endpoint")}
+    record = dict(bench="dtp_hosts", date=when, devices=args.devices, delays=delays,
+                  delay_with=args.delay_with, notes=notes, config=cfg, rows=rows)  # fmt: skip
+    print(json.dumps(record))
+    return 0
+
+
+def _checkpoint(passed: list[str], tmp: str) -> str:
+    """dtp_trace's random checkpoint, written once, with the shape flags passed on."""
+    from .dtp_trace import add_shape_arguments, random_checkpoint
+
+    p = argparse.ArgumentParser()
+    add_shape_arguments(p)
+    shape, _ = p.parse_known_args(passed)
+    return random_checkpoint(shape, str(Path(tmp) / "model"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
