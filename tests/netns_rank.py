@@ -3,12 +3,12 @@
 PLAN (JSON) lists phases; each joins a group of `world` ranks at `endpoint` with the multi-host
 flags' Rendezvous (ranks >= world skip it), then:
 
-- "cases": for every checkpoint, the gathered logits of PROMPT and GREEDY tokens;
-- "kill": a long greedy request in which rank `victim` exits abruptly after `after` tokens;
-  every other rank records what ended its request (it must be GroupLostError, from the peer's
-  closed connection, not from a timeout).
-
-Rank r writes its results to `{out}.{r}` (torch.save) after each phase.
+- "cases": for every checkpoint, the gathered logits of PROMPT and GREEDY tokens, saved by rank
+  r to `{out}.{r}`;
+- "victim" (optional, after the cases): a long greedy request on `kill_path` in which rank
+  `victim` exits abruptly after `after` tokens; every other rank saves to `{out}.kill.{r}`
+  what ended its request (it must be GroupLostError, from the peer's closed connection, not
+  from a timeout) and whether a later request is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from expresslane.parallel.exchange import gather_vocab
 from expresslane.parallel.rendezvous import GroupLostError, Rendezvous, parse_endpoint
 
 PROMPT = [1, 17, 40, 5, 88, 23, 9, 61]
-GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def cases(rank: int, world: int, paths: dict) -> dict:
@@ -44,7 +44,7 @@ def cases(rank: int, world: int, paths: dict) -> dict:
 
 
 def kill(rank: int, world: int, phase: dict) -> dict:
-    model = load_shard(phase["path"], rank, world, device="cpu")
+    model = load_shard(phase["kill_path"], rank, world, device="cpu")
     engine = ParallelEngine(model, max_model_len=256)
     params = SamplingParams(max_tokens=200, ignore_eos=True)
     got, t_last = 0, time.monotonic()
@@ -79,11 +79,9 @@ def main() -> None:
         host, port = parse_endpoint(phase["endpoint"])
         rdzv = Rendezvous(world, rank, host, port, plan["timeout_s"])
         init_distributed(rank, world, "cpu", threads=1, rdzv=rdzv)
-        if "cases" in phase:
-            res = cases(rank, world, phase["cases"])
-        else:
-            res = kill(rank, world, phase)
-        torch.save(res, f"{phase['out']}.{rank}")
+        torch.save(cases(rank, world, phase["cases"]), f"{phase['out']}.{rank}")
+        if "victim" in phase:
+            torch.save(kill(rank, world, phase), f"{phase['out']}.kill.{rank}")
         dist.destroy_process_group()
 
 

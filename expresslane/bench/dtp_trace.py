@@ -158,7 +158,7 @@ def _tables(ranks: list[dict], args) -> tuple[str, str, list[dict]]:
                 f"{e['consumer']} |"
             )
     delayed = [e for r in ranks for e in r["trace"] if e.get("kind") == "dtp"]
-    if delayed:
+    if delayed and args.trace_latency:  # the share hidden of the injected latency
         blocked = sum(e["blocked_ms"] for e in delayed)
         injected = len(delayed) * args.trace_latency
         rows.append(
