@@ -10,10 +10,13 @@ comes up (NFQNL_COPY_META). Stdlib only, spoken over a raw netlink socket (no li
     iptables -A OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass
     python3 expresslane/bench/delayline.py --queue 0 --delay 200us
 
-scripts/netns.sh starts it (in each namespace) when netem is missing. Accuracy on an idle
-machine, TCP ping-pong between two namespaces: about +-5 us at 50 us and 200 us, +4% at 1 ms;
-the pass-through (delay 0) costs about 15 us per packet. The last `--spin-us` of each wait spin
-instead of sleeping (a sleeping process wakes up tens of microseconds late).
+scripts/netns.sh starts it (in each namespace) when netem is missing. `--echo PORT` and `--ping
+HOST:PORT` measure what a link really does: the median round trip of a 4 KB TCP message
+(docs/multi-host.md lists them per delay; each packet pays some tens of microseconds on top).
+The last `--spin-us` of each wait spin instead of sleeping (a sleeping process wakes up tens of
+microseconds late), and the process runs under SCHED_FIFO (`--realtime`): on a busy CPU an
+ordinary process is woken milliseconds late, which stretched a 200 us delay to several ms. The kernel's real-time
+throttling (95% of each second by default) keeps it from starving the machine.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import os
 import select
 import socket
 import struct
@@ -121,18 +125,69 @@ class DelayLine:
             self._release()
 
 
+def echo(port: int) -> None:
+    """Send back whatever one client sends, until it closes."""
+    with socket.create_server(("0.0.0.0", port), reuse_port=True) as srv:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while data := conn.recv(1 << 16):
+            conn.sendall(data)
+
+
+def ping(endpoint: str, size: int = 4096, reps: int = 200) -> float:
+    """Median round trip in microseconds of `size` bytes to an `echo` server."""
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = socket.create_connection((host, int(port)), timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    took = []
+    with conn:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            conn.sendall(b"x" * size)
+            got = 0
+            while got < size:
+                got += len(conn.recv(1 << 16))
+            took.append((time.perf_counter() - t0) * 1e6)
+    return sorted(took)[len(took) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--queue", type=int, default=0, help="NFQUEUE number of the iptables rule")
     p.add_argument("--delay", default="0", help="one-way delay, netem syntax (50us, 1ms)")
     p.add_argument("--spin-us", type=float, default=60.0)
+    p.add_argument(
+        "--realtime", type=int, default=10, help="SCHED_FIFO priority (0: an ordinary process)"
+    )
+    p.add_argument("--echo", type=int, help="only serve a TCP echo on this port (see --ping)")
+    p.add_argument("--ping", help="only print the median 4 KB round trip (us) to HOST:PORT")
     args = p.parse_args(argv)
+    if args.echo:
+        echo(args.echo)
+        return 0
+    if args.ping:
+        print(f"{ping(args.ping):.1f}")
+        return 0
     try:
         delay = parse_delay(args.delay)
     except ValueError as e:
         p.error(str(e))
-    with_slack = ctypes.CDLL(None, use_errno=True)
-    with_slack.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK 1 ns: wake when asked, not 50 us later
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK 1 ns: wake when asked, not 50 us later
+    if args.realtime:  # netem runs in softirq, ahead of every process: so must its stand-in
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(args.realtime))
+        except OSError as e:
+            print(f"delayline: no real-time priority ({e}); delays stretch on a busy CPU",
+                  file=sys.stderr)  # fmt: skip
     try:
         line = DelayLine(args.queue, delay, args.spin_us * 1e-6)
     except OSError as e:

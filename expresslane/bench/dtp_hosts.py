@@ -7,14 +7,16 @@ link delay D (tc netem, or the user-space delay line where the kernel has no net
 multi-host flags, no latency injected. Every dtp_trace option after `--` is passed on (model
 shape, --steps, --model).
 
-One table, then one JSON line. Per delay: `message ms`, the median blocking all-reduce of one
-hidden-size message (what the link costs a consumer that waits at once); ms/token of TP (the
-same weights, an all-reduce after every module) and of DTP; each one's added time over D = 0;
-the ms per token DTP blocks in delayed waits; and `delayed hidden`, the share of the delayed
-messages' added cost that never reached the token time:
+One table, then one JSON line. Per delay: `RTT`, the median round trip of 4 KB over TCP between
+two hosts (delayline.py --ping: what the link really does); `all-reduce`, the median blocking
+all-reduce of one hidden-size message on idle ranks; ms/token of TP (the same weights, an
+all-reduce after every module) and of DTP, and each one's added time over D = 0; `TP per
+message`, TP's blocked time per token over its blocking messages (what one message costs when
+waited on at once, under the decode's own CPU load); DTP's blocked time in delayed waits; and
+`delayed hidden`, the share of the delayed messages' added cost that never reached the token:
 
-    hidden = 1 - (delayed blocked(D) - delayed blocked(0)) / (delayed messages x (message(D) -
-             message(0)))
+    hidden = 1 - (DTP delayed blocked(D) - (same at 0)) / (delayed messages x (TP per message(D)
+             - (same at 0)))
 
 Timings on a shared CPU are noisy; the namespaces share the machine's cores.
 """
@@ -62,18 +64,34 @@ def _point(name: str, devices: int, port: int, passed: list[str]) -> dict:
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
-def _row(delay: str, rec: dict, base: dict | None) -> dict:
+def _rtt_us(name: str, port: int) -> float:
+    """Median 4 KB TCP round trip from host 0 to host 1 (delayline.py --echo / --ping)."""
+    tool = [sys.executable, str(Path(__file__).with_name("delayline.py"))]
+    echo = subprocess.Popen(["ip", "netns", "exec", f"{name}1", *tool, "--echo", str(port)])
+    try:
+        got = subprocess.run(
+            ["ip", "netns", "exec", f"{name}0", *tool, "--ping", f"10.77.0.2:{port}"],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+    finally:
+        echo.kill()
+        echo.wait()
+    return float(got.stdout)
+
+
+def _row(delay: str, rec: dict, base: dict | None, rtt_us: float) -> dict:
     runs = {r["mode"]: r for r in rec["latency"][0].values() if isinstance(r, dict)}
     tp, dtp = runs["tp"], runs["dtp"]
-    row = dict(delay=delay, message_ms=dtp["message_ms"], tp_ms=tp["ms_per_token"])
+    row = dict(delay=delay, rtt_us=rtt_us, message_ms=dtp["message_ms"], tp_ms=tp["ms_per_token"])
     row.update(dtp_ms=dtp["ms_per_token"], dtp_blocked_late_ms=dtp["blocked_late_ms"])
     row.update(dtp_blocked_now_ms=dtp["blocked_now_ms"], tp_blocked_ms=tp["blocked_now_ms"])
     row["delayed_messages"] = dtp["messages"] - dtp["blocking"]
     row["blocking_messages"] = {"tp": tp["messages"], "dtp": dtp["blocking"]}
+    row["tp_per_message_ms"] = tp["blocked_now_ms"] / tp["messages"]
     if base is not None:
         row["tp_added_ms"] = row["tp_ms"] - base["tp_ms"]
         row["dtp_added_ms"] = row["dtp_ms"] - base["dtp_ms"]
-        extra = row["message_ms"] - base["message_ms"]  # per message, from the link
+        extra = row["tp_per_message_ms"] - base["tp_per_message_ms"]  # what the link added
         late = row["dtp_blocked_late_ms"] - base["dtp_blocked_late_ms"]
         if extra > 0 and row["delayed_messages"]:
             row["delayed_hidden"] = 1 - late / (row["delayed_messages"] * extra)
@@ -82,16 +100,17 @@ def _row(delay: str, rec: dict, base: dict | None) -> dict:
 
 def _table(rows: list[dict]) -> str:
     out = [
-        "| one-way delay | message ms | TP ms/token | TP added | DTP ms/token | DTP added "
-        "| DTP blocked in delayed waits | delayed hidden |",
-        "|---|---|---|---|---|---|---|---|",
+        "| one-way delay | RTT us | all-reduce ms | TP ms/token | TP added | TP per message ms "
+        "| DTP ms/token | DTP added | DTP blocked in delayed waits | delayed hidden |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hidden = f"{r['delayed_hidden']:.0%}" if "delayed_hidden" in r else ""
         out.append(
-            f"| {r['delay']} | {r['message_ms']:.3f} | {r['tp_ms']:.1f} | "
-            f"{r.get('tp_added_ms', 0):+.1f} | {r['dtp_ms']:.1f} | {r.get('dtp_added_ms', 0):+.1f} "
-            f"| {r['dtp_blocked_late_ms']:.2f} ({r['delayed_messages']} waits) | {hidden} |"
+            f"| {r['delay']} | {r['rtt_us']:.0f} | {r['message_ms']:.2f} | {r['tp_ms']:.1f} | "
+            f"{r.get('tp_added_ms', 0):+.1f} | {r['tp_per_message_ms']:.2f} | {r['dtp_ms']:.1f} | "
+            f"{r.get('dtp_added_ms', 0):+.1f} | {r['dtp_blocked_late_ms']:.2f} "
+            f"({r['delayed_messages']} waits) | {hidden} |"
         )
     return "\n".join(out)
 
@@ -125,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                 if shaped.returncode:
                     p.error(f"--delay {delay}: {shaped.stderr.strip()}")
                 notes += [ln for ln in shaped.stderr.splitlines() if ln not in notes]
+                rtt = _rtt_us(name, PORT + 100 + i)
                 rec = _point(name, args.devices, PORT + i, passed)
-                rows.append(_row(delay, rec, rows[0] if rows else None))
+                rows.append(_row(delay, rec, rows[0] if rows else None, rtt))
                 print(f"{delay}: done", file=sys.stderr, flush=True)
     finally:
         _netns("down", "--name", name)
