@@ -88,6 +88,12 @@ start_delayline() {  # start_delayline NS: packets leaving eth0 wait $DELAY in u
   ip netns exec "$ns" iptables -A OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass
   ip netns exec "$ns" setsid "${PYTHON:-python3}" "$ROOT/expresslane/bench/delayline.py" \
     --queue 0 --delay "$DELAY" </dev/null >/dev/null 2>&1 &
+  local i  # until it has bound the queue (packets pass undelayed before: --queue-bypass)
+  for i in $(seq 100); do
+    ip netns exec "$ns" grep -qE '^ *0 ' /proc/net/netfilter/nfnetlink_queue 2>/dev/null && return
+    sleep 0.05
+  done
+  CODE=3 die "the delay line in $ns did not bind NFQUEUE 0 (run it by hand to see why)"
 }
 
 netem_ok() {  # can this kernel delay in tc? (probed once, on the first host)

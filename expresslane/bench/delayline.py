@@ -15,8 +15,9 @@ HOST:PORT` measure what a link really does: the median round trip of a 4 KB TCP 
 (docs/multi-host.md lists them per delay; each packet pays some tens of microseconds on top).
 The last `--spin-us` of each wait spin instead of sleeping (a sleeping process wakes up tens of
 microseconds late), and the process runs under SCHED_FIFO (`--realtime`): on a busy CPU an
-ordinary process is woken milliseconds late, which stretched a 200 us delay to several ms. The kernel's real-time
-throttling (95% of each second by default) keeps it from starving the machine.
+ordinary process is woken milliseconds late, which stretched a 200 us delay to several ms.
+The kernel's real-time throttling (95% of each second by default) keeps it from starving the
+machine.
 """
 
 from __future__ import annotations

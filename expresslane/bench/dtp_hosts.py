@@ -1,10 +1,11 @@
 """DTP across hosts: ms/token of DTP and TP over a real network stack with delayed links.
 
 `python -m expresslane.bench.dtp_hosts [--devices 2] [--delays 0,50us,200us,1ms]` (root, Linux)
-makes N namespace "hosts" with scripts/netns.sh (veth pairs on a bridge), and for each one-way
-link delay D (tc netem, or the user-space delay line where the kernel has no netem) runs
-`python -m expresslane.bench.dtp_trace` with one rank per host, joined over TCP with the
-multi-host flags, no latency injected. Every dtp_trace option after `--` is passed on (model
+makes N namespace "hosts" with scripts/netns.sh (veth pairs on a bridge) and runs `python -m
+expresslane.bench.dtp_trace` with one rank per host, joined over TCP with the multi-host flags,
+no latency injected: its rank 0 sets every one-way link delay D in turn (tc netem, or the
+user-space delay line where the kernel has no netem), `--rounds` times over, so that all delays
+see the same (drifting) machine load. Every dtp_trace option after `--` is passed on (model
 shape, --steps, --model).
 
 One table, then one JSON line. Per delay: `RTT`, the median round trip of 4 KB over TCP between
@@ -40,13 +41,14 @@ def _netns(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True)
 
 
-def _point(name: str, devices: int, port: int, passed: list[str]) -> dict:
-    """One dtp_trace run with a rank on each host; node 0's JSON record."""
+def _trace(name: str, devices: int, delays: list[str], how: str, passed: list[str]) -> dict:
+    """One dtp_trace run with a rank on each host, visiting every delay; node 0's record."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("GLOO_SOCKET_IFNAME", None)
-    base = [sys.executable, "-m", "expresslane.bench.dtp_trace", "--latencies", "0"]
-    base += ["--trace-latency", "0", "--devices", str(devices), "--nnodes", str(devices)]
-    base += ["--rdzv-endpoint", f"10.77.0.1:{port}", "--rdzv-timeout", "300", *passed]
+    shape = f"bash {SCRIPT} shape --name {name} --delay {{delay}} --delay-with {how}"
+    base = [sys.executable, "-m", "expresslane.bench.dtp_trace", "--link-delays", ",".join(delays)]
+    base += ["--shape-cmd", shape, "--devices", str(devices), "--nnodes", str(devices)]
+    base += ["--rdzv-endpoint", f"10.77.0.1:{PORT}", "--rdzv-timeout", "600", *passed]
     procs = [
         subprocess.Popen(
             ["ip", "netns", "exec", f"{name}{r}", *base, "--node-rank", str(r)],
@@ -79,9 +81,8 @@ def _rtt_us(name: str, port: int) -> float:
     return float(got.stdout)
 
 
-def _row(delay: str, rec: dict, base: dict | None, rtt_us: float) -> dict:
-    runs = {r["mode"]: r for r in rec["latency"][0].values() if isinstance(r, dict)}
-    tp, dtp = runs["tp"], runs["dtp"]
+def _row(delay: str, point: dict, base: dict | None, rtt_us: float) -> dict:
+    tp, dtp = point["tp"], point["dtp"]
     row = dict(delay=delay, rtt_us=rtt_us, message_ms=dtp["message_ms"], tp_ms=tp["ms_per_token"])
     row.update(dtp_ms=dtp["ms_per_token"], dtp_blocked_late_ms=dtp["blocked_late_ms"])
     row.update(dtp_blocked_now_ms=dtp["blocked_now_ms"], tp_blocked_ms=tp["blocked_now_ms"])
@@ -115,6 +116,21 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _trace_table(events: list[dict]) -> str:
+    out = ["| rank | message | kind | issued | done | waited at | blocked | consumed by |"]
+    out.append("|---|---|---|---|---|---|---|---|")
+    for e in events:
+        if e["tag"] == "step":
+            out.append(f"| {e['rank']} | whole step | | | | | {e['blocked_ms']:.2f} | |")
+        else:
+            out.append(
+                f"| {e['rank']} | {e['tag']} | {e['kind']} | {e['issued_ms']:.2f} | "
+                f"{e['done_ms']:.2f} | {e['wait_ms']:.2f} | {e['blocked_ms']:.2f} | "
+                f"{e['consumer']} |"
+            )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passed = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -123,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=2, help="hosts, one rank each")
     p.add_argument("--delays", default="0,50us,200us,1ms", help="one-way link delays (netem)")
     p.add_argument("--delay-with", default="auto", choices=["auto", "netem", "nfqueue"])
+    p.add_argument("--rounds", type=int, default=3, help="cycles through all delays")
     args = p.parse_args(argv)
     delays = args.delays.split(",")
     if delays[0] not in ("0", "0us", "0ms"):
@@ -133,29 +150,34 @@ def main(argv: list[str] | None = None) -> int:
     made = _netns("up", str(args.devices), "--name", name)
     if made.returncode:
         p.error(f"cannot make namespaces: {made.stderr.strip()}")
-    rows, notes = [], []
+    notes, rtts = [], []
     try:
+        for i, delay in enumerate(delays):  # what each delay does to a plain TCP round trip
+            shaped = _netns("shape", "--name", name, "--delay", delay,
+                            "--delay-with", args.delay_with)  # fmt: skip
+            if shaped.returncode:
+                p.error(f"--delay {delay}: {shaped.stderr.strip()}")
+            notes += [ln for ln in shaped.stderr.splitlines() if ln not in notes]
+            rtts.append(_rtt_us(name, PORT + 100 + i))
+        _netns("shape", "--name", name)
         with tempfile.TemporaryDirectory(prefix="expresslane-dtp-hosts-") as tmp:
-            if "--model" not in passed:  # one random checkpoint for every point
+            if "--model" not in passed:  # one random checkpoint for every rank
                 passed += ["--model", _checkpoint(passed, tmp)]
-            for i, delay in enumerate(delays):
-                shaped = _netns("shape", "--name", name, "--delay", delay,
-                                "--delay-with", args.delay_with)  # fmt: skip
-                if shaped.returncode:
-                    p.error(f"--delay {delay}: {shaped.stderr.strip()}")
-                notes += [ln for ln in shaped.stderr.splitlines() if ln not in notes]
-                rtt = _rtt_us(name, PORT + 100 + i)
-                rec = _point(name, args.devices, PORT + i, passed)
-                rows.append(_row(delay, rec, rows[0] if rows else None, rtt))
-                print(f"{delay}: done", file=sys.stderr, flush=True)
+            passed += ["--rounds", str(args.rounds)]
+            rec = _trace(name, args.devices, delays, args.delay_with, passed)
     finally:
         _netns("down", "--name", name)
+    rows = []
+    for delay, point, rtt in zip(delays, rec["latency"], rtts, strict=True):
+        rows.append(_row(delay, point, rows[0] if rows else None, rtt))
     when = datetime.date.today().isoformat()
     print(f"## DTP vs TP across {args.devices} namespace hosts (gloo over veth, {when})\n")
     for n in notes:
         print(f"note: {n.removeprefix('netns.sh: ')}")
     print(f"\n{_table(rows)}\n")
-    cfg = {k: v for k, v in rec["config"].items() if k not in ("model", "rdzv_endpoint")}
+    print(f"### One DTP decode step at {delays[-1]} (rank: ms from the step's start)\n")
+    print(f"{_trace_table(rec['trace'])}\n")
+    cfg = {k: v for k, v in rec["config"].items() if k not in ("model", "shape_cmd")}
     record = dict(bench="dtp_hosts", date=when, devices=args.devices, delays=delays,
                   delay_with=args.delay_with, notes=notes, config=cfg, rows=rows)  # fmt: skip
     print(json.dumps(record))

@@ -19,8 +19,11 @@ median time of one blocking all-reduce of a hidden-size message (what the link r
 Timings on a shared CPU are noisy.
 
 Across hosts, every host runs this command with the multi-host flags (`--nnodes N --node-rank
-R --rdzv-endpoint HOST:PORT`, one rank each) and node 0 prints; `python -m
-expresslane.bench.dtp_hosts` does that in network namespaces with delayed links.
+R --rdzv-endpoint HOST:PORT`, one rank each) and node 0 prints. `--link-delays 0,1ms
+--shape-cmd CMD` then measures real link delays instead of injected ones: before each point,
+rank 0 runs CMD with {delay} filled in (e.g. scripts/netns.sh shape), between two barriers;
+`--rounds R` cycles through all points R times, so that a machine whose load drifts loads every
+point alike. `python -m expresslane.bench.dtp_hosts` does all that in network namespaces.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import datetime
 import json
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -43,6 +47,7 @@ from ..parallel import ParallelEngine, load_shard, rendezvous
 from ..parallel.exchange import sample_sharded
 
 PROMPT = [1, 17, 40, 5, 88, 23, 9, 61, 3, 14, 15, 92, 65, 35, 89, 79]
+MODES = ("tp", "dtp")
 
 
 def random_checkpoint(args: argparse.Namespace, out: str) -> str:
@@ -110,26 +115,47 @@ def _rank(rank: int, world: int, device: str, path: str, args) -> dict:
         dec[mode] = _Decoder(ParallelEngine(model, max_model_len=len(PROMPT) + n + 4))
     out: dict = {"runs": [], "trace": []}
     hidden = dec["dtp"].engine.cfg.hidden_size
+    got: dict = {}  # label -> mode -> kept steps
+    probes: dict = {}  # label -> message_ms per visit
     with torch.inference_mode():
-        for ms in args.latencies:
-            message_ms = _message_ms(hidden, dec["dtp"].ex)
-            got = {mode: [] for mode in dec}
+        for label, ms, link in _points(args):
+            if link is not None:
+                _set_link(rank, args.shape_cmd, link)
+            probes.setdefault(label, []).append(_message_ms(hidden, dec["dtp"].ex))
             for d in dec.values():
                 d.restart(ms)
-            for _ in range(n):
+            for i in range(n):
                 for mode, d in dec.items():
-                    got[mode].append(d.step())
-            if ms == args.trace_latency:
+                    step = d.step()
+                    if i >= args.warmup:
+                        got.setdefault(label, {}).setdefault(mode, []).append(step)
+            if label == args.trace_point:
                 out["trace"] = dec["dtp"].trace
-            for mode, d in dec.items():
-                kept = got[mode][args.warmup :]
-                took, now, late = (statistics.median(c) for c in zip(*kept, strict=True))
-                out["runs"].append(
-                    dict(mode=mode, latency_ms=ms, ms_per_token=took, blocked_now_ms=now)
-                )
-                out["runs"][-1].update(blocked_late_ms=late, messages=d.messages)
-                out["runs"][-1].update(blocking=d.blocking, message_ms=message_ms)
+    for label, ms, link in dict.fromkeys(_points(args)):
+        for mode, d in dec.items():
+            took, now, late = (statistics.median(c) for c in zip(*got[label][mode], strict=True))
+            out["runs"].append(dict(mode=mode, point=label, latency_ms=ms, link_delay=link))
+            out["runs"][-1].update(ms_per_token=took, blocked_now_ms=now, blocked_late_ms=late)
+            out["runs"][-1].update(messages=d.messages, blocking=d.blocking)
+            out["runs"][-1]["message_ms"] = statistics.median(probes[label])
     return out
+
+
+def _points(args) -> list[tuple[str, float, str | None]]:
+    """(label, injected ms, link delay) of every measured point, in order, --rounds times."""
+    if args.link_delays:
+        one = [(d, 0.0, d) for d in args.link_delays]
+    else:
+        one = [(f"{ms:g}", ms, None) for ms in args.latencies]
+    return one * args.rounds
+
+
+def _set_link(rank: int, cmd: str, delay: str) -> None:
+    """Rank 0 reshapes the links (everyone quiet between two barriers)."""
+    dist.barrier()
+    if rank == 0:
+        subprocess.run(cmd.format(delay=delay), shell=True, check=True)
+    dist.barrier()
 
 
 def _message_ms(hidden: int, ex, reps: int = 40) -> float:
@@ -166,18 +192,18 @@ def _tables(ranks: list[dict], args) -> tuple[str, str, list[dict]]:
             f"{blocked:.2f} ms of {injected:g} ms injected ({1 - blocked / injected:.1%} hidden)."
         )
     runs = ranks[0]["runs"]
-    base = {r["mode"]: r["ms_per_token"] for r in runs if r["latency_ms"] == 0}
+    first = runs[0]["point"]
+    base = {r["mode"]: r["ms_per_token"] for r in runs if r["point"] == first}
     lat = [
-        "| latency ms | TP ms/token | TP added | TP blocked | DTP ms/token | DTP added "
+        "| point | TP ms/token | TP added | TP blocked | DTP ms/token | DTP added "
         "| DTP blocked: present + pick | DTP blocked: delayed | delayed hidden |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     summary = []
-    for ms in args.latencies:
-        tp, dtp = (
-            next(r for r in runs if r["mode"] == m and r["latency_ms"] == ms) for m in ("tp", "dtp")
-        )
-        row = dict(latency_ms=ms, tp=tp, dtp=dtp)
+    for label in dict.fromkeys(r["point"] for r in runs):
+        tp, dtp = (next(r for r in runs if r["mode"] == m and r["point"] == label) for m in MODES)
+        ms = tp["latency_ms"]
+        row = dict(point=label, latency_ms=ms, link_delay=tp["link_delay"], tp=tp, dtp=dtp)
         row["tp_added"] = tp["ms_per_token"] - base.get("tp", tp["ms_per_token"])
         row["dtp_added"] = dtp["ms_per_token"] - base.get("dtp", dtp["ms_per_token"])
         delayed = dtp["messages"] - dtp["blocking"]
@@ -186,7 +212,7 @@ def _tables(ranks: list[dict], args) -> tuple[str, str, list[dict]]:
         summary.append(row)
         hidden = f"{row['delayed_hidden']:.1%}" if "delayed_hidden" in row else ""
         lat.append(
-            f"| {ms:g} | {tp['ms_per_token']:.1f} | {row['tp_added']:+.1f} | "
+            f"| {label} | {tp['ms_per_token']:.1f} | {row['tp_added']:+.1f} | "
             f"{tp['blocked_now_ms']:.1f} ({tp['messages']} waits) | {dtp['ms_per_token']:.1f} | "
             f"{row['dtp_added']:+.1f} | {dtp['blocked_now_ms']:.1f} ({dtp['blocking']} waits) | "
             f"{dtp['blocked_late_ms']:.2f} ({delayed} waits) | {hidden} |"
@@ -212,13 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--link-delays", help="real link delays to visit instead (e.g. 0,50us,1ms)")
+    p.add_argument("--shape-cmd", help="what rank 0 runs to set a link delay ({delay})")
+    p.add_argument("--rounds", type=int, default=1, help="cycles through all points")
     add_shape_arguments(p)
     rendezvous.add_arguments(p)  # one rank per host: --nnodes, --node-rank, --rdzv-endpoint
     args = p.parse_args(argv)
     rdzv = rendezvous.from_args(args, args.devices)
     args.latencies = [float(x) for x in args.latencies.split(",")]
-    if args.trace_latency not in args.latencies:
-        args.latencies.append(args.trace_latency)
+    if args.link_delays:
+        if not args.shape_cmd or "{delay}" not in args.shape_cmd:
+            p.error("--link-delays needs --shape-cmd with {delay} in it")
+        args.link_delays = args.link_delays.split(",")
+        args.trace_point, args.trace_latency = args.link_delays[-1], 0.0
+    else:
+        if args.trace_latency not in args.latencies:
+            args.latencies.append(args.trace_latency)
+        args.trace_point = f"{args.trace_latency:g}"
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_checkpoint(args, tmp)
         args.layers_of_model = ModelConfig.from_json(f"{path}/config.json").num_layers
@@ -229,11 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # node 0 reports
     trace, lat, summary = _tables(ranks, args)
     when = datetime.date.today().isoformat()
-    print(
-        f"## One decode step per rank ({args.devices} gloo ranks, latency "
-        f"{args.trace_latency:g} ms, {when})\n\n{trace}\n"
-    )
-    print(f"## Injected latency per message: TP vs DTP (median ms/token)\n\n{lat}\n")
+    what = f"latency {args.trace_point} ms"
+    what = f"link delay {args.trace_point}" if args.link_delays else what
+    print(f"## One decode step per rank ({args.devices} gloo ranks, {what}, {when})\n\n{trace}\n")
+    what = "Link delay" if args.link_delays else "Injected latency per message"
+    print(f"## {what}: TP vs DTP (median ms/token)\n\n{lat}\n")
     record = dict(
         bench="dtp_trace", date=when, devices=args.devices, backend="gloo", config=vars(args),
         latency=summary, trace=[e for r in ranks for e in r["trace"]],
