@@ -8,16 +8,23 @@ user-space delay line where the kernel has no netem), `--rounds` times over, so 
 see the same (drifting) machine load. Every dtp_trace option after `--` is passed on (model
 shape, --steps, --model).
 
-One table, then one JSON line. Per delay: `RTT`, the median round trip of 4 KB over TCP between
+Tables, then one JSON line. Per delay: `RTT`, the median round trip of 4 KB over TCP between
 two hosts (delayline.py --ping: what the link really does); `all-reduce`, the median blocking
-all-reduce of one hidden-size message on idle ranks; ms/token of TP (the same weights, an
-all-reduce after every module) and of DTP, and each one's added time over D = 0; `TP per
-message`, TP's blocked time per token over its blocking messages (what one message costs when
-waited on at once, under the decode's own CPU load); DTP's blocked time in delayed waits; and
-`delayed hidden`, the share of the delayed messages' added cost that never reached the token:
+all-reduce of one hidden-size message on idle ranks; median ms/token of TP (the same weights,
+an all-reduce after every module) and of DTP, and their ratio (both step in turn: the ratio is
+the figure a drifting machine load disturbs least); the ms per token each blocks in waits
+(message counts in brackets); `TP per message`, TP's blocked time over its messages (what one
+message costs when waited on at once, under the decode's own CPU load); and `delayed hidden`,
+the share of the delayed messages' added cost that never reached the token:
 
     hidden = 1 - (DTP delayed blocked(D) - (same at 0)) / (delayed messages x (TP per message(D)
              - (same at 0)))
+
+Then the projection (`--project MODEL:GPU:COUNT`, default laneformer-2b:h200:8, context 1024):
+bench/ceiling.py's latency model for that node at NVLink-class message latencies (3 and 8 us)
+with and without a 2 us dead gap per kernel (10 kernels a layer), and its DTP figure again with
+the delayed messages exposed as measured here at the largest delay (1 - hidden share of them,
+each costing the full message latency).
 
 Timings on a shared CPU are noisy; the namespaces share the machine's cores.
 """
@@ -101,17 +108,58 @@ def _row(delay: str, point: dict, base: dict | None, rtt_us: float) -> dict:
 
 def _table(rows: list[dict]) -> str:
     out = [
-        "| one-way delay | RTT us | all-reduce ms | TP ms/token | TP added | TP per message ms "
-        "| DTP ms/token | DTP added | DTP blocked in delayed waits | delayed hidden |",
+        "| one-way delay | RTT us | all-reduce ms | TP ms/token | DTP ms/token | TP / DTP "
+        "| TP blocked ms/token | TP per message ms | DTP blocked: blocking + delayed "
+        "| delayed hidden |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         hidden = f"{r['delayed_hidden']:.0%}" if "delayed_hidden" in r else ""
+        n = r["blocking_messages"]
         out.append(
             f"| {r['delay']} | {r['rtt_us']:.0f} | {r['message_ms']:.2f} | {r['tp_ms']:.1f} | "
-            f"{r.get('tp_added_ms', 0):+.1f} | {r['tp_per_message_ms']:.2f} | {r['dtp_ms']:.1f} | "
-            f"{r.get('dtp_added_ms', 0):+.1f} | {r['dtp_blocked_late_ms']:.2f} "
-            f"({r['delayed_messages']} waits) | {hidden} |"
+            f"{r['dtp_ms']:.1f} | {r['tp_ms'] / r['dtp_ms']:.2f} | {r['tp_blocked_ms']:.1f} "
+            f"({n['tp']}) | {r['tp_per_message_ms']:.2f} | {r['dtp_blocked_now_ms']:.1f} "
+            f"({n['dtp']}) + {r['dtp_blocked_late_ms']:.2f} ({r['delayed_messages']}) | {hidden} |"
+        )
+    return "\n".join(out)
+
+
+def projection(hidden: float, spec: str = "laneformer-2b:h200:8", context: int = 1024) -> list:
+    """ceiling()'s TP and DTP tokens/s on a node, and DTP with a share `hidden` of its delayed
+    messages hidden (the rest costing a full message latency each)."""
+    from ..presets import load_model_config
+    from .ceiling import ceiling
+
+    model, gpu, count = spec.split(":")
+    cfg = load_model_config(model)
+    delayed = 2 * sum(  # modules whose partials travel to a later layer (not present)
+        cfg.broadcasts(i) and cfg.reduce_mode(i) != "present" for i in range(cfg.num_layers)
+    )
+    rows = []
+    for latency in (3.0, 8.0):
+        for gap in (0.0, 2.0):
+            c = ceiling(cfg, gpu, int(count), context=context, message_latency_us=latency,
+                        kernel_overhead_us=gap)  # fmt: skip
+            exposed = (1 - hidden) * delayed * latency
+            rows.append(dict(latency_us=latency, kernel_gap_us=gap, stream_us=c["stream_us"],
+                             tp_tok_s=c["tp"]["tok_s"], dtp_tok_s=c["dtp"]["tok_s"],
+                             delayed_messages=delayed, dtp_measured_hidden_tok_s=1e6 /
+                             (c["dtp"]["token_us"] + exposed)))  # fmt: skip
+    return rows
+
+
+def _projection_table(rows: list[dict], hidden: float) -> str:
+    out = [
+        "| message latency | kernel gap | TP tok/s | DTP tok/s (model: all hidden) "
+        f"| DTP tok/s ({hidden:.0%} of delayed hidden, as measured) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['latency_us']:g} us | {r['kernel_gap_us']:g} us x 10/layer | "
+            f"{r['tp_tok_s']:,.0f} | {r['dtp_tok_s']:,.0f} | "
+            f"{r['dtp_measured_hidden_tok_s']:,.0f} |"
         )
     return "\n".join(out)
 
@@ -140,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delays", default="0,50us,200us,1ms", help="one-way link delays (netem)")
     p.add_argument("--delay-with", default="auto", choices=["auto", "netem", "nfqueue"])
     p.add_argument("--rounds", type=int, default=3, help="cycles through all delays")
+    p.add_argument("--project", default="laneformer-2b:h200:8", help="MODEL:GPU:COUNT")
     args = p.parse_args(argv)
     delays = args.delays.split(",")
     if delays[0] not in ("0", "0us", "0ms"):
@@ -177,9 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{_table(rows)}\n")
     print(f"### One DTP decode step at {delays[-1]} (rank: ms from the step's start)\n")
     print(f"{_trace_table(rec['trace'])}\n")
+    hidden = min(1.0, rows[-1].get("delayed_hidden", 1.0))
+    proj = projection(hidden, args.project)
+    print(f"### Projected with bench/ceiling.py's model: {args.project}, context 1024\n")
+    print(f"{_projection_table(proj, hidden)}\n")
     cfg = {k: v for k, v in rec["config"].items() if k not in ("model", "shape_cmd")}
     record = dict(bench="dtp_hosts", date=when, devices=args.devices, delays=delays,
-                  delay_with=args.delay_with, notes=notes, config=cfg, rows=rows)  # fmt: skip
+                  delay_with=args.delay_with, notes=notes, config=cfg, rows=rows,
+                  projection=dict(spec=args.project, hidden=hidden, rows=proj))  # fmt: skip
     print(json.dumps(record))
     return 0
 
