@@ -157,6 +157,29 @@ def test_wrong_endpoint_and_missing_node_are_clear_errors(hosts):
     assert "1/2" in aline  # how many came
 
 
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--devices", "3", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400"],
+         ["--devices 3 --nnodes 2", "multiple of --nnodes"]),
+        (["--devices", "2", "--nnodes", "2"], ["--nnodes 2", "give --rdzv-endpoint"]),
+        (["--devices", "2", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"],
+         ["--node-rank 2", "0..1"]),
+        (["--devices", "2", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1"],
+         ["--rdzv-endpoint '10.0.0.1'", "HOST:PORT"]),
+        (["--devices", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--rdzv-timeout", "0"],
+         ["--rdzv-timeout 0", "> 0"]),
+    ],
+)  # fmt: skip
+def test_bad_multi_host_flags_exit_2_before_any_process(capsys, flags, words):
+    from expresslane.__main__ import main
+
+    assert main(["run", "--prompt", "a", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("expresslane run: error: "), err
+    assert all(w in err[0] for w in words), err[0]
+
+
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed (Debian)")
 def test_replicas_behind_haproxy_survive_a_lost_rank(hosts):
     """r1: lead on host 0 + follower on host 1; r2: one process on host 2; HAProxy on host 3."""

@@ -227,14 +227,19 @@ def _explain(e: Exception, rank: int, world: int, where: str, timeout_s: float, 
             f"{at}: not every rank joined within --rdzv-timeout {timeout_s:g} s ({said}); "
             f"start the missing hosts, and check that they can reach this address"
         )
+    low = said.lower()
+    if "address already in use" in low or "failed to listen" in low or "bind" in low:
+        return f"{at}: node 0 cannot listen there ({said}); use a free port on node 0's address"
+    if "connect" in said and rank == 0:
+        return (
+            f"{at}: node 0 hosts the rendezvous, so this must be one of its own addresses ({said})"
+        )
     if "connect" in said and rank > 0:
         return (
             f"{at}: rank {rank} of {world} could not reach node 0 within --rdzv-timeout "
             f"{timeout_s:g} s ({said}); check the address and port, that node 0 is started "
             f"and that no firewall is in between"
         )
-    if "bind" in said or "Address already in use" in said:
-        return f"{at}: node 0 cannot listen there ({said}); use a free port on node 0's address"
     if "connectFullMesh" in said or "Connect timeout" in said:
         return (
             f"{at}: the ranks met but could not connect to each other ({said}); set "
