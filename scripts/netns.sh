@@ -56,6 +56,11 @@ check() {
     echo "netns.sh: cannot create a network namespace here: $err" >&2
     return 1
   fi
+  if ! err=$(ip netns exec "$probe" true 2>&1); then
+    ip netns del "$probe"
+    echo "netns.sh: cannot run a command inside a network namespace here: $err" >&2
+    return 1
+  fi
   ip netns del "$probe"
 }
 

@@ -3,19 +3,34 @@
 `Hosts.make(n)` runs `scripts/netns.sh up n` under a name of its own (concurrent sessions do
 not collide) and says why when it cannot (not root, no iproute2, no namespaces in this
 container): the caller skips with that reason. `close()` (also at exit) runs `down`, which
-kills what still runs inside and deletes the namespaces.
+kills what still runs inside and deletes the namespaces; sets left by a killed session are
+removed at the next one. GLOO_SOCKET_IFNAME is unset inside: the code under test picks the
+interface (in a namespace the hostname resolves to 127.0.0.1, as on many real hosts).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "netns.sh"
+
+
+def _remove_stale() -> None:
+    """Sets left by a test session that was killed (its pid is gone): `down` them."""
+    try:
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    except OSError:
+        return
+    for pid in {m.group(1) for m in re.finditer(r"^elt(\d+)hsw\b", names, re.M)}:
+        if not Path(f"/proc/{pid}").exists():
+            down = ["bash", str(SCRIPT), "down", "--name", f"elt{pid}h"]
+            subprocess.run(down, capture_output=True)
 
 
 class Hosts:
@@ -33,7 +48,8 @@ class Hosts:
     @classmethod
     def make(cls, n: int) -> tuple[Hosts | None, str]:
         """(hosts, "") or (None, why they cannot be made here)."""
-        name = f"elt{os.getpid() % 100000}"
+        _remove_stale()
+        name = f"elt{os.getpid()}h"
         try:
             got = subprocess.run(
                 ["bash", str(SCRIPT), "up", str(n), "--name", name],

@@ -66,6 +66,8 @@ def init_distributed(
     device this rank computes on."""
     backend = backend_for(device)
     local = torchrun_env()[2] if torchrun_env() else rank
+    if rdzv is not None:  # this host's GPUs count from 0
+        local = rank - rdzv.local_ranks(world)[0]
     dev = f"cuda:{local}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(local)  # NCCL path: selectable, not exercised in our CI (no GPUs)
