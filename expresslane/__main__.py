@@ -1,9 +1,8 @@
 """The `expresslane` command: one subcommand per module in expresslane/cli/.
 
 Each module there defines `HELP`, `add_arguments(parser)` and `main(args) -> int`. User errors
-(ExpressLaneError) print one line on stderr and exit 2 (a process group that lost a rank: 1,
-its error's `exit_code`); anything else is a bug and keeps its
-traceback.
+(ExpressLaneError) print one line on stderr and exit 2 (or their `exit_code`: 1 for a process
+group that lost a rank); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations

@@ -180,6 +180,34 @@ def test_bad_multi_host_flags_exit_2_before_any_process(capsys, flags, words):
     assert all(w in err[0] for w in words), err[0]
 
 
+def test_idle_worker_keeps_its_group_in_touch_and_outlives_its_loss():
+    """The server's worker calls engine.idle() every idle_interval while no job comes (a lead's
+    heartbeat to its followers); a lost group is logged, and jobs are still taken."""
+    import threading
+
+    from expresslane.parallel.rendezvous import GroupLostError
+    from expresslane.serve.metrics import Metrics
+    from expresslane.serve.worker import Worker
+
+    class Lead:  # the part of ParallelEngine the worker sees
+        idle_interval = 0.01
+        beats = 0
+        gone = threading.Event()
+
+        def idle(self):
+            self.beats += 1
+            if self.beats == 3:
+                self.idle_interval = None  # as ParallelEngine does once lost
+                self.gone.set()
+                raise GroupLostError("the process group lost a rank (test)")
+
+    lead = Lead()
+    worker = Worker(lead, None, Metrics("m"))
+    assert lead.gone.wait(10)
+    worker.shutdown()  # the thread still takes jobs: the sentinel ends it
+    assert not worker._thread.is_alive() and lead.beats == 3
+
+
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed (Debian)")
 def test_replicas_behind_haproxy_survive_a_lost_rank(hosts):
     """r1: lead on host 0 + follower on host 1; r2: one process on host 2; HAProxy on host 3."""
