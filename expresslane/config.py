@@ -301,6 +301,11 @@ class ModelConfig:
 
 
 # --- sampling ----------------------------------------------------------------------
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by
+# 1e-38 overflows to inf and the softmax turns into NaN, so such a value cannot mean anything else.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -315,7 +320,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         def check(ok: bool, param: str, rule: str) -> None:

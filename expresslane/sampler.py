@@ -68,8 +68,10 @@ def filter_logits(
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
-        # drop a token once the mass before it already reaches top_p (the first always stays)
+        # drop a token once the mass before it already reaches top_p; the first always stays,
+        # also when a tiny top_p rounds to 0 in fp32 (everything masked would sample NaN)
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[..., 0] = False
         x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     if params.min_p > 0.0:
         probs = x.softmax(-1)

@@ -78,3 +78,28 @@ def test_bad_sampling_values_name_the_parameter(kw, param):
     with pytest.raises(RequestError) as e:
         SamplingParams(**kw).validate()
     assert e.value.param == param and param in str(e.value)
+
+
+def test_tiny_temperature_and_top_p_are_greedy_not_garbage():
+    # 1e-38 overflows the logits to inf (NaN after softmax); 1e-46 rounds to 0 in fp32, which
+    # used to mask every token. vLLM treats temperature < 1e-5 as greedy; so do we.
+    x = _logits(2)
+    assert int(x.argmax()) != 0  # NaN garbage would come out as token 0
+    for kw in (dict(temperature=1e-38), dict(temperature=9e-6), dict(top_p=1e-46)):
+        params = SamplingParams(**{"temperature": 1.0, **kw, "seed": 5})
+        params.validate()
+        assert _draws(params, x, 20) == [int(x.argmax())] * 20, kw
+    assert SamplingParams(temperature=1e-38).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
+def test_engine_with_tiny_temperature_equals_greedy():
+    from tiny import laneformer
+
+    from expresslane.engine import Engine
+
+    engine = Engine(laneformer(seed=3), max_model_len=64)
+    prompt = [5, 9, 17, 33]
+    want = list(engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+    for kw in (dict(temperature=1e-38), dict(temperature=0.7, top_p=1e-46)):
+        got = engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, seed=1, **kw))
+        assert list(got) == want, kw
