@@ -345,3 +345,41 @@ def test_sentencepiece_model(sp_dir):
     for _ in range(40):
         ids = [rng.randrange(0, tk.vocab_size) for _ in range(rng.randrange(1, 25))]
         assert _stream(tk, ids)[1] == tk.decode(ids)
+
+
+def test_template_raising_any_exception_is_a_tokenizer_error(tiny_dir, tmp_path):
+    for i, source in enumerate(["{% for i in range(10**9) %}{% endfor %}", "{{ 1 + 'a' }}"]):
+        tk = Tokenizer.from_dir(_variant(tiny_dir, tmp_path / f"x{i}", {"chat_template": source}))
+        with pytest.raises(TokenizerError, match="chat template"):
+            tk.apply_chat_template(CONVERSATIONS[0])
+
+
+# ---------------------------------------------------------------------------- length bound
+
+
+def test_min_tokens_never_exceeds_the_real_count(tok, tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    hf.train_from_iterator(tiny_corpus() + [" " * 64, "\n" + " " * 40], trainer)
+    (tmp_path / "bl").mkdir()
+    hf.save(str(tmp_path / "bl" / "tokenizer.json"))
+    rng = random.Random(3)
+    pieces = ["a", " ", "    ", "\n", "é", "😀", "#", "0", "<s>", "</s>", "\u2581", "\u0301"]
+    texts = _random_texts(9, count=20) + [PYTHON_SOURCE, " " * 500, "<s>" * 50]
+    for _ in range(40):
+        texts.append("".join(rng.choice(pieces) * rng.randint(1, 80) for _ in range(20)))
+    for tk in (tok, Tokenizer.from_dir(tmp_path / "bl")):
+        assert tk.min_tokens("x" * 10**6) > 1000  # a bound is given for these pipelines
+        for text in texts:
+            assert tk.min_tokens(text) <= len(tk.encode(text, add_special_tokens=False)), text
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # drops whitespace: no bound
+    (tmp_path / "ws").mkdir()
+    hf.save(str(tmp_path / "ws" / "tokenizer.json"))
+    assert Tokenizer.from_dir(tmp_path / "ws").min_tokens(" " * 10**5 + "a") == 0

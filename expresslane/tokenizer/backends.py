@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TokenizerError
+from .bounds import max_text_bytes_per_token
 from .chat import SPECIAL_TOKEN_KEYS
+
+LONG_TEXT = 4096  # characters: longer texts are encoded with the GIL released
 
 # ---------------------------------------------------------------------------- file reading
 
@@ -96,7 +99,12 @@ class _TokenizersBackend:
         self.special_ids = frozenset(i for i, t in added if t.special)
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > LONG_TEXT:  # encode_batch releases the GIL, encode holds it throughout
+            return self.tk.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tk.encode(text, add_special_tokens=False).ids
+
+    def max_text_bytes_per_token(self) -> int | None:
+        return max_text_bytes_per_token(self.tk)
 
     def encode_with_post_processor(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=True).ids
@@ -174,6 +182,9 @@ class _SentencePieceBackend:
 
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
+
+    def max_text_bytes_per_token(self) -> int | None:
+        return None  # the model's normalizer may collapse whitespace: no bound from length
 
     def default_special(self, key: str) -> str | None:
         i = {"bos_token": self.sp.bos_id(), "eos_token": self.sp.eos_id()}.get(key, -1)

@@ -16,6 +16,7 @@ from .backends import (
     _SentencePieceBackend,
     _TokenizersBackend,
 )
+from .bounds import text_bytes
 from .chat import (
     _compile_template,
     _cut_after_final_message,
@@ -46,6 +47,7 @@ class Tokenizer:
         )
         self.special_ids: frozenset[int] = backend.special_ids
         self._atomic_byte_runs: bool | None = None
+        self._max_token_bytes: int | None = None  # min_tokens' bound, computed on first use
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -109,6 +111,21 @@ class Tokenizer:
             ids = self._prefix_ids + ids + self._suffix_ids
         return ids
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) from the text's length alone (bounds.py); 0 when
+        the tokenizer gives no such bound. Cheap: a prompt it proves too long is never encoded."""
+        if self._max_token_bytes is None:
+            bound = getattr(self._backend, "max_text_bytes_per_token", lambda: None)()
+            self._max_token_bytes = bound or 0
+        if not self._max_token_bytes:
+            return 0
+        return -(-text_bytes(text) // self._max_token_bytes)
+
+    @property
+    def special_affixes(self) -> tuple[list[int], list[int]]:
+        """The ids encode(text, add_special_tokens=True) puts before and after the text."""
+        return list(self._prefix_ids), list(self._suffix_ids)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(ids, skip_special_tokens)
 
@@ -170,6 +187,9 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template of {self.folder}: {e.message or e}") from e
+        except Exception as e:  # an operator's template may raise anything (the sandbox's
+            # range limit is an OverflowError, '+' on mixed types a TypeError): still its error
+            raise TokenizerError(f"chat template of {self.folder}: {e}") from e
         return rendered if final is None else _cut_after_final_message(rendered, final)
 
     def encode_chat(self, messages: Sequence[dict], **kwargs: Any) -> list[int]:
