@@ -3,13 +3,15 @@
 The server listens at once and loads the model in the background: `/health` answers 503 until
 the engine is ready, then 200, and the playground's URL is printed. `--api-key` protects the
 `/v1` routes (Bearer); health, metrics, the tokenizer routes and the page stay open. MODEL
-defaults to the embedded model (`make serve`).
+defaults to the embedded model (`make serve`). The limits (`--max-request-bytes`, `--max-queue`,
+`--max-n`, `--clamp-max-tokens`, `--allowed-origins`) are described in docs/serving.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import threading
@@ -46,15 +48,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_limit_arguments(p)
 
 
-def _names(args: argparse.Namespace) -> list[str]:
+def add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    from ..serve.guards import ServeLimits
+
+    d = ServeLimits()
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=d.max_request_bytes,
+        help=f"larger request bodies get 413 (default {d.max_request_bytes})",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=d.max_queue,
+        help="requests being prepared or waiting for the engine; more get 503 with "
+        f"Retry-After (default {d.max_queue})",
+    )
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=d.max_n,
+        help=f"most choices (n) one request may ask for (default {d.max_n})",
+    )
+    p.add_argument(
+        "--clamp-max-tokens",
+        action="store_true",
+        help="clamp max_tokens to what the context leaves instead of answering 400 "
+        "(for clients that retry a 400 forever, such as EvalPlus)",
+    )
+    p.add_argument("--allowed-origins", type=_origins, default=(),
+                   help="web origins allowed by CORS: a JSON list as vLLM takes it, or "
+                   "comma-separated (default none)")  # fmt: skip
+
+
+def _origins(value: str) -> tuple[str, ...]:
+    if value.strip().startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list of origins ({e})") from None
+        if not all(isinstance(o, str) for o in items):
+            raise argparse.ArgumentTypeError("a JSON list of strings")
+        return tuple(items)
+    return tuple(o.strip() for o in value.split(",") if o.strip())
+
+
+def limits_from(args: argparse.Namespace):
+    from ..serve.guards import ServeLimits
+
+    return ServeLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_queue=args.max_queue,
+        max_n=args.max_n,
+        clamp_max_tokens=args.clamp_max_tokens,
+        allowed_origins=tuple(args.allowed_origins),
+    )
+
+
+def _names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(names listed and reported, aliases also accepted: the model path as given)."""
     if args.served_model_name:
-        return args.served_model_name
-    if args.model:  # the folder's name is reported; the path as given is accepted too
-        base = os.path.basename(os.path.normpath(args.model)) or args.model
-        return list(dict.fromkeys([base, args.model]))
-    return ["expresslane"]
+        return args.served_model_name, []
+    if args.model:  # the folder's name is reported; the path is accepted but never shown
+        base = os.path.basename(os.path.normpath(args.model)) or "expresslane"
+        return [base], [args.model] if args.model != base else []
+    return ["expresslane"], []
 
 
 def _load(args: argparse.Namespace, app, server, failure: list) -> None:
@@ -94,13 +156,18 @@ def main(args: argparse.Namespace) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
+    names, aliases = _names(args)
+    limits = limits_from(args)
+    limits.validate()  # a ConfigError: one line and exit 2
     app = create_app(
         None,
         None,
-        served_model_name=_names(args),
+        served_model_name=names,
         api_key=args.api_key,
         seed=args.seed,
-        root=args.model or "",
+        root=names[0],
+        aliases=aliases,
+        limits=limits,
     )
     server = uvicorn.Server(
         uvicorn.Config(

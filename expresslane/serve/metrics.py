@@ -83,6 +83,20 @@ class Metrics:
         self.waiting = Gauge(
             PREFIX + "num_requests_waiting", "Requests waiting in the queue.", label, registry=r
         ).labels(model_name)
+        self.preparing = Gauge(
+            PREFIX + "num_requests_preparing",
+            "Requests being parsed, templated and tokenized (they count toward --max-queue).",
+            label,
+            registry=r,
+        ).labels(model_name)
+        self._rejected = Counter(
+            PREFIX + "request_rejected",
+            "Requests refused before any work: queue_full (503), too_large (413).",
+            label + ["reason"],
+            registry=r,
+        )
+        for reason in ("queue_full", "too_large"):
+            self._rejected.labels(model_name, reason)
         self._finished = Counter(
             PREFIX + "request_success",
             "Finished sequences by finish reason (stop, length, abort).",
@@ -94,6 +108,9 @@ class Metrics:
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

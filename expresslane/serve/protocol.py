@@ -3,25 +3,26 @@
 Requests are parsed with `parse()`, which turns every pydantic failure (invalid JSON, a wrong
 type, an out-of-range value) into a `RequestError` naming the parameter, answered as a 400 in
 OpenAI's shape `{"error": {"message", "type", "param", "code"}}` rather than FastAPI's 422.
-Unknown fields are ignored (lm-eval forwards leftover generation kwargs).
+Unknown fields are ignored (lm-eval forwards leftover generation kwargs); fields of the API that
+are not implemented are refused (unsupported.py). The same models give the OpenAPI schema.
 
 Defaults follow OpenAI and vLLM: temperature 1, top_p 1, top_k off, `max_tokens` 16 on
-completions and "the rest of the context" on chat. `max_tokens` beyond the context is clamped,
-never refused. `stop` takes any number of strings (lm-eval sends more than OpenAI's 4).
+completions and "the rest of the context" on chat. `stop` takes any number of strings (lm-eval
+sends more than OpenAI's 4).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import ExpressLaneError, RequestError
-from ..tokenizer import Tokenizer
+from . import unsupported
+from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from .worker import Accumulator, Event, TokenInfo
 
 
@@ -33,10 +34,9 @@ def _no_bool(v: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_no_bool)]
 Float = Annotated[float, BeforeValidator(_no_bool)]
-SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
-MAX_N = 128
-BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # byte-fallback tokens
+MAX_N = 128  # the API's cap; the server's own (--max-n) is usually lower
 
 
 def _token_ids(v: Any) -> bool:
@@ -52,12 +52,15 @@ class StreamOptions(_Request):
 
 
 class _SamplingRequest(_Request):
+    model_config = ConfigDict(extra="allow")  # kept, to refuse unsupported fields by name
+    UNSUPPORTED: ClassVar[dict] = unsupported.SAMPLING
+
     model: str | None = None
     temperature: Float = Field(1.0, ge=0.0)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
     top_k: Int = Field(0, ge=-1)
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
-    seed: Int | None = Field(None, **SEED_RANGE)
+    seed: Int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
@@ -65,10 +68,18 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+        return v
+
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def check(self) -> None:
+        unsupported.refuse_unsupported(self.model_extra, self.UNSUPPORTED)
         if self.stream_options is not None and not self.stream:
             msg = "stream_options: only allowed when stream is true"
             raise RequestError(msg, param="stream_options")
@@ -78,8 +89,25 @@ class _SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            "minItems": 1,
+        },
+    ],
+    "description": "A string, a list of token ids, or a batch of either (token ids get no BOS).",
+}
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: Any
+    UNSUPPORTED: ClassVar[dict] = unsupported.COMPLETIONS
+
+    prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
     max_tokens: Int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -120,6 +148,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    UNSUPPORTED: ClassVar[dict] = unsupported.CHAT
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
@@ -133,6 +163,13 @@ class ChatCompletionRequest(_SamplingRequest):
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs: needs logprobs set to true", param="top_logprobs")
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if taken:
+            msg = f"chat_template_kwargs: {taken[0]!r} is set by the request itself, not here"
+            raise RequestError(msg, param="chat_template_kwargs")
+
+
+TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message"}
 
 
 class TokenizeRequest(_Request):
@@ -178,6 +215,7 @@ _FIELDS = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage,
 # --- errors -----------------------------------------------------------------------------------
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 503: "unavailable_error"}  # fmt: skip
+INTERNAL_ERROR = "internal server error (the server's log has the details)"  # no internals
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
@@ -190,7 +228,7 @@ def error_of(e: Exception) -> dict:
     """The error body for an exception: a user error keeps its status, anything else is a 500."""
     if isinstance(e, ExpressLaneError):
         return error_body(str(e), e.status_code, getattr(e, "param", None))
-    return error_body(f"internal error: {type(e).__name__}: {e}", 500)
+    return error_body(INTERNAL_ERROR, 500)
 
 
 def sse(obj: dict | str) -> str:
@@ -211,66 +249,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-class TokenText:
-    """Display text and UTF-8 bytes of single tokens, cached (for logprobs)."""
-
-    def __init__(self, tok: Tokenizer):
-        self.tok = tok
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def __call__(self, token_id: int) -> tuple[str, list[int]]:
-        hit = self._cache.get(token_id)
-        if hit is None:
-            piece = self.tok.id_to_piece(token_id)
-            if BYTE_PIECE.fullmatch(piece):  # one byte of a character: named, not "\ufffd"
-                hit = (piece, [int(piece[3:5], 16)])
-            else:
-                text = self.tok.decode([token_id])
-                if piece.startswith("▁") and not text.startswith(" "):
-                    text = " " + text  # SentencePiece-style decoders strip a leading space
-                hit = (text, list(text.encode("utf-8")))
-            self._cache[token_id] = hit
-        return hit
-
-
-def completion_logprobs(tokens: list[TokenInfo], text: TokenText, offset: int = 0) -> dict:
-    """The legacy completions `logprobs` object; top_logprobs also holds the chosen token."""
-    out: dict[str, list] = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
-    }
-    for t in tokens:
-        s = text(t.id)[0]
-        out["tokens"].append(s)
-        out["token_logprobs"].append(t.logprob)
-        out["text_offset"].append(offset)
-        offset += len(s)
-        if t.logprob is None:
-            out["top_logprobs"].append(None)
-            continue
-        top: dict[str, float] = {}
-        for tid, lp in t.top or []:  # best first; a repeated string keeps its best value
-            top.setdefault(text(tid)[0], lp)
-        top.setdefault(s, t.logprob)
-        out["top_logprobs"].append(top)
-    return out
-
-
-def chat_logprobs(tokens: list[TokenInfo], text: TokenText) -> list[dict]:
-    """Entries of the chat `logprobs.content` list."""
-
-    def entry(tid: int, lp: float) -> dict:
-        s, raw = text(tid)
-        return {"token": s, "logprob": lp, "bytes": raw}
-
-    return [
-        entry(t.id, t.logprob) | {"top_logprobs": [entry(i, v) for i, v in t.top or []]}
-        for t in tokens
-    ]
-
-
 # --- assembling responses from worker events --------------------------------------------------
 class _Format:
     def __init__(self, model: str, text: TokenText, prefix: str):
@@ -287,13 +265,26 @@ class _Format:
 
 
 class CompletionFormat(_Format):
-    """`/v1/completions`: the response and its stream chunks."""
+    """`/v1/completions`: the response and its stream chunks.
+
+    `echo` maps a choice to its echoed prompt text; `added` to how many of its prompt tokens the
+    tokenizer put before and after that text (zero-width in `text_offset`).
+    """
 
     chunk_object = "text_completion"
 
-    def __init__(self, model: str, text: TokenText, echo: dict[int, str], logprobs: bool):
+    def __init__(
+        self,
+        model: str,
+        text: TokenText,
+        echo: dict[int, str],
+        logprobs: bool,
+        added: dict[int, tuple[int, int]] | None = None,
+    ):
         super().__init__(model, text, "cmpl")
-        self.echo, self.logprobs = echo, logprobs
+        self.echo, self.logprobs, self.added = echo, logprobs, added or {}
+        self._sent: dict[int, int] = {}  # streaming: characters sent per choice
+        self._offsets: dict[int, TextOffsets] = {}
 
     def _choice(
         self,
@@ -311,29 +302,52 @@ class CompletionFormat(_Format):
             "stop_reason": stop,
         }
 
+    def _echo_offsets(self, i: int, tokens: list[TokenInfo]) -> list[int]:
+        before, after = self.added.get(i, (0, 0))
+        n = len(tokens)
+        zero = [k < before or k >= n - after for k in range(n)]
+        echo = self.echo.get(i, "")
+        return TextOffsets(self.text.tok).take([t.id for t in tokens], len(echo), zero)
+
     def start(self) -> list[dict]:
         # With logprobs the echo comes from the worker, scored; without, it is sent at once.
-        return [] if self.logprobs else [self._choice(i, t) for i, t in self.echo.items()]
+        if self.logprobs:
+            return []
+        self._sent = {i: len(t) for i, t in self.echo.items()}
+        return [self._choice(i, t) for i, t in self.echo.items()]
 
     def chunk(self, ev: Event) -> dict | None:
+        i = ev.index
         if ev.kind == "echo":
-            return self._choice(
-                ev.index, self.echo.get(ev.index, ""), completion_logprobs(ev.tokens, self.text)
-            )
+            echo = self.echo.get(i, "")
+            self._sent[i] = len(echo)
+            lp = completion_logprobs(ev.tokens, self.text, self._echo_offsets(i, ev.tokens))
+            return self._choice(i, echo, lp)
         if ev.kind == "delta":
             if not ev.text and not ev.tokens:
                 return None
-            lp = completion_logprobs(ev.tokens, self.text) if self.logprobs else None
-            return self._choice(ev.index, ev.text, lp)
-        return self._choice(ev.index, "", None, ev.finish_reason, ev.stop_reason)
+            start = self._sent.get(i, 0)
+            self._sent[i] = start + len(ev.text)
+            lp = None
+            if self.logprobs:
+                track = self._offsets.setdefault(i, TextOffsets(self.text.tok, start))
+                offsets = track.take([t.id for t in ev.tokens], self._sent[i])
+                lp = completion_logprobs(ev.tokens, self.text, offsets)
+            return self._choice(i, ev.text, lp)
+        return self._choice(i, "", None, ev.finish_reason, ev.stop_reason)
 
     def response(self, accs: dict[int, Accumulator], usage: dict, timings: dict) -> dict:
         choices = []
         for i, a in sorted(accs.items()):
-            lp = completion_logprobs(a.echo + a.tokens, self.text) if self.logprobs else None
-            choices.append(
-                self._choice(i, self.echo.get(i, "") + a.text, lp, a.finish_reason, a.stop_reason)
-            )
+            echo = self.echo.get(i, "")
+            text = echo + a.text
+            lp = None
+            if self.logprobs:
+                offsets = self._echo_offsets(i, a.echo) + TextOffsets(
+                    self.text.tok, len(echo)
+                ).take([t.id for t in a.tokens], len(text))
+                lp = completion_logprobs(a.echo + a.tokens, self.text, offsets)
+            choices.append(self._choice(i, text, lp, a.finish_reason, a.stop_reason))
         return {**self.envelope(), "choices": choices, "usage": usage, "timings": timings}
 
 

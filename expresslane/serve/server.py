@@ -1,21 +1,32 @@
 """The HTTP server: OpenAI-compatible routes, tokenizer routes, health, metrics, playground.
 
-`create_app(engine, tokenizer, served_model_name, api_key)` builds the FastAPI app. The engine
-may arrive later (`attach`): until then `/health` and every model route answer 503, as
-llama-server does while loading. Handlers validate and tokenize on the event loop, then hand a
-`Job` to the single engine thread (worker.py) and relay its events, as one JSON body or as
+`create_app(engine, tokenizer, served_model_name, api_key, limits=...)` builds the FastAPI app.
+The engine may arrive later (`attach`): until then `/health` and every model route answer 503,
+as llama-server does while loading.
+
+A request's way through: the API key (401), the queue limit (503 with Retry-After beyond
+`--max-queue`), the body read under `--max-request-bytes` (415 unless JSON, 413), then parsing,
+templating and tokenizing on the `Preparer`'s threads (prepare.py), never on the event loop, so
+/health and running streams keep answering whatever a request costs. The prepared `Job` goes to
+the single engine thread (worker.py), whose events are relayed as one JSON body or as
 server-sent events ending in `data: [DONE]`.
 
 A client that goes away cancels its job: a task per request waits for the ASGI
 `http.disconnect` message (vLLM's `with_cancellation` idea, for streaming and non-streaming
 alike), and leaving a stream early for any reason cancels it too. The engine checks the flag
 between prefill chunks and between decode steps.
+
+Error answers never show the server's paths (the model folder becomes the model's name) nor
+Python internals: an unexpected exception is logged and answered with a plain 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
+import os
 import random
 import secrets
 import time
@@ -24,17 +35,19 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from ..config import SamplingParams
 from ..engine import Engine
-from ..errors import ExpressLaneError, RequestError, TokenizerError
+from ..errors import ExpressLaneError, RequestError
 from ..tokenizer import Tokenizer
 from . import protocol as P
+from .guards import Refusal, ServeLimits, allowed_methods, read_json_body
 from .metrics import Metrics
-from .protocol import ChatFormat, CompletionFormat
+from .prepare import Preparer
+from .schema import install_openapi, route_docs
 from .worker import ChoiceSpec, Job, Worker, cancel_on_disconnect, coalesce, collect
 
 log = logging.getLogger("expresslane.serve")
@@ -42,19 +55,39 @@ PLAYGROUND = Path(__file__).parent / "playground"
 
 
 class Service:
-    """What the handlers share: the engine (once loaded), its worker, names, key, metrics."""
+    """What the handlers share: the engine (once loaded), its worker, names, key, limits."""
 
-    def __init__(self, names: list[str], api_key: str | None, seed: int | None, root: str):
-        self.names, self.api_key, self.root = names, api_key, root
+    def __init__(
+        self,
+        names: list[str],
+        aliases: list[str],
+        api_key: str | None,
+        seed: int | None,
+        root: str,
+        limits: ServeLimits,
+    ):
+        self.names, self.aliases, self.api_key = names, aliases, api_key
+        self.root, self.limits = root, limits
         self.metrics = Metrics(names[0])
         self.rng = random.Random(seed) if seed is not None else None
         self.engine: Engine | None = None
         self.tok: Tokenizer | None = None
         self.worker: Worker | None = None
+        self.preparer: Preparer | None = None
+        self.preparing = 0  # requests admitted and not yet submitted (body, template, tokens)
+        self.private: list[str] = []  # server paths that answers must not show
+        self._hide(*aliases, root)
+
+    def _hide(self, *paths: str | os.PathLike) -> None:
+        for p in paths:
+            if p and str(p) not in self.names:
+                self.private += [str(p), os.path.abspath(p), os.path.realpath(p)]
+        self.private.sort(key=len, reverse=True)  # the longest first: no half-replaced paths
 
     def attach(self, engine: Engine, tok: Tokenizer) -> None:
+        self._hide(tok.folder)
         self.engine, self.tok = engine, tok
-        self.text = P.TokenText(tok)
+        self.preparer = Preparer(engine, tok, self.limits, self.model_name, self.rng)
         self.worker = Worker(engine, tok, self.metrics)
 
     def ready(self) -> Service:
@@ -65,6 +98,8 @@ class Service:
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested in self.names:
             return requested or self.names[0]
+        if requested in self.aliases:
+            return self.names[0]
         raise RequestError(
             f"The model `{requested}` does not exist (this server serves "
             f"{', '.join(map(repr, self.names))}).",
@@ -72,41 +107,45 @@ class Service:
             status_code=404,
         )
 
-    def check_prompt(self, ids: list[int], param: str) -> None:
-        try:
-            self.engine.check_prompt(ids)
-        except RequestError as e:
-            msg = str(e).removeprefix("prompt: ")
-            raise RequestError(f"{param}: {msg}", param=param) from None
+    def public(self, message: str) -> str:
+        """An error message as a client may see it: no server paths."""
+        for p in self.private:
+            message = message.replace(p, self.names[0])
+        return message
 
-    def sampling(
-        self, req: P._SamplingRequest, max_tokens: int, logprobs: int | None, choice: int
-    ) -> SamplingParams:
-        seed = req.seed
-        if seed is None and self.rng is not None:
-            seed = self.rng.randrange(2**63)
-        if seed is not None and choice:  # the n choices of one request differ, reproducibly
-            seed = (seed + choice) % 2**63
-        vocab = self.engine.cfg.vocab_size
-        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})",
-                param="stop_token_ids",
+    @contextlib.contextmanager
+    def admitted(self):
+        """Hold a place in the queue while the request is read and prepared; 503 when full."""
+        depth = self.preparing + (self.worker.queued() if self.worker else 0)
+        if depth >= self.limits.max_queue:
+            self.metrics.rejected("queue_full")
+            wait = math.ceil(self.worker.mean_job_s) if self.worker else 1
+            raise Refusal(
+                f"the server is busy: {depth} requests are already waiting "
+                f"(--max-queue {self.limits.max_queue}); retry later",
+                503,
+                {"Retry-After": str(min(max(wait, 1), 60))},
             )
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            min_p=req.min_p,
-            seed=seed,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-        )
-        params.validate()
-        return params
+        self.preparing += 1
+        self.metrics.preparing.inc()
+        try:
+            yield
+        finally:
+            self.preparing -= 1
+            self.metrics.preparing.dec()
+
+    async def body(self, request: Request) -> bytes:
+        try:
+            return await read_json_body(request, self.limits.max_request_bytes)
+        except Refusal as e:
+            if e.status_code == 413:
+                self.metrics.rejected("too_large")
+            raise
+
+    async def prepare(self, request: Request, fn):
+        """Read the body and run `fn` on it on the preparer's threads, holding a queue place."""
+        with self.admitted():
+            return await self.preparer.run(fn, await self.body(request))
 
     def submit(self, specs: list[ChoiceSpec]) -> Job:
         return self.worker.submit(Job(specs, asyncio.get_running_loop()))
@@ -120,18 +159,41 @@ def create_app(
     *,
     seed: int | None = None,
     root: str = "",
+    aliases: list[str] | tuple[str, ...] = (),
+    limits: ServeLimits | None = None,
 ) -> FastAPI:
-    """The server app; pass engine=None to attach() it once loaded (health answers 503 until)."""
+    """The server app; pass engine=None to attach() it once loaded (health answers 503 until).
+
+    `aliases` are further model names requests may use (the path the model was loaded from);
+    they are accepted but never listed or shown.
+    """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-    svc = Service(names, api_key or None, seed, root)
+    limits = limits or ServeLimits()
+    limits.validate()
+    svc = Service(names, list(aliases), api_key or None, seed, root, limits)
     if engine is not None:
         svc.attach(engine, tokenizer)
-    app = FastAPI(title="ExpressLane", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="ExpressLane",
+        summary="OpenAI-compatible API of a batch-1 inference engine",
+        docs_url="/docs",
+        redoc_url="/redoc",
+        openapi_url="/openapi.json",
+    )
     app.state.service = svc
-    _error_handlers(app)
+    _error_handlers(app, svc)
     app.include_router(_v1_routes(svc))
     app.include_router(_root_routes(svc))
     app.mount("/playground", StaticFiles(directory=PLAYGROUND, html=True), name="playground")
+    if limits.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(limits.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+            max_age=600,
+        )
+    install_openapi(app, limits)
     return app
 
 
@@ -139,17 +201,21 @@ def attach(app: FastAPI, engine: Engine, tokenizer: Tokenizer) -> None:
     app.state.service.attach(engine, tokenizer)
 
 
-def _error_handlers(app: FastAPI) -> None:
-    def reply(message: str, status: int, param: str | None = None) -> JSONResponse:
-        return JSONResponse(P.error_body(message, status, param), status_code=status)
+def _error_handlers(app: FastAPI, svc: Service) -> None:
+    def reply(message: str, status: int, param: str | None = None, headers=None) -> JSONResponse:
+        body = P.error_body(svc.public(message), status, param)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(ExpressLaneError)
     async def _expresslane(request: Request, e: ExpressLaneError):
-        return reply(str(e), e.status_code, getattr(e, "param", None))
+        return reply(str(e), e.status_code, getattr(e, "param", None), getattr(e, "headers", None))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException):
-        return reply(str(e.detail), e.status_code)
+        headers = dict(e.headers or {})
+        if e.status_code == 405:
+            headers.setdefault("Allow", allowed_methods(app, request.scope))
+        return reply(str(e.detail), e.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
@@ -158,7 +224,7 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception):
         log.exception("unexpected error on %s", request.url.path)
-        return reply(f"internal error: {type(e).__name__}: {e}", 500)
+        return reply(P.INTERNAL_ERROR, 500)
 
 
 # --- /v1 --------------------------------------------------------------------------------------
@@ -170,13 +236,16 @@ def _v1_routes(svc: Service) -> APIRouter:
         if scheme.lower() != "bearer" or not secrets.compare_digest(
             token.strip().encode(), svc.api_key.encode()
         ):
-            raise RequestError(
-                "Invalid API key: send 'Authorization: Bearer <key>'", status_code=401
+            challenge = 'Bearer error="invalid_token"' if token.strip() else "Bearer"
+            raise Refusal(
+                "Invalid API key: send 'Authorization: Bearer <key>'",
+                401,
+                {"WWW-Authenticate": challenge},
             )
 
     r = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
-    @r.get("/models")
+    @r.get("/models", **route_docs("models"))
     async def models():
         s = svc.ready()
         card = {"object": "model", "owned_by": "expresslane", "max_model_len": s.engine.max_len}
@@ -184,109 +253,46 @@ def _v1_routes(svc: Service) -> APIRouter:
         data = [{"id": n, "created": now, "root": s.root or n, **card} for n in s.names]
         return {"object": "list", "data": data}
 
-    @r.post("/completions")
-    async def completions(request: Request):
+    async def generate(request: Request, fn) -> Response | dict:
         s = svc.ready()
-        req: P.CompletionRequest = P.parse(P.CompletionRequest, await request.body())
-        model = s.model_name(req.model)
-        prompts = []
-        for p in req.prompts():
-            # A token-id prompt is used as given: no BOS is added (lm-eval's offsets rely on it).
-            ids = s.tok.encode(p, req.add_special_tokens) if isinstance(p, str) else p
-            s.check_prompt(ids, "prompt")
-            prompts.append((p if isinstance(p, str) else None, ids))
-        max_tokens = req.max_tokens if req.max_tokens is not None else s.engine.max_len
-        specs = [
-            ChoiceSpec(
-                i * req.n + j,
-                ids,
-                s.sampling(req, max_tokens, req.logprobs, j),
-                req.stop_strings(),
-                req.echo and req.logprobs is not None,
-            )
-            for i, (_, ids) in enumerate(prompts)
-            for j in range(req.n)
-        ]
-        echo = {}
-        if req.echo:
-            texts = [text if text is not None else s.tok.decode(ids) for text, ids in prompts]
-            echo = {sp.index: texts[sp.index // req.n] for sp in specs}
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
-        fmt = CompletionFormat(model, s.text, echo, req.logprobs is not None)
-        job = s.submit(specs)
-        if req.stream:
-            return _sse(_stream(job, request, fmt, req.include_usage, prompt_tokens))
+        prep = await s.prepare(request, fn)
+        job = s.submit(prep.specs)
+        if prep.stream:
+            return _sse(_stream(job, request, prep.fmt, prep.include_usage, prep.prompt_tokens))
         accs = await collect(job, request.receive)
-        return fmt.response(
-            accs, P.usage(prompt_tokens, sum(a.count for a in accs.values())), job.timings.as_dict()
-        )
+        usage = P.usage(prep.prompt_tokens, sum(a.count for a in accs.values()))
+        return prep.fmt.response(accs, usage, job.timings.as_dict())
 
-    @r.post("/chat/completions")
+    @r.post("/completions", **route_docs("completions"))
+    async def completions(request: Request):
+        return await generate(request, svc.ready().preparer.completion)
+
+    @r.post("/chat/completions", **route_docs("chat"))
     async def chat(request: Request):
-        s = svc.ready()
-        req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, await request.body())
-        model = s.model_name(req.model)
-        ids = _chat_prompt(s.tok, req)
-        s.check_prompt(ids, "messages")
-        max_tokens = req.max_completion_tokens or req.max_tokens or s.engine.max_len - len(ids)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        specs = [
-            ChoiceSpec(j, ids, s.sampling(req, max_tokens, logprobs, j), req.stop_strings())
-            for j in range(req.n)
-        ]
-        fmt = ChatFormat(model, s.text, req.n, req.logprobs)
-        job = s.submit(specs)
-        if req.stream:
-            return _sse(_stream(job, request, fmt, req.include_usage, len(ids)))
-        accs = await collect(job, request.receive)
-        return fmt.response(
-            accs, P.usage(len(ids), sum(a.count for a in accs.values())), job.timings.as_dict()
-        )
+        return await generate(request, svc.ready().preparer.chat)
 
     return r
-
-
-def _chat_prompt(tok: Tokenizer, req: P.ChatCompletionRequest) -> list[int]:
-    """Render the chat template; a trailing assistant message is continued, not closed."""
-    try:
-        messages = [m.for_template() for m in req.messages]
-    except ValueError as e:
-        raise RequestError(f"messages: {e}", param="messages") from None
-    cont = req.continue_final_message
-    if cont is None:
-        cont = messages[-1]["role"] == "assistant"
-    try:
-        text = tok.apply_chat_template(
-            messages,
-            add_generation_prompt=req.add_generation_prompt and not cont,
-            continue_final_message=cont,
-            **(req.chat_template_kwargs or {}),
-        )
-    except (TokenizerError, TypeError) as e:
-        raise RequestError(f"messages: {e}", param="messages") from None
-    # The template writes its own special tokens (BOS included): add none when encoding.
-    return tok.encode(text, add_special_tokens=False)
 
 
 # --- the root: health, metrics, tokenizer, playground -----------------------------------------
 def _root_routes(svc: Service) -> APIRouter:
     r = APIRouter()
 
-    @r.get("/health")
+    @r.get("/health", **route_docs("health"))
     async def health():
         if svc.worker is None:
             return JSONResponse(P.error_body("Loading model", 503), status_code=503)
         return {"status": "ok"}
 
-    @r.get("/metrics")
+    @r.get("/metrics", **route_docs("metrics"))
     async def metrics():
         return Response(svc.metrics.render(), media_type=svc.metrics.content_type)
 
-    @r.get("/")
+    @r.get("/", include_in_schema=False)
     async def playground():
         return FileResponse(PLAYGROUND / "index.html")
 
-    @r.get("/tokenizer_info")
+    @r.get("/tokenizer_info", **route_docs("tokenizer_info"))
     async def tokenizer_info():
         s = svc.ready()
         tok = s.tok
@@ -301,43 +307,15 @@ def _root_routes(svc: Service) -> APIRouter:
             "model_max_length": s.engine.max_len,
         }
 
-    @r.post("/tokenize")
+    @r.post("/tokenize", **route_docs("tokenize"))
     async def tokenize(request: Request):
         s = svc.ready()
-        req: P.TokenizeRequest = P.parse(P.TokenizeRequest, await request.body())
-        if req.messages is not None:
-            try:
-                text = s.tok.apply_chat_template(
-                    [m.for_template() for m in req.messages],
-                    add_generation_prompt=req.add_generation_prompt,
-                )
-                ids = s.tok.encode(text, add_special_tokens=False)
-            except (TokenizerError, ValueError) as e:
-                raise RequestError(f"messages: {e}", param="messages") from None
-        else:
-            text = req.prompt if req.prompt is not None else req.content
-            if text is None:
-                raise RequestError("prompt: required (or messages)", param="prompt")
-            add = next(
-                (v for v in (req.add_special_tokens, req.add_special) if v is not None), True
-            )
-            ids = s.tok.encode(text, add_special_tokens=add)
-        out = {"count": len(ids), "max_model_len": s.engine.max_len, "tokens": ids}
-        if req.return_token_strs:
-            out["token_strs"] = [s.tok.id_to_piece(i) for i in ids]
-        return out
+        return await s.prepare(request, s.preparer.tokenize)
 
-    @r.post("/detokenize")
+    @r.post("/detokenize", **route_docs("detokenize"))
     async def detokenize(request: Request):
         s = svc.ready()
-        req: P.DetokenizeRequest = P.parse(P.DetokenizeRequest, await request.body())
-        bad = [t for t in req.tokens if not 0 <= t < s.tok.vocab_size]
-        if bad:
-            raise RequestError(
-                f"tokens: {bad[0]} is outside the vocabulary [0, {s.tok.vocab_size})",
-                param="tokens",
-            )
-        return {"prompt": s.tok.decode(req.tokens)}
+        return await s.prepare(request, s.preparer.detokenize)
 
     return r
 

@@ -161,6 +161,7 @@ class Worker:
         self.served: deque[int] = deque(maxlen=10_000)  # job seqs in service order (tests, logs)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._seq = itertools.count()
+        self.mean_job_s = 1.0  # moving average of a job's time on the engine (Retry-After)
         self._thread = threading.Thread(target=self._loop, name="expresslane-engine", daemon=True)
         self._thread.start()
 
@@ -169,6 +170,10 @@ class Worker:
         self.metrics.waiting.inc()
         self._queue.put(job)
         return job
+
+    def queued(self) -> int:
+        """Jobs waiting for the engine (not the one running)."""
+        return self._queue.qsize()
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
@@ -207,6 +212,7 @@ class Worker:
                 job.put(Event("error", error=e))
             finally:
                 job.timings.end = time.monotonic()
+                self.mean_job_s += 0.2 * (job.timings.end - job.timings.start - self.mean_job_s)
                 self.metrics.e2e.observe(job.timings.end - job.timings.arrival)
                 self.metrics.running.dec()
                 job.close()

@@ -2,7 +2,7 @@
 
 Covered: completions and chat (greedy equals the engine's greedy, seeds reproduce the engine's
 sampling), streaming (chunks, the usage chunk, [DONE]), echo logprobs against the model's own
-log-softmax, stop strings and stop ids, clamped max_tokens, tokenizer routes and metrics.
+log-softmax, stop strings and stop ids, max_tokens beyond the context, tokenizer routes and metrics.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from starlette.testclient import TestClient
 
 from expresslane.config import SamplingParams
 from expresslane.serve import attach, create_app
+from expresslane.serve.guards import ServeLimits
 
 
 # --- basics -----------------------------------------------------------------------------------
@@ -181,10 +182,19 @@ def test_n_choices_and_prompt_batches(server):
     assert r.usage.prompt_tokens == 5
 
 
-def test_max_tokens_clamped_to_context_and_unknown_fields_ignored(server):
+def test_max_tokens_beyond_context_is_400_or_clamped_and_unknown_fields_ignored(server):
     ids = [7] * (CTX - 3)
     body = dict(prompt=ids, max_tokens=10**9, ignore_eos=True, temperature=0)
-    out = post(server, "/v1/completions", {**body, "user": "x", "new_field": {"a": 1}})
+    r = httpx.post(server.url + "/v1/completions", json={**body, "user": "x", "new": {"a": 1}})
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (400, "max_tokens")
+    assert f"maximum context length is {CTX} tokens" in err["message"]  # vLLM's words
+    assert f"{CTX - 3} input tokens" in err["message"]
+    app = create_app(server.engine, server.tok, served_model_name=NAME,
+                     limits=ServeLimits(clamp_max_tokens=True))  # fmt: skip
+    with TestClient(app) as c:
+        out = c.post("/v1/completions", json={**body, "user": "x", "new": {"a": 1}}).json()
+    app.state.service.worker.shutdown()
     assert out["usage"]["completion_tokens"] == 3
     assert out["choices"][0]["finish_reason"] == "length"
 

@@ -1,0 +1,102 @@
+"""What the server refuses before doing any work on a request, and the limits behind it.
+
+- `ServeLimits`: the operator's limits (`--max-request-bytes`, `--max-queue`, `--max-n`,
+  `--clamp-max-tokens`, `--allowed-origins`), frozen, filled by argparse.
+- `Refusal`: a `RequestError` that carries HTTP headers (`Allow`, `Retry-After`,
+  `WWW-Authenticate`).
+- `read_json_body`: 415 unless the body is declared JSON (a web page cannot send that without
+  a CORS preflight), 413 as soon as the body is known to exceed the limit: from Content-Length
+  before reading anything, or while reading, never holding more than the limit. The rest of a
+  refused body is read and dropped (up to a bound), so that the client, still sending, gets
+  the answer instead of a reset connection.
+- `allowed_methods`: what a 405 lists in `Allow`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.routing import Match
+
+from ..errors import ConfigError, RequestError
+
+MiB = 1 << 20
+DRAIN_LIMIT = 64 * MiB  # beyond this a refused body is not read to its end: the connection closes
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Limits on what one request may ask of the server (docs/serving.md)."""
+
+    max_request_bytes: int = 4 * MiB  # request body size; larger bodies get 413
+    max_queue: int = 128  # requests being prepared or waiting for the engine; beyond: 503
+    max_n: int = 16  # choices per request (`n`)
+    clamp_max_tokens: bool = False  # max_tokens beyond the context: clamp instead of 400
+    allowed_origins: tuple[str, ...] = ()  # CORS; none by default
+
+    def validate(self) -> None:
+        for name in ("max_request_bytes", "max_queue", "max_n"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag}: must be at least 1, got {getattr(self, name)}")
+
+
+class Refusal(RequestError):
+    """A refused request whose answer carries headers."""
+
+    def __init__(self, message: str, status_code: int, headers: dict[str, str] | None = None,
+                 param: str | None = None):  # fmt: skip
+        super().__init__(message, param=param, status_code=status_code)
+        self.headers = headers or {}
+
+
+def is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+async def _drain(request: Request, already: int) -> None:
+    """Read and drop the rest of a refused body, up to DRAIN_LIMIT bytes in all."""
+    seen = already
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > DRAIN_LIMIT:
+            return
+
+
+async def read_json_body(request: Request, limit: int) -> bytes:
+    """The body of a JSON request, refused with 415 or 413 as early as possible."""
+    content_type = request.headers.get("content-type", "")
+    if not is_json(content_type):
+        await _drain(request, 0)
+        got = f"got {content_type!r}" if content_type else "none was given"
+        raise Refusal(f"Content-Type must be application/json ({got})", 415)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        await _drain(request, 0)
+        raise _too_large(f"{int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            await _drain(request, size)
+            raise _too_large(f"more than {limit} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> Refusal:
+    return Refusal(f"request body too large ({size}): the limit is {limit} bytes", 413)
+
+
+def allowed_methods(app, scope: dict) -> str:
+    """The methods some route of `app` accepts at the request's path, for a 405's Allow."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)  # a wrong method is a partial match, a wrong path none
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or {"GET", "HEAD"})  # a mount: files
+    return ", ".join(sorted(methods))

@@ -1,0 +1,95 @@
+"""Logprobs on the wire: token display strings, the completions and chat logprobs objects.
+
+`text_offset` (completions) says where each token starts in the returned `text`. It is counted
+the way that text was made: the incremental detokenizer's output, token by token, so byte
+tokens of one character share its start, and special tokens the tokenizer added around a string
+prompt (`<s>`, which the echoed prompt does not contain) are zero-width.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .worker import TokenInfo
+
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # byte-fallback tokens
+
+
+class TokenText:
+    """Display text and UTF-8 bytes of single tokens, cached (for logprobs)."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            piece = self.tok.id_to_piece(token_id)
+            if BYTE_PIECE.fullmatch(piece):  # one byte of a character: named, not "\ufffd"
+                hit = (piece, [int(piece[3:5], 16)])
+            else:
+                text = self.tok.decode([token_id])
+                if piece.startswith("▁") and not text.startswith(" "):
+                    text = " " + text  # SentencePiece-style decoders strip a leading space
+                hit = (text, list(text.encode("utf-8")))
+            self._cache[token_id] = hit
+        return hit
+
+
+class TextOffsets:
+    """Where each token of one stretch of returned text starts, token after token.
+
+    `start` is where the stretch begins in the returned text; offsets never pass `limit`
+    (the text's end: a stop string may have cut what the tokens spell).
+    """
+
+    def __init__(self, tok: Tokenizer, start: int = 0):
+        self._detok = IncrementalDetokenizer(tok)
+        self.pos = start
+
+    def take(self, ids: Sequence[int], limit: int, zero_width: Sequence[bool] = ()) -> list[int]:
+        out = []
+        for i, t in enumerate(ids):
+            out.append(min(self.pos, limit))
+            if not (i < len(zero_width) and zero_width[i]):
+                self.pos += len(self._detok.push(t))
+        return out
+
+
+def completion_logprobs(tokens: list[TokenInfo], text: TokenText, offsets: list[int]) -> dict:
+    """The legacy completions `logprobs` object; top_logprobs also holds the chosen token."""
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": list(offsets),
+    }
+    for t in tokens:
+        s = text(t.id)[0]
+        out["tokens"].append(s)
+        out["token_logprobs"].append(t.logprob)
+        if t.logprob is None:
+            out["top_logprobs"].append(None)
+            continue
+        top: dict[str, float] = {}
+        for tid, lp in t.top or []:  # best first; a repeated string keeps its best value
+            top.setdefault(text(tid)[0], lp)
+        top.setdefault(s, t.logprob)
+        out["top_logprobs"].append(top)
+    return out
+
+
+def chat_logprobs(tokens: list[TokenInfo], text: TokenText) -> list[dict]:
+    """Entries of the chat `logprobs.content` list."""
+
+    def entry(tid: int, lp: float) -> dict:
+        s, raw = text(tid)
+        return {"token": s, "logprob": lp, "bytes": raw}
+
+    return [
+        entry(t.id, t.logprob) | {"top_logprobs": [entry(i, v) for i, v in t.top or []]}
+        for t in tokens
+    ]

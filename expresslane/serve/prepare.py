@@ -1,0 +1,246 @@
+"""From a request body to work for the engine, off the event loop.
+
+Parsing and validating the JSON, rendering the chat template and tokenizing cost CPU in
+proportion to the request (a 12 MB prompt once took 31 s to tokenize on the event loop, with
+/health and every stream frozen meanwhile). So none of it runs on the loop: the handlers pass
+the body to `Preparer.run`, whose few threads prepare it while the loop goes on answering.
+`tokenizers` releases the GIL while it encodes a long text; template rendering is Python, which
+hands the GIL back every few milliseconds.
+
+A string prompt is measured before it is tokenized: when its length alone proves it longer than
+the context (`Tokenizer.min_tokens`), it is refused without being encoded. `max_tokens` beyond
+what the context leaves is a 400 in vLLM's words, unless the operator chose clamping
+(`--clamp-max-tokens`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import SamplingParams
+from ..engine import Engine
+from ..errors import RequestError, TokenizerError
+from ..tokenizer import Tokenizer
+from ..tokenizer.bounds import text_bytes
+from . import protocol as P
+from .guards import ServeLimits
+from .logprobs import TokenText
+from .worker import ChoiceSpec
+
+THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass
+class Prepared:
+    """A validated, tokenized generation request: the choices to run and how to answer."""
+
+    specs: list[ChoiceSpec]
+    prompt_tokens: int
+    stream: bool
+    include_usage: bool
+    fmt: P.CompletionFormat | P.ChatFormat
+
+
+class Preparer:
+    """Turns request bodies into `Prepared` work (or a RequestError), on its own threads."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tok: Tokenizer,
+        limits: ServeLimits,
+        model_name: Callable[[str | None], str],
+        rng: random.Random | None,
+    ):
+        self.engine, self.tok, self.limits = engine, tok, limits
+        self.model_name, self.rng = model_name, rng
+        self.text = TokenText(tok)
+        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="expresslane-prepare")
+        tok.min_tokens("")  # compute the tokenizer's length bound now, not on a first request
+
+    async def run(self, fn: Callable[[bytes], Any], body: bytes) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, body)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- checks ---------------------------------------------------------------------------
+    def check_text(self, text: str, param: str) -> None:
+        """Refuse a text whose length alone proves it longer than the context."""
+        at_least, max_len = self.tok.min_tokens(text), self.engine.max_len
+        if at_least >= max_len:
+            raise RequestError(
+                f"{param}: {text_bytes(text)} bytes of text are at least {at_least} tokens, "
+                f"more than this model's maximum context length of {max_len} tokens",
+                param=param,
+            )
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        try:
+            self.engine.check_prompt(ids)
+        except RequestError as e:
+            msg = str(e).removeprefix("prompt: ")
+            raise RequestError(f"{param}: {msg}", param=param) from None
+
+    def max_tokens(self, asked: int | None, param: str, prompt_len: int) -> int:
+        """The tokens a choice may generate: what was asked, if the context has room for it."""
+        max_len = self.engine.max_len
+        room = max_len - prompt_len
+        if asked is None:
+            return room
+        if asked > room and not self.limits.clamp_max_tokens:
+            raise RequestError(
+                f"'{param}' is too large: {asked}. This model's maximum context length is "
+                f"{max_len} tokens and your request has {prompt_len} input tokens "
+                f"({asked} > {max_len} - {prompt_len}).",
+                param=param,
+            )
+        return min(asked, room)
+
+    def check_n(self, n: int) -> None:
+        if n > self.limits.max_n:
+            msg = f"n: {n} choices are more than this server allows ({self.limits.max_n})"
+            raise RequestError(msg, param="n")
+
+    def sampling(
+        self, req: P._SamplingRequest, max_tokens: int, logprobs: int | None, choice: int
+    ) -> SamplingParams:
+        seed = req.seed
+        if seed is None and self.rng is not None:
+            seed = self.rng.randrange(2**63)
+        if seed is not None and choice:  # the n choices of one request differ, reproducibly
+            seed = (seed + choice) % 2**63
+        vocab = self.engine.cfg.vocab_size
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})",
+                param="stop_token_ids",
+            )
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            min_p=req.min_p,
+            seed=seed,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+        params.validate()
+        return params
+
+    # --- the routes' work -----------------------------------------------------------------
+    def completion(self, body: bytes) -> Prepared:
+        req: P.CompletionRequest = P.parse(P.CompletionRequest, body)
+        model = self.model_name(req.model)
+        self.check_n(req.n)
+        before, after = (len(a) for a in self.tok.special_affixes)
+        prompts: list[tuple[str | None, list[int], tuple[int, int]]] = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                self.check_text(p, "prompt")
+                ids = self.tok.encode(p, req.add_special_tokens)
+                added = (before, after) if req.add_special_tokens else (0, 0)
+            else:  # token ids are used as given: no BOS is added (lm-eval's offsets rely on it)
+                ids, added = p, (0, 0)
+            self.check_prompt(ids, "prompt")
+            prompts.append((p if isinstance(p, str) else None, ids, added))
+        specs = []
+        for i, (_, ids, _) in enumerate(prompts):
+            max_tokens = self.max_tokens(req.max_tokens, "max_tokens", len(ids))
+            for j in range(req.n):
+                params = self.sampling(req, max_tokens, req.logprobs, j)
+                echo_lp = req.echo and req.logprobs is not None
+                specs.append(ChoiceSpec(i * req.n + j, ids, params, req.stop_strings(), echo_lp))
+        echo, added = {}, {}
+        if req.echo:
+            for sp in specs:
+                text, ids, extra = prompts[sp.index // req.n]
+                echo[sp.index] = text if text is not None else self.tok.decode(ids)
+                added[sp.index] = extra
+        fmt = P.CompletionFormat(model, self.text, echo, req.logprobs is not None, added)
+        prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
+        return Prepared(specs, prompt_tokens, req.stream, req.include_usage, fmt)
+
+    def chat(self, body: bytes) -> Prepared:
+        req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, body)
+        model = self.model_name(req.model)
+        self.check_n(req.n)
+        ids = self.chat_prompt(req)
+        self.check_prompt(ids, "messages")
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        max_tokens = self.max_tokens(req.max_completion_tokens or req.max_tokens, param, len(ids))
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        specs = [
+            ChoiceSpec(j, ids, self.sampling(req, max_tokens, logprobs, j), req.stop_strings())
+            for j in range(req.n)
+        ]
+        fmt = P.ChatFormat(model, self.text, req.n, req.logprobs)
+        return Prepared(specs, len(ids), req.stream, req.include_usage, fmt)
+
+    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+        """Render the chat template; a trailing assistant message is continued, not closed."""
+        try:
+            messages = [m.for_template() for m in req.messages]
+        except ValueError as e:
+            raise RequestError(f"messages: {e}", param="messages") from None
+        cont = req.continue_final_message
+        if cont is None:
+            cont = messages[-1]["role"] == "assistant"
+        text = self.render(
+            messages,
+            add_generation_prompt=req.add_generation_prompt and not cont,
+            continue_final_message=cont,
+            **(req.chat_template_kwargs or {}),
+        )
+        self.check_text(text, "messages")
+        # The template writes its own special tokens (BOS included): add none when encoding.
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def render(self, messages: list[dict], **kwargs: Any) -> str:
+        try:
+            return self.tok.apply_chat_template(messages, **kwargs)
+        except TokenizerError as e:
+            raise RequestError(f"messages: {e}", param="messages") from None
+
+    def tokenize(self, body: bytes) -> dict:
+        """vLLM's /tokenize (llama.cpp's field names too). No length check: lm-eval tokenizes
+        texts longer than the context and truncates them itself."""
+        req: P.TokenizeRequest = P.parse(P.TokenizeRequest, body)
+        if req.messages is not None:
+            try:
+                messages = [m.for_template() for m in req.messages]
+            except ValueError as e:
+                raise RequestError(f"messages: {e}", param="messages") from None
+            text = self.render(messages, add_generation_prompt=req.add_generation_prompt)
+            ids = self.tok.encode(text, add_special_tokens=False)
+        else:
+            text = req.prompt if req.prompt is not None else req.content
+            if text is None:
+                raise RequestError("prompt: required (or messages)", param="prompt")
+            add = next(
+                (v for v in (req.add_special_tokens, req.add_special) if v is not None), True
+            )
+            ids = self.tok.encode(text, add_special_tokens=add)
+        out = {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = [self.tok.id_to_piece(i) for i in ids]
+        return out
+
+    def detokenize(self, body: bytes) -> dict:
+        req: P.DetokenizeRequest = P.parse(P.DetokenizeRequest, body)
+        vocab = self.tok.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"tokens: {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
+            )
+        return {"prompt": self.tok.decode(req.tokens)}

@@ -1,0 +1,279 @@
+"""The OpenAPI schema at /openapi.json (and the /docs and /redoc pages built from it).
+
+The handlers read their bodies by hand (size limit, content type, parsing off the event loop),
+so FastAPI cannot see what they take: each route declares it here instead, from the pydantic
+request models of protocol.py, and what it answers, from the response models below. Clients
+and tools can be generated from the schema, and the tests validate real requests and responses
+against it.
+
+The response models document; they do not filter. Every object allows further keys (as OpenAI
+clients do), so a new field in an answer (`usage.prompt_tokens_details`, figures in `timings`)
+stays valid; add it to its model here to document it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+from . import protocol as P
+from .guards import ServeLimits
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# --- errors -----------------------------------------------------------------------------------
+class ErrorDetail(_Open):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(_Open):
+    """OpenAI's error shape, for every 4xx and 5xx."""
+
+    error: ErrorDetail
+
+
+# --- shared pieces ----------------------------------------------------------------------------
+class Usage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(_Open):
+    """Per-request figures (milliseconds, tokens/s); OpenAI clients ignore the key."""
+
+    queue_ms: float | None
+    ttft_ms: float | None
+    prompt_tokens: int
+    prefill_tokens_per_s: float | None
+    completion_tokens: int
+    decode_ms: float
+    decode_tokens_per_s: float | None
+    e2e_ms: float | None
+
+
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+# --- /v1/completions --------------------------------------------------------------------------
+class CompletionLogprobs(_Open):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Open):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: int | str | None
+
+
+class CompletionResponse(_Open):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    timings: Timings
+
+
+class CompletionChunk(_Open):
+    """One `data:` event of a streamed completion; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    completion_tokens: int
+    timings: Timings | None = None
+
+
+# --- /v1/chat/completions ---------------------------------------------------------------------
+class TopLogprob(_Open):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Open):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(_Open):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Open):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: int | str | None
+
+
+class ChatCompletionResponse(_Open):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+
+
+class ChatDelta(_Open):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Open):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Open):
+    """One `data:` event of a streamed chat completion; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    completion_tokens: int
+    timings: Timings | None = None
+
+
+# --- the other routes -------------------------------------------------------------------------
+class ModelCard(_Open):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Open):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Open):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Open):
+    prompt: str
+
+
+class TokenizerInfo(_Open):
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int
+
+
+class Health(_Open):
+    status: Literal["ok"]
+
+
+# --- routes -----------------------------------------------------------------------------------
+ERRORS = {
+    400: "Invalid request: the message names the parameter",
+    401: "Missing or wrong API key (/v1 routes, with --api-key)",
+    404: "Unknown model",
+    413: "Body larger than --max-request-bytes",
+    415: "Body not declared as application/json",
+    503: "Model still loading, or more than --max-queue requests waiting (Retry-After)",
+}
+SSE = "Server-sent events when `stream` is true: `data: <{}>` per chunk, then `data: [DONE]`."
+# route -> (summary, request model, response model, stream chunk model, error codes)
+ROUTES: dict[str, tuple] = {
+    "completions": ("Complete a prompt (OpenAI legacy completions)", P.CompletionRequest,
+                    CompletionResponse, CompletionChunk, (400, 401, 404, 413, 415, 503)),
+    "chat": ("Answer a conversation (OpenAI chat completions)", P.ChatCompletionRequest,
+             ChatCompletionResponse, ChatCompletionChunk, (400, 401, 404, 413, 415, 503)),
+    "tokenize": ("Text or messages to token ids (vLLM's /tokenize)", P.TokenizeRequest,
+                 TokenizeResponse, None, (400, 413, 415, 503)),
+    "detokenize": ("Token ids to text", P.DetokenizeRequest, DetokenizeResponse, None,
+                   (400, 413, 415, 503)),
+    "models": ("The served model", None, ModelList, None, (401, 503)),
+    "tokenizer_info": ("Special tokens, chat template, context", None, TokenizerInfo, None,
+                       (503,)),
+    "health": ("200 once the model is loaded, 503 before", None, Health, None, (503,)),
+    "metrics": ("Prometheus metrics", None, None, None, ()),
+}  # fmt: skip
+REQUEST_MODELS = [spec[1] for spec in ROUTES.values() if spec[1] is not None]
+CHUNK_MODELS = [spec[3] for spec in ROUTES.values() if spec[3] is not None]
+
+
+def route_docs(name: str) -> dict:
+    """The route decorator's documentation arguments for route `name` of ROUTES."""
+    summary, request, response, chunk, errors = ROUTES[name]
+    responses: dict = {code: {"model": ErrorResponse, "description": ERRORS[code]}
+                       for code in errors}  # fmt: skip
+    if response is not None:
+        responses[200] = {"model": response, "description": "Success"}
+    else:  # /metrics: the Prometheus text format
+        responses[200] = {"description": "Success", "content": {"text/plain": {}}}
+    if chunk is not None:
+        stream = {"schema": {"type": "string", "description": SSE.format(chunk.__name__)}}
+        responses[200]["content"] = {"text/event-stream": stream}
+    docs: dict = {"summary": summary, "responses": responses}
+    if request is not None:
+        ref = {"$ref": f"#/components/schemas/{request.__name__}"}
+        body = {"required": True, "content": {"application/json": {"schema": ref}}}
+        docs["openapi_extra"] = {"requestBody": body}
+    return docs
+
+
+def install_openapi(app: FastAPI, limits: ServeLimits) -> None:
+    """Serve the schema with the request models and this server's own caps (`n` <= --max-n)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=app.routes
+            )
+            models = [(m, "validation") for m in REQUEST_MODELS]
+            models += [(m, "serialization") for m in CHUNK_MODELS]
+            _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
+            found = schema.setdefault("components", {}).setdefault("schemas", {})
+            for key, value in defs.get("$defs", {}).items():
+                found.setdefault(key, value)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                found[name]["properties"]["n"]["maximum"] = limits.max_n
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

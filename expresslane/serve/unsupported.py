@@ -1,0 +1,90 @@
+"""Request fields of the OpenAI / vLLM API that this server does not implement.
+
+Ignoring them would return an answer the client did not ask for (free text instead of the JSON
+its `response_format` demands, no tool call although `tools` were given), so each is refused
+with a 400 naming it, unless it carries its neutral value (what the client would get without
+sending it: `logit_bias: {}`, `presence_penalty: 0`, `tools: []`, ...). Fields that are unknown
+altogether are still ignored, as vLLM does: lm-eval forwards leftover generation kwargs.
+
+Implementing one of them means deleting its line here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import RequestError
+
+log = logging.getLogger("expresslane.serve")
+
+
+def _absent(v: Any) -> bool:
+    return v is None or v == {} or v == [] or v == ""
+
+
+def _zero(v: Any) -> bool:
+    return v is None or v == 0
+
+
+def _one(v: Any) -> bool:
+    return v is None or v == 1
+
+
+def _false(v: Any) -> bool:
+    return v is None or v is False
+
+
+Neutral = Callable[[Any], bool]
+
+SAMPLING: dict[str, Neutral] = {
+    "logit_bias": _absent,
+    "response_format": lambda v: _absent(v) or v == {"type": "text"},
+    "presence_penalty": _zero,
+    "frequency_penalty": _zero,
+    "repetition_penalty": _one,
+    "min_tokens": _zero,
+    "best_of": _one,
+    "prompt_logprobs": lambda v: v is None,
+    "include_stop_str_in_output": _false,
+    "return_tokens_as_token_ids": _false,
+    "truncate_prompt_tokens": lambda v: v is None,
+    "structured_outputs": _absent,
+    "guided_json": _absent,
+    "guided_regex": _absent,
+    "guided_choice": _absent,
+    "guided_grammar": _absent,
+    "priority": _zero,  # one FIFO queue
+}
+COMPLETIONS: dict[str, Neutral] = {**SAMPLING, "suffix": _absent}
+CHAT: dict[str, Neutral] = {
+    **SAMPLING,
+    "tools": _absent,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "functions": _absent,
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "audio": _absent,
+    "modalities": lambda v: _absent(v) or v == ["text"],
+    "prediction": _absent,
+    "web_search_options": _absent,
+    "echo": _false,  # vLLM's chat echo
+}
+
+_seen_unknown: set[str] = set()
+
+
+def refuse_unsupported(extra: dict[str, Any] | None, table: dict[str, Neutral]) -> None:
+    """400 for the first field of `table` present with a non-neutral value; log unknown ones."""
+    for name, value in (extra or {}).items():
+        neutral = table.get(name)
+        if neutral is None:
+            if name not in _seen_unknown:  # once per name, as vLLM warns
+                _seen_unknown.add(name)
+                log.info("request field %r is not part of this API: ignored", name)
+            continue
+        if not neutral(value):
+            raise RequestError(
+                f"{name}: not supported by this server (leave it out, or send its neutral value)",
+                param=name,
+            )
