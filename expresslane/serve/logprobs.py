@@ -43,19 +43,34 @@ class TextOffsets:
     """Where each token of one stretch of returned text starts, token after token.
 
     `start` is where the stretch begins in the returned text; offsets never pass `limit`
-    (the text's end: a stop string may have cut what the tokens spell).
+    (the text's end: a stop string may have cut what the tokens spell). A token whose text is
+    held back (a byte of an unfinished character) starts where that character starts; the
+    token that releases it starts after it.
     """
 
     def __init__(self, tok: Tokenizer, start: int = 0):
+        self._tok = tok
         self._detok = IncrementalDetokenizer(tok)
+        self._held: list[int] = []  # tokens pushed since the last text came out
         self.pos = start
 
     def take(self, ids: Sequence[int], limit: int, zero_width: Sequence[bool] = ()) -> list[int]:
         out = []
         for i, t in enumerate(ids):
-            out.append(min(self.pos, limit))
-            if not (i < len(zero_width) and zero_width[i]):
-                self.pos += len(self._detok.push(t))
+            if i < len(zero_width) and zero_width[i]:
+                out.append(min(self.pos, limit))
+                continue
+            new = self._detok.push(t)
+            at = self.pos
+            if new and self._held:  # the held tokens' text comes first
+                head = self._tok.decode(self._held)
+                at += len(head) if new.startswith(head) else 0
+            out.append(min(at, limit))
+            if new:
+                self.pos += len(new)
+                self._held = []
+            else:
+                self._held.append(t)
         return out
 
 

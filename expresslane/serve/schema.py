@@ -246,9 +246,19 @@ def route_docs(name: str) -> dict:
         responses[200] = {"model": response, "description": "Success"}
     else:  # /metrics: the Prometheus text format
         responses[200] = {"description": "Success", "content": {"text/plain": {}}}
-    if chunk is not None:
-        stream = {"schema": {"type": "string", "description": SSE.format(chunk.__name__)}}
-        responses[200]["content"] = {"text/event-stream": stream}
+    if chunk is not None:  # each event, as OpenAPI 3.2 describes server-sent events
+        data = {
+            "anyOf": [
+                {"const": "[DONE]"},
+                {
+                    "contentMediaType": "application/json",
+                    "contentSchema": {"$ref": f"#/components/schemas/{chunk.__name__}"},
+                },
+            ]
+        }
+        event = {"type": "object", "required": ["data"], "properties": {"data": data},
+                 "description": SSE.format(chunk.__name__)}  # fmt: skip
+        responses[200]["content"] = {"text/event-stream": {"schema": event}}
     docs: dict = {"summary": summary, "responses": responses}
     if request is not None:
         ref = {"$ref": f"#/components/schemas/{request.__name__}"}
