@@ -29,6 +29,7 @@ from ..errors import RequestError, TokenizerError
 from ..tokenizer import Tokenizer
 from ..tokenizer.bounds import text_bytes
 from . import protocol as P
+from .formats import ChatFormat, CompletionFormat
 from .guards import ServeLimits
 from .logprobs import TokenText
 from .worker import ChoiceSpec
@@ -44,7 +45,7 @@ class Prepared:
     prompt_tokens: int
     stream: bool
     include_usage: bool
-    fmt: P.CompletionFormat | P.ChatFormat
+    fmt: CompletionFormat | ChatFormat
 
 
 class Preparer:
@@ -166,7 +167,7 @@ class Preparer:
                 text, ids, extra = prompts[sp.index // req.n]
                 echo[sp.index] = text if text is not None else self.tok.decode(ids)
                 added[sp.index] = extra
-        fmt = P.CompletionFormat(model, self.text, echo, req.logprobs is not None, added)
+        fmt = CompletionFormat(model, self.text, echo, req.logprobs is not None, added)
         prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
         return Prepared(specs, prompt_tokens, req.stream, req.include_usage, fmt)
 
@@ -183,7 +184,7 @@ class Preparer:
             ChoiceSpec(j, ids, self.sampling(req, max_tokens, logprobs, j), req.stop_strings())
             for j in range(req.n)
         ]
-        fmt = P.ChatFormat(model, self.text, req.n, req.logprobs)
+        fmt = ChatFormat(model, self.text, req.n, req.logprobs)
         return Prepared(specs, len(ids), req.stream, req.include_usage, fmt)
 
     def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:

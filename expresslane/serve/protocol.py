@@ -1,4 +1,4 @@
-"""The OpenAI-compatible wire format: pydantic request models, error bodies, response pieces.
+"""The OpenAI-compatible wire format: pydantic request models, error bodies, SSE, usage.
 
 Requests are parsed with `parse()`, which turns every pydantic failure (invalid JSON, a wrong
 type, an out-of-range value) into a `RequestError` naming the parameter, answered as a 400 in
@@ -14,7 +14,6 @@ sends more than OpenAI's 4).
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Annotated, Any, ClassVar
 
@@ -22,8 +21,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ..errors import ExpressLaneError, RequestError
 from . import unsupported
-from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
-from .worker import Accumulator, Event, TokenInfo
 
 
 def _no_bool(v: Any) -> Any:
@@ -247,167 +244,3 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-# --- assembling responses from worker events --------------------------------------------------
-class _Format:
-    def __init__(self, model: str, text: TokenText, prefix: str):
-        self.model, self.text = model, text
-        self.rid, self.created = new_id(prefix), int(time.time())
-
-    def envelope(self, obj: str | None = None) -> dict:
-        return {
-            "id": self.rid,
-            "object": obj or self.chunk_object,
-            "created": self.created,
-            "model": self.model,
-        }
-
-
-class CompletionFormat(_Format):
-    """`/v1/completions`: the response and its stream chunks.
-
-    `echo` maps a choice to its echoed prompt text; `added` to how many of its prompt tokens the
-    tokenizer put before and after that text (zero-width in `text_offset`).
-    """
-
-    chunk_object = "text_completion"
-
-    def __init__(
-        self,
-        model: str,
-        text: TokenText,
-        echo: dict[int, str],
-        logprobs: bool,
-        added: dict[int, tuple[int, int]] | None = None,
-    ):
-        super().__init__(model, text, "cmpl")
-        self.echo, self.logprobs, self.added = echo, logprobs, added or {}
-        self._sent: dict[int, int] = {}  # streaming: characters sent per choice
-        self._offsets: dict[int, TextOffsets] = {}
-
-    def _choice(
-        self,
-        i: int,
-        text: str,
-        lp: dict | None = None,
-        finish: str | None = None,
-        stop: int | str | None = None,
-    ) -> dict:
-        return {
-            "index": i,
-            "text": text,
-            "logprobs": lp,
-            "finish_reason": finish,
-            "stop_reason": stop,
-        }
-
-    def _echo_offsets(self, i: int, tokens: list[TokenInfo]) -> list[int]:
-        before, after = self.added.get(i, (0, 0))
-        n = len(tokens)
-        zero = [k < before or k >= n - after for k in range(n)]
-        echo = self.echo.get(i, "")
-        return TextOffsets(self.text.tok).take([t.id for t in tokens], len(echo), zero)
-
-    def start(self) -> list[dict]:
-        # With logprobs the echo comes from the worker, scored; without, it is sent at once.
-        if self.logprobs:
-            return []
-        self._sent = {i: len(t) for i, t in self.echo.items()}
-        return [self._choice(i, t) for i, t in self.echo.items()]
-
-    def chunk(self, ev: Event) -> dict | None:
-        i = ev.index
-        if ev.kind == "echo":
-            echo = self.echo.get(i, "")
-            self._sent[i] = len(echo)
-            lp = completion_logprobs(ev.tokens, self.text, self._echo_offsets(i, ev.tokens))
-            return self._choice(i, echo, lp)
-        if ev.kind == "delta":
-            if not ev.text and not ev.tokens:
-                return None
-            start = self._sent.get(i, 0)
-            self._sent[i] = start + len(ev.text)
-            lp = None
-            if self.logprobs:
-                track = self._offsets.setdefault(i, TextOffsets(self.text.tok, start))
-                offsets = track.take([t.id for t in ev.tokens], self._sent[i])
-                lp = completion_logprobs(ev.tokens, self.text, offsets)
-            return self._choice(i, ev.text, lp)
-        return self._choice(i, "", None, ev.finish_reason, ev.stop_reason)
-
-    def response(self, accs: dict[int, Accumulator], usage: dict, timings: dict) -> dict:
-        choices = []
-        for i, a in sorted(accs.items()):
-            echo = self.echo.get(i, "")
-            text = echo + a.text
-            lp = None
-            if self.logprobs:
-                offsets = self._echo_offsets(i, a.echo) + TextOffsets(
-                    self.text.tok, len(echo)
-                ).take([t.id for t in a.tokens], len(text))
-                lp = completion_logprobs(a.echo + a.tokens, self.text, offsets)
-            choices.append(self._choice(i, text, lp, a.finish_reason, a.stop_reason))
-        return {**self.envelope(), "choices": choices, "usage": usage, "timings": timings}
-
-
-class ChatFormat(_Format):
-    """`/v1/chat/completions`: the response and its stream chunks."""
-
-    chunk_object = "chat.completion.chunk"
-
-    def __init__(self, model: str, text: TokenText, n: int, logprobs: bool):
-        super().__init__(model, text, "chatcmpl")
-        self.n, self.logprobs = n, logprobs
-
-    def _lp(self, tokens: list[TokenInfo]) -> dict | None:
-        return {"content": chat_logprobs(tokens, self.text)} if self.logprobs else None
-
-    def start(self) -> list[dict]:
-        return [
-            {
-                "index": j,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for j in range(self.n)
-        ]
-
-    def chunk(self, ev: Event) -> dict | None:
-        if ev.kind == "delta":
-            if not ev.text and not ev.tokens:
-                return None
-            return {
-                "index": ev.index,
-                "delta": {"content": ev.text},
-                "logprobs": self._lp(ev.tokens),
-                "finish_reason": None,
-            }
-        if ev.kind == "finish":
-            return {
-                "index": ev.index,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": ev.finish_reason,
-                "stop_reason": ev.stop_reason,
-            }
-        return None
-
-    def response(self, accs: dict[int, Accumulator], usage: dict, timings: dict) -> dict:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": a.text},
-                "logprobs": self._lp(a.tokens),
-                "finish_reason": a.finish_reason,
-                "stop_reason": a.stop_reason,
-            }
-            for i, a in sorted(accs.items())
-        ]
-        return {
-            **self.envelope("chat.completion"),
-            "choices": choices,
-            "usage": usage,
-            "timings": timings,
-        }
