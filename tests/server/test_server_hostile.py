@@ -346,3 +346,18 @@ def _schemathesis_check(op, url: str, ran: list):
         ran.append(op.label)
 
     return check
+
+
+def test_limit_flags_parse_and_refuse_nonsense():
+    from expresslane.cli.serve import _origins
+    from expresslane.errors import ConfigError
+
+    assert _origins('["https://a.example", "http://b:8080"]') == (
+        "https://a.example",
+        "http://b:8080",
+    )
+    assert _origins("https://a.example, http://b") == ("https://a.example", "http://b")
+    with pytest.raises(ConfigError, match="--max-n"):
+        ServeLimits(max_n=0).validate()
+    with pytest.raises(ConfigError, match="--max-queue"):
+        create_app(None, None, limits=ServeLimits(max_queue=0))
