@@ -65,8 +65,9 @@ class Preparer:
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="expresslane-prepare")
         tok.min_tokens("")  # compute the tokenizer's length bound now, not on a first request
 
-    async def run(self, fn: Callable[[bytes], Any], body: bytes) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, body)
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the preparation threads (a body to prepare, a response to assemble)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -261,7 +261,8 @@ def _v1_routes(svc: Service) -> APIRouter:
             return _sse(_stream(job, request, prep.fmt, prep.include_usage, prep.prompt_tokens))
         accs = await collect(job, request.receive)
         usage = P.usage(prep.prompt_tokens, sum(a.count for a in accs.values()))
-        return prep.fmt.response(accs, usage, job.timings.as_dict())
+        # detokenizing thousands of echoed tokens for text_offset is no work for the loop either
+        return await s.preparer.run(prep.fmt.response, accs, usage, job.timings.as_dict())
 
     @r.post("/completions", **route_docs("completions"))
     async def completions(request: Request):
