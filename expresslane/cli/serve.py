@@ -2,7 +2,8 @@
 
 The server listens at once and loads the model in the background: `/health` answers 503 until
 the engine is ready, then 200, and the playground's URL is printed. `--api-key` protects the
-`/v1` routes (Bearer); health, metrics, the tokenizer routes and the page stay open. MODEL
+`/v1` routes, /tokenize and /detokenize (Bearer); health, metrics, /tokenizer_info and the page
+stay open. MODEL
 defaults to the embedded model (`make serve`). The limits (`--max-request-bytes`, `--max-queue`,
 `--max-n`, `--clamp-max-tokens`, `--allowed-origins`) are described in docs/serving.md.
 """
@@ -37,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=os.environ.get("EXPRESSLANE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (env EXPRESSLANE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
+        "(env EXPRESSLANE_API_KEY)",
     )
     p.add_argument(
         "--seed",

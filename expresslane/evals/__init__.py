@@ -55,7 +55,8 @@ class Endpoint:
         import httpx
 
         def tokens(body: dict) -> int:
-            r = httpx.post(f"{self.root}/tokenize", json=body, timeout=120)
+            key = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            r = httpx.post(f"{self.root}/tokenize", json=body, headers=key, timeout=120)
             r.raise_for_status()
             return len(r.json()["tokens"])
 

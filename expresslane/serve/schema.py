@@ -210,7 +210,7 @@ class Health(_Open):
 # --- routes -----------------------------------------------------------------------------------
 ERRORS = {
     400: "Invalid request: the message names the parameter",
-    401: "Missing or wrong API key (/v1 routes, with --api-key)",
+    401: "Missing or wrong API key (with --api-key)",
     404: "Unknown model",
     413: "Body larger than --max-request-bytes",
     415: "Body not declared as application/json",
@@ -224,9 +224,9 @@ ROUTES: dict[str, tuple] = {
     "chat": ("Answer a conversation (OpenAI chat completions)", P.ChatCompletionRequest,
              ChatCompletionResponse, ChatCompletionChunk, (400, 401, 404, 413, 415, 503)),
     "tokenize": ("Text or messages to token ids (vLLM's /tokenize)", P.TokenizeRequest,
-                 TokenizeResponse, None, (400, 413, 415, 503)),
+                 TokenizeResponse, None, (400, 401, 413, 415, 503)),
     "detokenize": ("Token ids to text", P.DetokenizeRequest, DetokenizeResponse, None,
-                   (400, 413, 415, 503)),
+                   (400, 401, 413, 415, 503)),
     "models": ("The served model", None, ModelList, None, (401, 503)),
     "tokenizer_info": ("Special tokens, chat template, context", None, TokenizerInfo, None,
                        (503,)),

@@ -228,7 +228,9 @@ def _error_handlers(app: FastAPI, svc: Service) -> None:
 
 
 # --- /v1 --------------------------------------------------------------------------------------
-def _v1_routes(svc: Service) -> APIRouter:
+def _key_check(svc: Service):
+    """The dependency that guards a route with the API key (when the server has one)."""
+
     async def require_key(request: Request) -> None:
         if svc.api_key is None:
             return
@@ -243,7 +245,11 @@ def _v1_routes(svc: Service) -> APIRouter:
                 {"WWW-Authenticate": challenge},
             )
 
-    r = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+    return Depends(require_key)
+
+
+def _v1_routes(svc: Service) -> APIRouter:
+    r = APIRouter(prefix="/v1", dependencies=[_key_check(svc)])
 
     @r.get("/models", **route_docs("models"))
     async def models():
@@ -308,12 +314,14 @@ def _root_routes(svc: Service) -> APIRouter:
             "model_max_length": s.engine.max_len,
         }
 
-    @r.post("/tokenize", **route_docs("tokenize"))
+    # Unlike vLLM, the key guards these two as well: tokenizing costs CPU in proportion to the
+    # body (lm-eval's remote tokenizer sends the key it is given).
+    @r.post("/tokenize", dependencies=[_key_check(svc)], **route_docs("tokenize"))
     async def tokenize(request: Request):
         s = svc.ready()
         return await s.prepare(request, s.preparer.tokenize)
 
-    @r.post("/detokenize", **route_docs("detokenize"))
+    @r.post("/detokenize", dependencies=[_key_check(svc)], **route_docs("detokenize"))
     async def detokenize(request: Request):
         s = svc.ready()
         return await s.prepare(request, s.preparer.detokenize)

@@ -230,6 +230,11 @@ def test_401_names_the_scheme(server):
         bare = httpx.get(s.url + "/v1/models")
         wrong = httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer nope"})
         good = httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer sekret"})
+        tok = httpx.post(s.url + "/tokenize", json={"prompt": "x"})
+        tok_ok = httpx.post(s.url + "/tokenize", json={"prompt": "x"},
+                            headers={"Authorization": "Bearer sekret"})  # fmt: skip
+        info = httpx.get(s.url + "/tokenizer_info")
+    assert tok.status_code == 401 and tok_ok.status_code == 200 and info.status_code == 200
     assert (bare.status_code, bare.headers["www-authenticate"]) == (401, "Bearer")
     assert wrong.status_code == 401 and 'error="invalid_token"' in wrong.headers["www-authenticate"]
     assert good.status_code == 200
