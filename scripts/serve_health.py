@@ -11,7 +11,10 @@ from one client while another keeps the server busy, and reports the latencies p
 
 One table, then one JSON line last.
 
-    python -m expresslane.bench.serve_health /work/models/smollm2-hf --seconds 5
+    PYTHONPATH=. python scripts/serve_health.py /work/models/smollm2-hf --seconds 5 --threads 1
+
+A script, not a module of expresslane/bench/: it drives the server, which sits above bench/ in
+the layers of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -68,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ..cli.serve import serving
-    from ..engine import Engine
-    from ..serve import create_app
-    from ..serve.guards import ServeLimits
-    from ..tokenizer import Tokenizer
+    from expresslane.cli.serve import serving
+    from expresslane.engine import Engine
+    from expresslane.serve import create_app
+    from expresslane.serve.guards import ServeLimits
+    from expresslane.tokenizer import Tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
