@@ -270,15 +270,23 @@ class Laneformer(nn.Module):
 
 @torch.no_grad()
 def init_weights(model: Laneformer, seed: int = 0, norm_noise: float = 0.0) -> Laneformer:
-    """Random weights with fan-in scaling (for presets, tests and training from scratch)."""
-    g = torch.Generator().manual_seed(seed)
+    """Random weights with fan-in scaling (for presets, tests and training from scratch).
+
+    The draws come from a generator on the parameters' device (fp32, then cast): on a GPU the
+    weights are made there, not streamed from the host."""
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def randn(shape):
+        return torch.randn(shape, generator=g, device=dev)
+
     for name, p in model.named_parameters():
         if name.endswith(("norm.weight", "norm.scale")):
-            p.copy_(1.0 + norm_noise * torch.randn(p.shape, generator=g))
+            p.copy_(1.0 + norm_noise * randn(p.shape))
         elif name.endswith(".bias"):
-            p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            p.copy_(0.02 * randn(p.shape))
         elif "tok_embeddings" in name:
-            p.copy_(torch.randn(p.shape, generator=g))
+            p.copy_(randn(p.shape))
         else:
-            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            p.copy_(randn(p.shape) * p.shape[-1] ** -0.5)
     return model

@@ -165,7 +165,7 @@ def test_bench_kernels_both_rows_decode_the_same_tokens(capsys):
             "--kernels", "both", "--no-peer"]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
-    assert [r["engine"] for r in rows] == ["expresslane (no kernels)", "expresslane+kernels"]
+    assert [r["engine"] for r in rows] == ["expresslane+kernels", "expresslane (no kernels)"]
     assert rows[0]["token_ids"] == rows[1]["token_ids"] and len(rows[0]["token_ids"]) == 16
 
 

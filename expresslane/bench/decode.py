@@ -1,12 +1,20 @@
-"""The decode benchmark: TTFT, prefill and batch-1 decode speed, with a transformers peer.
+"""The decode benchmark: TTFT, prefill and batch-1 decode speed, beside its peers, row by row.
 
 For each context length: a random prompt of that many tokens is prefilled (time to first token,
 prefill tokens/s), then `decode_tokens` tokens are generated; decode speed is the median of the
 steady-state per-step times (CUDA events on a GPU, perf_counter on a CPU). Bytes read per token
 come from the ceiling calculator (weights streamed + KV at that context), so utilisation is
-bytes/token x tokens/s over the device's bandwidth. The peer is `transformers` generation on the
-very same weights (a Llama-architecture model; for a Laneformer, the equal-byte Llama of the
-same dims, said so in the table).
+bytes/token x tokens/s over the device's bandwidth. The peers (bench/peers.py) run on the very
+same weights (a Llama-architecture model; for a Laneformer, the equal-byte Llama of the same
+dims, said so in the table).
+
+The run keeps what it measured. Rows come context-major (every engine and peer at the first
+context before any at the next, so `--contexts 1024 128 4000` gives the headline comparison
+first) and each is handed to `emit` as soon as it is measured. Every ExpressLane variant and every
+peer runs under its own guard: a failure becomes a row with its error and the others go on. A
+fused-kernel variant that fails is retried once with PDL off (EXPRESSLANE_PDL=0). Every row says
+what really ran: the CUDA graph, the fused Triton kernels, PDL. Random weights are made on the
+device (bench/weights.py).
 
 `parallel_rows` is one rank of `bench --devices N`: every rank runs the same generations on its
 ParallelEngine (role "spmd", no per-token flag), so the timings are those of `run --devices N`.
@@ -15,20 +23,20 @@ Bytes per token there count the whole model (all ranks), with the busiest rank's
 
 from __future__ import annotations
 
+import os
 import statistics
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_model, resolve_device, resolve_dtype, save_model
+from ..checkpoint import load_model, resolve_device, resolve_dtype
 from ..config import ModelConfig, SamplingParams
 from ..engine import Engine
-from ..model import Laneformer, init_weights
 from .ceiling import bytes_per_token
+from .peers import PeerSetup, Timer, make_peer
 
 
 @dataclass(frozen=True)
@@ -38,63 +46,11 @@ class BenchConfig:
     warmup_tokens: int = 8
     device: str = "auto"
     dtype: str = "auto"
-    peer: bool = True
-    peer_compile: bool = False
+    # peers by name (bench/peers.py PEERS), "name=ARG" where one takes an argument
+    peers: tuple[str, ...] = ("transformers",)
     compile: bool = False  # also run our engine with the torch.compile'd static step
     kernels: str = "auto"  # the fused Triton step: auto (on CUDA), on, off, or both (ablation)
-
-
-class Timer:
-    """Per-step wall time: CUDA events on a GPU (no sync inside the loop), perf_counter else."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks.append(ev)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def steps_s(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in pairwise(self.marks)]
-        return [b - a for a, b in pairwise(self.marks)]
-
-
-def random_checkpoint(cfg: ModelConfig, out: Path, seed: int = 0) -> Path:
-    """Random weights of real shape, saved as a checkpoint both engines can read."""
-    model = init_weights(Laneformer(cfg), seed=seed)
-    return save_model(model, out, dtype=cfg.dtype if cfg.dtype != "float32" else None)
-
-
-def as_llama(cfg: ModelConfig) -> ModelConfig:
-    """The Llama of equal byte count: same dims, one lane, replicate head (the peer's shape)."""
-    d = cfg.to_hf_dict()
-    keep = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "rope_theta",
-        "bos_token_id",
-        "eos_token_id",
-        "torch_dtype",
-        "sliding_window",
-        "layer_types",
-    )
-    llama = {k: d[k] for k in keep}
-    llama.update(model_type="llama", head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps)
-    if "sliding_attention" in cfg.layer_types:
-        llama.update(model_type="mistral")
-    return ModelConfig.from_hf_dict(llama)
+    compile_backend: str = "inductor"  # the compiled peers' torch.compile backend
 
 
 def bench_engine(engine: Engine, cfg: BenchConfig, context: int) -> dict:
@@ -121,47 +77,111 @@ def bench_engine(engine: Engine, cfg: BenchConfig, context: int) -> dict:
     }
 
 
-def bench_transformers(
-    path: Path,
-    cfg: BenchConfig,
-    context: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    compiled: bool,
-) -> dict | None:
+def describe(e: BaseException) -> str:
+    """An exception as one line for a row: its type and the start of its message."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:400]}"
+
+
+class EngineRunner:
+    """One ExpressLane variant (compile, kernels) over the shared model, built at its first row."""
+
+    def __init__(self, model, cfg: BenchConfig, name: str, compiled: bool, kernels: str):
+        self.model, self.cfg, self.name = model, cfg, name
+        self.compiled, self.kernels = compiled, kernels
+        self.engine: Engine | None = None
+        self.pdl_error: str | None = None  # the failure a retry without PDL followed
+
+    def _build(self) -> None:
+        self.engine = Engine(self.model, max_model_len=_max_len(self.cfg),
+                             compile=self.compiled, kernels=self.kernels)  # fmt: skip
+        # one-time costs (imports, torch.compile, graph capture) stay out of the measured rows
+        warm = SamplingParams(max_tokens=self.cfg.warmup_tokens, ignore_eos=True)
+        list(self.engine.generate([1, 2, 3], warm))
+
+    def _measure(self, context: int) -> dict:
+        if self.engine is None:
+            self._build()
+        return bench_engine(self.engine, self.cfg, context)
+
+    def measure(self, context: int) -> dict:
+        try:
+            row = self._measure(context)
+        except Exception as e:
+            if self.pdl_error is not None or not self._pdl_now():
+                raise
+            self.pdl_error = describe(e)  # once: the same kernels without PDL
+            os.environ["EXPRESSLANE_PDL"] = "0"
+            self.engine = None
+            row = self._measure(context)
+        row.update(self.flags())
+        if self.pdl_error:
+            row["pdl_retry_after"] = self.pdl_error
+        return row
+
+    def _pdl_now(self) -> bool:
+        """Would this variant's kernels launch with PDL now?"""
+        from ..kernels import use_triton
+
+        p = next(self.model.parameters())
+        if self.kernels == "off" or not use_triton(p):
+            return False
+        from ..kernels.gemv import pdl_enabled
+
+        return pdl_enabled(p)
+
+    def flags(self) -> dict:
+        """What this variant really ran: a captured CUDA graph, Triton kernels, PDL."""
+        dec = self.engine.decoder
+        fused = dec is not None and dec.kernels
+        pdl = fused and self._pdl_now()
+        graph = any(g.graph is not None for g in self.engine._graphs.values())
+        step = "forward" if dec is None else "fused" if fused else "fused (reference twins)"
+        return {"cuda_graph": graph, "fused_kernels": fused, "pdl": pdl, "step": step}
+
+    def close(self) -> None:
+        self.engine = None
+
+
+class PeerRunner:
+    """A peer, built at its first row (its build's failure is that row's error)."""
+
+    def __init__(self, spec: str, setup: PeerSetup):
+        self.spec, self.setup = spec, setup
+        self.name = spec.partition("=")[0]
+        self.peer = None
+        self.build_error: str | None = None
+
+    def measure(self, context: int) -> dict:
+        if self.build_error:  # said once in full; not built again for every context
+            raise RuntimeError(f"not built: {self.build_error}")
+        if self.peer is None:
+            try:
+                self.peer = make_peer(self.spec, self.setup)
+            except Exception as e:
+                self.build_error = describe(e)
+                raise
+        row = self.peer.measure(context)
+        b = bytes_per_token(self.peer.cfg, context + 1, dtype_bytes=self.setup.dtype.itemsize)
+        row.update(model=self.peer.note, bytes_per_token=b["total"],
+                   achieved_gb_s=b["total"] * row["decode_tok_s"] / 1e9)  # fmt: skip
+        return row
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+        self.peer = None
+
+
+def guarded_row(runner, context: int, model: str, devices: int = 1) -> dict:
+    """runner.measure(context) as a row; any failure is the row's `error`, never the run's."""
+    base = {"engine": runner.name, "model": model, "context": context, "devices": devices}
     try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    kw = {}
-    if compiled:  # static cache + torch.compile, transformers' own fast path
-        kw = {"cache_implementation": "static"}
-        model.forward = torch.compile(model.forward, mode="reduce-overhead")
-    g = torch.Generator().manual_seed(context)
-    ids = torch.randint(3, model.config.vocab_size, (1, context), generator=g).to(device)
-
-    def run(n: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.generate(
-            ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kw
-        )
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    with torch.inference_mode():
-        run(2)  # warm-up (and compile)
-        first = min(run(1) for _ in range(2))
-        n = cfg.decode_tokens
-        total = run(n + 1)
-    return {
-        "ttft_ms": first * 1e3,
-        "prefill_tok_s": context / first,
-        "decode_tok_s": n / max(total - first, 1e-9),
-    }
+        return {**base, **runner.measure(context)}
+    except Exception as e:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {**base, "error": describe(e)}
 
 
 def run_bench(
@@ -169,35 +189,64 @@ def run_bench(
     cfg: BenchConfig,
     checkpoint: Path | None = None,
     bandwidth_tb_s: float | None = None,
+    emit: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """One row per (engine, context). The same checkpoint feeds our engine and the peer."""
-    tmp = tempfile.TemporaryDirectory()
+    """One row per (engine or peer, context), context-major, each emitted when measured."""
+    dev = resolve_device(cfg.device)
+    dt = resolve_dtype(cfg.dtype, model_cfg, dev)
     if checkpoint is None:
-        checkpoint = random_checkpoint(model_cfg, Path(tmp.name) / "ours")
-    model = load_model(checkpoint, device=cfg.device, dtype=cfg.dtype, progress=False)
+        from .weights import random_model
+
+        model = random_model(model_cfg, dev, dt)
+    else:
+        model = load_model(checkpoint, device=cfg.device, dtype=cfg.dtype, progress=False)
+    runners = [
+        EngineRunner(model, cfg, _variant_name(cfg, compiled, kernels), compiled, kernels)
+        for compiled, kernels in _variants(cfg)
+    ]
+    setup = PeerSetup(model.cfg, model, dev, dt, cfg.decode_tokens, cfg.warmup_tokens,
+                      _max_len(cfg), compile_backend=cfg.compile_backend)  # fmt: skip
+    runners += [PeerRunner(spec, setup) for spec in cfg.peers]
     rows = []
-    for compiled, kernels in _variants(cfg):
-        engine = Engine(model, max_model_len=_max_len(cfg), compile=compiled, kernels=kernels)
-        name = "expresslane" + ("+compile" if compiled else "")
-        if cfg.kernels == "both":
-            name += "+kernels" if kernels == "on" else " (no kernels)"
-        rows += _engine_rows(engine, cfg, name, bandwidth_tb_s)
-        del engine
-    del model
-    if cfg.peer:
-        rows += _peer_rows(model_cfg, cfg, checkpoint, Path(tmp.name))
-    tmp.cleanup()
+    for ctx in cfg.contexts:
+        for runner in runners:
+            row = guarded_row(runner, ctx, model.cfg.model_type)
+            if "decode_tok_s" in row and "bytes_per_token" not in row:
+                _add_bytes(row, model.cfg, ctx, dt.itemsize, 1, bandwidth_tb_s)
+            rows.append(row)
+            if emit is not None:
+                emit(row)
+    for runner in runners:
+        runner.close()
+    setup.shared = None
     return rows
 
 
 def _variants(cfg: BenchConfig) -> list[tuple[bool, str]]:
-    """(compile, kernels) per engine row group; `both` measures what the fused kernels buy."""
-    kernels = ("off", "on") if cfg.kernels == "both" else (cfg.kernels,)
+    """(compile, kernels) per engine; `both` measures what the fused kernels buy, fused first."""
+    kernels = ("on", "off") if cfg.kernels == "both" else (cfg.kernels,)
     return [(c, k) for c in ((False, True) if cfg.compile else (False,)) for k in kernels]
+
+
+def _variant_name(cfg: BenchConfig, compiled: bool, kernels: str) -> str:
+    name = "expresslane" + ("+compile" if compiled else "")
+    if cfg.kernels == "both":
+        name += "+kernels" if kernels == "on" else " (no kernels)"
+    return name
 
 
 def _max_len(cfg: BenchConfig) -> int:
     return max(cfg.contexts) + cfg.decode_tokens + cfg.warmup_tokens + 1
+
+
+def _add_bytes(row: dict, model_cfg, ctx: int, dtype_bytes: int, devices: int, bw_tb_s) -> None:
+    # the whole model's config (a ParallelEngine's too)
+    b = bytes_per_token(model_cfg, ctx + 1, dtype_bytes=dtype_bytes, devices=devices)
+    row.update(bytes_per_token=b["total"], achieved_gb_s=b["total"] * row["decode_tok_s"] / 1e9)
+    if devices > 1:
+        row["bytes_per_token_per_device"] = b["per_device"]["total"]
+    if bw_tb_s:
+        row["bw_util"] = row["achieved_gb_s"] / (bw_tb_s * 1e3)
 
 
 def parallel_rows(rank: int, world: int, device: str, checkpoint: str, cfg: BenchConfig) -> list:
@@ -207,51 +256,11 @@ def parallel_rows(rank: int, world: int, device: str, checkpoint: str, cfg: Benc
     engine = ParallelEngine.from_pretrained(
         checkpoint, rank, world, device=device, dtype=cfg.dtype, max_model_len=_max_len(cfg)
     )
-    return _engine_rows(engine, cfg, "expresslane", None, devices=world)
-
-
-def _engine_rows(
-    engine: Engine, cfg: BenchConfig, name: str, bandwidth_tb_s, devices: int = 1
-) -> list[dict]:
-    dtype_bytes = engine.dtype.itemsize
-    # one-time costs (imports, torch.compile, graph capture) stay out of the measured rows
     list(engine.generate([1, 2, 3], SamplingParams(max_tokens=cfg.warmup_tokens, ignore_eos=True)))
     rows = []
     for ctx in cfg.contexts:
-        r = bench_engine(engine, cfg, ctx)
-        # engine.cfg is the whole model's config (a ParallelEngine's too)
-        b = bytes_per_token(engine.cfg, ctx + 1, dtype_bytes=dtype_bytes, devices=devices)
-        r.update(
-            engine=name,
-            model=engine.cfg.model_type,
-            context=ctx,
-            devices=devices,
-            bytes_per_token=b["total"],
-            achieved_gb_s=b["total"] * r["decode_tok_s"] / 1e9,
-        )
-        if devices > 1:
-            r["bytes_per_token_per_device"] = b["per_device"]["total"]
-        if bandwidth_tb_s:
-            r["bw_util"] = r["achieved_gb_s"] / (bandwidth_tb_s * 1e3)
-        rows.append(r)
-    return rows
-
-
-def _peer_rows(model_cfg: ModelConfig, cfg: BenchConfig, checkpoint: Path, tmp: Path) -> list:
-    """transformers on the same weights (a Laneformer's peer: the equal-byte Llama)."""
-    peer_path, note = checkpoint, "same weights"
-    if model_cfg.family != "llama":
-        peer_path = random_checkpoint(as_llama(model_cfg), tmp / "peer")
-        note = "equal-byte Llama of the same dims"
-    dev = resolve_device(cfg.device)
-    dt = resolve_dtype(cfg.dtype, model_cfg, dev)
-    rows = []
-    for compiled in (False, True) if cfg.peer_compile else (False,):
-        for ctx in cfg.contexts:
-            r = bench_transformers(peer_path, cfg, ctx, dev, dt, compiled)
-            if r is None:
-                return rows
-            name = "transformers" + ("+static+compile" if compiled else "")
-            r.update(engine=name, model=note, context=ctx, devices=1)
-            rows.append(r)
+        row = {"engine": "expresslane", "model": engine.cfg.model_type, "context": ctx,
+               "devices": world, **bench_engine(engine, cfg, ctx)}  # fmt: skip
+        _add_bytes(row, engine.cfg, ctx, engine.dtype.itemsize, world, None)
+        rows.append(row)
     return rows

@@ -1,7 +1,9 @@
 """`expresslane bench`: TTFT, prefill and decode tokens/s against a transformers peer.
 
-A preset builds random weights of a real shape; a folder benchmarks that checkpoint. One table,
-then one JSON line last.
+A preset builds random weights of a real shape (on the device); a folder benchmarks that
+checkpoint. Each row is printed as soon as it is measured (its table line, then `{"row": ...}`),
+so a run that is killed keeps what it measured; then the whole table with the ratios, and one
+JSON line last.
 
 `--devices N` (or a torchrun launch) benchmarks the parallel engine: N ranks through cli/launch.py
 (gloo on CPUs, NCCL with one GPU per rank), every rank running the same generations; rank 0
@@ -12,7 +14,6 @@ loads its slices from. The transformers peer is single-device only: skipped ther
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -21,9 +22,11 @@ from pathlib import Path
 
 import torch
 
+from ..bench import table
 from ..bench.bandwidth import copy_bandwidth_gb_s, datasheet_tb_s
 from ..bench.ceiling import bytes_per_token
-from ..bench.decode import BenchConfig, parallel_rows, random_checkpoint, run_bench
+from ..bench.decode import BenchConfig, parallel_rows, run_bench
+from ..bench.weights import random_checkpoint
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import ModelConfig
 from ..errors import ConfigError
@@ -48,7 +51,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peer-compile",
         action="store_true",
-        help="also run transformers with its static cache and torch.compile",
+        help="also run transformers with its static cache and a compiled decode step (gpt-fast's "
+        "recipe)",
+    )
+    p.add_argument(
+        "--peer-compile-backend",
+        default="inductor",
+        choices=("inductor", "aot_eager", "eager"),
+        help="torch.compile backend of the compiled peers (eager: trace only, a quick CPU check)",
+    )
+    p.add_argument(
+        "--peer-gptfast",
+        metavar="DIR",
+        default=None,
+        help="also time a gpt-fast checkout (its model.py and generate.py) on the same shape",
     )
     p.add_argument(
         "--compile", action="store_true", help="also run our engine with the compiled step"
@@ -88,24 +104,6 @@ def _commit() -> str:
         return "unknown"
 
 
-def _table(rows: list[dict]) -> str:
-    head = (
-        f"{'engine':<30} {'model':<36} {'dev':>3} {'ctx':>6} {'TTFT ms':>9} {'prefill t/s':>12} "
-        f"{'decode t/s':>11} {'ms/tok':>8} {'GB/tok':>8} {'GB/s':>8} {'x peer':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        gb = f"{r['bytes_per_token'] / 1e9:8.4f}" if "bytes_per_token" in r else f"{'':>8}"
-        gbs = f"{r['achieved_gb_s']:8.1f}" if "achieved_gb_s" in r else f"{'':>8}"
-        ratio = f"{r['speedup_vs_peer']:7.2f}" if "speedup_vs_peer" in r else f"{'':>7}"
-        lines.append(
-            f"{r['engine']:<30} {str(r['model'])[:36]:<36} {r['devices']:>3} {r['context']:>6} "
-            f"{r['ttft_ms']:9.1f} {r['prefill_tok_s']:12.1f} {r['decode_tok_s']:11.1f} "
-            f"{1e3 / r['decode_tok_s']:8.2f} {gb} {gbs} {ratio}"
-        )
-    return "\n".join(lines)
-
-
 def main(args: argparse.Namespace) -> int:
     model_cfg, checkpoint = _source(args)
     name = args.preset or str(checkpoint)
@@ -115,8 +113,32 @@ def main(args: argparse.Namespace) -> int:
     if device.type == "cpu":  # the same thread count for our engine and the peer
         torch.set_num_threads(_threads(args, model_cfg, 1))
     machine = _machine(device)
-    rows = run_bench(model_cfg, _bench_config(args, str(device), peer=not args.no_peer), checkpoint)
+    if not args.json:
+        print(table.HEADER, flush=True)
+    emit = None if args.json else _emitter(machine)
+    cfg = _bench_config(args, str(device), peer=not args.no_peer)
+    rows = run_bench(model_cfg, cfg, checkpoint, emit=emit)
     return _report(args, name, rows, machine, devices=1)
+
+
+def _emitter(machine: dict):
+    """Print each row when it is measured: its table line and its JSON, flushed."""
+    seen: list[dict] = []
+
+    def emit(row: dict) -> None:
+        _utilisation(row, machine)
+        seen.append(row)
+        table.compare(seen)
+        print(table.line(row), flush=True)
+        print(table.dumps({"row": row}), flush=True)
+        if not row["engine"].startswith("expresslane") and "decode_tok_s" in row:
+            ours = [r for r in seen if r["engine"].startswith("expresslane")
+                    and r["context"] == row["context"] and "decode_tok_s" in r]  # fmt: skip
+            ratios = ", ".join(f"{r['engine']} {r['decode_tok_s'] / row['decode_tok_s']:.2f}x"
+                               for r in ours)  # fmt: skip
+            print(f"  vs {row['engine']} at context {row['context']}: {ratios}", flush=True)
+
+    return emit
 
 
 def _source(args: argparse.Namespace) -> tuple[ModelConfig, Path | None]:
@@ -130,15 +152,22 @@ def _source(args: argparse.Namespace) -> tuple[ModelConfig, Path | None]:
 
 
 def _bench_config(args: argparse.Namespace, device: str, peer: bool) -> BenchConfig:
+    peers = []
+    if peer:
+        peers.append("transformers")
+        if args.peer_compile:
+            peers.append("transformers+static+compile")
+        if args.peer_gptfast:
+            peers.append(f"gpt-fast={args.peer_gptfast}")
     return BenchConfig(
         contexts=tuple(args.contexts),
         decode_tokens=args.decode_tokens,
         device=device,
         dtype=args.dtype,
-        peer=peer,
-        peer_compile=args.peer_compile,
+        peers=tuple(peers),
         compile=args.compile,
         kernels=args.kernels,
+        compile_backend=args.peer_compile_backend,
     )
 
 
@@ -207,18 +236,20 @@ def _rank(rank: int, world: int, device: str, checkpoint: str, cfg: BenchConfig)
     return {"rows": rows, "machine": _machine(torch.device(device))} if rank == 0 else None
 
 
+def _utilisation(r: dict, machine: dict) -> None:
+    """The row's achieved bandwidth over the copy measured here and over the datasheet."""
+    copy_gb_s, sheet = machine["copy_gb_s"], machine["datasheet"]
+    if "achieved_gb_s" in r:
+        r["copy_bw_util"] = r["achieved_gb_s"] / copy_gb_s
+        if sheet:
+            r["datasheet_bw_util"] = r["achieved_gb_s"] / (sheet[1] * 1e3)
+
+
 def _report(args, name: str, rows: list, machine: dict, devices: int, notes=()) -> int:
     copy_gb_s, sheet = machine["copy_gb_s"], machine["datasheet"]
     for r in rows:
-        r["copy_bw_util"] = r.get("achieved_gb_s", 0) / copy_gb_s if "achieved_gb_s" in r else None
-        if sheet and "achieved_gb_s" in r:
-            r["datasheet_bw_util"] = r["achieved_gb_s"] / (sheet[1] * 1e3)
-        peer = next(
-            (p for p in rows if p["engine"] == "transformers" and p["context"] == r["context"]),
-            None,
-        )
-        if r["engine"].startswith("expresslane") and peer:
-            r["speedup_vs_peer"] = r["decode_tok_s"] / peer["decode_tok_s"]
+        _utilisation(r, machine)
+    table.compare(rows)
     summary = {
         "model": name,
         "device": machine["device"],
@@ -232,7 +263,7 @@ def _report(args, name: str, rows: list, machine: dict, devices: int, notes=()) 
         "rows": rows,
     }
     if not args.json:
-        print(_table(rows))
+        print(table.table(rows))
         print(
             f"copy bandwidth {copy_gb_s:.1f} GB/s (read+write) on {summary['device_name']}"
             + (f" (rank 0 of {devices})" if devices > 1 else "")
@@ -240,5 +271,5 @@ def _report(args, name: str, rows: list, machine: dict, devices: int, notes=()) 
         )
         for note in notes:
             print(f"note: {note}")
-    print(json.dumps(summary, default=lambda x: round(x, 4) if isinstance(x, float) else str(x)))
+    print(table.dumps(summary), flush=True)
     return 0
