@@ -16,6 +16,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    # `pytest -m gpu` is the GPU session's `tests` stage (scripts/gpu_session.sh): marker, not -k,
+    # because -k also matches module names and would select every CPU test of those files.
+    config.addinivalue_line(
+        "markers", "gpu: runs on a CUDA GPU when one is present (the GPU session's tests)"
+    )
+
+
 @pytest.fixture(scope="session")
 def random_laneformer_dir(tmp_path_factory):
     """A random tiny Laneformer (8 lanes, delay 2, sliding + full layers) with a tokenizer."""

@@ -45,6 +45,7 @@ from expresslane.kernels.norm_qkv import norm_qkv  # noqa: E402
 from expresslane.kernels.swiglu import norm_swiglu  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
+pytestmark = pytest.mark.gpu  # with CUDA, every test here runs compiled on 2B / 1B shapes
 DTYPES = [torch.float32, torch.bfloat16]
 
 

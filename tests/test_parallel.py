@@ -328,6 +328,7 @@ def test_bench_bad_devices_exit_2(capsys, argv, words):
     assert all(w in lines[0] for w in words), lines[0]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")
 def test_nccl_one_gpu_one_process(checkpoints):
     path, ref = checkpoints["d2-shared-vocab"]

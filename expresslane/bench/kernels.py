@@ -1,6 +1,6 @@
 """Micro-benchmark of the fused decode kernels on Laneformer-2B shapes: time and bandwidth.
 
-    python -m expresslane.bench.kernels [--dtype bf16] [--context 1024] [--reps 50]
+    python -m expresslane.bench.kernels [--dtype bf16] [--context 1024] [--reps 50] [--dry-run]
 
 For each kernel (and one whole decoder layer) it prints the median time of one call, the bytes
 the call must move (weights, KV read, activations), the achieved GB/s, and that as a fraction of
@@ -12,7 +12,8 @@ weights (enough copies to exceed ~4x a 50 MB L2), so the weights stream from HBM
 a real decode step, and Python launch overhead is excluded as it is under the engine's CUDA
 graph. The median over `--trials` replays, divided by `reps`, is reported. Graph replay keeps
 the small gaps between kernels, which is what a decode step pays too. Needs CUDA: exits 2
-elsewhere.
+elsewhere, except `--dry-run`: tiny shapes on the CPU, the kernels in the Triton interpreter,
+timed call by call (the plumbing and the kernels' arguments, not their speed).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 SHAPE = dict(L=8, D=3072, HQ=32, HKV=16, HD=96, F=12288, V=32000, MAX_LEN=4096, WINDOW=2048)
+DRY_SHAPE = dict(L=2, D=64, HQ=4, HKV=2, HD=16, F=96, V=64, MAX_LEN=48, WINDOW=16)
 L2_BYTES = 50 << 20  # H100 L2; H200 has the same
 
 
@@ -58,6 +60,20 @@ def _time_graph(calls: list[Callable[[], object]], trials: int) -> float:
     return statistics.median(times[2:])
 
 
+def _time_calls(calls: list[Callable[[], object]], trials: int) -> float:
+    """Median seconds per call, called one by one with a host clock (the CPU dry run)."""
+    import time
+
+    calls[0]()
+    times = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        for call in calls:
+            call()
+        times.append((time.perf_counter() - t) / len(calls))
+    return statistics.median(times)
+
+
 def _copies(make: Callable[[], dict], nbytes: int, reps: int) -> list[dict]:
     """Independent weight sets, enough that one graph replay streams >= 4x L2 from HBM."""
     n = max(2, min(reps, -(-4 * L2_BYTES // max(nbytes, 1))))
@@ -73,11 +89,10 @@ class Case(NamedTuple):
     run_ref: Callable[[dict], object]  # the kernels/ref.py twin
 
 
-def _cases(dtype: torch.dtype, context: int, dev: str = "cuda") -> list[Case]:
+def _cases(dtype: torch.dtype, context: int, dev: str = "cuda", s: dict = SHAPE) -> list[Case]:
     from expresslane.kernels import decode_attention, gemv_reduce, lm_head, norm_qkv, ref, swiglu
     from expresslane.kernels.decode_step import fused_decode_layer, reference_decode_layer
 
-    s = SHAPE
     L, D, hd, FL, VL = s["L"], s["D"], s["HD"], s["F"] // s["L"], s["V"] // s["L"]
     QL, KL = s["HQ"] * hd // L, s["HKV"] * hd // L
     e = torch.empty((), dtype=dtype).element_size()
@@ -195,10 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=20, help="graph replays; the median is kept")
     ap.add_argument("--pdl", choices=["on", "off"], default="on",
                     help="programmatic dependent launch where supported (sm90+)")  # fmt: skip
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes on the CPU, kernels in the Triton interpreter")  # fmt: skip
     args = ap.parse_args(argv)
     if args.pdl == "off":
         os.environ["EXPRESSLANE_PDL"] = "0"
-    if not torch.cuda.is_available():
+    if args.dry_run:  # before triton is first imported
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["EXPRESSLANE_FORCE_TRITON"] = "1"
+        args.dtype, args.context = "fp32", min(args.context, 24)
+    elif not torch.cuda.is_available():
         print("expresslane.bench.kernels needs a CUDA GPU (none found)", file=sys.stderr)
         return 2
     from expresslane.kernels.gemv import pdl_enabled
@@ -207,39 +228,56 @@ def main(argv: list[str] | None = None) -> int:
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     torch.manual_seed(0)
-    dev = torch.device("cuda")
-    copy_gb_s = copy_bandwidth_gb_s(dev)
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    shape = DRY_SHAPE if args.dry_run else SHAPE
+    copy_gb_s = (
+        copy_bandwidth_gb_s(dev, nbytes=16 << 20) if args.dry_run else copy_bandwidth_gb_s(dev)
+    )
     sheet = datasheet_tb_s(dev)
-    print(f"device {torch.cuda.get_device_name(dev)}, {args.dtype}, context {args.context}, "
-          f"PDL {args.pdl if pdl_enabled(torch.empty(1, device=dev)) else 'off (unsupported)'}, "
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter)"
+    pdl = pdl_enabled(torch.empty(1, device=dev))
+    print(f"device {name}, {args.dtype}, context {args.context}, "
+          f"PDL {args.pdl if pdl else 'off (unsupported)'}, "
           f"copy {copy_gb_s:.0f} GB/s, datasheet {sheet[1] * 1e3 if sheet else float('nan'):.0f}"
-          f" GB/s, Laneformer-2B shapes {SHAPE}")  # fmt: skip
+          f" GB/s, shapes {shape}", flush=True)  # fmt: skip
     header = f"{'kernel':<14}{'shape':<30}{'MB':>8}{'us':>9}{'GB/s':>8}{'%copy':>7}{'ref us':>9}"
     print(header)
-    print("-" * len(header))
+    print("-" * len(header), flush=True)
     results = {}
-    for name, shape, nbytes, make, run, run_ref in _cases(dtype, args.context):
-        params = _copies(make, nbytes, args.reps)
-        calls = [functools.partial(run, params[i % len(params)]) for i in range(args.reps)]
-        ref_calls = [functools.partial(run_ref, params[i % len(params)]) for i in range(args.reps)]
-        t = _time_graph(calls, args.trials)
+    for case in _cases(dtype, args.context, str(dev), shape):
         try:
-            t_ref = _time_graph(ref_calls, args.trials)
-        except RuntimeError:  # a reference that cannot be captured: report no time
-            t_ref = float("nan")
-        gb_s = nbytes / t / 1e9
-        results[name] = {"shape": shape, "bytes": nbytes, "us": t * 1e6, "gb_s": gb_s,
-                         "pct_copy": 100 * gb_s / copy_gb_s, "ref_us": t_ref * 1e6}  # fmt: skip
-        print(f"{name:<14}{shape:<30}{nbytes / 1e6:>8.2f}{t * 1e6:>9.1f}{gb_s:>8.0f}"
-              f"{100 * gb_s / copy_gb_s:>7.1f}{t_ref * 1e6:>9.1f}")  # fmt: skip
-        del params, calls, ref_calls
-        torch.cuda.empty_cache()
-    print(json.dumps({"bench": "kernels", "device": torch.cuda.get_device_name(dev),
-                      "dtype": args.dtype, "context": args.context, "pdl": args.pdl,
+            results[case.name] = _measure(case, args, copy_gb_s)
+        except Exception as e:  # one kernel's failure is its row, not the run's end
+            results[case.name] = {"shape": case.shape, "error": f"{type(e).__name__}: {e}"}
+            print(f"{case.name:<14}{case.shape:<30} ERROR {type(e).__name__}: {e}", flush=True)
+            continue
+        r = results[case.name]
+        print(f"{case.name:<14}{case.shape:<30}{case.nbytes / 1e6:>8.2f}{r['us']:>9.1f}"
+              f"{r['gb_s']:>8.0f}{r['pct_copy']:>7.1f}{r['ref_us']:>9.1f}", flush=True)  # fmt: skip
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    print(json.dumps({"bench": "kernels", "device": name, "dtype": args.dtype,
+                      "context": args.context, "pdl": args.pdl if pdl else "off",
                       "copy_gb_s": copy_gb_s,
                       "datasheet_gb_s": sheet[1] * 1e3 if sheet else None,
-                      "kernels": results}))  # fmt: skip
+                      "kernels": results}), flush=True)  # fmt: skip
     return 0
+
+
+def _measure(case: Case, args, copy_gb_s: float) -> dict:
+    """Median time of the fused kernel(s) and of their reference, on independent weights."""
+    params = _copies(case.make, case.nbytes, args.reps)
+    calls = [functools.partial(case.run, params[i % len(params)]) for i in range(args.reps)]
+    ref_calls = [functools.partial(case.run_ref, params[i % len(params)]) for i in range(args.reps)]
+    timer = _time_calls if args.dry_run else _time_graph
+    t = timer(calls, args.trials)
+    try:
+        t_ref = timer(ref_calls, args.trials)
+    except RuntimeError:  # a reference that cannot be captured: report no time
+        t_ref = float("nan")
+    gb_s = case.nbytes / t / 1e9
+    return {"shape": case.shape, "bytes": case.nbytes, "us": t * 1e6, "gb_s": gb_s,
+            "pct_copy": 100 * gb_s / copy_gb_s, "ref_us": t_ref * 1e6}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def fused_step_kernels(model_ref: str, max_len: int = 4096) -> int:
     """Triton launches of one greedy fused decode step (an H100's launch plan)."""
     from ..kernels.aot import record_decode_step
 
-    return len(record_decode_step(model_ref, max_len, sms=132, pdl=True, logits=False))
+    return len(record_decode_step(model_ref, max_len, sms=132, pdl=True, logits=False, arch=None))
 
 
 def predict(model_ref: str, gpu: str, context: int, efficiency: float = 0.9) -> dict:

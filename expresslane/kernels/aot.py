@@ -4,9 +4,19 @@ A session without a GPU cannot run the kernels, but it can prove they build for 
 installed triton, and read what ptxas made of them. The launches are recorded, not run: the fused
 decode step of a model config (preset or folder) runs on the meta device with every Triton
 launch intercepted and the GPU's launch plan simulated (SM count, PDL: gemv.PLANNED_GPU), so the
-tile sizes, grids and constexprs are exactly those an H100 would get. Each distinct (kernel,
-argument types, constexprs, warps, stages) is then compiled by `triton.compile` for the target,
-and `cuobjdump -res-usage` reads registers, spill memory and shared memory from the cubin.
+tile sizes, grids and constexprs are exactly those an H100 would get.
+
+Each launch is specialised by the runtime JIT's own binder for the target (the code triton runs
+at a real launch): pointers whose address is 16-byte aligned and integers divisible by 16 get
+`tt.divisibility 16`, an integer equal to 1 becomes a constant, and so on. A meta tensor's
+`data_ptr()` is its byte offset, so views are judged as on the GPU, whose allocations are aligned.
+Without that specialisation ptxas cannot prove alignment: every load is a scalar 2-byte load and
+the registers differ (seen with triton 3.6 and 3.9), so such a build describes other code.
+
+Each distinct (kernel, argument types, specialisation, constexprs, options) is then compiled by
+`triton.compile` for the target; `cuobjdump -res-usage` reads registers, spill memory and shared
+memory from the cubin, and its SASS the width of every global load. Blocks per SM follow from
+registers, warps and shared memory; waves are the grid over (SMs x blocks per SM).
 
     python -m expresslane.kernels.aot --model laneformer-2b [--arch 90] [--json]
 """
@@ -45,13 +55,17 @@ _DTYPES = {
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One kernel launch as compiled: the kernel, its typed signature, constexprs and options."""
+    """One kernel launch as the JIT would compile it: the kernel, its typed signature, its
+    constexprs (by name), the JIT's specialisation attributes, the options and the grid."""
 
     kernel: object  # triton JITFunction
     signature: tuple[tuple[str, str], ...]  # (name, type) in parameter order
     constexprs: tuple[tuple[str, object], ...]
-    options: tuple[tuple[str, object], ...]
+    options: tuple[tuple[str, object], ...]  # launch keywords as given (num_warps, launch_pdl)
     grid: tuple[int, ...]
+    attrs: tuple[tuple[tuple[int, ...], tuple], ...] = ()  # path -> (("tt.divisibility", 16),)
+    # tensor arguments: (parameter name, shape, element bytes), for byte counts (bench/profile)
+    tensors: tuple[tuple[str, tuple[int, ...], int], ...] = ()
 
     @property
     def name(self) -> str:
@@ -61,6 +75,12 @@ class Launch:
         keys = ("MODE", "SPLIT_K", "HAS_NORM", "HAS_WINDOW", "BLOCK_O", "BLOCK_N", "BLOCK_V")
         shown = [f"{k}={v}" for k, v in self.constexprs if k in keys]
         return f"{self.name}[{','.join(shown)}]"
+
+    def aligned(self) -> list[str]:
+        """The parameters specialised as divisible by 16."""
+        names = [n for n, _ in self.signature]
+        return [names[path[0]] for path, attr in self.attrs
+                if any(a[0] == "tt.divisibility" for a in attr)]  # fmt: skip
 
 
 def _arg_type(value) -> str:
@@ -75,35 +95,79 @@ def _arg_type(value) -> str:
     raise TypeError(f"no triton type for a {type(value).__name__} argument")
 
 
-def _as_launch(kernel, grid, args, kwargs) -> Launch:
-    names = kernel.arg_names
-    bound = dict(zip(names, args, strict=False))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
-    sig, const = [], []
+def _unspecialised(kernel, bound: dict) -> tuple[dict, dict]:
+    """(signature, constexprs) with no specialisation: the fallback where the binder is missing."""
+    sig, const = {}, {}
     for p in kernel.params:
         value = bound.get(p.name, p.default)
         if p.is_constexpr or value is None:
-            sig.append((p.name, "constexpr"))
-            const.append((p.name, value))
+            sig[p.name] = "constexpr"
+            const[(kernel.arg_names.index(p.name),)] = value
         else:
-            sig.append((p.name, _arg_type(value)))
+            sig[p.name] = _arg_type(value)
+    return sig, const
+
+
+def _specialise(kernel, backend, args, kwargs) -> tuple[dict, dict, dict]:
+    """(signature, constexprs by path, attrs by path), by the runtime JIT's binder for `backend`
+    (triton 3.6 and 3.9: create_function_from_signature + JITFunction._pack_args)."""
+    from triton.runtime import jit
+
+    binder = jit.create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    _, signature, constexprs, attrs = kernel._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    return signature, constexprs, attrs
+
+
+def _as_launch(kernel, grid, args, kwargs, backend=None) -> Launch:
+    names = kernel.arg_names
+    bound = dict(zip(names, args, strict=False))
+    bound.update({k: v for k, v in kwargs.items() if k in names})
+    if backend is not None:
+        sig, const, attrs = _specialise(kernel, backend, args, kwargs)
+    else:
+        (sig, const), attrs = _unspecialised(kernel, bound), {}
+    tensors = tuple((n, tuple(v.shape), v.element_size()) for n, v in bound.items()
+                    if isinstance(v, torch.Tensor))  # fmt: skip
     options = tuple(sorted((k, v) for k, v in kwargs.items() if k in _OPTIONS))
     grid = grid(bound) if callable(grid) else grid
-    return Launch(kernel, tuple(sig), tuple(const), options, tuple(int(g) for g in grid))
+    return Launch(
+        kernel,
+        tuple(sig.items()),
+        tuple((names[path[0]], v) for path, v in sorted(const.items())),
+        options,
+        tuple(int(g) for g in grid),
+        tuple(
+            sorted((path, tuple(tuple(a) for a in attr)) for path, attr in attrs.items() if attr)
+        ),  # fmt: skip
+        tensors,
+    )
+
+
+def jit_backend(arch: int):
+    """triton's CUDA backend for sm_`arch`: what the JIT would specialise and compile with."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    return make_backend(GPUTarget("cuda", arch, 32))
 
 
 @contextlib.contextmanager
-def recording(sms: int = 132, pdl: bool = True):
-    """Within: Triton launches are appended to the yielded list instead of running."""
+def recording(sms: int = 132, pdl: bool = True, arch: int | None = 90):
+    """Within: Triton launches are appended to the yielded list instead of running, specialised
+    as the JIT would for sm_`arch` (None: unspecialised, only to count launches)."""
     from triton.runtime.jit import JITFunction
 
     from . import gemv
 
     launches: list[Launch] = []
     original = JITFunction.run
+    backend = jit_backend(arch) if arch else None
 
     def record(self, *args, grid, warmup, **kwargs):
-        launches.append(_as_launch(self, grid, args, kwargs))
+        launches.append(_as_launch(self, grid, args, kwargs, backend))
 
     JITFunction.run = record
     gemv.PLANNED_GPU.update(sms=sms, pdl=pdl)
@@ -114,7 +178,8 @@ def recording(sms: int = 132, pdl: bool = True):
         gemv.PLANNED_GPU.clear()
 
 
-def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits: bool = True):
+def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits: bool = True,
+                       arch: int | None = 90):  # fmt: skip
     """The launches of one greedy decode step of the model, then (`logits`) of its logits path."""
     from ..cache import KVCache
     from ..config import SamplingParams
@@ -127,7 +192,7 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
     cache = KVCache(cfg, max_len, "meta", torch.bfloat16)
     token = torch.zeros((1, 1), dtype=torch.long, device="meta")
     position = torch.zeros((1,), dtype=torch.long, device="meta")
-    with recording(sms, pdl) as launches:
+    with recording(sms, pdl, arch) as launches:
         decoder = FusedDecoder(model, cache, kernels=True)
         decoder.next_token(token, position, SamplingParams(temperature=0.0), None)
         if logits:
@@ -138,55 +203,116 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
 def distinct(launches: list[Launch]) -> list[Launch]:
     seen, out = set(), []
     for launch in launches:
-        key = (launch.name, launch.signature, launch.constexprs, launch.options)
+        key = (launch.name, launch.signature, launch.constexprs, launch.options, launch.attrs)
         if key not in seen:
             seen.add(key)
             out.append(launch)
     return out
 
 
-def compile_launch(launch: Launch, arch: int, workdir: Path) -> dict:
-    """Compile for sm_`arch`; registers, spill bytes and shared memory from the cubin."""
+# Per-SM limits by compute capability x10: registers, threads, resident blocks, shared bytes.
+SM_LIMITS = {
+    80: (65536, 2048, 32, 164 << 10),
+    86: (65536, 1536, 16, 100 << 10),
+    89: (65536, 1536, 24, 100 << 10),
+    90: (65536, 2048, 32, 228 << 10),
+}
+
+
+def blocks_per_sm(registers: int, warps: int, shared: int, arch: int) -> int:
+    """Resident CTAs per SM (CUDA's occupancy rules: registers in 256-register units per warp,
+    1 KB of shared memory reserved per block)."""
+    regs, threads, blocks, smem = SM_LIMITS.get(arch, SM_LIMITS[90])
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    limits = [blocks, threads // (32 * warps), regs // (per_warp * warps)]
+    if shared:
+        limits.append(smem // (shared + 1024))
+    return max(0, min(limits))
+
+
+def load_widths(sass: str) -> dict[str, int]:
+    """Global loads by width in bits (`LDG.E.128` -> 128, `LDG.E.U16` -> 16, plain -> 32);
+    `LDGSTS` (cp.async into shared memory) counted apart."""
+    out: dict[str, int] = {}
+    for op, mods in re.findall(r"\b(LDGSTS|LDG)((?:\.[A-Z0-9_]+)*)", sass):
+        parts = mods.split(".")
+        bits = next((b for b in ("128", "64") if b in parts), None)
+        bits = bits or ("16" if {"U16", "S16"} & set(parts) else "8" if {"U8", "S8"} & set(parts)
+                        else "32")  # fmt: skip
+        key = bits if op == "LDG" else f"cp.async {bits}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def compile_launch(launch: Launch, arch: int, workdir: Path, sms: int = 132) -> dict:
+    """Compile for sm_`arch` as the JIT would; registers, spills, shared memory, load widths."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs))
+    attrs = {path: [list(a) for a in attr] for path, attr in launch.attrs}
+    src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs), attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
     cubin = workdir / f"{launch.name}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     usage = resource_usage(cubin)
-    ptx = compiled.asm["ptx"]
+    warps = dict(launch.options).get("num_warps", 4)
+    shared = max(usage.get("SHARED", 0), compiled.metadata.shared)
+    blocks = blocks_per_sm(usage.get("REG", 0), warps, shared, arch)
+    ctas = 1
+    for g in launch.grid:
+        ctas *= g
     return {
         "kernel": launch.label(),
         "grid": list(launch.grid),
-        "warps": dict(launch.options).get("num_warps", 4),
+        "warps": warps,
         "registers": usage.get("REG"),
         "spill_bytes": usage.get("LOCAL", 0) + usage.get("STACK", 0),
-        "shared_bytes": max(usage.get("SHARED", 0), compiled.metadata.shared),
-        "pdl": "griddepcontrol" in ptx,
+        "shared_bytes": shared,
+        "blocks_per_sm": blocks,
+        "waves": ctas / (sms * blocks) if blocks else None,
+        "loads": load_widths(_cuobjdump(cubin, "-sass")),
+        "aligned_params": len(launch.aligned()),
+        "pdl": "griddepcontrol" in compiled.asm["ptx"],
     }
+
+
+def _cuobjdump(cubin: Path, flag: str) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    out = subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"cuobjdump {flag} failed on {cubin.name}: {out.stderr.strip()}")
+    return out.stdout
 
 
 def resource_usage(cubin: Path) -> dict[str, int]:
     """REG / STACK / SHARED / LOCAL of the cubin's kernel, read by triton's bundled cuobjdump."""
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    out = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"cuobjdump failed on {cubin.name}: {out.stderr.strip()}")
-    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out.stdout)}
+    text = _cuobjdump(cubin, "-res-usage")
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
 def compile_decode_step(
-    model_ref: str, arch: int = 90, max_len: int = 4096, sms: int = 132
+    model_ref: str,
+    arch: int = 90,
+    max_len: int = 4096,
+    sms: int = 132,
+    specialise: bool = True,
+    only: str | None = None,
 ) -> list[dict]:
-    """Every distinct kernel of the model's fused decode step, compiled for sm_`arch`."""
+    """Every distinct kernel of the model's fused decode step, compiled for sm_`arch` (`only`:
+    the kernels whose name starts so)."""
     pdl = arch >= 90
-    launches = distinct(record_decode_step(model_ref, max_len, sms, pdl))
+    launches = distinct(record_decode_step(model_ref, max_len, sms, pdl,
+                                           arch=arch if specialise else None))  # fmt: skip
+    launches = [la for la in launches if only is None or la.name.startswith(only)]
     with tempfile.TemporaryDirectory() as tmp:
-        return [compile_launch(launch, arch, Path(tmp)) for launch in launches]
+        return [compile_launch(launch, arch, Path(tmp), sms) for launch in launches]
+
+
+def _widths(loads: dict[str, int]) -> str:
+    return " ".join(f"{k}x{v}" for k, v in sorted(loads.items(), key=lambda kv: kv[0]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100)")
     ap.add_argument("--sms", type=int, default=132, help="SM count the launch plan assumes")
     ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--kernel", default=None, help="only the kernels whose name starts so")
+    ap.add_argument(
+        "--unspecialised",
+        action="store_true",
+        help="compile without the JIT's alignment specialisation (not what runs)",
+    )
     ap.add_argument("--json", action="store_true", help="only the JSON line")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -210,17 +342,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    greedy = len(record_decode_step(args.model, args.max_len, args.sms, True, logits=False))
-    rows = compile_decode_step(args.model, args.arch, args.max_len, args.sms)
+    greedy = len(record_decode_step(args.model, args.max_len, args.sms, True, logits=False,
+                                    arch=None))  # fmt: skip
+    rows = compile_decode_step(args.model, args.arch, args.max_len, args.sms,
+                               not args.unspecialised, args.kernel)  # fmt: skip
     if not args.json:
-        print(f"{'kernel':58} {'grid':>14} {'warps':>5} {'regs':>5} {'spill':>6} {'smem':>7} pdl")
+        print(f"{'kernel':54} {'grid':>10} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
+              f"{'blk/SM':>6} {'waves':>5} pdl  global loads (bits x count)")  # fmt: skip
         for r in rows:
             grid = "x".join(map(str, r["grid"]))
-            pdl = "yes" if r["pdl"] else "no"
-            print(f"{r['kernel']:58} {grid:>14} {r['warps']:>5} {r['registers']:>5} "
-                  f"{r['spill_bytes']:>6} {r['shared_bytes']:>7} {pdl}")  # fmt: skip
+            waves = f"{r['waves']:.2f}" if r["waves"] is not None else "-"
+            print(f"{r['kernel']:54} {grid:>10} {r['warps']:>5} {r['registers']:>4} "
+                  f"{r['spill_bytes']:>5} {r['shared_bytes']:>6} {r['blocks_per_sm']:>6} "
+                  f"{waves:>5} {'yes' if r['pdl'] else 'no':3}  {_widths(r['loads'])}")  # fmt: skip
         print(f"launches per greedy decode step: {greedy}")
-    print(json.dumps({"model": args.model, "arch": args.arch, "launches_per_step": greedy,
+    print(json.dumps({"model": args.model, "arch": args.arch, "sms": args.sms,
+                      "specialised": not args.unspecialised, "launches_per_step": greedy,
                       "kernels": rows}))  # fmt: skip
     return 0
 

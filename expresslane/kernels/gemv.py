@@ -92,9 +92,10 @@ def tile_sizes(
     On a GPU: BLOCK_K = 256 (a warp reads 512 contiguous bytes of bf16 per row), BLOCK_O from
     `max_rows` down to `min_rows` until there are ~4 programs per SM, then split K by powers of 2
     while each split keeps >= 2 chunks. The (BLOCK_O, BLOCK_K) fp32 accumulator stays <= 4096
-    elements (32 registers a thread at 4 warps): sm_90 builds of 8192-element tiles need ~210
-    registers, which caps occupancy at two CTAs per SM. In the interpreter: the largest tiles, to
-    keep the program count low.
+    elements (32 registers a thread at 4 warps): an sm_90 build of gemv_reduce with 32 x 256
+    tiles needs 128 (past) to 168 (present) registers instead of 40-72, which caps occupancy at
+    3-4 CTAs per SM (triton 3.6 and 3.9 with the JIT's specialisation, kernels/aot.py). In the
+    interpreter: the largest tiles, to keep the program count low.
     """
     sms = num_sms(t)
     if sms == 0:
