@@ -52,6 +52,9 @@ def test_decode_step_kernels_compile_for_sm90(model, per_layer):
             for g in r["grid"]:
                 programs *= g
             assert programs >= 132, f"{r['kernel']}: {programs} programs for 132 SMs"
+            # the JIT's alignment specialisation: weights stream in 16-byte loads
+            assert r["loads"].get("128", 0) >= 1, f"{r['kernel']}: loads {r['loads']}"
+            assert r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 4, r
     assert report["launches_per_step"] > 0
 
 
@@ -87,3 +90,44 @@ def test_launch_count_and_prediction():
         assert abs(r["token_us"] - report["stream_us"] - r["kernels"] * r["gap_us"]) < 1e-6
     bad = subprocess.run(cmd + ["--efficiency", "1.5"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "--efficiency" in bad.stderr
+
+
+HEAD_BOTH_WAYS = """
+import json
+from expresslane.kernels.aot import compile_decode_step
+rows = {s: compile_decode_step("laneformer-tiny", only="head_argmax", specialise=s)[0]
+        for s in (True, False)}
+print(json.dumps({"specialised": rows[True], "plain": rows[False]}))
+"""
+
+
+def test_unspecialised_build_is_not_what_runs():
+    """Without the JIT's divisibility attributes ptxas cannot prove alignment: every global load
+    of the head is a scalar 2-byte load (and the registers differ). The AOT table must come
+    from the specialised build."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", HEAD_BOTH_WAYS], capture_output=True, text=True,
+                         env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    spec, plain = rows["specialised"], rows["plain"]
+    assert spec["loads"].get("128", 0) >= 1 and spec["aligned_params"] >= 5, spec
+    assert set(plain["loads"]) == {"16"} and plain["aligned_params"] == 0, plain
+
+
+def test_blocks_per_sm_follows_cuda_occupancy_rules():
+    from expresslane.kernels.aot import blocks_per_sm
+
+    # (registers, warps, shared bytes) -> CTAs per SM on sm_90 (registers in 8-register steps)
+    cases = {
+        (80, 4, 1024): 6,
+        (70, 4, 1024): 7,
+        (39, 4, 1024): 12,
+        (91, 4, 1024): 5,
+        (128, 4, 4096): 4,
+        (32, 4, 0): 16,
+        (32, 4, 100 << 10): 2,
+        (255, 8, 0): 1,
+    }
+    for (regs, warps, smem), want in cases.items():
+        assert blocks_per_sm(regs, warps, smem, 90) == want, (regs, warps, smem)

@@ -49,12 +49,15 @@ def launch_bytes(launch, context: int) -> int:
     return total
 
 
-def bytes_by_kernel(model_ref: str, context: int, sms: int, pdl: bool) -> dict[str, int]:
+def bytes_by_kernel(model_ref: str, context: int, sms: int, pdl: bool,
+                    dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:  # fmt: skip
     """Bytes per decode step for each Triton kernel name of the fused greedy step."""
     from ..kernels.aot import record_decode_step
 
     out: dict[str, int] = defaultdict(int)
-    for launch in record_decode_step(model_ref, 4096, sms, pdl, logits=False, arch=None):
+    max_len = context + 1
+    for launch in record_decode_step(model_ref, max_len, sms, pdl, logits=False, arch=None,
+                                     dtype=dtype):  # fmt: skip
         out[launch.name] += launch_bytes(launch, context)
     return dict(out)
 
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
         probe = next(model.parameters())
         nbytes = bytes_by_kernel(args.model, args.context, num_sms(probe) or 132,
-                                 pdl_enabled(probe))  # fmt: skip
+                                 pdl_enabled(probe), dt)  # fmt: skip
     rows, total = summarise(evs, args.steps, nbytes)
     copy_gb_s = copy_bandwidth_gb_s(dev, nbytes=(16 << 20) if args.dry_run else 1 << 30)
     token_bytes = bytes_per_token(cfg, args.context + 1, dtype_bytes=dt.itemsize)["total"]

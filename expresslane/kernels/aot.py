@@ -179,7 +179,7 @@ def recording(sms: int = 132, pdl: bool = True, arch: int | None = 90):
 
 
 def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits: bool = True,
-                       arch: int | None = 90):  # fmt: skip
+                       arch: int | None = 90, dtype: torch.dtype = torch.bfloat16):  # fmt: skip
     """The launches of one greedy decode step of the model, then (`logits`) of its logits path."""
     from ..cache import KVCache
     from ..config import SamplingParams
@@ -188,8 +188,8 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
 
     cfg = load_model_config(model_ref)  # every layer: meta tensors cost nothing
     with torch.device("meta"):
-        model = Laneformer(cfg).to(device="meta", dtype=torch.bfloat16)
-    cache = KVCache(cfg, max_len, "meta", torch.bfloat16)
+        model = Laneformer(cfg).to(device="meta", dtype=dtype)
+    cache = KVCache(cfg, max_len, "meta", dtype)
     token = torch.zeros((1, 1), dtype=torch.long, device="meta")
     position = torch.zeros((1,), dtype=torch.long, device="meta")
     with recording(sms, pdl, arch) as launches:

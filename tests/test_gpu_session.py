@@ -1,0 +1,240 @@
+"""The GPU session's plumbing, proven on the CPU: every stage of scripts/gpu_session.sh in its
+--dry-run (tiny presets, same files), a bench that keeps its rows when a variant or peer fails or
+the run is killed, PDL's retry, and the profile's byte counts against the ceiling calculator."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from expresslane.bench import decode, session
+from expresslane.bench.decode import BenchConfig, run_bench
+from expresslane.presets import get_preset
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_session.sh"
+
+
+def session_run(out: Path, *stages: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "EXPRESSLANE_PDL")}
+    env.update(OUT=str(out), PY=sys.executable, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(["bash", str(SCRIPT), *stages], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+
+
+def test_dry_run_of_every_stage(tmp_path):
+    """Two calls (at most 4 stages a call: 8 files come back), run side by side: each stage
+    leaves its whole log and a JSON result, the bench's rows stream before its table, and the
+    summary line of each stage comes last."""
+    calls = [("smoke", "bench-2b", "bench-1b"), ("tests", "kernels", "profile")]
+    with ThreadPoolExecutor(2) as pool:
+        procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
+    for stages, proc in zip(calls, procs, strict=True):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out = tmp_path / stages[0]
+        assert sorted(p.name for p in out.iterdir()) == sorted(
+            f"{s}.{ext}" for s in stages for ext in ("log", "json")
+        )
+        summary = proc.stdout.splitlines()[-len(stages) :]
+        assert [line.split()[:2] for line in summary] == [[s, "ok"] for s in stages]
+        for s in stages:
+            res = json.loads((out / f"{s}.json").read_text())
+            assert res["ok"] and res["rc"] == 0 and not res["timed_out"], res
+    results = {s: json.loads((tmp_path / c[0] / f"{s}.json").read_text())
+               for c in calls for s in c}  # fmt: skip
+    smoke = results["smoke"]["result"]
+    assert smoke["ok"] and smoke["fused_past_window"]["prefill"] > 32  # past the tiny window
+    assert smoke["graph"]["equal"] and not smoke["pdl_broken"]
+    rows = results["bench-2b"]["rows"]
+    first = [r["engine"] for r in rows if r["context"] == 16]
+    assert first == ["expresslane+kernels", "expresslane (no kernels)", "transformers",
+                     "transformers+static+compile"]  # fmt: skip
+    assert all("error" not in r for r in rows) and len(rows) == 8
+    assert rows[0]["step"] == "fused (reference twins)" and not rows[0]["cuda_graph"]
+    assert rows[0]["token_ids"] == rows[1]["token_ids"]  # fused twins and forward agree
+    assert results["bench-2b"]["result"]["rows"][0]["speedup_vs_peer"] > 0
+    log = (tmp_path / "smoke" / "bench-2b.log").read_text()
+    assert log.index('{"row"') < log.index("-" * 40)  # a row printed before the final table
+    assert results["bench-1b"]["result"]["rows"][2]["model"] == "same weights"
+    tests = results["tests"]["tests"]
+    assert tests["counts"] == {"skipped": 4} and not tests["failed"]  # the GPU tests, skipped
+    kernels = results["kernels"]["result"]["kernels"]
+    assert "decode layer" in kernels and all("error" not in k for k in kernels.values())
+    assert results["profile"]["result"]["total"]["us_per_step"] > 0
+
+
+def test_stage_arguments_are_checked(tmp_path):
+    for args, word in [((), "usage"), (("smoke",) * 5, "usage"), (("warp-speed",), "unknown")]:
+        proc = session_run(tmp_path, *args)
+        assert proc.returncode == 2 and word in proc.stderr
+
+
+def test_killed_stage_keeps_its_rows_and_tail(tmp_path):
+    log = tmp_path / "bench.log"
+    rows = [{"engine": "expresslane+kernels", "context": 1024, "decode_tok_s": 600.0},
+            {"engine": "transformers", "context": 1024, "decode_tok_s": 150.0}]  # fmt: skip
+    log.write_text("header\n" + "".join(f"line\n{json.dumps({'row': r})}\n" for r in rows)
+                   + "Terminated\n")  # fmt: skip
+    res = session.result("bench-2b", log, 124, 330.0, 330.0)
+    assert res["timed_out"] and not res["complete"] and res["rows"] == rows
+    assert res["tail"][-1] == "Terminated"
+    line = session.headline(res)
+    assert "expresslane+kernels 600.0 tok/s" in line and "4.00x transformers" in line
+    pytest_log = tmp_path / "tests.log"
+    pytest_log.write_text("tests/test_a.py::test_x PASSED [ 50%]\n"
+                          "tests/test_a.py::test_y FAILED [100%]\n")  # fmt: skip
+    t = session.result("tests", pytest_log, 137, 420.0, 420.0)["tests"]
+    assert t["counts"] == {"passed": 1, "failed": 1} and t["failed"] == ["tests/test_a.py::test_y"]
+
+
+@pytest.fixture
+def bench_cfg():
+    return BenchConfig(
+        contexts=(8, 12),
+        decode_tokens=2,
+        warmup_tokens=1,
+        device="cpu",
+        dtype="float32",
+        kernels="both",
+        peers=("transformers", "no-such-peer"),
+    )
+
+
+def test_failing_variant_and_peer_leave_error_rows(bench_cfg, monkeypatch):
+    """A variant that raises and a peer that cannot be built each leave a row with the error,
+    at every context; every other row is still measured, in context-major order."""
+    real = decode.EngineRunner._measure
+
+    def measure(self, context):
+        if self.kernels == "on":
+            raise RuntimeError("capture failed")
+        return real(self, context)
+
+    monkeypatch.setattr(decode.EngineRunner, "_measure", measure)
+    emitted = []
+    rows = run_bench(get_preset("laneformer-tiny"), bench_cfg, emit=emitted.append)
+    assert rows == emitted and [r["context"] for r in rows] == [8] * 4 + [12] * 4
+    errors = {(r["engine"], r["context"]): r.get("error", "") for r in rows}
+    assert "capture failed" in errors[("expresslane+kernels", 12)]
+    assert "no-such-peer" in errors[("no-such-peer", 8)]
+    assert errors[("no-such-peer", 12)].startswith("RuntimeError: not built")
+    assert errors[("expresslane (no kernels)", 8)] == errors[("transformers", 12)] == ""
+
+
+def test_fused_failure_is_retried_once_without_pdl(bench_cfg, monkeypatch):
+    monkeypatch.setenv("EXPRESSLANE_PDL", "1")
+    monkeypatch.setattr(
+        decode.EngineRunner,
+        "_pdl_now",
+        lambda self: self.kernels == "on" and os.environ["EXPRESSLANE_PDL"] == "1",
+    )
+    real, calls = decode.EngineRunner._measure, []
+
+    def measure(self, context):
+        calls.append((self.kernels, os.environ["EXPRESSLANE_PDL"]))
+        if os.environ["EXPRESSLANE_PDL"] == "1" and self.kernels == "on":
+            raise RuntimeError("griddepcontrol: unsupported")
+        return real(self, context)
+
+    monkeypatch.setattr(decode.EngineRunner, "_measure", measure)
+    cfg = dataclasses.replace(bench_cfg, contexts=(8,), peers=())
+    fused, plain = run_bench(get_preset("laneformer-tiny"), cfg)
+    assert "error" not in fused and fused["pdl"] is False
+    assert fused["pdl_retry_after"] == "RuntimeError: griddepcontrol: unsupported"
+    assert calls == [("on", "1"), ("on", "0"), ("off", "0")] and "pdl_retry_after" not in plain
+
+
+def test_gptfast_peer_runs_a_checkout(tmp_path):
+    """--peer-gptfast imports the checkout's model.py and generate.py (here a minimal stand-in
+    with gpt-fast's interface) and times its compiled decode step."""
+    (tmp_path / "model.py").write_text(
+        textwrap.dedent("""
+        from dataclasses import dataclass
+        import torch
+        from torch import nn
+
+        @dataclass
+        class ModelArgs:
+            block_size: int = 64
+            vocab_size: int = 32
+            n_layer: int = 1
+            n_head: int = 2
+            dim: int = 16
+            intermediate_size: int = 32
+            n_local_heads: int = -1
+            head_dim: int = 8
+            rope_base: float = 10000
+            norm_eps: float = 1e-5
+            rope_scaling: dict | None = None
+
+            def __post_init__(self):
+                self.head_dim = self.dim // self.n_head
+
+        class Transformer(nn.Module):
+            def __init__(self, args):
+                super().__init__()
+                self.emb = nn.Embedding(args.vocab_size, args.dim)
+                self.out = nn.Linear(args.dim, args.vocab_size)
+
+            def setup_caches(self, max_batch_size, max_seq_length):
+                self.seen = torch.zeros(max_seq_length)
+
+            def forward(self, idx, input_pos):
+                self.seen[input_pos] = 1.0
+                return self.out(self.emb(idx))
+    """)
+    )
+    (tmp_path / "generate.py").write_text(
+        textwrap.dedent("""
+        from model import Transformer
+
+        def prefill(model, x, input_pos, **kw):
+            return model(x, input_pos)[:, -1:].argmax(-1)
+
+        def decode_one_token(model, x, input_pos, **kw):
+            logits = model(x, input_pos)
+            return logits[:, -1:].argmax(-1), logits
+    """)
+    )
+    cfg = BenchConfig(contexts=(8,), decode_tokens=2, warmup_tokens=1, device="cpu",
+                      dtype="float32", kernels="off", compile_backend="eager",
+                      peers=(f"gpt-fast={tmp_path}",))  # fmt: skip
+    _, row = run_bench(get_preset("llama-tiny"), cfg)
+    assert row["engine"] == "gpt-fast" and "error" not in row, row
+    assert row["decode_tok_s"] > 0 and row["bytes_per_token"] > 0
+
+
+PROFILE_BYTES = """
+import json, torch
+from expresslane.bench.ceiling import bytes_per_token
+from expresslane.bench.profile import bytes_by_kernel
+from expresslane.presets import get_preset
+out = {}
+for ctx in (100, 1000):
+    b = bytes_by_kernel("laneformer-2b", ctx, 132, True)
+    want = bytes_per_token(get_preset("laneformer-2b"), ctx + 1, dtype_bytes=2)["total"]
+    out[ctx] = [sum(b.values()), want, b["attn_partial_kernel"]]
+print(json.dumps(out))
+"""
+
+
+def test_profile_bytes_match_the_ceiling():
+    """The profile's per-kernel bytes (each recorded launch's tensors, KV as far as the context
+    reaches) add up to the ceiling calculator's bytes per token, plus activations (< 1%). In a
+    subprocess: this session runs triton in the interpreter, whose launches are not recorded."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", PROFILE_BYTES], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    for ctx, (got, want, _) in out.items():
+        assert want <= got <= 1.01 * want, (ctx, got, want)
+    assert out["100"][2] < out["1000"][2]  # attention reads the keys within reach
