@@ -77,6 +77,14 @@ def test_stage_arguments_are_checked(tmp_path):
         assert proc.returncode == 2 and word in proc.stderr
 
 
+def test_bench_refuses_a_gptfast_folder_that_is_not_a_checkout(tmp_path, capsys):
+    from expresslane.__main__ import main
+
+    code = main(["bench", "--preset", "llama-tiny", "--peer-gptfast", str(tmp_path)])
+    out = capsys.readouterr()
+    assert code == 2 and out.out == "" and "--peer-gptfast" in out.err
+
+
 def test_killed_stage_keeps_its_rows_and_tail(tmp_path):
     log = tmp_path / "bench.log"
     rows = [{"engine": "expresslane+kernels", "context": 1024, "decode_tok_s": 600.0},

@@ -63,6 +63,20 @@ def compare(rows: list[dict]) -> None:
             r["best_peer"] = best["engine"]
 
 
+def versus(row: dict, seen: list[dict]) -> str | None:
+    """After a peer's row: each ExpressLane row of that context over it (the ratio a streamed
+    ExpressLane line could not show yet)."""
+    if row["engine"].startswith("expresslane") or "decode_tok_s" not in row:
+        return None
+    ours = [r for r in seen if r["engine"].startswith("expresslane")
+            and r["context"] == row["context"] and "decode_tok_s" in r]  # fmt: skip
+    if not ours:
+        return None
+    ratios = ", ".join(f"{r['engine']} {r['decode_tok_s'] / row['decode_tok_s']:.2f}x"
+                       for r in ours)  # fmt: skip
+    return f"  vs {row['engine']} at context {row['context']}: {ratios}"
+
+
 def dumps(obj) -> str:
     """One JSON line; anything JSON cannot hold (paths, dtypes) as text."""
     return json.dumps(obj, default=str)

@@ -112,11 +112,11 @@ def main(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     if device.type == "cpu":  # the same thread count for our engine and the peer
         torch.set_num_threads(_threads(args, model_cfg, 1))
+    cfg = _bench_config(args, str(device), peer=not args.no_peer)
     machine = _machine(device)
     if not args.json:
         print(table.HEADER, flush=True)
     emit = None if args.json else _emitter(machine)
-    cfg = _bench_config(args, str(device), peer=not args.no_peer)
     rows = run_bench(model_cfg, cfg, checkpoint, emit=emit)
     return _report(args, name, rows, machine, devices=1)
 
@@ -131,12 +131,9 @@ def _emitter(machine: dict):
         table.compare(seen)
         print(table.line(row), flush=True)
         print(table.dumps({"row": row}), flush=True)
-        if not row["engine"].startswith("expresslane") and "decode_tok_s" in row:
-            ours = [r for r in seen if r["engine"].startswith("expresslane")
-                    and r["context"] == row["context"] and "decode_tok_s" in r]  # fmt: skip
-            ratios = ", ".join(f"{r['engine']} {r['decode_tok_s'] / row['decode_tok_s']:.2f}x"
-                               for r in ours)  # fmt: skip
-            print(f"  vs {row['engine']} at context {row['context']}: {ratios}", flush=True)
+        note = table.versus(row, seen)
+        if note:
+            print(note, flush=True)
 
     return emit
 
@@ -158,6 +155,9 @@ def _bench_config(args: argparse.Namespace, device: str, peer: bool) -> BenchCon
         if args.peer_compile:
             peers.append("transformers+static+compile")
         if args.peer_gptfast:
+            if not (Path(args.peer_gptfast).expanduser() / "generate.py").is_file():
+                raise ConfigError(f"--peer-gptfast {args.peer_gptfast}: no generate.py there "
+                                  "(expected a gpt-fast checkout)")  # fmt: skip
             peers.append(f"gpt-fast={args.peer_gptfast}")
     return BenchConfig(
         contexts=tuple(args.contexts),
