@@ -14,8 +14,10 @@ each under its own guard, so one failure never hides the others:
 5. correctness at the model's shapes, on the bench's weights (the same seed, made on the
    device): the fused step's logits, teacher-forced, against the model's forward in fp32, from
    position 0 (every key written by the fused step) and after a prefill past the sliding window
-   (a wrapped ring, keys written by the forward); the model's own forward in the bench dtype is
-   measured against the same reference beside it;
+   (a wrapped ring, keys written by the forward). The model's own forward in the bench dtype is
+   measured against the same reference: the fused step passes within 1e-4 (fp32) or 1e-2 (bf16)
+   relative L2 error, or twice the forward's own error (bf16 forwards of the tiny preset are
+   1.1% off), and picks the reference's token wherever its top-2 gap exceeds that noise;
 6. the fused step captured in a CUDA graph (with PDL where it is on) gives the very tokens of the
    same kernels launched one by one (they are deterministic: any difference is a race); on a
    failure it is tried once more with PDL off, and says so.
@@ -140,13 +142,16 @@ def teacher_forced(model, ref, prefill: int, steps: int, tol: float) -> dict:
                            for t in range(prefill, prefill + steps)]).float()  # fmt: skip
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).tolist()
     own_rel = ((own - want).norm(dim=-1) / want.norm(dim=-1)).tolist()
+    # as close as `tol`, or at worst twice as far as the model's own forward in this dtype
+    bound = max(tol, 2 * max(own_rel))
     top2 = want.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > tol * want.abs().amax(-1)  # a gap no rounding flips
+    noise = torch.maximum(2 * (own - want).abs().amax(-1), tol * want.abs().amax(-1))
+    clear = (top2[:, 0] - top2[:, 1]) > noise  # a top-2 gap that rounding cannot flip
     agree = got.argmax(-1) == want.argmax(-1)
     bad = int((clear & ~agree).sum())
-    ok = bool(torch.isfinite(got).all()) and max(rel) <= tol and bad == 0
+    ok = bool(torch.isfinite(got).all()) and max(rel) <= bound and bad == 0
     return {"prefill": prefill, "steps": steps, "kernels": "triton" if dec.kernels else "reference",
-            "max_rel_err": max(rel), "forward_max_rel_err": max(own_rel), "tol": tol,
+            "max_rel_err": max(rel), "forward_max_rel_err": max(own_rel), "bound": bound,
             "argmax_clear": int(clear.sum()), "argmax_wrong": bad, "ok": ok}  # fmt: skip
 
 
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"ok": True, "parameters": sum(p.numel() for p in state["model"].parameters())}
 
     _section("weights", weights, results)
-    tol = 1e-4 if dt == torch.float32 else 2e-2
+    tol = 1e-4 if dt == torch.float32 else 1e-2
     short, wrap = (4, 4) if args.dry_run else (24, 16)
     # past the smallest sliding window (its ring wrapped), else a long context
     far = min(windows) * 5 // 4 if windows else (40 if args.dry_run else 1024)
