@@ -7,7 +7,8 @@
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
 # (rows kept as measured, test verdicts, rc, seconds) goes to $OUT/STAGE.json. A stage that fails
-# or times out never stops the next one. The last lines printed are one summary line per stage.
+# or times out never stops the next one. The last lines printed are one summary line per stage;
+# the exit code is 1 when any stage failed.
 # --dry-run: every stage on the CPU with tiny presets (kernels in the Triton interpreter), the
 # same files: what CI runs to prove the plumbing.
 set -uo pipefail
@@ -43,7 +44,7 @@ stage_command() {
            --decode-tokens 4 --device cpu --dtype float32 --kernels both --threads 1
            "${peers[@]}" --peer-compile-backend eager) ;;
     bench-1b)
-      LIMIT=330
+      LIMIT=240
       CMD=("$PY" -m expresslane bench --preset llama-3.2-1b --contexts 1024 128 4000
            --decode-tokens 128 --dtype bfloat16 --kernels both "${peers[@]}")
       ((DRY)) && CMD=("$PY" -m expresslane bench --preset llama-tiny --contexts 16
@@ -55,10 +56,10 @@ stage_command() {
            tests/test_kernels.py)
       ((DRY)) && unset 'CMD[${#CMD[@]}-1]' ;;  # the kernel tests take a minute in the interpreter
     kernels)
-      LIMIT=240; CMD=("$PY" -m expresslane.bench.kernels --context 1024)
+      LIMIT=120; CMD=("$PY" -m expresslane.bench.kernels --context 1024)
       ((DRY)) && CMD+=(--dry-run --reps 1 --trials 1) ;;
     profile)
-      LIMIT=180; CMD=("$PY" -m expresslane.bench.profile --model laneformer-2b --context 1024
+      LIMIT=120; CMD=("$PY" -m expresslane.bench.profile --model laneformer-2b --context 1024
                       --steps 20)
       ((DRY)) && CMD+=(--dry-run) ;;
   esac
@@ -73,6 +74,7 @@ run_stage() {
   rc=${PIPESTATUS[0]}
   secs=$(( $(date +%s) - start ))
   echo "=== $name: rc=$rc after ${secs}s"
+  [ "$rc" -eq 0 ] || FAILED=1
   "$PY" -m expresslane.bench.session result "$name" "$log" "$rc" "$secs" "$LIMIT" \
     > "$OUT/$name.json" 2>> "$log" \
     || printf '{"stage": "%s", "rc": %d, "ok": false, "seconds": %d, "timed_out": false, "rows": [], "result": null}\n' \
@@ -83,8 +85,10 @@ run_stage() {
   fi
 }
 
+FAILED=0
 for s in "$@"; do
   run_stage "$s"
 done
 echo "=== summary ($OUT)"
 "$PY" -m expresslane.bench.session summary "$OUT" "$@"
+exit $FAILED  # 1 when any stage failed or timed out (each one's files are there all the same)
