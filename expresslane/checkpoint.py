@@ -4,8 +4,9 @@ Only safetensors are read (single file or sharded through model.safetensors.inde
 checkpoints are refused because unpickling can run arbitrary code. Laneformer keys are the
 model's own parameter names; Llama-family keys (embed_tokens, q_proj, gate_proj, ...) are mapped
 and their (out, in) matrices viewed as one lane (1, out, in). Shared and per-lane norms are told
-apart by their keys (`.weight` (D,) vs `.scale` (L, D)). A folder may also be named `org/name`
-when it already sits in the Hugging Face cache (nothing is downloaded).
+apart by their keys (`.weight` (D,) vs `.scale` (L, D)). A model may also be a GGUF file (or a
+folder holding one), read through expresslane/gguf/ under the same keys, or `org/name`: from the
+Hugging Face cache, else downloaded (expresslane/hub.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
+from .gguf import find_gguf
 from .model import Laneformer
 from .rope import inv_frequencies
 
@@ -44,22 +46,23 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 # --- where the files are --------------------------------------------------------------------
 def resolve_model_dir(name: str | os.PathLike) -> Path:
-    """A local folder, or `org/name` already present in the Hugging Face cache."""
+    """A local folder or GGUF file, or `org/name` from the Hugging Face cache (else downloaded)."""
     path = Path(name).expanduser()
     if path.is_dir():
         return path
     if path.exists():
-        raise CheckpointError(f"{path}: is a file; expected a checkpoint folder")
-    if str(name).count("/") == 1 and not str(name).startswith((".", "/")):
+        if find_gguf(path) is not None:
+            return path
+        raise CheckpointError(f"{path}: is a file; expected a checkpoint folder or a .gguf file")
+    if str(name).count("/") == 1 and not str(name).startswith((".", "/", "~")):
         for hub in _hub_dirs():
             snap = _snapshot(hub / ("models--" + str(name).replace("/", "--")))
             if snap is not None:
                 return snap
-    raise CheckpointError(
-        f"{name}: no such folder, and not found in the Hugging Face cache "
-        f"({', '.join(str(h) for h in _hub_dirs())}); ExpressLane never "
-        "downloads: fetch it first (e.g. `hf download ORG/NAME`)"
-    )
+        from .hub import download
+
+        return download(str(name), _hub_dirs()[0])
+    raise CheckpointError(f"{name}: no such folder or file")
 
 
 def _hub_dirs() -> list[Path]:
@@ -110,6 +113,12 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 # --- config ---------------------------------------------------------------------------------
 def load_config(folder: Path) -> ModelConfig:
+    gguf = find_gguf(folder)
+    if gguf is not None:  # the config is in the file's metadata
+        from .gguf.config import model_config
+        from .gguf.reader import read_header
+
+        return model_config(read_header(gguf))
     cfg = ModelConfig.from_json(folder / "config.json")
     gen = folder / "generation_config.json"
     if gen.is_file():
@@ -185,7 +194,12 @@ def open_checkpoint(name: str | os.PathLike, overrides: dict | None = None):
     folder = resolve_model_dir(name)
     cfg = load_config(folder)
     handles = {}
-    for f in safetensors_files(folder):
+    gguf = find_gguf(folder)
+    if gguf is not None:  # one file that reads like a safetensors handle (expresslane/gguf/)
+        from .gguf.tensors import GGUFCheckpoint
+
+        handles[gguf] = GGUFCheckpoint(gguf)
+    for f in safetensors_files(folder) if gguf is None else []:
         try:
             handles[f] = safe_open(str(f), framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error types for bad headers

@@ -51,7 +51,16 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
+        """A tokenizer folder, or a GGUF file (or a folder holding one) whose metadata describes
+        the tokenizer; tokenizer files beside a GGUF take precedence over its metadata."""
         folder = Path(path)
+        gguf = gguf_file(folder)
+        if gguf is not None:
+            if not _has_tokenizer_files(gguf.parent):
+                from .gguf import tokenizer_parts
+
+                return cls(*tokenizer_parts(gguf))
+            folder = gguf.parent
         if not folder.is_dir():
             raise TokenizerError(f"tokenizer folder {folder} does not exist or is not a folder")
         if (folder / "tokenizer.json").is_file():
@@ -195,6 +204,21 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[dict], **kwargs: Any) -> list[int]:
         """Prompt ids for a chat; special tokens come only from the template, as in HF."""
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file a model path stands for (expresslane.gguf.find_gguf), errors as ours."""
+    from ..errors import CheckpointError
+    from ..gguf import find_gguf
+
+    try:
+        return find_gguf(path)
+    except CheckpointError as e:
+        raise TokenizerError(str(e)) from None
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
 
 
 def _generation_eos_ids(path: Path) -> list[int]:

@@ -1,0 +1,150 @@
+"""GGML tensor types -> float32: vectorized dequantizers for the types ExpressLane loads.
+
+Each takes the raw bytes of a tensor (uint8, as stored: blocks back to back) and returns its
+values in fp32, computed as llama.cpp's ggml-quants.c does (scale times quant, minus the minimum;
+the same operation order, so results match `gguf.quants.dequantize` bit for bit). Block layouts,
+per block of `values` weights and `bytes` bytes:
+
+    Q8_0  (32, 34):  d:f16, q:int8[32]                        x = d*q
+    Q4_0  (32, 18):  d:f16, nibbles[16]                       x = d*(q-8)
+    Q4_1  (32, 20):  d:f16, m:f16, nibbles[16]                x = d*q + m
+    Q5_0  (32, 22):  d:f16, high bits:u32, nibbles[16]        x = d*(q-16)
+    Q5_1  (32, 24):  d:f16, m:f16, high bits:u32, nibbles[16] x = d*q + m
+    Q4_K (256, 144): d, dmin:f16, 8 x (6-bit scale, 6-bit min), nibbles[128]
+    Q5_K (256, 176): as Q4_K, plus one high bit per value in qh[32]
+    Q6_K (256, 210): low nibbles ql[128], 2 high bits qh[64], int8 scales[16], d:f16
+
+In the 32-value blocks the low nibbles are values 0-15 and the high nibbles 16-31; the K types
+pack each 64 values of a super-block as 32 bytes, low nibbles first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CheckpointError
+from .reader import GGUFHeader
+
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # fmt: skip
+
+
+def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw bytes (uint8, any shape) of a tensor of GGML type `type_name` -> fp32 of `shape`."""
+    raw = raw.reshape(-1)
+    if type_name == "F32":
+        out = raw.view(torch.float32)
+    elif type_name == "F16":
+        out = raw.view(torch.float16).float()
+    elif type_name == "BF16":
+        out = raw.view(torch.bfloat16).float()
+    else:
+        blocks = raw.view(-1, BLOCK_BYTES[type_name])  # (n_blocks, bytes per block)
+        out = _BLOCK_FNS[type_name](blocks)
+    return out.reshape(shape)
+
+
+def raw_to_float(header: GGUFHeader, name: str) -> torch.Tensor:
+    """One tensor of a GGUF file (by its GGUF name) in fp32, in the file's row order."""
+    info = header.tensors[name]
+    if info.type_name not in SUPPORTED:
+        raise CheckpointError(
+            f"{header.path}: tensor {name} has GGML type {info.type_name}; ExpressLane reads "
+            f"{', '.join(SUPPORTED)}"
+        )
+    return dequantize(torch.from_numpy(header.raw_bytes(name)), info.type_name, info.shape)
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The f16 at byte `at` of every block, as (n, 1) fp32."""
+    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(n, k) bytes -> (n, 2k) values: the k low nibbles, then the k high ones."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _high_bits32(b: torch.Tensor) -> torch.Tensor:
+    """(n, 4) bytes of a little-endian u32 -> (n, 32) bits 0..31, as 0 or 16."""
+    word = b.to(torch.int64)
+    word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24  # (n,)
+    return ((word[:, None] >> torch.arange(32)) & 1) << 4
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return (_f16(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()).reshape(-1)
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 2:18]).to(torch.int16) - 8
+    return (_f16(b, 0) * q.float()).reshape(-1)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 4:20]).float()
+    return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = (_nibbles(b[:, 6:22]).to(torch.int64) | _high_bits32(b[:, 2:6])) - 16
+    return (_f16(b, 0) * q.float()).reshape(-1)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 8:24]).to(torch.int64) | _high_bits32(b[:, 4:8])
+    return (_f16(b, 0) * q.float() + _f16(b, 2)).reshape(-1)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, 12) packed bytes -> (scales, mins), each (n, 8) fp32: 6 bits per entry.
+
+    Entries 0-3 are the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); entries 4-7 take their
+    low 4 bits from bytes 8-11 and their top 2 bits from the top bits of bytes 0-3 / 4-7.
+    """
+    s = s.to(torch.int32)
+    lo_sc, lo_mn = s[:, 0:4] & 63, s[:, 4:8] & 63
+    hi_sc = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)
+    hi_mn = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return torch.cat((lo_sc, hi_sc), 1).float(), torch.cat((lo_mn, hi_mn), 1).float()
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 128) bytes -> (n, 8, 32): sub-block 2i = low nibbles of bytes 32i.., 2i+1 = high."""
+    qs = qs.reshape(-1, 4, 32)
+    return torch.stack((qs & 0x0F, qs >> 4), dim=2).reshape(-1, 8, 32)  # (n, 4, 2, 32)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    sc, mn = _k_scales(b[:, 4:16])
+    d, dmin = _f16(b, 0) * sc, _f16(b, 2) * mn  # (n, 8)
+    q = _k_nibbles(b[:, 16:144]).float()
+    return (d[..., None] * q - dmin[..., None]).reshape(-1)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    sc, mn = _k_scales(b[:, 4:16])
+    d, dmin = _f16(b, 0) * sc, _f16(b, 2) * mn  # (n, 8)
+    qh = b[:, 16:48].to(torch.int32)  # (n, 32): bit k of byte l is value l of sub-block k
+    high = ((qh[:, None, :] >> torch.arange(8, dtype=torch.int32)[None, :, None]) & 1) << 4
+    q = (_k_nibbles(b[:, 48:176]).to(torch.int32) + high).float()  # (n, 8, 32)
+    return (d[..., None] * q - dmin[..., None]).reshape(-1)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    # Two halves of 128 values; in each, value group k (of 32) takes low or high nibbles of
+    # ql[0:32] or ql[32:64] (k = 0..3: lo/first, lo/second, hi/first, hi/second) and bits
+    # 2k, 2k+1 of qh[0:32]; each 16 values share one int8 scale.
+    ql = b[:, 0:128].reshape(-1, 2, 2, 32).to(torch.int32)  # (n, half, first/second, 32)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32).to(torch.int32)  # (n, half, 1, 32)
+    low = torch.cat((ql & 0x0F, ql >> 4), dim=2)  # (n, 2, 4, 32)
+    shifts = torch.arange(0, 8, 2, dtype=torch.int32)[None, None, :, None]
+    q = (low | (((qh >> shifts) & 3) << 4)) - 32  # (n, 2, 4, 32)
+    scales = b[:, 192:208].contiguous().view(torch.int8).float().reshape(-1, 2, 4, 2, 1)
+    d = _f16(b, 208).reshape(-1, 1, 1, 1, 1) * scales  # (n, 2, 4, 2, 1)
+    return (d * q.reshape(-1, 2, 4, 2, 16).float()).reshape(-1)
+
+
+_BLOCK_FNS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+              "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}  # fmt: skip
