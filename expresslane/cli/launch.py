@@ -180,10 +180,11 @@ def spawn(
 def load_engine(args: argparse.Namespace, device: str | None = None):
     """(ParallelEngine, Tokenizer) for this rank: its slices only."""
     from ..assets import default_model_dir
+    from ..checkpoint import resolve_model_dir
     from ..parallel import ParallelEngine
     from ..tokenizer import Tokenizer
 
-    path = args.model or str(default_model_dir())
+    path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
     engine = ParallelEngine.from_pretrained(
         path,
         rank=dist.get_rank(),

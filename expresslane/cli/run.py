@@ -15,6 +15,7 @@ import sys
 import torch
 
 from ..assets import SUMMARY, default_model_dir, has_trained_model
+from ..checkpoint import resolve_model_dir
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
@@ -32,7 +33,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=None,
-        help="checkpoint folder or org/name in the HF cache (default: embedded model)",
+        help="checkpoint folder, .gguf file, or org/name (HF cache, else downloaded); "
+        "default: the embedded model",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
@@ -103,7 +105,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
     if launch.in_launch():  # rank 0 of `serve --devices N`: the lead of a parallel engine
         return launch.load_lead_engine(args)
-    path = args.model or str(default_model_dir())
+    path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
     engine = Engine.from_pretrained(
         path,
         device=args.device,

@@ -111,16 +111,17 @@ def open_endpoint(
     import uvicorn
 
     from ..assets import default_model_dir
+    from ..checkpoint import resolve_model_dir
     from ..engine import Engine
     from ..serve import create_app
     from ..tokenizer import Tokenizer
 
-    path = model_path or str(default_model_dir())
+    path = str(resolve_model_dir(model_path)) if model_path else str(default_model_dir())
     engine = Engine.from_pretrained(
         path, device=device, dtype=dtype, max_model_len=max_model_len, progress=False
     )
     tok = Tokenizer.from_dir(path)
-    name = model_name or os.path.basename(os.path.normpath(path))
+    name = model_name or os.path.basename(os.path.normpath(model_path or path))
     app = create_app(engine, tok, served_model_name=name)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

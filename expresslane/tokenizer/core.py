@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 
-from ..errors import TokenizerError
+from ..errors import CheckpointError, TokenizerError
 from .backends import (
     _chat_templates,
     _named_specials,
@@ -208,7 +208,6 @@ class Tokenizer:
 
 def gguf_file(path: Path) -> Path | None:
     """The GGUF file a model path stands for (expresslane.gguf.find_gguf), errors as ours."""
-    from ..errors import CheckpointError
     from ..gguf import find_gguf
 
     try:

