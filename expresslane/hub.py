@@ -74,7 +74,7 @@ def fetch_command(repo_id: str) -> str:
 
 def download(repo_id: str, cache_dir: Path) -> Path:
     """Fetch what `repo_id` needs into the Hugging Face cache; the snapshot folder."""
-    where = f"not in the Hugging Face cache ({cache_dir})"
+    where = f"no such local folder, and not in the Hugging Face cache ({cache_dir})"
     if is_offline():
         raise CheckpointError(
             f"{repo_id}: {where}, and HF_HUB_OFFLINE=1 forbids downloading it; fetch it on a "

@@ -100,8 +100,8 @@ def _vocab_size(header: GGUFHeader, arch: str) -> int:
 
 def _dtype(header: GGUFHeader) -> str:
     """The dtype a GPU loads in by default: the file's, or bfloat16 for quantized files."""
-    emb = header.tensors.get("blk.0.attn_q.weight")
-    kind = emb.type_name if emb is not None else "BF16"
+    wq = header.tensors.get("blk.0.attn_q.weight")
+    kind = wq.type_name if wq is not None else "BF16"
     return {"F32": "float32", "F16": "float16"}.get(kind, "bfloat16")
 
 

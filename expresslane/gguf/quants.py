@@ -47,13 +47,19 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
 
 def raw_to_float(header: GGUFHeader, name: str) -> torch.Tensor:
     """One tensor of a GGUF file (by its GGUF name) in fp32, in the file's row order."""
+    info = check_supported(header, name)
+    return dequantize(torch.from_numpy(header.raw_bytes(name)), info.type_name, info.shape)
+
+
+def check_supported(header: GGUFHeader, name: str):
+    """The tensor's info, or a CheckpointError naming its type when it is not one we read."""
     info = header.tensors[name]
     if info.type_name not in SUPPORTED:
         raise CheckpointError(
             f"{header.path}: tensor {name} has GGML type {info.type_name}; ExpressLane reads "
             f"{', '.join(SUPPORTED)}"
         )
-    return dequantize(torch.from_numpy(header.raw_bytes(name)), info.type_name, info.shape)
+    return info
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:

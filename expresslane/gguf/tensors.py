@@ -20,7 +20,7 @@ import torch
 
 from ..errors import CheckpointError
 from .config import ROPE_FREQS, hf_config_dict
-from .quants import SUPPORTED, raw_to_float
+from .quants import check_supported, raw_to_float
 from .reader import read_header
 
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -81,13 +81,8 @@ class GGUFCheckpoint:
         self._permuted = self.header.architecture in PERMUTED_ARCHS
         names = [n for n in self.header.tensors if n != ROPE_FREQS]
         self._names = {hf_key(n): n for n in names}
-        for n in names:
-            t = self.header.tensors[n].type_name
-            if t not in SUPPORTED:
-                raise CheckpointError(
-                    f"{self.path}: tensor {n} has GGML type {t}; ExpressLane reads "
-                    f"{', '.join(SUPPORTED)}"
-                )
+        for n in names:  # refuse before reading anything
+            check_supported(self.header, n)
 
     def keys(self) -> list[str]:
         return list(self._names)
