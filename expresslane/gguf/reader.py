@@ -5,7 +5,8 @@ tensor infos, then aligned tensor data. Value and tensor type codes and block si
 `gguf` package (llama.cpp's own Python package). The header is parsed here rather than with
 `gguf.GGUFReader`, which builds a numpy view per array element: seconds for a 49k-token
 vocabulary, against a tenth of one here. tests/test_gguf_quants.py checks this parser field for
-field against GGUFReader. Every problem with a file is a CheckpointError naming the file and what was wrong.
+field against GGUFReader. Every problem with a file is a CheckpointError naming the file and
+what was wrong.
 """
 
 from __future__ import annotations
