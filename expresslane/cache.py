@@ -7,6 +7,14 @@ tokens keeps 251.7 MB of bf16 KV instead of 377.5 MB. Keys are stored after RoPE
 built from `pos`, so attention never needs to know which slots wrapped.
 
 `length` is the number of positions already written; the model advances it after a forward.
+
+`tokens` is what the cache holds, for prefix reuse (prefix.py) and for rolling back rejected
+draft tokens: the token id behind every position 0..len(tokens)-1 that every layer has written
+(a full layer holds all of them; a ring the newest it has room for, as its `pos` says). The
+engine `commit`s ids once the forward that wrote them has completed, so a forward that fails or
+is abandoned half-way adds nothing; `truncate(n)` forgets every position >= n in every layer.
+Invariant: len(tokens) <= length, and a slot whose `pos` is p < len(tokens) holds the key and
+value computed from tokens[:p + 1].
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class KVCache:
             self.v.append(torch.zeros(cap, heads, cfg.head_dim, device=device, dtype=dtype))
             self.pos.append(torch.full((cap,), -1, device=device, dtype=torch.long))
         self.length = 0
+        self.tokens: list[int] = []  # the token id at each committed position
         # static: positions come only from the device tensor (no host counter), every slot is
         # returned and masked by `pos`; the shape a captured decode graph needs.
         self.static = False
@@ -43,6 +52,29 @@ class KVCache:
         for p in self.pos:
             p.fill_(-1)
         self.length = 0
+        self.tokens = []
+
+    def commit(self, ids) -> None:
+        """The forward that wrote the next len(ids) positions completed: record their ids.
+
+        A static (graph) step keeps its position on the device; committing its tokens brings
+        the host's `length` up to them."""
+        self.tokens.extend(ids)
+        self.length = max(self.length, len(self.tokens))
+
+    def truncate(self, n: int) -> None:
+        """Forget every position >= n in every layer (slots emptied), keep the first n.
+
+        Also clears positions written but never committed (an abandoned forward, a decode
+        graph that ran ahead of its last token). A ring keeps only the positions < n it still
+        holds: whether a query at n finds its whole window there is prefix.py's question.
+        """
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"truncate({n}): the cache holds {len(self.tokens)} committed tokens")
+        for p in self.pos:
+            p.masked_fill_(p >= n, -1)
+        self.length = n
+        del self.tokens[n:]
 
     def advance(self, n: int) -> None:
         if not self.static:  # static steps keep positions on the device only (no host state)

@@ -1,6 +1,8 @@
 """Engine: owns one model, its static KV cache and the sampler; generate() streams token ids.
 
-One request at a time (batch 1). Prefill runs in chunks, then one decode step per token.
+One request at a time (batch 1). Prefill runs in chunks, then one decode step per token. The
+prefill starts where the cache already holds the prompt (prefix reuse, prefix.py): the cache
+records the token behind every position a completed forward wrote (`cache.commit`).
 Cancellation is checked between prefill chunks, after the last one and between decode steps: set
 the `cancel` event or simply stop iterating. `generate_steps` is the one generation loop: the
 parallel engine changes it through small hooks (request start, go on?, token pick, early end).
@@ -25,6 +27,7 @@ from .fused import MAX_OVERRUN, FusedDecoder, supports
 from .graph import DecodeGraph, DecodeStream
 from .kernels import use_triton
 from .model import Laneformer
+from .prefix import PrefixReuse
 from .sampler import logprobs_of, make_generator, sample, structure_key
 
 
@@ -41,6 +44,7 @@ class Step:
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int | None = None  # prompt tokens the cache held (None: no prefill ran)
     generated_tokens: int = 0
     ttft_s: float = 0.0  # request start -> first token sampled
     decode_s: float = 0.0  # first token -> last token
@@ -67,6 +71,7 @@ class Engine:
         steps_per_replay: int = 1,
         kernels: str = "auto",
         compile: bool = False,
+        prefix_reuse: bool = True,
     ):
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -79,6 +84,7 @@ class Engine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.cache = KVCache(self.cfg, self.max_len, self.device, self.dtype)
+        self.prefix = PrefixReuse(self.cache, enabled=prefix_reuse)
         self.stats = Stats()
         # "graph": decode from static buffers (captured on CUDA, eager elsewhere); "eager": the
         # plain loop. auto = graph on CUDA, eager on a CPU where capture brings nothing.
@@ -179,18 +185,25 @@ class Engine:
     def _left_early(self) -> None:
         """The consumer stopped iterating (or an error ended the loop) mid-request."""
 
+    def _agree_starts(self, valid: torch.Tensor) -> torch.Tensor:
+        """Where the prefill may start, (S,) bool: here, what this cache allows."""
+        return valid
+
     @torch.inference_mode()
     def prefill(self, prompt_ids: Sequence[int], cancel: threading.Event | None = None):
-        """Fill the cache with the prompt; returns the last position's logits (V,) or None."""
-        self.cache.reset()
-        ids = torch.tensor(prompt_ids, device=self.device, dtype=torch.long)[None]
+        """Fill the cache with the prompt, from the longest prefix it still holds; returns the
+        last position's logits (V,) or None. Each completed chunk is committed to the cache."""
+        first = self.prefix.start(prompt_ids, agree=self._agree_starts)
+        self.stats.cached_tokens = first
+        ids = torch.tensor(prompt_ids[first:], device=self.device, dtype=torch.long)[None]
         logits = None
         for start in range(0, ids.shape[1], self.prefill_chunk):
             if not self._go_on(cancel):
                 return None
-            logits = self.model(
-                ids[:, start : start + self.prefill_chunk], cache=self.cache, last_only=True
-            )
+            chunk = ids[:, start : start + self.prefill_chunk]
+            logits = self.model(chunk, cache=self.cache, last_only=True)
+            self.cache.commit(prompt_ids[first + start : first + start + chunk.shape[1]])
+        self.prefix.prefilled()
         return logits[0, -1] if self._go_on(cancel) else None  # a cancel during the last chunk
 
     @torch.inference_mode()
@@ -222,13 +235,14 @@ class Engine:
         stream = None
         # Over for every rank too: a stop or length token (all pick the same), an agreed abort.
         # A local, as a consumer may rewrite the step's and the stats' finish_reason (stop text).
-        over = False
+        over, step = False, None
         try:
             for i in range(budget):
                 if stream is None:
                     tok, lp_logits = self._pick(logits, params, gen)
                 else:
                     tok, lp_logits = torch.tensor(next(stream)), None
+                    self.cache.commit([step.token])  # the graph fed it to produce this one
                 step = self.make_step(tok, lp_logits, params, stops, i == budget - 1, t0)
                 over = step.finish_reason is not None
                 yield step
@@ -243,6 +257,7 @@ class Engine:
                         stream = DecodeStream(graph).tokens(budget - 1)
                     continue
                 logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
+                self.cache.commit([step.token])
         finally:
             if not over:
                 self._left_early()
@@ -288,7 +303,8 @@ class Engine:
     ) -> torch.Tensor | None:
         """log-softmax of the logits at every prompt position: (S, V) fp32 (for echo scoring).
 
-        Returns None when `cancel` is set between prefill chunks.
+        Returns None when `cancel` is set between prefill chunks. Every position is computed
+        (nothing reused); the cache keeps the prompt for the generation that may follow.
         """
         self.check_prompt(prompt_ids)
         self.cache.reset()
@@ -298,6 +314,7 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 return None
             out.append(self.model(ids[:, s : s + self.prefill_chunk], cache=self.cache)[0])
+            self.cache.commit(prompt_ids[s : s + self.prefill_chunk])
         return torch.cat(out).float().log_softmax(-1)
 
 

@@ -93,8 +93,10 @@ class EngineRunner:
         self.pdl_error: str | None = None  # the failure a retry without PDL followed
 
     def _build(self) -> None:
+        # prefix_reuse off: TTFT and prefill figures are those of whole prompts
         self.engine = Engine(self.model, max_model_len=_max_len(self.cfg),
-                             compile=self.compiled, kernels=self.kernels)  # fmt: skip
+                             compile=self.compiled, kernels=self.kernels,
+                             prefix_reuse=False)  # fmt: skip
         # one-time costs (imports, torch.compile, graph capture) stay out of the measured rows
         warm = SamplingParams(max_tokens=self.cfg.warmup_tokens, ignore_eos=True)
         list(self.engine.generate([1, 2, 3], warm))
@@ -254,8 +256,9 @@ def parallel_rows(rank: int, world: int, device: str, checkpoint: str, cfg: Benc
     from ..parallel import ParallelEngine
 
     engine = ParallelEngine.from_pretrained(
-        checkpoint, rank, world, device=device, dtype=cfg.dtype, max_model_len=_max_len(cfg)
-    )
+        checkpoint, rank, world, device=device, dtype=cfg.dtype, max_model_len=_max_len(cfg),
+        prefix_reuse=False,  # cold prefill figures
+    )  # fmt: skip
     list(engine.generate([1, 2, 3], SamplingParams(max_tokens=cfg.warmup_tokens, ignore_eos=True)))
     rows = []
     for ctx in cfg.contexts:

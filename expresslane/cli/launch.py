@@ -193,6 +193,7 @@ def load_engine(args: argparse.Namespace, device: str | None = None):
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         role=_ROLE["role"],
+        prefix_reuse=not getattr(args, "no_prefix_reuse", False),
     )
     return engine, Tokenizer.from_dir(path)
 

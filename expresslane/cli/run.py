@@ -1,8 +1,8 @@
 """`expresslane run MODEL --prompt TEXT`: one request, streamed to stdout.
 
 Ends with one line of figures (prompt tokens, time to first token, decode tokens/s), or with
---json prints one JSON object instead (text, token_ids, prompt_tokens, ttft_ms,
-decode_tokens_per_s, ...). MODEL defaults to the embedded model.
+--json prints one JSON object instead (text, token_ids, prompt_tokens, cached_tokens,
+ttft_ms, decode_tokens_per_s, ...). MODEL defaults to the embedded model.
 """
 
 from __future__ import annotations
@@ -65,6 +65,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     rendezvous.add_arguments(p)  # --nnodes, --node-rank, --rdzv-endpoint: N over several hosts
 
 
+def add_prefix_argument(p: argparse.ArgumentParser) -> None:
+    """run and serve: prefix reuse is on unless turned off."""
+    p.add_argument(
+        "--no-prefix-reuse",
+        action="store_true",
+        help="prefill every prompt whole instead of reusing the prefix the KV cache holds",
+    )
+
+
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -82,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", help="raw text prompt (BOS added as the tokenizer says)")
     src.add_argument("--chat", help="one user message, rendered with the chat template")
     add_sampling_arguments(p)
+    add_prefix_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -112,6 +122,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         compile=getattr(args, "compile", False),
+        prefix_reuse=not getattr(args, "no_prefix_reuse", False),
     )
     set_cpu_threads(engine, getattr(args, "threads", None))
     return engine, Tokenizer.from_dir(path)
@@ -171,6 +182,7 @@ def generate_and_print(
                     "text": "".join(pieces),
                     "token_ids": token_ids,
                     "prompt_tokens": st.prompt_tokens,
+                    "cached_tokens": st.cached_tokens,
                     "completion_tokens": st.generated_tokens,
                     "finish_reason": st.finish_reason,
                     "ttft_ms": round(st.ttft_s * 1e3, 3),

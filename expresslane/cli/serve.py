@@ -19,13 +19,14 @@ import threading
 import time
 
 from . import launch
-from .run import add_model_arguments, load_engine
+from .run import add_model_arguments, add_prefix_argument, load_engine
 
 HELP = "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) and playground"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_prefix_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(

@@ -21,7 +21,9 @@ a collective longer than the timeout, and a follower lost while nobody asks is n
 
 The generation loop itself is Engine.generate_steps (prefill and decode steps give each rank its
 vocab chunk of the logits); this file supplies its hooks: the request's start (seed,
-announcement), the go flag, the vocab-parallel pick and the lead's stop flag for a closed stream.
+announcement), the go flag, the vocab-parallel pick, the lead's stop flag for a closed stream,
+and where a prefill may start with prefix reuse (the starts every rank's cache allows: ranks
+decide alike, but a rank whose forward failed must not pull the others into its cache state).
 """
 
 from __future__ import annotations
@@ -52,12 +54,15 @@ class ParallelEngine(Engine):
         max_model_len: int | None = None,
         prefill_chunk: int = 512,
         role: str = "spmd",
+        prefix_reuse: bool = True,
     ):
         if role not in ROLES:
             raise ValueError(f"role {role!r}: expected one of {ROLES}")
         # The cache holds the local KV heads. Eager decode: a pick exchanges between ranks, which
         # the single-device decode graph (sampler inside the step) has no place for.
-        super().__init__(model, max_model_len, prefill_chunk, decode="eager")
+        super().__init__(
+            model, max_model_len, prefill_chunk, decode="eager", prefix_reuse=prefix_reuse
+        )
         self.cfg = model.global_cfg
         self.ex, self.place, self.role = model.exchange, model.place, role
         self.lost: GroupLostError | None = None
@@ -147,6 +152,14 @@ class ParallelEngine(Engine):
         offset, sizes = self.model.vocab_offset, self.place.vocab_sizes
         return sample_sharded(self.ex, logits, params, generator, offset, sizes), None
 
+    def _agree_starts(self, valid: torch.Tensor) -> torch.Tensor:
+        """The prefill starts every rank's cache allows: the intersection (MIN of 0/1)."""
+        if self.ex.world == 1:
+            return valid
+        flags = valid.to(device=self.device, dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.ex.group)
+        return flags.cpu().bool()
+
     def _left_early(self) -> None:
         """Lead: the followers wait on the next go flag; a stop flag ends their request too."""
         exc = sys.exc_info()[1]  # set when an error ends the loop
@@ -191,12 +204,9 @@ class ParallelEngine(Engine):
             self._announce(("score", list(prompt_ids)))
         self.cache.reset()
         ids = torch.tensor(prompt_ids, device=self.device, dtype=torch.long)[None]
-        out = [
-            gather_vocab(
-                self.ex,
-                self.model(ids[:, s : s + self.prefill_chunk], cache=self.cache)[0],
-                self.place.vocab_sizes,
-            )
-            for s in range(0, ids.shape[1], self.prefill_chunk)
-        ]
+        out = []
+        for s in range(0, ids.shape[1], self.prefill_chunk):
+            local = self.model(ids[:, s : s + self.prefill_chunk], cache=self.cache)[0]
+            self.cache.commit(prompt_ids[s : s + self.prefill_chunk])
+            out.append(gather_vocab(self.ex, local, self.place.vocab_sizes))
         return torch.cat(out).float().log_softmax(-1)

@@ -105,12 +105,31 @@ class Metrics:
         )
         for reason in FINISH_REASONS:  # expose zeros from the start
             self._finished.labels(model_name, reason)
+        # prefix reuse, in vLLM's terms: queries and hits count tokens
+        self.prefix_queries = Counter(
+            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the KV cache.", label,
+            registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.prefix_hits = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens the KV cache held (not prefilled).",
+            label, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.prefix_hit_requests = Counter(
+            PREFIX + "prefix_cache_hit_requests", "Prompts that reused a cached prefix.", label,
+            registry=r,
+        ).labels(model_name)  # fmt: skip
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
+
+    def prefix_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(cached_tokens)
+        if cached_tokens:
+            self.prefix_hit_requests.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -266,7 +266,8 @@ def _v1_routes(svc: Service) -> APIRouter:
         if prep.stream:
             return _sse(_stream(job, request, prep.fmt, prep.include_usage, prep.prompt_tokens))
         accs = await collect(job, request.receive)
-        usage = P.usage(prep.prompt_tokens, sum(a.count for a in accs.values()))
+        n = sum(a.count for a in accs.values())
+        usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens)
         # detokenizing thousands of echoed tokens for text_offset is no work for the loop either
         return await s.preparer.run(prep.fmt.response, accs, usage, job.timings.as_dict())
 
@@ -373,7 +374,7 @@ async def _stream(
                 {
                     **base,
                     "choices": [],
-                    "usage": P.usage(prompt_tokens, generated),
+                    "usage": P.usage(prompt_tokens, generated, job.timings.cached_tokens),
                     "completion_tokens": generated,
                     "timings": job.timings.as_dict(),
                 }

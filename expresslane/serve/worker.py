@@ -80,6 +80,7 @@ class Timings:
     first_token: float | None = None
     end: float | None = None
     prompt_tokens: int = 0  # distinct prompts (usage)
+    cached_tokens: int = 0  # of those, tokens the KV cache already held (prefix reuse)
     prefill_tokens: int = 0  # tokens prefilled, every choice counted
     completion_tokens: int = 0
     prefill_s: float = 0.0  # engine: request start -> first token, summed over choices
@@ -99,6 +100,7 @@ class Timings:
             "queue_ms": ms(self.arrival, self.start),
             "ttft_ms": ms(self.arrival, self.first_token),
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "prefill_tokens_per_s": None if pps is None else round(pps, 2),
             "completion_tokens": self.completion_tokens,
             "decode_ms": round(self.decode_s * 1e3, 3),
@@ -221,7 +223,8 @@ class Worker:
         t = job.timings
         seen: set[int] = set()
         for spec in job.choices:
-            if id(spec.prompt_ids) not in seen:  # the n choices of one prompt share its list
+            first = id(spec.prompt_ids) not in seen  # the n choices of one prompt share its list
+            if first:
                 seen.add(id(spec.prompt_ids))
                 t.prompt_tokens += len(spec.prompt_ids)
             if job.cancel.is_set():
@@ -235,7 +238,9 @@ class Worker:
                     self.metrics.finished("abort")
                     continue
                 job.put(Event("echo", spec.index, tokens=echo))
-            self._generate(job, spec)
+            cached = self._generate(job, spec)
+            if first and not spec.echo_logprobs:  # an echo scored the prompt itself just now
+                t.cached_tokens += cached
         self.metrics.prompt_tokens.inc(t.prompt_tokens)
 
     def _prompt_logprobs(self, spec: ChoiceSpec, cancel) -> list[TokenInfo] | None:
@@ -255,7 +260,8 @@ class Worker:
             out.append(TokenInfo(t, chosen[i], list(zip(top_ids[i], top_vals[i], strict=True))))
         return out
 
-    def _generate(self, job: Job, spec: ChoiceSpec) -> None:
+    def _generate(self, job: Job, spec: ChoiceSpec) -> int:
+        """Run one choice, relaying its tokens; returns the prompt tokens the cache held."""
         engine, m, t = self.engine, self.metrics, job.timings
         params = spec.params
         want_lp = params.logprobs is not None
@@ -281,6 +287,8 @@ class Worker:
                 if finish == "stop" and step.token in params.stop_token_ids:
                     stop_reason = step.token
         st = engine.stats
+        if st.cached_tokens is not None and engine.prefix.enabled:
+            m.prefix_lookup(len(spec.prompt_ids), st.cached_tokens)
         finish = finish or st.finish_reason or "abort"
         t.completion_tokens += n
         if n:
@@ -293,6 +301,7 @@ class Worker:
         m.generation_tokens.inc(n)
         m.finished(finish)
         job.put(Event("finish", spec.index, finish_reason=finish, stop_reason=stop_reason))
+        return st.cached_tokens or 0
 
 
 # --- the event loop's side of a job -----------------------------------------------------------
