@@ -9,6 +9,8 @@ seeded temperature-sampled tokens equal the one-process Engine's, each rank load
 slices' bytes, and consuming DTP messages one layer early is caught by the logits comparison.
 The 2-rank group also runs `expresslane run` as torchrun ranks (rank 0 alone prints) and a
 serve-like lead with a follower (a closed stream and a cancel both stop the follower in step).
+Prefix reuse on 2 ranks (rings with DTP delay 2, and Llama): agent turns equal a cold
+one-process engine's, and a rank that lost its cache makes every rank start from 0.
 `expresslane bench --devices 2` on a preset decodes the single-device bench's tokens; a bad
 --devices is one line and exit code 2 before any process starts."""
 
@@ -85,6 +87,8 @@ RUN_VOCAB = 320  # the tokenizer trainer needs > 259 entries
 # (delays 1 and 2, both norm kinds, each head type, Llama) and sample on one of them.
 AT_4 = ("d1-shared-replicate", "d2-perlane-lane", "d1-perlane-vocab-B", "llama")
 SAMPLED_AT_4 = ("d1-perlane-vocab-B",)
+REUSE_CASES = ("d2-shared-vocab", "llama")  # rings of 8 slots with DTP delay 2; full attention
+TURN = replace(GREEDY, max_tokens=12)
 
 
 def expected_bytes(cfg: ModelConfig, world: int, itemsize: int = 4) -> tuple[int, int]:
@@ -182,6 +186,8 @@ def _rank_work(rank: int, world: int, device: str, paths: dict, run_path: str) -
             res["sampled"] = list(engine.generate(PROMPT, SAMPLED))
         if world == 2:
             res["filtered"] = list(engine.generate(PROMPT, FILTERED))
+        if world == 2 and name in REUSE_CASES:
+            res["reuse"] = _reuse_turns(ParallelEngine(model, max_model_len=96, prefill_chunk=5))
         if model.place.splits_lanes:  # the mutation: consume each message one layer early
             early = load_shard(path, rank, world, device="cpu", receive_skew=1)
             with torch.no_grad():
@@ -192,6 +198,27 @@ def _rank_work(rank: int, world: int, device: str, paths: dict, run_path: str) -
         results["run"] = _run_as_torchrun_rank(rank, world, run_path)
         results["lead"] = _lead_follow(rank, world, run_path)
     return results
+
+
+def _reuse_turns(engine: ParallelEngine) -> dict:
+    """Three agent turns; before the third, rank 1 alone forgets its cache."""
+    out, cached, prompt = [], [], list(PROMPT)
+    for k in range(3):
+        if k == 2 and engine.ex.rank == 1:
+            engine.cache.reset()
+        out.append(list(engine.generate(prompt, TURN)))
+        cached.append(engine.stats.cached_tokens)
+        prompt = prompt + out[-1] + [7, 8]
+    return dict(tokens=out, cached=cached)
+
+
+def _cold_turns(path: str) -> list[list[int]]:
+    engine = Engine(load_model(path, device="cpu", progress=False), 96, 5, prefix_reuse=False)
+    out, prompt = [], list(PROMPT)
+    for _ in range(3):
+        out.append(list(engine.generate(prompt, TURN)))
+        prompt = prompt + out[-1] + [7, 8]
+    return out
 
 
 def _run_args(path: str, world: int) -> argparse.Namespace:
@@ -261,6 +288,11 @@ def test_ranks_match_one_process(checkpoints, run_checkpoint, world):
         cfg = ModelConfig.from_hf_dict({**BASE, **CASES[name]})
         rep, share = expected_bytes(cfg, world)
         assert [r[name]["bytes"] for r in ranks] == [rep + share] * world, name
+    for name in REUSE_CASES if world == 2 else ():
+        got = [r[name]["reuse"] for r in ranks]
+        assert got[0]["tokens"] == _cold_turns(checkpoints[name][0]), name
+        assert got[0]["cached"] == [0, len(PROMPT) + TURN.max_tokens - 1, 0], name
+        assert got[1] == got[0], name
     if world == 2:
         ref = run_checkpoint[1]
         printed = [x for x in ranks[0]["run"].splitlines() if x.startswith("{")]
