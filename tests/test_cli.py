@@ -36,6 +36,7 @@ def test_run_json_matches_the_engine(random_laneformer_dir, capsys):
     res = json.loads(out.strip().splitlines()[-1])
     for key in ("text", "token_ids", "prompt_tokens", "ttft_ms", "decode_tokens_per_s"):
         assert key in res
+    assert res["cached_tokens"] == 0  # one request: nothing was in the cache before it
     tok = Tokenizer.from_dir(random_laneformer_dir)
     engine = Engine.from_pretrained(str(random_laneformer_dir), device="cpu", progress=False)
     prompt = tok.encode("def add(a, b):")
@@ -44,6 +45,16 @@ def test_run_json_matches_the_engine(random_laneformer_dir, capsys):
     assert res["token_ids"] == expected
     stops = engine.stop_ids(SamplingParams())
     assert res["text"] == tok.decode([t for t in expected if t not in stops])
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_no_prefix_reuse_flag_reaches_the_engine(random_laneformer_dir, command):
+    from expresslane.__main__ import build_parser
+    from expresslane.cli.run import load_engine
+
+    for flags, on in (([], True), (["--no-prefix-reuse"], False)):
+        args = build_parser().parse_args([command, str(random_laneformer_dir), *flags])
+        assert load_engine(args)[0].prefix.enabled is on
 
 
 def test_run_streams_text_then_one_line_of_figures(random_laneformer_dir, capsys):
