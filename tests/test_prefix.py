@@ -325,3 +325,23 @@ def test_no_prefix_reuse_prefills_every_prompt_whole(models):
     turn(off, p + toks)
     assert off.stats.cached_tokens == 0
     assert off.prefix.requests == 0 and off.prefix.snapshot is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_agent_turns_on_cuda_graphs_equal_cold(models):
+    """Captured decode graphs (and the fused kernels where they run) with reuse, against the
+    eager engine prefilling every prompt whole."""
+    import copy
+
+    model = copy.deepcopy(models["laneformer-d2"]).to("cuda")
+    hot, cold = engine(model, decode="graph"), engine(model, reuse=False, decode="eager")
+    prompt, expect = prompt_of(30), 0
+    for _ in range(3):
+        toks, logits = turn(hot, prompt)
+        ref, ref_logits = turn(cold, prompt)
+        assert toks == ref
+        assert (logits[0] - ref_logits[0]).abs().max().item() <= TOL
+        assert hot.stats.cached_tokens == expect
+        expect = len(prompt) + len(toks) - 1
+        prompt = prompt + toks + [4, 5]

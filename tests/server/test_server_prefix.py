@@ -7,6 +7,7 @@ from __future__ import annotations
 from functools import partial
 
 import httpx
+import torch
 from serverkit import CTX, delta, metrics
 
 from expresslane.config import SamplingParams
@@ -79,3 +80,25 @@ def test_echo_scores_the_prompt_afresh(server):
     for _ in range(2):
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_agent_bench_reuses_every_turn(random_laneformer_dir, capsys):
+    """The agent benchmark end to end, small: both servers answer alike, the reusing one
+    holds at least the previous prompt (less its last token, which may merge with the answer)."""
+    import json
+
+    from expresslane.bench.agent import main
+
+    threads = torch.get_num_threads()
+    argv = [str(random_laneformer_dir), "--turns", "3", "--target-tokens", "300",
+            "--answer-tokens", "3", "--threads", "1"]  # fmt: skip
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    rows = out["rows"]
+    assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["same_answer"] for r in rows)
+    for prev, r in zip(rows, rows[1:], strict=False):
+        assert prev["prompt_tokens"] - 1 <= r["cached_tokens"] < r["prompt_tokens"]
+        assert r["new_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
