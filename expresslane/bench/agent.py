@@ -22,7 +22,9 @@ import argparse
 import json
 import random
 import sys
+import urllib.error
 import urllib.request
+from collections.abc import Callable
 from contextlib import ExitStack
 
 import torch
@@ -30,7 +32,7 @@ import torch
 from ..assets import default_model_dir
 from ..checkpoint import load_model
 from ..engine import Engine
-from ..errors import ExpressLaneError
+from ..errors import ConfigError, ExpressLaneError
 from ..tokenizer import Tokenizer
 
 TOOLS = {
@@ -97,16 +99,14 @@ KINDS = [("ls -la src/pkg", _listing), ("cat src/pkg/{}.py", _code), ("pytest -x
          ("grep -rn {} src", _grep), ("git log --oneline -n 40", _git_log)]  # fmt: skip
 
 
-def tool_output(turn: int, tok: Tokenizer, budget: int, seed: int = 0) -> str:
-    """The tool's answer at `turn`: about `budget` tokens of one kind of output."""
+def tool_output(turn: int, fits: Callable[[str], bool], seed: int = 0) -> str:
+    """The tool's answer at `turn`: lines of one kind of output while `fits(text)` holds."""
     rng = random.Random(seed * 1000 + turn)
     command, line = KINDS[turn % len(KINDS)]
-    head = f"Tool output ($ {command.format(rng.choice(WORDS))}):\n"
-    lines, used = [], len(tok.encode(head, add_special_tokens=False))
-    while used < budget:
-        lines.append(line(rng))
-        used += len(tok.encode(lines[-1] + "\n", add_special_tokens=False))
-    return head + "\n".join(lines)
+    text = f"Tool output ($ {command.format(rng.choice(WORDS))}):\n{line(rng)}"
+    while fits(longer := f"{text}\n{line(rng)}"):
+        text = longer
+    return text
 
 
 def system_prompt() -> str:
@@ -121,8 +121,12 @@ def chat(url: str, messages: list[dict], max_tokens: int) -> dict:
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:  # the server's own words (a prompt too long, ...)
+        detail = json.loads(e.read()).get("error", {}).get("message", e.reason)
+        raise ConfigError(f"the server answered {e.code}: {detail}") from None
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -139,10 +143,13 @@ def run(args: argparse.Namespace) -> dict:
     }
     set_cpu_threads(engines[True], args.threads)
     system = system_prompt()
-    fixed = len(tok.encode_chat([{"role": "system", "content": system},
-                                 {"role": "user", "content": TASK}]))  # fmt: skip
-    budget = max(16, (args.target_tokens - fixed - args.turns * args.answer_tokens)
-                 // max(1, args.turns - 1))  # fmt: skip
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": TASK}]
+    fixed = len(tok.encode_chat(messages))
+    if args.target_tokens + args.answer_tokens >= engines[True].max_len:
+        raise ConfigError(
+            f"--target-tokens {args.target_tokens} + --answer-tokens "
+            f"{args.answer_tokens}: over the context of {engines[True].max_len}"
+        )
     rows = []
     with ExitStack() as stack:
         urls = {
@@ -151,13 +158,16 @@ def run(args: argparse.Namespace) -> dict:
         }
         for url in urls.values():  # one-time costs (first forward, allocations) stay out
             chat(url, [{"role": "user", "content": "hello"}], 2)
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": TASK}]
         answer = ""
         for turn in range(1, args.turns + 1):
-            if turn > 1:
-                tool = tool_output(turn, tok, budget)
-                messages += [{"role": "assistant", "content": answer},
-                             {"role": "user", "content": tool}]  # fmt: skip
+            if turn > 1:  # the prompt grows evenly from `fixed` to the target
+                plan = fixed + (args.target_tokens - fixed) * (turn - 1) // (args.turns - 1)
+                done = [*messages, {"role": "assistant", "content": answer}]
+
+                def fits(text: str, done=done, plan=plan) -> bool:
+                    return len(tok.encode_chat([*done, {"role": "user", "content": text}])) <= plan
+
+                messages = [*done, {"role": "user", "content": tool_output(turn, fits)}]
             order = (True, False) if turn % 2 else (False, True)
             got = {reuse: chat(urls[reuse], messages, args.answer_tokens) for reuse in order}
             answer = got[True]["choices"][0]["message"]["content"]
