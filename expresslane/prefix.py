@@ -150,7 +150,8 @@ class PrefixReuse:
         if limit == 0 or not self.rings:
             return valid, []
         snap = self.snapshot
-        snap_limit = min(limit, common_prefix(snap.tokens, prompt_ids)) if snap.saved else 0
+        kept = snap is not None and snap.saved is not None
+        snap_limit = min(limit, common_prefix(snap.tokens, prompt_ids)) if kept else 0
         # one transfer for every ring's positions, current and saved
         parts = [cache.pos[i] for i in self.rings]
         if snap_limit > 0:

@@ -142,6 +142,8 @@ def run(args: argparse.Namespace) -> dict:
         for reuse in (True, False)
     }
     set_cpu_threads(engines[True], args.threads)
+    if args.no_ring_snapshot:  # what the snapshot brings: rings resume only as they are
+        engines[True].prefix.snapshot = None
     system = system_prompt()
     messages = [{"role": "system", "content": system}, {"role": "user", "content": TASK}]
     fixed = len(tok.encode_chat(messages))
@@ -176,7 +178,8 @@ def run(args: argparse.Namespace) -> dict:
             "dtype": str(engines[True].dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "turns": args.turns,
             "answer_tokens": args.answer_tokens, "rows": rows,
-            "snapshot_hits": engines[True].prefix.snapshot_hits}  # fmt: skip
+            "snapshot_hits": engines[True].prefix.snapshot_hits,
+            "ring_snapshot": not args.no_ring_snapshot}  # fmt: skip
 
 
 def _row(turn: int, got: dict) -> dict:
@@ -207,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (as `run`)")
+    p.add_argument(
+        "--no-ring-snapshot",
+        action="store_true",
+        help="the reusing server keeps no snapshot of its sliding-window rings",
+    )
     args = p.parse_args(argv)
     if args.turns < 1 or args.answer_tokens < 1 or args.target_tokens < 1:
         print("error: --turns, --answer-tokens and --target-tokens must be >= 1", file=sys.stderr)
