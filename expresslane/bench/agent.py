@@ -5,13 +5,15 @@ An agent loop sends its whole history every turn: a system prompt with tool defi
 task, then for every step the model's answer and the tool's output (file listings, source
 files, test logs, grep hits, git history: generated here from a fixed seed, sized with the
 model's tokenizer so that the last prompt is about `--target-tokens` long). Two servers run in
-this process on one set of weights, each with its own engine and KV cache: one reuses the
-cached prefix, one (`--no-prefix-reuse`) prefills every prompt whole. Every turn goes to both,
-in alternating order, greedy; both continue from the reusing server's answer, and the table
-says whether the other's answer was the same. TTFT is the server's own figure (request arrival
-to first token, tokenization and queueing included, as in /metrics).
+their own processes (`expresslane serve`): one reuses the cached prefix, one
+(`--no-prefix-reuse`) prefills every prompt whole. Every turn goes to both, in alternating
+order, greedy; both continue from the reusing server's answer, and the table says whether the
+other's answer was the same. TTFT is the server's own figure (request arrival to first token,
+tokenization and queueing included, as in /metrics). `--engine` drives two Engines in this
+process instead (TTFT from the request's start in the engine), where `--no-ring-snapshot`
+measures what the rings' snapshot (prefix.py) brings.
 
-    python -m expresslane.bench.agent MODEL [--turns 10] [--target-tokens 3000]
+    python -m expresslane.bench.agent MODEL [--turns 10] [--target-tokens 3000] [--engine]
 
 Prints one table, then one JSON line.
 """
@@ -21,7 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
+import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -31,8 +36,11 @@ import torch
 
 from ..assets import default_model_dir
 from ..checkpoint import load_model
+from ..cli.launch import free_port
+from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError, ExpressLaneError
+from ..textgen import generate_text
 from ..tokenizer import Tokenizer
 
 TOOLS = {
@@ -114,90 +122,141 @@ def system_prompt() -> str:
 
 
 # --- the run --------------------------------------------------------------------------------
-def chat(url: str, messages: list[dict], max_tokens: int) -> dict:
-    body = dict(model="agent", messages=messages, max_tokens=max_tokens, temperature=0)
-    req = urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
+# A sender takes the messages and max_tokens and returns the answer's text and figures.
+Send = Callable[[list[dict], int], dict]
+
+
+def http_sender(url: str) -> Send:
+    """Greedy chat completions from a server; TTFT and cached tokens as it reports them."""
+
+    def send(messages: list[dict], max_tokens: int) -> dict:
+        body = dict(model="agent", messages=messages, max_tokens=max_tokens, temperature=0)
+        req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=3600) as r:
+                out = json.loads(r.read())
+        except urllib.error.HTTPError as e:  # the server's own words (a prompt too long, ...)
+            detail = json.loads(e.read()).get("error", {}).get("message", e.reason)
+            raise ConfigError(f"the server answered {e.code}: {detail}") from None
+        usage = out["usage"]
+        return {"text": out["choices"][0]["message"]["content"],
+                "ttft_ms": out["timings"]["ttft_ms"], "prompt_tokens": usage["prompt_tokens"],
+                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
+
+    return send
+
+
+def engine_sender(engine: Engine, tok: Tokenizer) -> Send:
+    """The same request straight to an Engine: TTFT from the request's start in the engine."""
+
+    def send(messages: list[dict], max_tokens: int) -> dict:
+        ids = tok.encode_chat(messages)
+        params = SamplingParams(max_tokens=max_tokens)
+        text = "".join(t for t, _ in generate_text(engine, tok, ids, params))
+        st = engine.stats
+        return {"text": text, "ttft_ms": round(st.ttft_s * 1e3, 3), "prompt_tokens": len(ids),
+                "cached_tokens": st.cached_tokens or 0}  # fmt: skip
+
+    return send
+
+
+def converse(send: dict[bool, Send], tok: Tokenizer, args: argparse.Namespace) -> list[dict]:
+    """The scripted conversation, every turn to both senders (True: reusing, False: cold)."""
+    messages = [{"role": "system", "content": system_prompt()}, {"role": "user", "content": TASK}]
+    fixed = len(tok.encode_chat(messages))
+    for s in send.values():  # one-time costs (first forward, allocations) stay out
+        s([{"role": "user", "content": "hello"}], 2)
+    rows, answer = [], ""
+    for turn in range(1, args.turns + 1):
+        if turn > 1:  # the prompt grows evenly from `fixed` to the target
+            plan = fixed + (args.target_tokens - fixed) * (turn - 1) // (args.turns - 1)
+            done = [*messages, {"role": "assistant", "content": answer}]
+
+            def fits(text: str, done=done, plan=plan) -> bool:
+                return len(tok.encode_chat([*done, {"role": "user", "content": text}])) <= plan
+
+            messages = [*done, {"role": "user", "content": tool_output(turn, fits)}]
+        order = (True, False) if turn % 2 else (False, True)
+        got = {reuse: send[reuse](messages, args.answer_tokens) for reuse in order}
+        answer = got[True]["text"]
+        hot, cold = got[True], got[False]
+        rows.append({
+            "turn": turn,
+            "prompt_tokens": hot["prompt_tokens"],
+            "cached_tokens": hot["cached_tokens"],
+            "new_tokens": hot["prompt_tokens"] - hot["cached_tokens"],
+            "ttft_ms_reuse": hot["ttft_ms"],
+            "ttft_ms_cold": cold["ttft_ms"],
+            "speedup": round(cold["ttft_ms"] / hot["ttft_ms"], 2),
+            "same_answer": hot["text"] == cold["text"],
+        })  # fmt: skip
+    return rows
+
+
+def start_server(stack: ExitStack, path: str, reuse: bool, args: argparse.Namespace) -> str:
+    """`expresslane serve` in its own process (stopped when `stack` closes); its base URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "expresslane", "serve", path, "--port", str(port),
+           "--served-model-name", "agent", "--log-level", "warning", "--device", args.device,
+           "--dtype", args.dtype]  # fmt: skip
+    for flag, value in (("--max-model-len", args.max_model_len), ("--threads", args.threads)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if not reuse:
+        cmd.append("--no-prefix-reuse")
+    log = stack.enter_context(tempfile.TemporaryFile())
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    stack.callback(_stop, proc)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5):
+                return url
+        except OSError:  # not listening yet, or 503 while the model loads
+            time.sleep(0.5)
+    log.seek(0)
+    raise ConfigError(f"`{' '.join(cmd)}` did not come up: {log.read().decode()[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
     try:
-        with urllib.request.urlopen(req, timeout=3600) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:  # the server's own words (a prompt too long, ...)
-        detail = json.loads(e.read()).get("error", {}).get("message", e.reason)
-        raise ConfigError(f"the server answered {e.code}: {detail}") from None
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..cli.run import set_cpu_threads
-    from ..cli.serve import serving
-    from ..serve import create_app
-
     path = args.model or str(default_model_dir())
-    model = load_model(path, device=args.device, dtype=args.dtype, progress=False)
     tok = Tokenizer.from_dir(path)
-    engines = {
-        reuse: Engine(model, max_model_len=args.max_model_len, prefix_reuse=reuse)
-        for reuse in (True, False)
-    }
-    set_cpu_threads(engines[True], args.threads)
-    if args.no_ring_snapshot:  # what the snapshot brings: rings resume only as they are
-        engines[True].prefix.snapshot = None
-    system = system_prompt()
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": TASK}]
-    fixed = len(tok.encode_chat(messages))
-    if args.target_tokens + args.answer_tokens >= engines[True].max_len:
-        raise ConfigError(
-            f"--target-tokens {args.target_tokens} + --answer-tokens "
-            f"{args.answer_tokens}: over the context of {engines[True].max_len}"
-        )
-    rows = []
+    out = {"model": path, "mode": "engine" if args.engine else "server", "turns": args.turns,
+           "answer_tokens": args.answer_tokens}  # fmt: skip
     with ExitStack() as stack:
-        urls = {
-            reuse: stack.enter_context(serving(create_app(eng, tok, served_model_name="agent")))
-            for reuse, eng in engines.items()
-        }
-        for url in urls.values():  # one-time costs (first forward, allocations) stay out
-            chat(url, [{"role": "user", "content": "hello"}], 2)
-        answer = ""
-        for turn in range(1, args.turns + 1):
-            if turn > 1:  # the prompt grows evenly from `fixed` to the target
-                plan = fixed + (args.target_tokens - fixed) * (turn - 1) // (args.turns - 1)
-                done = [*messages, {"role": "assistant", "content": answer}]
-
-                def fits(text: str, done=done, plan=plan) -> bool:
-                    return len(tok.encode_chat([*done, {"role": "user", "content": text}])) <= plan
-
-                messages = [*done, {"role": "user", "content": tool_output(turn, fits)}]
-            order = (True, False) if turn % 2 else (False, True)
-            got = {reuse: chat(urls[reuse], messages, args.answer_tokens) for reuse in order}
-            answer = got[True]["choices"][0]["message"]["content"]
-            rows.append(_row(turn, got))
-    return {"model": path, "device": str(engines[True].device),
-            "dtype": str(engines[True].dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), "turns": args.turns,
-            "answer_tokens": args.answer_tokens, "rows": rows,
-            "snapshot_hits": engines[True].prefix.snapshot_hits,
-            "ring_snapshot": not args.no_ring_snapshot}  # fmt: skip
-
-
-def _row(turn: int, got: dict) -> dict:
-    hot, cold = got[True], got[False]
-    prompt = hot["usage"]["prompt_tokens"]
-    cached = hot["usage"]["prompt_tokens_details"]["cached_tokens"]
-    t_hot, t_cold = hot["timings"]["ttft_ms"], cold["timings"]["ttft_ms"]
-    return {
-        "turn": turn,
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "new_tokens": prompt - cached,
-        "ttft_ms_reuse": t_hot,
-        "ttft_ms_cold": t_cold,
-        "speedup": round(t_cold / t_hot, 2),
-        "same_answer": hot["choices"][0]["message"]["content"]
-        == cold["choices"][0]["message"]["content"],
-    }
+        if args.engine:
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            model = load_model(path, device=args.device, dtype=args.dtype, progress=False)
+            engines = {r: Engine(model, args.max_model_len, prefix_reuse=r) for r in (True, False)}
+            if args.no_ring_snapshot:  # what the snapshot brings: rings resume only as they are
+                engines[True].prefix.snapshot = None
+            send = {r: engine_sender(e, tok) for r, e in engines.items()}
+            max_len = engines[True].max_len
+            out.update(device=str(engines[True].device), threads=torch.get_num_threads(),
+                       ring_snapshot=not args.no_ring_snapshot)  # fmt: skip
+        else:
+            urls = {r: start_server(stack, path, r, args) for r in (True, False)}
+            send = {r: http_sender(u) for r, u in urls.items()}
+            with urllib.request.urlopen(urls[True] + "/v1/models", timeout=60) as r:
+                max_len = json.loads(r.read())["data"][0]["max_model_len"]
+        if args.target_tokens + args.answer_tokens >= max_len:
+            raise ConfigError(f"--target-tokens {args.target_tokens} + --answer-tokens "
+                              f"{args.answer_tokens}: over the context of {max_len}")  # fmt: skip
+        out["rows"] = converse(send, tok, args)
+        if args.engine:
+            out["snapshot_hits"] = engines[True].prefix.snapshot_hits
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,14 +269,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (as `run`)")
-    p.add_argument(
-        "--no-ring-snapshot",
-        action="store_true",
-        help="the reusing server keeps no snapshot of its sliding-window rings",
-    )
+    p.add_argument("--engine", action="store_true",
+                   help="drive two Engines in this process instead of two servers")  # fmt: skip
+    p.add_argument("--no-ring-snapshot", action="store_true",
+                   help="with --engine: the reusing engine keeps no ring snapshot")  # fmt: skip
     args = p.parse_args(argv)
     if args.turns < 1 or args.answer_tokens < 1 or args.target_tokens < 1:
         print("error: --turns, --answer-tokens and --target-tokens must be >= 1", file=sys.stderr)
+        return 2
+    if args.no_ring_snapshot and not args.engine:
+        print("error: --no-ring-snapshot needs --engine (a server has no such knob)",
+              file=sys.stderr)  # fmt: skip
         return 2
     try:
         out = run(args)

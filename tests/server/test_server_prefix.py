@@ -7,12 +7,13 @@ from __future__ import annotations
 from functools import partial
 
 import httpx
-import torch
 from serverkit import CTX, delta, metrics
 
+from expresslane.checkpoint import load_model
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.textgen import generate_text
+from expresslane.tokenizer import Tokenizer
 
 
 def cold_answer(engine: Engine, tok, ids: list[int], n: int) -> str:
@@ -82,23 +83,24 @@ def test_echo_scores_the_prompt_afresh(server):
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_agent_bench_reuses_every_turn(random_laneformer_dir, capsys):
-    """The agent benchmark end to end, small: both servers answer alike, the reusing one
-    holds at least the previous prompt (less its last token, which may merge with the answer)."""
-    import json
+def test_agent_bench_conversation_reuses_every_turn(random_laneformer_dir):
+    """The agent benchmark's conversation, small: a reusing server against a cold engine. They
+    answer alike, and the server holds at least the previous prompt at every turn (less its
+    last token, which may merge with the answer when re-tokenized)."""
+    from types import SimpleNamespace
 
-    from expresslane.bench.agent import main
+    from expresslane.bench.agent import converse, engine_sender, http_sender
+    from expresslane.cli.serve import serving
+    from expresslane.serve import create_app
 
-    threads = torch.get_num_threads()
-    argv = [str(random_laneformer_dir), "--turns", "3", "--target-tokens", "300",
-            "--answer-tokens", "3", "--threads", "1"]  # fmt: skip
-    try:
-        assert main(argv) == 0
-    finally:
-        torch.set_num_threads(threads)
-    out = json.loads(capsys.readouterr().out.splitlines()[-1])
-    rows = out["rows"]
+    tok = Tokenizer.from_dir(random_laneformer_dir)
+    model = load_model(random_laneformer_dir, device="cpu", dtype="float32", progress=False)
+    args = SimpleNamespace(turns=3, target_tokens=600, answer_tokens=3)
+    cold = engine_sender(Engine(model, 1024, prefix_reuse=False), tok)
+    with serving(create_app(Engine(model, 1024), tok, served_model_name="agent")) as url:
+        rows = converse({True: http_sender(url), False: cold}, tok, args)
     assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["same_answer"] for r in rows)
     for prev, r in zip(rows, rows[1:], strict=False):
         assert prev["prompt_tokens"] - 1 <= r["cached_tokens"] < r["prompt_tokens"]
         assert r["new_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
+    assert rows[-1]["prompt_tokens"] <= args.target_tokens
