@@ -115,6 +115,7 @@ LAYERS = [
     ("kernels",),
     ("checkpoint",),
     ("model",),
+    ("prefix",),
     ("sampler", "cache", "rope", "presets"),
     ("tokenizer",),
     ("config",),
