@@ -43,10 +43,15 @@ class ErrorResponse(_Open):
 
 
 # --- shared pieces ----------------------------------------------------------------------------
+class PromptTokensDetails(_Open):
+    cached_tokens: int  # prompt tokens the KV cache already held: reused, not prefilled
+
+
 class Usage(_Open):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class Timings(_Open):
@@ -55,6 +60,7 @@ class Timings(_Open):
     queue_ms: float | None
     ttft_ms: float | None
     prompt_tokens: int
+    cached_tokens: int | None = None
     prefill_tokens_per_s: float | None
     completion_tokens: int
     decode_ms: float
