@@ -65,7 +65,9 @@ def test_dry_run_of_every_stage(tmp_path):
     assert log.index('{"row"') < log.index("-" * 40)  # a row printed before the final table
     assert results["bench-1b"]["result"]["rows"][2]["model"] == "same weights"
     tests = results["tests"]["tests"]
-    assert tests["counts"] == {"skipped": 4} and not tests["failed"]  # the GPU tests, skipped
+    # every GPU test was collected and skipped here: none ran, none failed
+    assert set(tests["counts"]) == {"skipped"} and tests["counts"]["skipped"] >= 4
+    assert not tests["failed"]
     kernels = results["kernels"]["result"]["kernels"]
     assert "decode layer" in kernels and all("error" not in k for k in kernels.values())
     assert results["profile"]["result"]["total"]["us_per_step"] > 0
