@@ -4,9 +4,10 @@
 
 1. wait until HAProxy's STATS page shows every replica UP;
 2. 4 completions through PROXY: {"i", "status", "server"} each (X-Served-By);
-3. one streamed completion straight from LEAD (a replica whose ranks span two hosts): after the
-   fifth chunk {"chunks": 5} (the test then kills a rank of it), then every error event and
-   {"end": chunks};
+3. one streamed completion straight from LEAD (a replica whose ranks span two hosts), long
+   enough to be killed mid-way but within the context (a longer one is a 400: {"refused"});
+   after the fifth chunk {"chunks": 5} (the test then kills a rank of it), then every error
+   event and {"end": chunks};
 4. 6 more completions through PROXY;
 5. {"metrics": {replica: finished requests in its /metrics, or null when it is down}}.
 """
@@ -48,6 +49,9 @@ def stream(lead: str, n: int) -> None:
         timeout=120,
     ) as r:  # fmt: skip
         say(status=r.status_code)
+        if r.status_code != 200:  # nothing to kill mid-way: the test stops here
+            say(refused=r.read().decode(errors="replace")[:500])
+            sys.exit(4)
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -79,7 +83,7 @@ def main(lead: str, proxy: str, stats: str, replicas: list[str]) -> None:
             sys.exit(3)
         time.sleep(0.2)
     through(proxy, 0, 4)
-    stream(lead, 2000)
+    stream(lead, 1000)  # the embedded model's context is 1024 tokens
     through(proxy, 4, 6)
     say(metrics={rep: finished(rep) for rep in replicas})
 
