@@ -4,10 +4,10 @@
 
 1. wait until HAProxy's STATS page shows every replica UP;
 2. 4 completions through PROXY: {"i", "status", "server"} each (X-Served-By);
-3. one streamed completion straight from LEAD (a replica whose ranks span two hosts), long
-   enough to be killed mid-way but within the context (a longer one is a 400: {"refused"});
-   after the fifth chunk {"chunks": 5} (the test then kills a rank of it), then every error
-   event and {"end": chunks};
+3. one streamed completion straight from LEAD (a replica whose ranks span two hosts), of half
+   its context (a refused one: {"refused": body}, and the client exits 4); after the fifth
+   chunk {"chunks": 5} (the test then kills a rank of it), then every error event and
+   {"end": chunks};
 4. 6 more completions through PROXY;
 5. {"metrics": {replica: finished requests in its /metrics, or null when it is down}}.
 """
@@ -83,7 +83,8 @@ def main(lead: str, proxy: str, stats: str, replicas: list[str]) -> None:
             sys.exit(3)
         time.sleep(0.2)
     through(proxy, 0, 4)
-    stream(lead, 1000)  # the embedded model's context is 1024 tokens
+    context = httpx.get(lead + "/v1/models", timeout=10).json()["data"][0]["max_model_len"]
+    stream(lead, context // 2)  # long enough to be killed mid-way; beyond the context: a 400
     through(proxy, 4, 6)
     say(metrics={rep: finished(rep) for rep in replicas})
 
