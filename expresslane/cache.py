@@ -4,7 +4,8 @@ Per layer: k and v of shape (cap, H_kv, hd) and `pos` (cap,) with the absolute p
 each slot (-1 = empty). Full-attention layers have cap = max_len and slot = position; sliding
 layers have cap = min(window, max_len) and slot = position % window, so a 2B Laneformer at 4096
 tokens keeps 251.7 MB of bf16 KV instead of 377.5 MB. Keys are stored after RoPE. Masks are
-built from `pos`, so attention never needs to know which slots wrapped.
+built from `pos`, so attention never needs to know which slots wrapped. `headroom` adds slots to
+every ring (speculative decoding writes draft positions ahead of the window).
 
 `length` is the number of positions already written; the model advances it after a forward.
 
@@ -32,13 +33,14 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         kv_heads: int | None = None,
+        headroom: int = 0,
     ):
         self.max_len = max_len
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]
         heads = kv_heads or cfg.num_kv_heads
         self.k, self.v, self.pos = [], [], []
         for w in self.windows:
-            cap = min(w, max_len) if w else max_len
+            cap = min(w + headroom, max_len) if w else max_len
             self.k.append(torch.zeros(cap, heads, cfg.head_dim, device=device, dtype=dtype))
             self.v.append(torch.zeros(cap, heads, cfg.head_dim, device=device, dtype=dtype))
             self.pos.append(torch.full((cap,), -1, device=device, dtype=torch.long))

@@ -29,6 +29,8 @@ from .kernels import use_triton
 from .model import Laneformer
 from .prefix import PrefixReuse
 from .sampler import logprobs_of, make_generator, sample, structure_key
+from .spec_decode import SpeculativeDecoder
+from .speculative import SpeculativeConfig
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Engine:
         kernels: str = "auto",
         compile: bool = False,
         prefix_reuse: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ):
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -83,8 +86,11 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.cache = KVCache(self.cfg, self.max_len, self.device, self.dtype)
+        # Speculation writes k draft positions ahead: rings get k slots of headroom (verify.py)
+        headroom = speculative.num_speculative_tokens if speculative else 0
+        self.cache = KVCache(self.cfg, self.max_len, self.device, self.dtype, headroom=headroom)
         self.prefix = PrefixReuse(self.cache, enabled=prefix_reuse)
+        self.speculator = SpeculativeDecoder(self, speculative) if speculative else None
         self.stats = Stats()
         # "graph": decode from static buffers (captured on CUDA, eager elsewhere); "eager": the
         # plain loop. auto = graph on CUDA, eager on a CPU where capture brings nothing.
@@ -220,6 +226,8 @@ class Engine:
         stops = self.stop_ids(params)
         gen = make_generator(params, self.device)
         self.stats = st = Stats(prompt_tokens=len(prompt_ids))
+        if self.speculator is not None:
+            self.speculator.begin(st.extra)
         t0 = time.perf_counter()
         if budget == 0:
             st.finish_reason = "length"
@@ -241,8 +249,7 @@ class Engine:
                 if stream is None:
                     tok, lp_logits = self._pick(logits, params, gen)
                 else:
-                    tok, lp_logits = torch.tensor(next(stream)), None
-                    self.cache.commit([step.token])  # the graph fed it to produce this one
+                    tok, lp_logits = next(stream)  # the stream commits what it fed
                 step = self.make_step(tok, lp_logits, params, stops, i == budget - 1, t0)
                 over = step.finish_reason is not None
                 yield step
@@ -251,16 +258,25 @@ class Engine:
                 if not self._go_on(cancel):
                     st.finish_reason, over = "abort", True
                     return
-                if graph is not None:
+                if graph is not None or self.speculator is not None:
                     if stream is None:
-                        graph.load(tok, position=len(prompt_ids))
-                        stream = DecodeStream(graph).tokens(budget - 1)
+                        stream = self._stream(
+                            prompt_ids, step.token, params, gen, budget - 1, graph
+                        )
                     continue
                 logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
                 self.cache.commit([step.token])
         finally:
             if not over:
                 self._left_early()
+
+    def _stream(self, prompt_ids, token: int, params, gen, n: int, graph: DecodeGraph | None):
+        """The `n` tokens after the first (`token`), with the logits of their logprobs or None;
+        the cache commits each token once the forward it fed has produced the next."""
+        if self.speculator is not None:
+            return self.speculator.steps(prompt_ids, token, params, gen, n, graph)
+        graph.load(torch.tensor(token, device=self.device), position=len(prompt_ids))
+        return graph_tokens(self.cache, graph, token, n)
 
     def make_step(
         self,
@@ -316,6 +332,15 @@ class Engine:
             out.append(self.model(ids[:, s : s + self.prefill_chunk], cache=self.cache)[0])
             self.cache.commit(prompt_ids[s : s + self.prefill_chunk])
         return torch.cat(out).float().log_softmax(-1)
+
+
+def graph_tokens(cache, graph: DecodeGraph, token: int, n: int):
+    """`n` tokens of the decode graph after `token` (fed at the position loaded), streamed one
+    replay ahead; each input is committed to the cache when its successor arrives."""
+    for t in DecodeStream(graph).tokens(n):
+        cache.commit([token])  # the graph fed it to produce this one
+        yield t, None
+        token = t
 
 
 @torch.inference_mode()

@@ -1,0 +1,224 @@
+"""Speculative decoding by prompt lookup: the config, the n-gram drafter, the acceptance rule.
+
+Drafting: the longest n-gram (n from `prompt_lookup_max` down to `prompt_lookup_min`) that ends
+the sequence so far (prompt and generated tokens) and occurred earlier in it proposes the tokens
+that followed its latest earlier occurrence, up to `num_speculative_tokens` (continuing the
+repeat periodically where it reaches the end of the sequence). No draft model.
+
+Acceptance (`accept`): the model scores the last accepted token and the k drafts in one call;
+row j of its logits is the distribution of the token after input j. Greedy keeps the drafts
+while they equal the argmax, then the argmax. Sampling is the standard speculative rule for a
+deterministic draft (q = one-hot): draft j is kept with probability p_j(draft) under the
+filtered (temperature / top-k / top-p / min-p) distribution; at the first rejection the token
+is drawn from p_j with the draft removed and renormalised; when all are kept, one more from p_k.
+So the output has exactly the model's distribution. Everything stays on the device with fixed
+shapes (no host sync), so a captured verify step runs it as is.
+
+`BackOff` pauses drafting after verify steps that gain nothing, so that on text that does not
+repeat speculation costs (almost) nothing against plain decoding. It counts tokens, not time:
+the same seed gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .config import SamplingParams
+from .errors import ConfigError
+from .sampler import SamplerKnobs, filter_logits
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` fields for prompt lookup (method "ngram")."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    method: str = "ngram"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "--speculative-config") -> SpeculativeConfig:
+        """Parse the JSON object of the flag; a bad value is a ConfigError naming the field."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not valid JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw, where)
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "--speculative-config") -> SpeculativeConfig:
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown field {unknown[0]!r} (expected {', '.join(sorted(known))})"
+            )
+        method = raw.get("method", "ngram")
+        if method not in METHODS:
+            raise ConfigError(
+                f"{where}: method={method!r}: only 'ngram' (prompt lookup) is supported"
+            )
+
+        def count(name: str, value, hi: int) -> int:
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+                raise ConfigError(f"{where}: {name}={value!r}: expected an integer in [1, {hi}]")
+            return value
+
+        if "num_speculative_tokens" not in raw:
+            raise ConfigError(f"{where}: num_speculative_tokens is required")
+        k = count("num_speculative_tokens", raw["num_speculative_tokens"], MAX_SPECULATIVE_TOKENS)
+        hi, lo = raw.get("prompt_lookup_max"), raw.get("prompt_lookup_min")
+        if hi is None and lo is None:  # vLLM's defaults: one n-gram size, 5
+            hi = lo = 5
+        lo = None if lo is None else count("prompt_lookup_min", lo, 64)
+        hi = lo if hi is None else count("prompt_lookup_max", hi, 64)
+        lo = hi if lo is None else lo  # vLLM: one given, the other equals it
+        if lo > hi:
+            raise ConfigError(
+                f"{where}: prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}"
+            )
+        return cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo)
+
+
+class NgramDrafter:
+    """Prompt lookup over one request's tokens, with an index of every n-gram's latest end.
+
+    `extend` appends tokens; `propose(k)` returns up to k tokens. The index is filled lazily
+    up to (not including) the sequence's last position, so the suffix never matches itself.
+    """
+
+    def __init__(self, cfg: SpeculativeConfig, tokens: list[int] | None = None):
+        self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        self.seq: list[int] = []
+        self.latest: list[dict[tuple, int]] = [{} for _ in range(self.hi + 1)]  # by n
+        self.indexed = 0  # n-grams ending before this position are in the index
+        if tokens:
+            self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        self.seq.extend(tokens)
+
+    def _index(self) -> None:
+        seq, last = self.seq, len(self.seq) - 1
+        for end in range(self.indexed, last):
+            for n in range(self.lo, min(self.hi, end + 1) + 1):
+                self.latest[n][tuple(seq[end + 1 - n : end + 1])] = end
+        self.indexed = max(self.indexed, last)
+
+    def propose(self, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        self._index()
+        seq = self.seq
+        L = len(seq)
+        for n in range(min(self.hi, L), self.lo - 1, -1):
+            end = self.latest[n].get(tuple(seq[L - n :]))
+            if end is not None:
+                # What followed the match; where that runs into the end of the sequence the
+                # repeat goes on with the drafts themselves (text that loops with period
+                # L - 1 - end gets whole drafts, not a token or two)
+                out = seq[end + 1 : end + 1 + k]
+                while len(out) < k:
+                    out.append(out[end + 1 + len(out) - L])
+                return out
+        return []
+
+
+def accept(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    knobs: SamplerKnobs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify k drafts against logits (k + 1, V) -> (n accepted (), tokens (k + 1,)).
+
+    The step's output is tokens[: n + 1]: the n kept drafts, then the model's own token. With
+    k = 0 this is exactly `sampler.sample` (same filters, same draw). No host synchronisation.
+    """
+    k = drafts.shape[0]
+    if params.greedy:
+        target = logits.argmax(-1)  # (k + 1,)
+        kept = (target[:k] == drafts).long().cumprod(0).sum()
+        return kept, target
+    probs = filter_logits(logits, params, knobs).softmax(-1)  # (k + 1, V)
+    p_draft = probs[:k].gather(1, drafts[:, None])[:, 0]  # (k,)
+    u = torch.rand(k, device=logits.device, generator=generator)
+    kept = (u < p_draft).long().cumprod(0).sum()
+    # rows < k: the residual after rejecting the draft (renormalised by the argmax below);
+    # row k: the bonus token's full distribution. One exponential race per row.
+    residual = probs.clone()
+    residual[:k].scatter_(1, drafts[:, None], 0.0)
+    noise = torch.empty_like(residual).exponential_(generator=generator)
+    own = (residual / noise).argmax(-1)  # (k + 1,)
+    rows = torch.arange(k + 1, device=logits.device)
+    tokens = torch.where(rows < kept, torch.cat((drafts, own[k:])), own)
+    return kept, tokens
+
+
+class BackOff:
+    """Pauses drafting after verify steps that gained nothing: 2, 4, 8, ... up to `max_pause`
+    tokens of plain decoding after consecutive misses; one kept draft resets it."""
+
+    def __init__(self, max_pause: int = 64):
+        self.max_pause = max_pause
+        self.misses = 0
+        self.pause = 0  # plain tokens still to go before the next draft
+
+    def ready(self) -> bool:
+        return self.pause <= 0
+
+    def plain(self, tokens: int) -> None:
+        """`tokens` were produced without a draft."""
+        self.pause -= tokens
+
+    def verified(self, kept: int) -> None:
+        if kept > 0:
+            self.misses = 0
+            return
+        self.misses += 1
+        self.pause = min(2**self.misses, self.max_pause)
+
+
+@dataclass
+class SpecStats:
+    """One request's figures: verify steps, drafted tokens, kept drafts."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, drafted: int, kept: int) -> None:
+        self.verify_steps += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += kept
+
+    def as_dict(self) -> dict:
+        steps, drafted = self.verify_steps, self.draft_tokens
+        return {
+            "verify_steps": steps,
+            "draft_tokens": drafted,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": round(self.accepted_tokens / drafted, 4) if drafted else None,
+            "mean_accepted_per_verify": round(self.accepted_tokens / steps, 4) if steps else None,
+        }
+
+
+def combine(*figures: dict | None) -> dict:
+    """Several requests' (or choices') `SpecStats.as_dict()` figures as one."""
+    total = SpecStats()
+    for f in figures:
+        if f:
+            total.verify_steps += f["verify_steps"]
+            total.draft_tokens += f["draft_tokens"]
+            total.accepted_tokens += f["accepted_tokens"]
+    return total.as_dict()

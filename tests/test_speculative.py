@@ -1,0 +1,267 @@
+"""Speculative decoding by prompt lookup: exact against plain decoding, on every path.
+
+Greedy output equals plain decoding token for token (k = 1..8, a Laneformer with delays and
+sliding-window rings, and a Llama), on the eager path and on the static verify step that a GPU
+captures (run eagerly here). A flip at a near tie (top-2 logit gap < 1e-5) is the one allowed
+difference; it is reported, not hidden. Sampling follows the filtered distribution (chi-square
+against the plain sampler's probabilities). Rings after rejected drafts give the logits of a
+fresh full forward. Stops, max_tokens, the context limit, logprobs and cancellation act inside
+an accepted run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny
+import torch
+
+from expresslane.config import ModelConfig, SamplingParams
+from expresslane.engine import Engine
+from expresslane.errors import ConfigError
+from expresslane.model import Laneformer, init_weights
+from expresslane.speculative import NgramDrafter, SpeculativeConfig
+
+NEAR_TIE = 1e-5
+
+
+def spec(k: int, hi: int = 3, lo: int = 1) -> SpeculativeConfig:
+    return SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and sane on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def lane():
+    return tiny.laneformer(seed=5)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    cfg = ModelConfig.from_hf_dict(
+        dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, eos_token_id=2)
+    )  # fmt: skip
+    return init_weights(Laneformer(cfg), seed=3).eval()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts with a repeated span in each, so that lookup finds drafts."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        body = torch.randint(3, 64, (6 + i % 5,), generator=g).tolist()
+        out.append([1, *body, *torch.randint(3, 64, (3,), generator=g).tolist(), *body[:4]])
+    return out
+
+
+def first_flip(model, prompt, plain, got) -> tuple[int, float] | None:
+    """(index, top-2 gap of the plain path there) of the first difference, or None."""
+    i = next((j for j, (a, b) in enumerate(zip(plain, got, strict=False)) if a != b), None)
+    if i is None:
+        assert len(plain) == len(got)
+        return None
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + plain[:i]]))[0, -1]
+    top = logits.topk(2).values
+    return i, float(top[0] - top[1])
+
+
+def assert_identical(model, prompt, plain, got, flips: list) -> None:
+    flip = first_flip(model, prompt, plain, got)
+    if flip is not None:
+        i, gap = flip
+        assert gap < NEAR_TIE, f"token {i} differs at a top-2 gap of {gap:.3g}"
+        flips.append(flip)  # allowed: reported below
+
+
+@pytest.mark.parametrize("which", ["lane", "llama"])
+def test_greedy_identity_over_prompts_and_k(which, request):
+    model = request.getfixturevalue(which)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain_engine = Engine(model, max_model_len=128)
+    flips, drafted, kept = [], 0, 0
+    for prompt in prompts(6, seed=len(which)):
+        plain = list(plain_engine.generate(prompt, params))
+        for k in range(1, 9):
+            eng = Engine(model, max_model_len=128, speculative=spec(k))
+            assert_identical(model, prompt, plain, list(eng.generate(prompt, params)), flips)
+            fig = eng.stats.extra["speculative"]
+            drafted, kept = drafted + fig["draft_tokens"], kept + fig["accepted_tokens"]
+    print(f"\n{which}: {len(flips)} near-tie flips {flips}; {kept}/{drafted} drafts kept")
+    assert kept > 0 and drafted > kept  # drafts were made, kept and rejected
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_static_verify_step_equals_plain_greedy(lane, k):
+    """The graph-capable verify (static buffers, acceptance on the device), run eagerly."""
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    flips = []
+    for prompt in prompts(3, seed=k):
+        plain = list(Engine(lane, max_model_len=128).generate(prompt, params))
+        eng = Engine(lane, max_model_len=128, decode="graph", speculative=spec(k))
+        assert_identical(lane, prompt, plain, list(eng.generate(prompt, params)), flips)
+        assert eng.stats.extra["speculative"]["verify_steps"] > 0
+        assert eng.speculator.graphs  # the verify went through the static step
+    assert not flips, flips
+
+
+def test_static_and_eager_verify_agree_on_one_step(lane):
+    """One verify of the same drafts: same tokens, same visible cache, same sampled draw."""
+    from expresslane.verify import VerifyGraph, verify_eager
+
+    prompt = prompts(1)[0]
+    drafts = [9, 30, 11, 5]
+    for params in (SamplingParams(), SamplingParams(temperature=0.9, top_k=20, seed=4)):
+        a = Engine(lane, max_model_len=64, speculative=spec(4))
+        a.prefill(prompt)
+        g = None if params.greedy else torch.Generator().manual_seed(7)
+        got_eager, _ = verify_eager(lane, a.cache, 7, drafts, params, g)
+        b = Engine(lane, max_model_len=64, speculative=spec(4))
+        b.prefill(prompt)
+        g = None if params.greedy else torch.Generator().manual_seed(7)
+        vg = VerifyGraph(lane, b.cache, params, 4, g)
+        vg.load_drafts(7, drafts, position=len(prompt))
+        out = vg.verify()
+        assert out[1 : out[0] + 2] == got_eager
+        for pa, pb in zip(a.cache.pos, b.cache.pos, strict=True):
+            assert torch.equal(pa, pb)
+
+
+# --- sampling -------------------------------------------------------------------------------
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of chi-square(df), Wilson-Hilferty approximation."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * a**0.5) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    support = probs > 0
+    assert counts[~support].sum() == 0, "drew a token the filters removed"
+    n = counts.sum()
+    expected = probs[support] * n
+    stat = (((counts[support] - expected) ** 2) / expected).sum().item()
+    return stat, chi_square_critical(int(support.sum()) - 1)
+
+
+def test_acceptance_rule_follows_the_filtered_distribution():
+    """accept() on fixed logits: the 1st token ~ p_0, the 2nd given the 1st draft ~ p_1, the
+    3rd given both ~ p_2 (chi-square, p = 0.001), against the plain sampler's filter."""
+    from expresslane.sampler import filter_logits
+    from expresslane.speculative import accept
+
+    V, k, n = 24, 3, 6000
+    logits = torch.randn(k + 1, V, generator=torch.Generator().manual_seed(2)) * 2.0
+    params = SamplingParams(temperature=0.8, top_k=12, top_p=0.95, seed=0)
+    probs = filter_logits(logits.double(), params).softmax(-1)
+    # drafts of middling probability: both outcomes happen often
+    order = probs[:k].argsort(-1, descending=True)
+    drafts = torch.stack([order[0, 1], order[1, 0], order[2, 0]])  # not always the favourite
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.zeros(k, V, dtype=torch.float64)
+    for _ in range(n):
+        kept, tokens = accept(logits, drafts, params, gen)
+        out = tokens[: int(kept) + 1].tolist()
+        for j, t in enumerate(out):
+            counts[j, t] += 1
+            if j + 1 == k or t != drafts[j]:
+                break
+    for j in range(k):
+        stat, crit = chi_square(counts[j], probs[j])
+        assert stat < crit, (j, stat, crit)
+    assert counts[k - 1].sum() > 300  # the deepest row was reached often enough to test
+
+
+def test_engine_samples_follow_the_model_distribution(lane):
+    """Engine level: the 2nd generated token (from a verify step that has a draft) over many
+    seeds against its exact marginal sum_t1 p(t1) p(t2 | t1) under the plain sampler's filter
+    (chi-square, p = 0.001)."""
+    from expresslane.sampler import filter_logits
+
+    prompt = [1, *range(3, 64)]  # every token the first step can draw has a draft after it
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
+    with torch.no_grad():
+        p1 = filter_logits(lane(torch.tensor([prompt]))[0, -1].double(), params).softmax(-1)
+        expected = torch.zeros(64, dtype=torch.float64)
+        for t1 in p1.nonzero()[:, 0].tolist():
+            logits = lane(torch.tensor([prompt + [t1]]))[0, -1].double()
+            expected += p1[t1] * filter_logits(logits, params).softmax(-1)
+    eng = Engine(lane, max_model_len=80, speculative=spec(3, 2, 1))
+    counts = torch.zeros(64, dtype=torch.float64)
+    verified = 0
+    for seed in range(500):
+        p = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True, seed=seed)
+        counts[list(eng.generate(prompt, p))[1]] += 1
+        verified += eng.stats.extra["speculative"]["verify_steps"]
+    assert verified > 450  # nearly every request verified a draft
+    stat, crit = chi_square(counts, expected)
+    assert stat < crit, (stat, crit)
+
+
+def test_seeded_speculative_sampling_is_reproducible(lane):
+    p = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)
+    for decode in ("eager", "graph"):
+        eng = Engine(lane, max_model_len=64, decode=decode, speculative=spec(4))
+        first = list(eng.generate(prompts(1)[0], p))
+        assert list(eng.generate(prompts(1)[0], p)) == first
+
+
+# --- configuration and drafting -----------------------------------------------------------------
+def test_config_parses_vllm_spelling():
+    text = (
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}'
+    )
+    assert SpeculativeConfig.from_json(text) == SpeculativeConfig(5, 4, 2)
+    only_max = SpeculativeConfig.from_json('{"num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
+    neither = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (neither.prompt_lookup_min, neither.prompt_lookup_max) == (5, 5)
+
+
+@pytest.mark.parametrize(
+    "text, names",
+    [
+        ("{bad", "not valid JSON"),
+        ("[5]", "expected a JSON object"),
+        ('{"num_speculative_tokens": 5, "draft": 1}', "unknown field 'draft'"),
+        ('{"method": "eagle", "num_speculative_tokens": 5}', "method='eagle'"),
+        ('{"method": "ngram"}', "num_speculative_tokens is required"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens=0"),
+        ('{"num_speculative_tokens": "5"}', "num_speculative_tokens='5'"),
+        ('{"num_speculative_tokens": true}', "num_speculative_tokens=True"),
+        ('{"num_speculative_tokens": 5, "prompt_lookup_min": 0}', "prompt_lookup_min=0"),
+        ('{"num_speculative_tokens": 5, "prompt_lookup_max": 2, "prompt_lookup_min": 3}',
+         "prompt_lookup_min=3 is larger than prompt_lookup_max=2"),
+    ],
+)  # fmt: skip
+def test_config_errors_name_the_field(text, names):
+    with pytest.raises(ConfigError, match="--speculative-config") as e:
+        SpeculativeConfig.from_json(text)
+    assert names in str(e.value)
+
+
+def test_drafter_proposes_what_followed_the_longest_latest_match():
+    d = NgramDrafter(spec(3, hi=3, lo=1), [5, 6, 7, 8, 9, 5, 6, 7])
+    assert d.propose(3) == [8, 9, 5]  # (5, 6, 7) ended at index 2
+    assert d.propose(1) == [8]
+    assert d.propose(6) == [8, 9, 5, 6, 7, 8]  # the repeat goes on past the sequence's end
+    assert NgramDrafter(spec(5, hi=2, lo=1), [3, 4, 3, 4]).propose(5) == [3, 4, 3, 4, 3]
+    d = NgramDrafter(spec(2, hi=2, lo=1), [1, 2, 3, 1, 2, 4, 1, 2])
+    assert d.propose(2) == [4, 1]  # the latest of two occurrences of (1, 2)
+    d = NgramDrafter(spec(2, hi=2, lo=1), [1, 2, 3, 9, 2, 4, 1, 2])
+    assert d.propose(2) == [3, 9]  # the bigram (1, 2) beats the later unigram (2)
+    assert NgramDrafter(spec(2, hi=2, lo=1), [1, 2, 3]).propose(2) == []  # no self-match
+    assert NgramDrafter(spec(2, hi=3, lo=2), [1, 2, 9, 2]).propose(2) == []  # n >= 2 only
+    d = NgramDrafter(spec(4, hi=2, lo=2), [4, 5, 6])
+    assert d.propose(4) == []
+    d.extend([7, 4, 5])  # incremental: the index catches up
+    assert d.propose(4) == [6, 7, 4, 5]
+    assert d.propose(0) == []
