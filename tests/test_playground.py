@@ -1,5 +1,7 @@
 """The playground page in headless Chromium (Playwright): stream, live tokens/s, Stop.
 
+The engine speculates (prompt lookup), so the live drafts-kept figure shows beside tokens/s.
+
 Types a chat message, waits for streamed text, the live tokens/s figure and the server's own
 figures, saves a screenshot to docs/playground.png, runs the raw prompt box ("Complete"), then
 starts a long generation and presses Stop: the server must drop the request (running gauge back
@@ -25,6 +27,7 @@ from expresslane.cli.serve import serving
 from expresslane.engine import Engine
 from expresslane.serve import create_app
 from expresslane.serve.metrics import parse_metrics
+from expresslane.speculative import SpeculativeConfig
 from expresslane.tokenizer import Tokenizer
 
 CHROMIUM = os.environ.get("EXPRESSLANE_CHROMIUM", "/usr/bin/chromium")
@@ -72,8 +75,9 @@ def test_playground_streams_shows_speed_and_stops(random_laneformer_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     engine = Engine.from_pretrained(
-        str(random_laneformer_dir), device="cpu", dtype="float32", max_model_len=512, progress=False
-    )
+        str(random_laneformer_dir), device="cpu", dtype="float32", max_model_len=512,
+        progress=False, speculative=SpeculativeConfig(4, 3, 1),
+    )  # fmt: skip
     app = create_app(engine, Tokenizer.from_dir(random_laneformer_dir), served_model_name="tiny")
     exe = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
     try:
@@ -89,6 +93,7 @@ def test_playground_streams_shows_speed_and_stops(random_laneformer_dir):
             expect(reply).not_to_be_empty()
             expect(page.locator("#live-tps")).to_have_text(re.compile(r"^\d+(\.\d+)?$"))
             expect(page.locator("#srv-tps")).to_contain_text("tok/s", timeout=30_000)
+            expect(page.locator("#live-spec")).to_contain_text("drafts kept")  # speculation
             expect(page.locator("#status")).to_have_text("done")
             # A code block as the model would write it: rendered as code, with a copy button.
             page.evaluate("""() => {

@@ -20,6 +20,7 @@ from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
 from ..parallel import rendezvous
+from ..speculative import SpeculativeConfig
 from ..textgen import generate_text
 from ..tokenizer import Tokenizer
 from . import launch
@@ -63,6 +64,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="split lanes (Llama: heads) over N processes: gloo on CPU, NCCL on GPU",
     )
     rendezvous.add_arguments(p)  # --nnodes, --node-rank, --rdzv-endpoint: N over several hosts
+    add_speculative_argument(p)
 
 
 def add_prefix_argument(p: argparse.ArgumentParser) -> None:
@@ -72,6 +74,28 @@ def add_prefix_argument(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="prefill every prompt whole instead of reusing the prefix the KV cache holds",
     )
+
+
+def add_speculative_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding by prompt lookup, as vLLM spells it: "
+        '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\'',
+    )
+
+
+def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """--speculative-config parsed (exit 2 naming the field); None when not given."""
+    if getattr(args, "speculative_config", None) is None:
+        return None
+    cfg = SpeculativeConfig.from_json(args.speculative_config)
+    if launch.parallel_requested(args):
+        raise ConfigError("--speculative-config: the parallel engine (--devices N) does not "
+                          "speculate; use one device")  # fmt: skip
+    return cfg
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +147,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
         max_model_len=args.max_model_len,
         compile=getattr(args, "compile", False),
         prefix_reuse=not getattr(args, "no_prefix_reuse", False),
+        speculative=speculative_from_args(args),
     )
     set_cpu_threads(engine, getattr(args, "threads", None))
     return engine, Tokenizer.from_dir(path)
@@ -143,6 +168,7 @@ def set_cpu_threads(engine: Engine, threads: int | None) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    speculative_from_args(args)  # a bad --speculative-config exits 2 before anything loads
     params = sampling_from_args(args)  # bad flags fail before any rank starts
     if launch.parallel_requested(args):  # --devices 0 is refused there
         return launch.run_parallel(args, generate_on_rank)
@@ -174,7 +200,7 @@ def generate_and_print(
             sys.stdout.write(piece)
             sys.stdout.flush()
     st = engine.stats
-    extra = extra or {}
+    extra = {**st.extra, **(extra or {})}  # e.g. the speculative decoding figures
     if args.json:
         print(
             json.dumps(
@@ -195,7 +221,7 @@ def generate_and_print(
             )
         )
     else:
-        tail = "".join(f", {k}: {v}" for k, v in extra.items())
+        tail = "".join(f", {k}: {_show(v)}" for k, v in extra.items())
         print(
             f"\n[prompt tokens: {st.prompt_tokens}, time to first token: "
             f"{st.ttft_s * 1e3:.1f} ms, decode: {st.decode_tokens_per_s:.1f} tokens/s, "
@@ -218,3 +244,9 @@ def label_embedded_answer(args: argparse.Namespace, params: SamplingParams) -> N
     print(f"embedded model: {SUMMARY}")
     print(f"{kind} ({', '.join(knobs)}): {text}")
     print("answer:", flush=True)
+
+
+def _show(value) -> str:
+    if isinstance(value, dict):  # {"draft_tokens": 40, ...} -> "draft_tokens=40 ..."
+        return " ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)

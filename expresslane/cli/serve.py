@@ -19,7 +19,7 @@ import threading
 import time
 
 from . import launch
-from .run import add_model_arguments, add_prefix_argument, load_engine
+from .run import add_model_arguments, add_prefix_argument, load_engine, speculative_from_args
 
 HELP = "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) and playground"
 
@@ -152,6 +152,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    speculative_from_args(args)  # a bad --speculative-config exits 2 before the server starts
     if launch.parallel_requested(args) and not launch.in_launch():
         return launch.launch(args, main)  # one process per device; rank 0 serves
 

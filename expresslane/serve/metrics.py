@@ -118,6 +118,21 @@ class Metrics:
             PREFIX + "prefix_cache_hit_requests", "Prompts that reused a cached prefix.", label,
             registry=r,
         ).labels(model_name)  # fmt: skip
+        # speculative decoding (vLLM's names): verify steps, drafted and accepted tokens
+        self.spec_drafts, self.spec_draft_tokens, self.spec_accepted_tokens = (
+            Counter(PREFIX + name, doc, label, registry=r).labels(model_name)
+            for name, doc in (
+                ("spec_decode_num_drafts", "Speculative verify steps (one draft each)."),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed by prompt lookup."),
+                ("spec_decode_num_accepted_tokens", "Draft tokens the model accepted."),
+            )
+        )
+
+    def speculated(self, figures: dict) -> None:
+        """One finished sequence's speculation figures (SpecStats.as_dict)."""
+        self.spec_drafts.inc(figures["verify_steps"])
+        self.spec_draft_tokens.inc(figures["draft_tokens"])
+        self.spec_accepted_tokens.inc(figures["accepted_tokens"])
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()

@@ -366,6 +366,8 @@ async def _stream(
                     if choice is None:
                         continue
                     extra = {"completion_tokens": generated}
+                    if job.timings.speculative is not None:  # live, for the playground
+                        extra["speculative"] = job.timings.speculative
                     if ev.kind == "finish":
                         extra["timings"] = job.timings.as_dict()
                     yield P.sse({**base, "choices": [choice], **extra})

@@ -30,6 +30,7 @@ import torch
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ExpressLaneError
+from ..speculative import combine
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from .metrics import Metrics
@@ -86,6 +87,7 @@ class Timings:
     prefill_s: float = 0.0  # engine: request start -> first token, summed over choices
     decode_s: float = 0.0  # engine: first token -> last token, summed over choices
     decode_steps: int = 0  # tokens after the first of each choice
+    speculative: dict | None = None  # drafted / kept so far, all choices (live; None: off)
 
     def as_dict(self) -> dict:
         """The `timings` object every response carries (OpenAI clients ignore it)."""
@@ -96,7 +98,7 @@ class Timings:
         end = self.end if self.end is not None else time.monotonic()
         tps = self.decode_steps / self.decode_s if self.decode_steps and self.decode_s else None
         pps = self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
-        return {
+        out = {
             "queue_ms": ms(self.arrival, self.start),
             "ttft_ms": ms(self.arrival, self.first_token),
             "prompt_tokens": self.prompt_tokens,
@@ -107,6 +109,9 @@ class Timings:
             "decode_tokens_per_s": None if tps is None else round(tps, 2),
             "e2e_ms": ms(self.arrival, end),
         }
+        if self.speculative is not None:
+            out["speculative"] = self.speculative
+        return out
 
 
 class Job:
@@ -268,9 +273,13 @@ class Worker:
         last = None
         n = 0
         finish, stop_reason = None, None
+        before, live = t.speculative, None  # the speculation figures of earlier choices
         for text, step in stream_text(
             engine, self.tokenizer, spec.prompt_ids, params, spec.stop, job.cancel
         ):
+            if engine.stats.extra.get("speculative") is not live:  # a new verify step
+                live = engine.stats.extra["speculative"]
+                t.speculative = combine(before, live)
             now = time.monotonic()
             if last is None:
                 if t.first_token is None:
@@ -289,6 +298,9 @@ class Worker:
         st = engine.stats
         if st.cached_tokens is not None and engine.prefix.enabled:
             m.prefix_lookup(len(spec.prompt_ids), st.cached_tokens)
+        if st.extra.get("speculative") is not None:  # a verify after the last token seen
+            live = st.extra["speculative"]
+            t.speculative = combine(before, live)
         finish = finish or st.finish_reason or "abort"
         t.completion_tokens += n
         if n:
@@ -299,6 +311,8 @@ class Worker:
             if n > 1 and st.decode_s > 0:
                 m.decode_tps.observe((n - 1) / st.decode_s)
         m.generation_tokens.inc(n)
+        if live is not None:
+            m.speculated(live)
         m.finished(finish)
         job.put(Event("finish", spec.index, finish_reason=finish, stop_reason=stop_reason))
         return st.cached_tokens or 0

@@ -1,6 +1,7 @@
 // ExpressLane playground: streams /v1/chat/completions or /v1/completions over fetch + SSE.
 // Live tokens/s is computed in the browser as chunks arrive (each chunk carries the server's
 // running `completion_tokens`); the server's own figures (`timings`) replace it at the end.
+// With speculative decoding every chunk also carries the drafted / kept figures so far.
 // Stop aborts the fetch: the server sees the disconnect and stops decoding within one step.
 "use strict";
 
@@ -165,10 +166,17 @@ function drawChart(speed) {
   ctx.stroke();
 }
 
+function specText(s) {  // "3.2 per verify · 74% of 230" (drafts kept per verify step, rate)
+  if (!s || !s.verify_steps) return s ? "no drafts yet" : "";
+  const rate = s.draft_tokens ? Math.round((100 * s.accepted_tokens) / s.draft_tokens) : 0;
+  return `${s.mean_accepted_per_verify.toFixed(1)} per verify · ${rate}% of ${s.draft_tokens}`;
+}
+
 function showFigures(t) {
   const fmt = (v, unit, digits = 1) => (v == null ? "–" : `${Number(v).toFixed(digits)} ${unit}`);
   $("srv-ttft").textContent = fmt(t && t.ttft_ms, "ms");
   $("srv-tps").textContent = fmt(t && t.decode_tokens_per_s, "tok/s");
+  $("srv-spec").textContent = (t && specText(t.speculative)) || "–";
   $("srv-tokens").textContent = t ? String(t.completion_tokens) : "–";
   $("srv-prompt").textContent = t ? String(t.prompt_tokens) : "–";
   $("srv-e2e").textContent = fmt(t && t.e2e_ms, "ms", 0);
@@ -209,7 +217,7 @@ async function run(path, body, target) {
   state.controller = new AbortController();
   state.speed = new Speed();
   $("send").disabled = true; $("stop").disabled = false; $("status").textContent = "waiting…";
-  showFigures(null); $("live-tps").textContent = "–";
+  showFigures(null); $("live-tps").textContent = "–"; $("live-spec").textContent = "";
   let text = "", chunks = 0;
   const paint = () => refresh(target, () => text);
   try {
@@ -229,6 +237,7 @@ async function run(path, body, target) {
       }
       chunks += 1;
       state.speed.update(j.completion_tokens != null ? j.completion_tokens : chunks);
+      if (j.speculative) $("live-spec").textContent = "drafts kept: " + specText(j.speculative);
       if (j.timings) {
         state.speed.final = j.timings.decode_tokens_per_s;
         showFigures(j.timings);
