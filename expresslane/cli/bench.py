@@ -31,7 +31,9 @@ from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..presets import get_preset, preset_names
+from ..speculative import SpeculativeConfig
 from . import launch
+from .run import add_speculative_argument, speculative_from_args
 
 HELP = "benchmark time to first token, prefill and batch-1 decode speed (with a peer baseline)"
 
@@ -88,6 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="benchmark the parallel engine on N processes (gloo on CPU, NCCL on GPU); "
         "no peer baseline there",
     )
+    add_speculative_argument(p)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="--speculative-config: runs per workload, plain and speculative alternating",
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON line")
 
 
@@ -105,7 +114,10 @@ def _commit() -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    spec = speculative_from_args(args)  # exit 2 on a bad config, before anything loads
     model_cfg, checkpoint = _source(args)
+    if spec is not None:
+        return _main_speculative(args, spec, model_cfg, checkpoint)
     name = args.preset or str(checkpoint)
     if args.devices != 1 or launch.torchrun_env():
         return _main_parallel(args, model_cfg, checkpoint, name)
@@ -194,6 +206,46 @@ def _machine(device: torch.device) -> dict:
         "copy_gb_s": copy_bandwidth_gb_s(device),
         "datasheet": sheet,
     }
+
+
+# --- --speculative-config: plain vs speculative decoding on the shipped workloads -----------------
+def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path | None) -> int:
+    from ..bench.speculative import run_speculative_bench, table
+    from ..checkpoint import load_model
+    from ..tokenizer import Tokenizer
+
+    if checkpoint is None:
+        raise ConfigError("--speculative-config: the workloads are text: give a checkpoint "
+                          "folder with a tokenizer instead of --preset")  # fmt: skip
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats}: must be at least 1")
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(_threads(args, model_cfg, 1))
+    model = load_model(checkpoint, device=str(device), dtype=args.dtype, progress=False)
+    tok = Tokenizer.from_dir(checkpoint)
+    machine = _machine(device)
+    rows, by_kind = run_speculative_bench(
+        model, tok, spec, repeats=args.repeats, compile=args.compile
+    )
+    summary = {
+        "model": str(checkpoint),
+        "device": machine["device"],
+        "device_name": machine["device_name"],
+        "threads": machine["threads"],
+        "commit": _commit(),
+        "speculative_config": {"method": spec.method, **{
+            k: getattr(spec, k) for k in ("num_speculative_tokens", "prompt_lookup_max",
+                                          "prompt_lookup_min")}},
+        "repeats": args.repeats,
+        "note": "plain and speculative runs interleaved in one process (order alternates)",
+        "geomean_speedup": by_kind,
+        "rows": rows,
+    }  # fmt: skip
+    if not args.json:
+        print(table(rows, by_kind))
+    print(json.dumps(summary, default=lambda x: round(x, 4) if isinstance(x, float) else str(x)))
+    return 0
 
 
 # --- --devices N: one process per device -------------------------------------------------------
