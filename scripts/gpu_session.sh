@@ -53,7 +53,7 @@ stage_command() {
     tests)  # the GPU tests only (a marker: -k would match module names, every CPU test too)
       LIMIT=420
       CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider tests/test_graph.py tests/test_parallel.py
-           tests/test_prefix.py tests/test_kernels.py)
+           tests/test_prefix.py tests/test_speculative.py tests/test_kernels.py)
       ((DRY)) && unset 'CMD[${#CMD[@]}-1]' ;;  # the kernel tests take a minute in the interpreter
     kernels)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.kernels --context 1024)

@@ -11,6 +11,8 @@ an accepted run.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import tiny
 import torch
@@ -68,8 +70,9 @@ def first_flip(model, prompt, plain, got) -> tuple[int, float] | None:
     if i is None:
         assert len(plain) == len(got)
         return None
+    dev = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + plain[:i]]))[0, -1]
+        logits = model(torch.tensor([prompt + plain[:i]], device=dev))[0, -1]
     top = logits.topk(2).values
     return i, float(top[0] - top[1])
 
@@ -265,3 +268,68 @@ def test_drafter_proposes_what_followed_the_longest_latest_match():
     d.extend([7, 4, 5])  # incremental: the index catches up
     assert d.propose(4) == [6, 7, 4, 5]
     assert d.propose(0) == []
+
+
+# --- on a GPU: the captured verify step ----------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_captured_verify_equals_eager_decoding(lane):
+    m = copy.deepcopy(lane).to("cuda")
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    flips = []
+    for prompt in prompts(4, seed=9):
+        plain = list(Engine(m, max_model_len=128, decode="eager").generate(prompt, params))
+        eng = Engine(m, max_model_len=128, decode="graph", speculative=spec(5))
+        assert_identical(m, prompt, plain, list(eng.generate(prompt, params)), flips)
+        assert all(g.graph is not None for g in eng.speculator.graphs.values())  # captured
+        assert eng.stats.extra["speculative"]["verify_steps"] > 0
+    print(f"\ncuda: {len(flips)} near-tie flips {flips}")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_captured_and_eager_verify_draw_the_same_tokens(lane):
+    """One sampled verify step, captured and not, from the same state and seed."""
+    from expresslane.verify import VerifyGraph
+
+    m = copy.deepcopy(lane).to("cuda")
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
+    prompt = prompts(1)[0]
+    outs = []
+    for capture in (True, False):
+        eng = Engine(m, max_model_len=64, speculative=spec(4))
+        eng.prefill(prompt)
+        gen = torch.Generator("cuda").manual_seed(3)
+        vg = VerifyGraph(m, eng.cache, params, 4, gen, capture=capture)
+        got = []
+        for _ in range(6):  # same inputs each step (the cache is rewritten alike)
+            vg.load_drafts(5, [6, 7, 8, 9], len(prompt))
+            got.append(vg.verify())
+        outs.append(got)
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_verify_replays_do_not_synchronise(lane):
+    from expresslane.verify import VerifyGraph
+
+    m = copy.deepcopy(lane).to("cuda")
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=2)
+    eng = Engine(m, max_model_len=64, speculative=spec(4))
+    prompt = prompts(1)[0]
+    eng.prefill(prompt)
+    vg = VerifyGraph(m, eng.cache, params, 4, torch.Generator("cuda").manual_seed(2))
+    vg.load_drafts(5, [6, 7, 8, 9], len(prompt))
+    vg.run()  # capture (synchronises, by design)
+    host = torch.empty(6, dtype=torch.long, pin_memory=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(30):
+            host.copy_(vg.run(), non_blocking=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
