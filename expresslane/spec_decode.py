@@ -23,6 +23,12 @@ from .sampler import sample, structure_key
 from .speculative import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
 from .verify import VerifyGraph, verify_eager
 
+# What each draft adds to a verify step, in decode steps (BackOff): a CPU computes every row
+# (0.1-0.15 measured with SmolLM2; the low end, so that break-even verifies are not punished); a
+# GPU at batch 1 streams the weights once for all of them.
+DRAFT_COST = {"cpu": 0.1}
+DRAFT_COST_DEFAULT = 0.02
+
 
 class SpeculativeDecoder:
     def __init__(self, engine, cfg: SpeculativeConfig):
@@ -67,7 +73,7 @@ class SpeculativeDecoder:
         eng, cfg = self.engine, self.cfg
         want_lp = params.logprobs is not None
         drafter = NgramDrafter(cfg, [*prompt_ids, first])
-        backoff = BackOff()
+        backoff = BackOff(DRAFT_COST.get(eng.device.type, DRAFT_COST_DEFAULT))
         vgraph = self._verify_graph(params, generator) if graph is not None else None
         last, pos, left = first, len(prompt_ids), budget  # `last` sits at `pos`, not yet cached
         while left > 0:
@@ -80,7 +86,7 @@ class SpeculativeDecoder:
                 new, rows = self._verify(vgraph, last, drafts, pos, params, generator)
                 kept = min(len(new) - 1, len(drafts))
                 self.stats.add(len(drafts), kept)
-                backoff.verified(kept)
+                backoff.verified(len(drafts), kept)
                 self._extra["speculative"] = self.stats.as_dict()
             else:
                 new, rows = self._plain(graph, last, pos, params, generator)

@@ -94,6 +94,10 @@ class NgramDrafter:
 
     `extend` appends tokens; `propose(k)` returns up to k tokens. The index is filled lazily
     up to (not including) the sequence's last position, so the suffix never matches itself.
+    Among matches of the longest n, the place the previous draft was copied from (moved on by
+    the tokens produced since) comes first, then the latest occurrence: an edit that reprints a
+    file keeps copying from its source instead of jumping to another line that repeats the
+    last few tokens.
     """
 
     def __init__(self, cfg: SpeculativeConfig, tokens: list[int] | None = None):
@@ -101,6 +105,8 @@ class NgramDrafter:
         self.seq: list[int] = []
         self.latest: list[dict[tuple, int]] = [{} for _ in range(self.hi + 1)]  # by n
         self.indexed = 0  # n-grams ending before this position are in the index
+        self.source: int | None = None  # where the previous draft was copied from
+        self.source_at = 0  # the sequence's length then
         if tokens:
             self.extend(tokens)
 
@@ -114,23 +120,42 @@ class NgramDrafter:
                 self.latest[n][tuple(seq[end + 1 - n : end + 1])] = end
         self.indexed = max(self.indexed, last)
 
+    def _copy_match(self) -> tuple[int, int]:
+        """(start, n): the previous draft's source moved on, and how many tokens before it
+        equal the sequence's last ones (0 when there is no previous draft)."""
+        seq, L = self.seq, len(self.seq)
+        if self.source is None:
+            return 0, 0
+        start = self.source + L - self.source_at
+        n = 0
+        while n < min(self.hi, start) and seq[start - 1 - n] == seq[L - 1 - n]:
+            n += 1
+        return start, n
+
     def propose(self, k: int) -> list[int]:
         if k <= 0:
             return []
         self._index()
-        seq = self.seq
-        L = len(seq)
+        seq, L = self.seq, len(self.seq)
+        copy_start, copy_n = self._copy_match()
         for n in range(min(self.hi, L), self.lo - 1, -1):
+            if copy_n >= n:
+                return self._take(copy_start, k)
             end = self.latest[n].get(tuple(seq[L - n :]))
             if end is not None:
-                # What followed the match; where that runs into the end of the sequence the
-                # repeat goes on with the drafts themselves (text that loops with period
-                # L - 1 - end gets whole drafts, not a token or two)
-                out = seq[end + 1 : end + 1 + k]
-                while len(out) < k:
-                    out.append(out[end + 1 + len(out) - L])
-                return out
+                return self._take(end + 1, k)
+        self.source = None
         return []
+
+    def _take(self, start: int, k: int) -> list[int]:
+        """What follows `start`; where that runs into the end of the sequence the repeat goes on
+        with the drafts themselves (text that loops gets whole drafts, not a token or two)."""
+        seq, L = self.seq, len(self.seq)
+        out = seq[start : start + k]
+        while len(out) < k:
+            out.append(out[start + len(out) - L])
+        self.source, self.source_at = start, L
+        return out
 
 
 def accept(
@@ -166,11 +191,17 @@ def accept(
 
 
 class BackOff:
-    """Pauses drafting after verify steps that gained nothing: 2, 4, 8, ... up to `max_pause`
-    tokens of plain decoding after consecutive misses; one kept draft resets it."""
+    """Pauses drafting after verify steps that did not pay for themselves.
 
-    def __init__(self, max_pause: int = 64):
-        self.max_pause = max_pause
+    A verify over 1 + d positions costs about 1 + `draft_cost` * d decode steps (a CPU computes
+    every row: ~0.1; a GPU at batch 1 streams the same weights once: ~0.02), so one that keeps
+    fewer than `draft_cost` * d drafts (none at all, always) yielded less than it cost: a miss.
+    Consecutive misses pause drafting for 2, 4, 8, ... up to `max_pause` tokens of plain
+    decoding; a verify that pays resets the count.
+    """
+
+    def __init__(self, draft_cost: float = 0.0, max_pause: int = 64):
+        self.draft_cost, self.max_pause = draft_cost, max_pause
         self.misses = 0
         self.pause = 0  # plain tokens still to go before the next draft
 
@@ -181,8 +212,8 @@ class BackOff:
         """`tokens` were produced without a draft."""
         self.pause -= tokens
 
-    def verified(self, kept: int) -> None:
-        if kept > 0:
+    def verified(self, drafted: int, kept: int) -> None:
+        if kept > 0 and kept >= self.draft_cost * drafted:
             self.misses = 0
             return
         self.misses += 1

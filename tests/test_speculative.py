@@ -270,6 +270,20 @@ def test_drafter_proposes_what_followed_the_longest_latest_match():
     assert d.propose(0) == []
 
 
+def test_drafter_keeps_copying_from_the_previous_source():
+    """Two places end with (a, b); the latest would jump to the second copy, but a copy in
+    progress from the first goes on from there."""
+    a, b = 20, 21
+    src = [1, 2, a, b, 3, 4, 5, 6, 7, 8, 9]  # the text being copied
+    other = [30, a, b, 40, 41]  # a later line that also has (a, b)
+    d = NgramDrafter(spec(3, hi=2, lo=2), [*src, *other, 1, 2])
+    assert d.propose(3) == [a, b, 3]  # (1, 2) only matches the source
+    d.extend([a, b])  # the first two drafts were kept, then the model's own token
+    assert d.propose(3) == [3, 4, 5]  # from the source, not [40, 41, 1] after the later (a, b)
+    fresh = NgramDrafter(spec(3, hi=2, lo=2), [*src, *other, 1, 2, a, b])
+    assert fresh.propose(3) == [40, 41, 1]  # without a copy in progress: the latest
+
+
 # --- on a GPU: the captured verify step ----------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -241,16 +241,18 @@ def test_back_off_bounds_the_verify_steps_of_useless_drafts(model, plain, monkey
 
 
 def test_back_off_schedule():
-    b = BackOff(max_pause=16)
+    b = BackOff(draft_cost=0.15, max_pause=16)
     pauses = []
     for _ in range(6):
         assert b.ready()
-        b.verified(0)
+        b.verified(5, 0)
         pauses.append(b.pause)
         b.plain(b.pause)
     assert pauses == [2, 4, 8, 16, 16, 16]
-    b.verified(0)
+    b.verified(5, 0)
     b.plain(3)
     assert not b.ready()
-    b.verified(2)  # a kept draft resets the misses, not the pause under way
-    assert b.misses == 0
+    b.verified(5, 1)  # 2 tokens for ~1.75 steps: it paid; the count resets, not the pause
+    assert b.misses == 0 and not b.ready()
+    b.verified(12, 1)  # 2 tokens for ~2.8 steps: a miss
+    assert b.misses == 1
