@@ -4,9 +4,10 @@
 from the prefill logits), one at a time, so the engine's loop applies stop tokens, stop strings,
 `max_tokens` and cancellation between any two of them, inside an accepted run too. Each round:
 draft up to k tokens (fewer near `max_tokens` or the end of the context, none while backing
-off), then either one verify step or, without a draft, one plain decode step. The eager path
-serves CPUs and logprob requests; with the engine's decode graph (GPU) the verify step is a
-captured `VerifyGraph` for the configured k and plain steps replay the decode graph.
+off), then either one verify step or, without a draft, one plain decode step (a back-off pause
+runs as one stream of plain steps). The eager path serves CPUs and logprob requests; with the
+engine's decode graph (GPU) the verify step is a captured `VerifyGraph` for the configured k and
+plain steps replay the decode graph, streamed one replay ahead as plain decoding does.
 
 Figures (verify steps, drafted, kept) go live into the engine's `Stats.extra["speculative"]`.
 """
@@ -18,7 +19,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .config import SamplingParams
-from .graph import DecodeGraph
+from .graph import DecodeGraph, DecodeStream
 from .sampler import sample, structure_key
 from .speculative import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
 from .verify import VerifyGraph, verify_eager
@@ -48,6 +49,8 @@ class SpeculativeDecoder:
         key = structure_key(params)
         if key not in self.graphs:
             eng = self.engine
+            # not torch.compile'd (with --compile only the plain steps are): compiling it
+            # costs minutes on a CPU, more than the requests that would repay it
             self.graphs[key] = VerifyGraph(
                 eng.model, eng.cache, params, self.cfg.num_speculative_tokens, generator
             )
@@ -77,25 +80,36 @@ class SpeculativeDecoder:
         vgraph = self._verify_graph(params, generator) if graph is not None else None
         last, pos, left = first, len(prompt_ids), budget  # `last` sits at `pos`, not yet cached
         while left > 0:
-            room = eng.max_len - 1 - pos  # drafts occupy positions pos + 1 .. pos + k
-            k = min(cfg.num_speculative_tokens, left - 1, room)
-            drafts = drafter.propose(k) if backoff.ready() else []
-            if vgraph is not None and room < vgraph.k:
-                drafts = []  # the fixed-k step would write past the context
+            drafts = self._draft(drafter, vgraph, pos, left) if backoff.ready() else []
             if drafts:
                 new, rows = self._verify(vgraph, last, drafts, pos, params, generator)
                 kept = min(len(new) - 1, len(drafts))
                 self.stats.add(len(drafts), kept)
                 backoff.verified(len(drafts), kept)
                 self._extra["speculative"] = self.stats.as_dict()
-            else:
-                new, rows = self._plain(graph, last, pos, params, generator)
-                backoff.plain(len(new))
-            new = new[:left]
-            for j, tok in enumerate(new):
-                yield tok, (rows[j] if want_lp else None)
-            drafter.extend(new)
-            last, pos, left = new[-1], pos + len(new), left - len(new)
+                new = new[:left]
+                for j, tok in enumerate(new):
+                    yield tok, (rows[j] if want_lp else None)
+                drafter.extend(new)
+                last, pos, left = new[-1], pos + len(new), left - len(new)
+                continue
+            # no draft: one plain step, or a whole back-off pause as one stream (on the graph
+            # path one replay ahead, as plain decoding runs)
+            n = min(left, 1 if backoff.ready() else backoff.pause)
+            if graph is not None:
+                n = min(left, -(-n // graph.steps) * graph.steps)  # whole replays
+            for tok, row in self._plain(graph, last, pos, params, generator, n):
+                yield tok, (row if want_lp else None)
+                drafter.extend([tok])
+                last, pos, left = tok, pos + 1, left - 1
+            backoff.plain(n)
+
+    def _draft(self, drafter: NgramDrafter, vgraph: VerifyGraph | None, pos: int, left: int):
+        """Drafts for positions pos + 1 .. pos + k: fewer near max_tokens and the context end."""
+        room = self.engine.max_len - 1 - pos
+        if vgraph is not None and room < vgraph.k:
+            return []  # the fixed-k step would write past the context
+        return drafter.propose(min(self.cfg.num_speculative_tokens, left - 1, room))
 
     def _verify(self, vgraph, last, drafts, pos, params, generator):
         """One verify step -> (new tokens, their logits rows or None)."""
@@ -107,11 +121,15 @@ class SpeculativeDecoder:
         out = vgraph.verify()
         return out[1 : out[0] + 2], None
 
-    def _plain(self, graph, last, pos, params, generator):
-        """One decode step without a draft (the decode graph: one replay of its steps)."""
+    def _plain(self, graph, last, pos, params, generator, n: int):
+        """`n` decode steps without drafts -> (token, logits or None) each."""
         eng = self.engine
         if graph is not None:
             graph.load(torch.tensor(last, device=eng.device), position=pos)
-            return graph.run().tolist(), None
-        logits = eng.model(torch.tensor([[last]], device=eng.device), cache=eng.cache)[0]
-        return [int(sample(logits[-1], params, generator))], logits
+            yield from ((t, None) for t in DecodeStream(graph).tokens(n))
+            return
+        for _ in range(n):
+            ids = torch.tensor([[last]], device=eng.device)
+            logits = eng.model(ids, cache=eng.cache)[0, -1]
+            last = int(sample(logits, params, generator))
+            yield last, logits

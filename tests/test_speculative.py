@@ -102,14 +102,16 @@ def test_greedy_identity_over_prompts_and_k(which, request):
     assert kept > 0 and drafted > kept  # drafts were made, kept and rejected
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
-def test_static_verify_step_equals_plain_greedy(lane, k):
-    """The graph-capable verify (static buffers, acceptance on the device), run eagerly."""
+@pytest.mark.parametrize("k, steps", [(1, 1), (3, 1), (8, 1), (4, 3)])
+def test_static_verify_step_equals_plain_greedy(lane, k, steps):
+    """The graph-capable verify (static buffers, acceptance on the device), run eagerly, with
+    plain steps from the decode graph (`steps` per replay)."""
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     flips = []
     for prompt in prompts(3, seed=k):
         plain = list(Engine(lane, max_model_len=128).generate(prompt, params))
-        eng = Engine(lane, max_model_len=128, decode="graph", speculative=spec(k))
+        eng = Engine(lane, max_model_len=128, decode="graph", steps_per_replay=steps,
+                     speculative=spec(k))  # fmt: skip
         assert_identical(lane, prompt, plain, list(eng.generate(prompt, params)), flips)
         assert eng.stats.extra["speculative"]["verify_steps"] > 0
         assert eng.speculator.graphs  # the verify went through the static step

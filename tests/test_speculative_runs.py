@@ -231,9 +231,10 @@ def test_cancellation_is_seen_inside_an_accepted_run(model, plain, monkeypatch):
     assert eng.stats.extra["speculative"]["verify_steps"] == verified  # no verify after
 
 
-def test_back_off_bounds_the_verify_steps_of_useless_drafts(model, plain, monkeypatch):
+@pytest.mark.parametrize("decode", ["eager", "graph"])
+def test_back_off_bounds_the_verify_steps_of_useless_drafts(model, plain, monkeypatch, decode):
     use_oracle(monkeypatch, PROMPT + plain, lambda i, k: 0, backoff=True)  # every draft wrong
-    eng = Engine(model, max_model_len=128, speculative=spec(5))
+    eng = Engine(model, max_model_len=128, decode=decode, speculative=spec(5))
     assert list(eng.generate(PROMPT, GREEDY)) == plain
     fig = eng.stats.extra["speculative"]
     # pauses of 2, 4, 8, 16, 32, 64 plain tokens: 6 verify steps in 90 tokens, not 90
