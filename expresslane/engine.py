@@ -7,7 +7,8 @@ Cancellation is checked between prefill chunks, after the last one and between d
 the `cancel` event or simply stop iterating. `generate_steps` is the one generation loop: the
 parallel engine changes it through small hooks (request start, go on?, token pick, early end).
 `reference_generate` beside it recomputes the whole sequence at every step with no cache: the
-slow path every fast path is compared with.
+slow path every fast path is compared with. With a `SpeculativeConfig` the tokens after the first
+come from spec_decode.py (prompt-lookup drafts verified in one call), through the same loop.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class SpeculativeDecoder:
         self.engine, self.cfg = engine, cfg
         self.graphs: dict[tuple, VerifyGraph] = {}
         self.stats = SpecStats()
-        self._extra: dict | None = None
+        self._extra: dict = {}
 
     def begin(self, extra: dict) -> None:
         """A request starts: its figures are published in `extra` (the engine's Stats.extra)."""
