@@ -201,11 +201,11 @@ def test_engine_samples_follow_the_model_distribution(lane):
     eng = Engine(lane, max_model_len=80, speculative=spec(3, 2, 1))
     counts = torch.zeros(64, dtype=torch.float64)
     verified = 0
-    for seed in range(500):
+    for seed in range(300):
         p = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True, seed=seed)
         counts[list(eng.generate(prompt, p))[1]] += 1
         verified += eng.stats.extra["speculative"]["verify_steps"]
-    assert verified > 450  # nearly every request verified a draft
+    assert verified > 270  # nearly every request verified a draft
     stat, crit = chi_square(counts, expected)
     assert stat < crit, (stat, crit)
 
