@@ -44,3 +44,29 @@ def test_parallel_engine_refuses_to_speculate(random_laneformer_dir, capsys):
     argv = ["run", str(random_laneformer_dir), "--devices", "2", "--speculative-config", CONFIG]
     assert main(argv) == 2
     assert "--devices" in capsys.readouterr().err
+
+
+def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
+    from expresslane.bench.spec_workloads import MERGE, Workload
+    from expresslane.bench.speculative import run_speculative_bench, table
+    from expresslane.checkpoint import load_model
+    from expresslane.speculative import SpeculativeConfig
+    from expresslane.tokenizer import Tokenizer
+
+    model = load_model(random_laneformer_dir, device="cpu", dtype="float32", progress=False)
+    tok = Tokenizer.from_dir(random_laneformer_dir)
+    work = (Workload("copy", "edit", f"Reprint:\n{MERGE}", 24), Workload("free", "free", "hi", 24))
+    rows, by_kind = run_speculative_bench(model, tok, SpeculativeConfig(4, 3, 1), workloads=work)
+    assert [r["workload"] for r in rows] == ["copy", "free"]
+    for r in rows:
+        assert r["identical"] and r["tokens"] > 1
+        assert r["speedup"] == r["spec_tok_s"] / r["plain_tok_s"]
+        assert r["draft_tokens"] >= r["accepted_tokens"] >= 0
+    assert set(by_kind) == {"edit", "free"}
+    text = table(rows, by_kind)
+    assert "copy" in text and "geometric mean speedup: edit" in text
+
+
+def test_bench_needs_a_tokenizer_for_its_text_workloads(capsys):
+    assert main(["bench", "--preset", "llama-tiny", "--speculative-config", CONFIG]) == 2
+    assert "checkpoint folder with a tokenizer" in capsys.readouterr().err

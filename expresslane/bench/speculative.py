@@ -3,16 +3,19 @@
 For each workload (bench/spec_workloads.py) plain and speculative greedy decoding run on the same
 weights, interleaved: the order alternates from one run to the next, so that a shared machine's
 load falls on both alike. Reported per workload: decode tokens/s of each (tokens after the first
-over the time after the first), the speedup, drafted and kept tokens, mean kept per verify step,
-and whether the two outputs are identical; where they are not, the index of the first
-difference and the plain path's top-2 logit gap there (a near tie, < 1e-5, is the one allowed
-difference). Per kind, the geometric mean speedup. One table, then one JSON line.
+over the time after the first) and their ratio; the same ratio in CPU time per decoded token (the
+process's CPU seconds, which leave out the time other jobs held the cores of a shared machine);
+drafted and kept tokens, mean kept per verify step; whether the two outputs are identical, and
+where they are not, the index of the first difference and the plain path's top-2 logit gap
+there (a near tie, < 1e-5, is the one allowed difference). Per kind, the geometric mean
+speedups. One table, then one JSON line.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Sequence
 
 import torch
@@ -29,9 +32,18 @@ def prompt_ids(tokenizer, w: Workload) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _run(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], float, dict]:
-    out = list(engine.generate(ids, SamplingParams(max_tokens=max_tokens)))
-    return out, engine.stats.decode_tokens_per_s, engine.stats.extra.get("speculative", {})
+def _run(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
+    """Greedy tokens and figures: decode tokens/s (wall) and CPU seconds per decoded token."""
+    out, cpu = [], []
+    for step in engine.generate_steps(ids, SamplingParams(max_tokens=max_tokens)):
+        out.append(step.token)
+        cpu.append(time.process_time())
+    n = len(out) - 1
+    return out, {
+        "tok_s": engine.stats.decode_tokens_per_s,
+        "cpu_ms": (cpu[-1] - cpu[0]) / n * 1e3 if n > 0 else None,
+        "spec": engine.stats.extra.get("speculative", {}),
+    }
 
 
 @torch.inference_mode()
@@ -44,16 +56,19 @@ def top2_gap(model: Laneformer, ids: list[int]) -> float:
 
 def bench_workload(plain: Engine, spec: Engine, ids: list[int], w: Workload, repeats: int):
     """Interleaved runs of one workload -> a row (order alternates with the repeat index)."""
-    speeds: dict[str, list[float]] = {"plain": [], "spec": []}
+    runs: dict[str, list[dict]] = {"plain": [], "spec": []}
     outs: dict[str, list[int]] = {}
-    fig: dict = {}
     for r in range(repeats):
         order = ("plain", "spec") if r % 2 == 0 else ("spec", "plain")
         for which in order:
-            out, tps, f = _run(plain if which == "plain" else spec, ids, w.max_tokens)
-            speeds[which].append(tps)
-            outs[which] = out
-            fig = f if which == "spec" else fig
+            outs[which], f = _run(plain if which == "plain" else spec, ids, w.max_tokens)
+            runs[which].append(f)
+    fig = runs["spec"][-1]["spec"]
+
+    def median(which: str, key: str) -> float | None:
+        values = [f[key] for f in runs[which] if f[key] is not None]
+        return statistics.median(values) if values else None
+
     a, b = outs["plain"], outs["spec"]
     diff = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
     if diff is None and len(a) != len(b):
@@ -63,13 +78,17 @@ def bench_workload(plain: Engine, spec: Engine, ids: list[int], w: Workload, rep
         "kind": w.kind,
         "prompt_tokens": len(ids),
         "tokens": len(a),
-        "plain_tok_s": statistics.median(speeds["plain"]),
-        "spec_tok_s": statistics.median(speeds["spec"]),
+        "plain_tok_s": median("plain", "tok_s"),
+        "spec_tok_s": median("spec", "tok_s"),
+        "plain_cpu_ms_per_tok": median("plain", "cpu_ms"),
+        "spec_cpu_ms_per_tok": median("spec", "cpu_ms"),
         **{k: fig.get(k) for k in ("draft_tokens", "accepted_tokens", "verify_steps")},
         "mean_accepted_per_verify": fig.get("mean_accepted_per_verify"),
         "identical": diff is None,
     }
     row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"] if row["plain_tok_s"] else None
+    cpu = row["plain_cpu_ms_per_tok"], row["spec_cpu_ms_per_tok"]
+    row["cpu_speedup"] = cpu[0] / cpu[1] if cpu[0] and cpu[1] else None
     if diff is not None:
         row.update(first_difference=diff, top2_gap=top2_gap(plain.model, ids + a[:diff]))
     return row
@@ -95,27 +114,32 @@ def run_speculative_bench(
     ]
     by_kind = {}
     for kind in KINDS:
-        ups = [r["speedup"] for r in rows if r["kind"] == kind and r["speedup"]]
-        if ups:
-            by_kind[kind] = math.exp(sum(map(math.log, ups)) / len(ups))
+        for key in ("speedup", "cpu_speedup"):
+            ups = [r[key] for r in rows if r["kind"] == kind and r[key]]
+            if ups:
+                by_kind.setdefault(kind, {})[key] = math.exp(sum(map(math.log, ups)) / len(ups))
     return rows, by_kind
 
 
 def table(rows: list[dict], by_kind: dict) -> str:
     head = (
-        f"{'workload':<12} {'kind':<6} {'prompt':>6} {'tokens':>6} {'plain t/s':>10} "
-        f"{'spec t/s':>9} {'speedup':>8} {'drafted':>8} {'kept':>6} {'kept/step':>10} "
-        f"{'identical':>10}"
+        f"{'workload':<11} {'kind':<5} {'prompt':>6} {'tokens':>6} {'plain t/s':>9} "
+        f"{'spec t/s':>8} {'speedup':>7} {'cpu x':>6} {'drafted':>7} {'kept':>5} "
+        f"{'kept/step':>9} {'identical':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         same = "yes" if r["identical"] else f"no@{r['first_difference']} gap {r['top2_gap']:.1e}"
+        cpu = f"{r['cpu_speedup']:5.2f}x" if r["cpu_speedup"] else f"{'':>6}"
         lines.append(
-            f"{r['workload']:<12} {r['kind']:<6} {r['prompt_tokens']:>6} {r['tokens']:>6} "
-            f"{r['plain_tok_s']:>10.2f} {r['spec_tok_s']:>9.2f} {r['speedup']:>7.2f}x "
-            f"{r['draft_tokens']:>8} {r['accepted_tokens']:>6} "
-            f"{r['mean_accepted_per_verify'] or 0:>10.2f} {same:>10}"
+            f"{r['workload']:<11} {r['kind']:<5} {r['prompt_tokens']:>6} {r['tokens']:>6} "
+            f"{r['plain_tok_s']:>9.2f} {r['spec_tok_s']:>8.2f} {r['speedup']:>6.2f}x {cpu} "
+            f"{r['draft_tokens']:>7} {r['accepted_tokens']:>5} "
+            f"{r['mean_accepted_per_verify'] or 0:>9.2f} {same:>9}"
         )
-    means = ", ".join(f"{k} {v:.2f}x" for k, v in by_kind.items())
+    means = ", ".join(
+        f"{k} {v['speedup']:.2f}x (cpu time {v.get('cpu_speedup', 0):.2f}x)"
+        for k, v in by_kind.items()
+    )
     lines.append(f"geometric mean speedup: {means}")
     return "\n".join(lines)
