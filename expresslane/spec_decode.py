@@ -3,11 +3,12 @@
 `SpeculativeDecoder.steps` produces a request's tokens after the first (which the engine picks
 from the prefill logits), one at a time, so the engine's loop applies stop tokens, stop strings,
 `max_tokens` and cancellation between any two of them, inside an accepted run too. Each round:
-draft up to k tokens (fewer near `max_tokens` or the end of the context, none while backing
-off), then either one verify step or, without a draft, one plain decode step (a back-off pause
-runs as one stream of plain steps). The eager path serves CPUs and logprob requests; with the
-engine's decode graph (GPU) the verify step is a captured `VerifyGraph` for the configured k and
-plain steps replay the decode graph, streamed one replay ahead as plain decoding does.
+draft up to k tokens (fewer near `max_tokens` or the end of the context; none during a back-off
+pause, unless the match is full-length), then either one verify step or, without a draft, one
+plain decode step. The eager path serves CPUs and logprob requests. With the engine's decode
+graph (GPU) the verify step is a captured `VerifyGraph` for the configured k, plain steps replay
+the decode graph, and a back-off pause runs as one stream of them, one replay ahead as plain
+decoding runs.
 
 Figures (verify steps, drafted, kept) go live into the engine's `Stats.extra["speculative"]`.
 """
@@ -80,29 +81,35 @@ class SpeculativeDecoder:
         vgraph = self._verify_graph(params, generator) if graph is not None else None
         last, pos, left = first, len(prompt_ids), budget  # `last` sits at `pos`, not yet cached
         while left > 0:
-            drafts = self._draft(drafter, vgraph, pos, left) if backoff.ready() else []
+            paused = not backoff.ready()
+            if paused and graph is not None:  # the whole pause as one stream, one replay ahead
+                n = min(left, -(-backoff.pause // graph.steps) * graph.steps)  # whole replays
+                for tok, _ in self._plain(graph, last, pos, params, generator, n):
+                    yield tok, None
+                    drafter.extend([tok])
+                    last, pos, left = tok, pos + 1, left - 1
+                backoff.plain(n)
+                continue
+            drafts = self._draft(drafter, vgraph, pos, left)
+            if paused and not drafter.strong:  # a full-length match is kept ~90% of the time
+                drafts = []
             if drafts:
                 new, rows = self._verify(vgraph, last, drafts, pos, params, generator)
                 kept = min(len(new) - 1, len(drafts))
                 self.stats.add(len(drafts), kept)
                 backoff.verified(len(drafts), kept)
                 self._extra["speculative"] = self.stats.as_dict()
-                new = new[:left]
-                for j, tok in enumerate(new):
-                    yield tok, (rows[j] if want_lp else None)
-                drafter.extend(new)
-                last, pos, left = new[-1], pos + len(new), left - len(new)
-                continue
-            # no draft: one plain step, or a whole back-off pause as one stream (on the graph
-            # path one replay ahead, as plain decoding runs)
-            n = min(left, 1 if backoff.ready() else backoff.pause)
-            if graph is not None:
-                n = min(left, -(-n // graph.steps) * graph.steps)  # whole replays
-            for tok, row in self._plain(graph, last, pos, params, generator, n):
-                yield tok, (row if want_lp else None)
-                drafter.extend([tok])
-                last, pos, left = tok, pos + 1, left - 1
-            backoff.plain(n)
+            else:  # one plain step (on the graph path one whole replay)
+                n = 1 if graph is None else min(left, graph.steps)
+                pairs = list(self._plain(graph, last, pos, params, generator, n))
+                new, rows = [t for t, _ in pairs], [r for _, r in pairs]
+            new = new[:left]
+            for j, tok in enumerate(new):
+                yield tok, (rows[j] if want_lp else None)
+            drafter.extend(new)
+            last, pos, left = new[-1], pos + len(new), left - len(new)
+            if not drafts:
+                backoff.plain(len(new))
 
     def _draft(self, drafter: NgramDrafter, vgraph: VerifyGraph | None, pos: int, left: int):
         """Drafts for positions pos + 1 .. pos + k: fewer near max_tokens and the context end."""

@@ -107,6 +107,7 @@ class NgramDrafter:
         self.indexed = 0  # n-grams ending before this position are in the index
         self.source: int | None = None  # where the previous draft was copied from
         self.source_at = 0  # the sequence's length then
+        self.match_n = 0  # the n-gram length behind the last proposal (0: none)
         if tokens:
             self.extend(tokens)
 
@@ -139,13 +140,19 @@ class NgramDrafter:
         seq, L = self.seq, len(self.seq)
         copy_start, copy_n = self._copy_match()
         for n in range(min(self.hi, L), self.lo - 1, -1):
+            self.match_n = n
             if copy_n >= n:
                 return self._take(copy_start, k)
             end = self.latest[n].get(tuple(seq[L - n :]))
             if end is not None:
                 return self._take(end + 1, k)
-        self.source = None
+        self.source, self.match_n = None, 0
         return []
+
+    @property
+    def strong(self) -> bool:
+        """The last proposal came from a full-length match (`prompt_lookup_max` > min)."""
+        return self.match_n == self.hi > self.lo
 
     def _take(self, start: int, k: int) -> list[int]:
         """What follows `start`; where that runs into the end of the sequence the repeat goes on

@@ -286,6 +286,15 @@ def test_drafter_keeps_copying_from_the_previous_source():
     assert fresh.propose(3) == [40, 41, 1]  # without a copy in progress: the latest
 
 
+def test_drafter_says_when_a_match_is_full_length():
+    d = NgramDrafter(spec(2, hi=3, lo=2), [5, 6, 7, 8, 6, 7])
+    assert d.propose(2) == [8, 6] and d.match_n == 2 and not d.strong
+    d.extend([8])
+    assert d.propose(2) == [6, 7] and d.match_n == 3 and d.strong
+    same = NgramDrafter(spec(2, hi=2, lo=2), [5, 6, 7, 5, 6])
+    assert same.propose(2) == [7, 5] and not same.strong  # hi == lo: no match stands out
+
+
 # --- on a GPU: the captured verify step ----------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -241,6 +241,16 @@ def test_back_off_bounds_the_verify_steps_of_useless_drafts(model, plain, monkey
     assert fig["accepted_tokens"] == 0 and 4 <= fig["verify_steps"] <= 7, fig
 
 
+def test_full_length_matches_draft_through_a_pause(model, plain, monkeypatch):
+    use_oracle(monkeypatch, PROMPT + plain, lambda i, k: 0, backoff=True)
+    eng = Engine(model, max_model_len=128, speculative=spec(5))
+    list(eng.generate(PROMPT, GREEDY))
+    paused = eng.stats.extra["speculative"]["verify_steps"]
+    monkeypatch.setattr(NgramDrafter, "strong", property(lambda self: True))
+    assert list(eng.generate(PROMPT, GREEDY)) == plain
+    assert eng.stats.extra["speculative"]["verify_steps"] > 2 * paused  # no pause held them
+
+
 def test_back_off_schedule():
     b = BackOff(draft_cost=0.15, max_pause=16)
     pauses = []
