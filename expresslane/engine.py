@@ -25,7 +25,7 @@ from .checkpoint import load_model
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
 from .fused import MAX_OVERRUN, FusedDecoder, supports
-from .graph import DecodeGraph, DecodeStream
+from .graph import DecodeGraph, committed_tokens
 from .kernels import use_triton
 from .model import Laneformer
 from .prefix import PrefixReuse
@@ -277,7 +277,7 @@ class Engine:
         if self.speculator is not None:
             return self.speculator.steps(prompt_ids, token, params, gen, n, graph)
         graph.load(torch.tensor(token, device=self.device), position=len(prompt_ids))
-        return graph_tokens(self.cache, graph, token, n)
+        return ((t, None) for t in committed_tokens(graph, self.cache, token, n))
 
     def make_step(
         self,
@@ -333,15 +333,6 @@ class Engine:
             out.append(self.model(ids[:, s : s + self.prefill_chunk], cache=self.cache)[0])
             self.cache.commit(prompt_ids[s : s + self.prefill_chunk])
         return torch.cat(out).float().log_softmax(-1)
-
-
-def graph_tokens(cache, graph: DecodeGraph, token: int, n: int):
-    """`n` tokens of the decode graph after `token` (fed at the position loaded), streamed one
-    replay ahead; each input is committed to the cache when its successor arrives."""
-    for t in DecodeStream(graph).tokens(n):
-        cache.commit([token])  # the graph fed it to produce this one
-        yield t, None
-        token = t
 
 
 @torch.inference_mode()

@@ -184,3 +184,12 @@ class DecodeStream:
                     return
                 produced += 1
                 yield t
+
+
+def committed_tokens(graph: DecodeGraph, cache: KVCache, token: int, n: int) -> Iterator[int]:
+    """`n` tokens of a DecodeStream after `token` (loaded into the graph by the caller); each
+    input is committed to the cache's `tokens` once the step it fed has produced the next."""
+    for t in DecodeStream(graph).tokens(n):
+        cache.commit([token])
+        yield t
+        token = t

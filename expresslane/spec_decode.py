@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .config import SamplingParams
-from .graph import DecodeGraph, DecodeStream
+from .graph import DecodeGraph, committed_tokens
 from .sampler import sample, structure_key
 from .speculative import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
 from .verify import VerifyGraph, verify_eager
@@ -126,17 +126,20 @@ class SpeculativeDecoder:
             )
         vgraph.load_drafts(last, drafts, pos)
         out = vgraph.verify()
-        return out[1 : out[0] + 2], None
+        new = out[1 : out[0] + 2]
+        self.engine.cache.commit([last, *new[:-1]])  # the rejected: emptied inside the step
+        return new, None
 
     def _plain(self, graph, last, pos, params, generator, n: int):
         """`n` decode steps without drafts -> (token, logits or None) each."""
         eng = self.engine
         if graph is not None:
             graph.load(torch.tensor(last, device=eng.device), position=pos)
-            yield from ((t, None) for t in DecodeStream(graph).tokens(n))
+            yield from ((t, None) for t in committed_tokens(graph, eng.cache, last, n))
             return
         for _ in range(n):
             ids = torch.tensor([[last]], device=eng.device)
             logits = eng.model(ids, cache=eng.cache)[0, -1]
+            eng.cache.commit([last])
             last = int(sample(logits, params, generator))
             yield last, logits

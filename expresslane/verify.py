@@ -3,10 +3,12 @@
 The model scores tokens [t, d_1 .. d_k] at positions [p, p + 1 .. p + k] against the KV cache,
 `speculative.accept` keeps the longest agreeing prefix plus one token of the model's own, and
 the cache is left as if the rejected drafts had never been written: their slots are marked
-empty (`forget`). That alone is not enough on sliding-window layers: writing p + j into a ring of
-`window` slots overwrites the key of p + j - window, which the queries after p still need when
-the draft is rejected. So the engine gives rings `headroom` = k extra slots (cache.py): then a
-draft's slot only ever held a key that is out of every later query's window.
+empty (`cache.truncate` on the host, `forget` inside a captured step), and only the last token
+and the kept drafts are committed to `cache.tokens` (what prefix reuse compares prompts with).
+That alone is not enough on sliding-window layers: writing p + j into a ring of `window` slots
+overwrites the key of p + j - window, which the queries after p still need when the draft is
+rejected. So the engine gives rings `headroom` = k extra slots (cache.py): then a draft's slot
+only ever held a key that is out of every later query's window.
 
 Two forms with the same arithmetic:
 - `verify_eager`: the model's plain forward on the growing cache (CPU default, and whenever
@@ -50,7 +52,7 @@ def verify_eager(
 
     The new tokens are the kept drafts and the model's own token (1 .. k + 1 of them); row j of
     the logits is the distribution that token j was chosen from. The cache ends holding `token`
-    and the kept drafts.
+    and the kept drafts, committed (cache.tokens); the rejected ones are truncated away.
     """
     dev = cache.k[0].device
     start = cache.length
@@ -58,12 +60,11 @@ def verify_eager(
     logits = model(ids, cache=cache)[0]  # (S, V); the cache advanced by S
     kept, tokens = accept(logits, ids[0, 1:], params, generator)
     out = torch.cat((kept.view(1), tokens)).tolist()  # the one host copy
-    n = out[0]
+    n, new = out[0], out[1 : out[0] + 2]
+    cache.commit([token, *new[:-1]])  # `token` and the kept drafts: written and final
     if n < len(drafts):
-        positions = torch.arange(start, start + len(drafts) + 1, device=dev)
-        forget(cache, positions, positions <= start + n)
-    cache.length = start + n + 1
-    return out[1 : n + 2], logits
+        cache.truncate(start + n + 1)  # the rejected drafts' slots emptied
+    return new, logits
 
 
 class VerifyGraph(DecodeGraph):

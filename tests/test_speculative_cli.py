@@ -48,7 +48,7 @@ def test_parallel_engine_refuses_to_speculate(random_laneformer_dir, capsys):
 
 def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
     from expresslane.bench.spec_workloads import MERGE, Workload
-    from expresslane.bench.speculative import run_speculative_bench, table
+    from expresslane.bench.speculative import run_speculative_bench, spec_table
     from expresslane.checkpoint import load_model
     from expresslane.speculative import SpeculativeConfig
     from expresslane.tokenizer import Tokenizer
@@ -63,7 +63,7 @@ def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
         assert r["speedup"] == r["spec_tok_s"] / r["plain_tok_s"]
         assert r["draft_tokens"] >= r["accepted_tokens"] >= 0
     assert set(by_kind) == {"edit", "free"}
-    text = table(rows, by_kind)
+    text = spec_table(rows, by_kind)
     assert "copy" in text and "geometric mean speedup: edit" in text
 
 

@@ -133,6 +133,22 @@ def test_without_ring_headroom_rejected_drafts_corrupt_the_window(model, plain, 
     assert got != plain or wrong
 
 
+@pytest.mark.parametrize("decode", ["eager", "graph"])
+def test_prefix_reuse_after_rejected_drafts(model, plain, monkeypatch, decode):
+    """The next turn reuses what a speculative request left in the cache (its committed tokens;
+    rejected drafts emptied, rings wrapped) and decodes what a cold engine decodes."""
+    with monkeypatch.context() as m:
+        use_oracle(m, PROMPT + plain, lambda i, k: i % (k + 1))
+        eng = Engine(model, max_model_len=160, decode=decode, speculative=spec(5))
+        first = list(eng.generate(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True)))
+    assert first == plain[:60] and eng.stats.extra["speculative"]["verify_steps"] > 5
+    turn = PROMPT + first + [3, 4, 5, 6]
+    cold = Engine(model, max_model_len=160, prefix_reuse=False)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    assert list(eng.generate(turn, params)) == list(cold.generate(turn, params))
+    assert eng.stats.cached_tokens >= len(PROMPT) + 50  # most of the first turn was reused
+
+
 # --- inside an accepted run -------------------------------------------------------------------
 def mid_run_index(calls: list, plain: list[int], k: int) -> int:
     """An output index in the middle of a fully kept run whose token did not occur before."""

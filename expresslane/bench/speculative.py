@@ -121,7 +121,7 @@ def run_speculative_bench(
     return rows, by_kind
 
 
-def table(rows: list[dict], by_kind: dict) -> str:
+def spec_table(rows: list[dict], by_kind: dict) -> str:
     head = (
         f"{'workload':<11} {'kind':<5} {'prompt':>6} {'tokens':>6} {'plain t/s':>9} "
         f"{'spec t/s':>8} {'speedup':>7} {'cpu x':>6} {'drafted':>7} {'kept':>5} "

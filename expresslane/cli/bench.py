@@ -210,7 +210,7 @@ def _machine(device: torch.device) -> dict:
 
 # --- --speculative-config: plain vs speculative decoding on the shipped workloads -----------------
 def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path | None) -> int:
-    from ..bench.speculative import run_speculative_bench, table
+    from ..bench.speculative import run_speculative_bench, spec_table
     from ..checkpoint import load_model
     from ..tokenizer import Tokenizer
 
@@ -243,8 +243,8 @@ def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path
         "rows": rows,
     }  # fmt: skip
     if not args.json:
-        print(table(rows, by_kind))
-    print(json.dumps(summary, default=lambda x: round(x, 4) if isinstance(x, float) else str(x)))
+        print(spec_table(rows, by_kind))
+    print(table.dumps(summary), flush=True)
     return 0
 
 
