@@ -24,7 +24,7 @@ def stream_text(
     cancel: threading.Event | None = None,
 ) -> Iterator[tuple[str, Step]]:
     """Yield (new text, step) per generated token; text may be '' while bytes are pending."""
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(tok, context=prompt_ids)
     matcher = StopStringMatcher(list(stop))
     stops = engine.stop_ids(params)
     steps = engine.generate_steps(prompt_ids, params, cancel)

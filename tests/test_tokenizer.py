@@ -144,6 +144,25 @@ def test_stream_random_ids_equals_decode(tok, low):
             assert _stream(tok, ids, skip)[1] == tok.decode(ids, skip_special_tokens=skip), ids
 
 
+def test_stream_after_a_prompt_equals_decoding_both(tok):
+    """The text generated after a prompt is decode(prompt + output) minus decode(prompt): the
+    first token keeps its leading space (a SentencePiece decoder strips it from a lone token)."""
+    ids = tok.encode(PYTHON_SOURCE, add_special_tokens=False)
+    rng = random.Random(5)
+    spaced = 0
+    for _ in range(60):
+        cut = rng.randrange(1, len(ids) - 1)
+        prompt, out = ids[:cut], ids[cut : cut + rng.randrange(1, 20)]
+        whole, head = tok.decode(prompt + out), tok.decode(prompt)
+        if not whole.startswith(head) or head.endswith("\ufffd"):
+            continue  # the cut falls inside a character: no text boundary to compare at
+        detok = IncrementalDetokenizer(tok, context=prompt)
+        text = "".join(detok.push(t) for t in out) + detok.flush()
+        assert text == whole[len(head) :], (prompt[-5:], out)
+        spaced += text.startswith(" ")
+    assert spaced > 0  # the case the context exists for was met
+
+
 def test_stream_valid_text_never_emits_partial_characters(tok):
     for text in _random_texts(2, count=30)[::2] + [PYTHON_SOURCE]:
         chunks, joined = _stream(tok, tok.encode(text, add_special_tokens=False))

@@ -43,9 +43,11 @@ class CompletionFormat(_Format):
         echo: dict[int, str],
         logprobs: bool,
         added: dict[int, tuple[int, int]] | None = None,
+        contexts: dict[int, list[int]] | None = None,
     ):
         super().__init__(model, text, "cmpl")
         self.echo, self.logprobs, self.added = echo, logprobs, added or {}
+        self.contexts = contexts or {}  # a choice's prompt ids: the generated text's context
         self._sent: dict[int, int] = {}  # streaming: characters sent per choice
         self._offsets: dict[int, TextOffsets] = {}
 
@@ -72,6 +74,9 @@ class CompletionFormat(_Format):
         echo = self.echo.get(i, "")
         return TextOffsets(self.text.tok).take([t.id for t in tokens], len(echo), zero)
 
+    def _generated_offsets(self, i: int, start: int) -> TextOffsets:
+        return TextOffsets(self.text.tok, start, self.contexts.get(i, ()))
+
     def start(self) -> list[dict]:
         # With logprobs the echo comes from the worker, scored; without, it is sent at once.
         if self.logprobs:
@@ -93,7 +98,7 @@ class CompletionFormat(_Format):
             self._sent[i] = start + len(ev.text)
             lp = None
             if self.logprobs:
-                track = self._offsets.setdefault(i, TextOffsets(self.text.tok, start))
+                track = self._offsets.setdefault(i, self._generated_offsets(i, start))
                 offsets = track.take([t.id for t in ev.tokens], self._sent[i])
                 lp = completion_logprobs(ev.tokens, self.text, offsets)
             return self._choice(i, ev.text, lp)
@@ -106,8 +111,8 @@ class CompletionFormat(_Format):
             text = echo + a.text
             lp = None
             if self.logprobs:
-                offsets = self._echo_offsets(i, a.echo) + TextOffsets(
-                    self.text.tok, len(echo)
+                offsets = self._echo_offsets(i, a.echo) + self._generated_offsets(
+                    i, len(echo)
                 ).take([t.id for t in a.tokens], len(text))
                 lp = completion_logprobs(a.echo + a.tokens, self.text, offsets)
             choices.append(self._choice(i, text, lp, a.finish_reason, a.stop_reason))

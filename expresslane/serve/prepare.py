@@ -168,7 +168,8 @@ class Preparer:
                 text, ids, extra = prompts[sp.index // req.n]
                 echo[sp.index] = text if text is not None else self.tok.decode(ids)
                 added[sp.index] = extra
-        fmt = CompletionFormat(model, self.text, echo, req.logprobs is not None, added)
+        contexts = {sp.index: sp.prompt_ids for sp in specs}  # what the text was decoded after
+        fmt = CompletionFormat(model, self.text, echo, req.logprobs is not None, added, contexts)
         prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
         return Prepared(specs, prompt_tokens, req.stream, req.include_usage, fmt)
 
