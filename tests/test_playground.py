@@ -12,6 +12,7 @@ browsers are never downloaded) is missing.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ import torch
 
 from expresslane.cli.serve import serving
 from expresslane.engine import Engine
-from expresslane.serve import create_app
+from expresslane.serve import create_app, worker
 from expresslane.serve.metrics import parse_metrics
 from expresslane.speculative import SpeculativeConfig
 from expresslane.tokenizer import Tokenizer
@@ -69,7 +70,18 @@ def gauge(url: str, name: str, **labels) -> float:
     return parse_metrics(httpx.get(url + "/metrics").text).get(key, 0.0)
 
 
-def test_playground_streams_shows_speed_and_stops(random_laneformer_dir):
+def slowed(stream_text, delay: float = 0.01):
+    """`stream_text` with a pause per token, so Stop lands mid-generation on any machine."""
+
+    def slow(*args, **kwargs):
+        for item in stream_text(*args, **kwargs):
+            time.sleep(delay)
+            yield item
+
+    return slow
+
+
+def test_playground_streams_shows_speed_and_stops(random_laneformer_dir, monkeypatch):
     from playwright.sync_api import expect, sync_playwright
 
     threads = torch.get_num_threads()
@@ -117,8 +129,18 @@ def test_playground_streams_shows_speed_and_stops(random_laneformer_dir):
             assert len(page.inner_text("#output")) > len("def fib(n):")
             page.click("button[data-mode=chat]")
 
+            # The long generation must still be running when Stop is pressed: a random model
+            # may sample its end-of-text token at temperature 1, and 200 tokens of a tiny model
+            # take well under a second, so the request ignores EOS and each token is paced.
+            monkeypatch.setattr(worker, "stream_text", slowed(worker.stream_text))
+            page.route(
+                "**/v1/chat/completions",
+                lambda route: route.continue_(
+                    post_data=json.dumps({**route.request.post_data_json, "ignore_eos": True})
+                ),
+            )
             aborted = gauge(url, "request_success_total", finished_reason="abort")
-            page.fill("#max_tokens", "400")
+            page.fill("#max_tokens", "200")
             page.fill("#temperature", "1")
             page.fill("#prompt", "Tell me a long story.")
             page.click("#send")
