@@ -16,6 +16,9 @@ engine `commit`s ids once the forward that wrote them has completed, so a forwar
 is abandoned half-way adds nothing; `truncate(n)` forgets every position >= n in every layer.
 Invariant: len(tokens) <= length, and a slot whose `pos` is p < len(tokens) holds the key and
 value computed from tokens[:p + 1].
+
+In static mode (a decode graph) the host count is not used; `live`, when set, bounds the slots a
+step reads: positions < live only, so attention scans min(live, cap) slots, not all of them.
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ class KVCache:
             self.pos.append(torch.full((cap,), -1, device=device, dtype=torch.long))
         self.length = 0
         self.tokens: list[int] = []  # the token id at each committed position
-        # static: positions come only from the device tensor (no host counter), every slot is
-        # returned and masked by `pos`; the shape a captured decode graph needs.
+        # static: positions come only from the device tensor (no host counter), every slot below
+        # `live` is returned and masked by `pos`; the shapes a captured decode graph needs.
         self.static = False
+        self.live: int | None = None  # static mode: slots [0, live) can hold visible keys
 
     def reset(self) -> None:
         for p in self.pos:
@@ -99,7 +103,8 @@ class KVCache:
             kc.index_copy_(0, slots, k)
             vc.index_copy_(0, slots, v)
             pc.index_copy_(0, slots, positions)
-            return kc, vc, pc
+            span = cap if self.live is None else min(self.live, cap)
+            return kc[:span], vc[:span], pc[:span]
         start, end = self.length, self.length + n
         if self.windows[layer] is None and end > cap:
             raise ValueError(f"KV cache overflow: {end} positions > max_len {cap}")

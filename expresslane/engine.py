@@ -28,6 +28,8 @@ from .fused import MAX_OVERRUN, FusedDecoder, supports
 from .graph import DecodeGraph, committed_tokens
 from .kernels import use_triton
 from .model import Laneformer
+from .packed_step import PackedDecoder
+from .packing import load_plan, pack_model
 from .prefix import PrefixReuse
 from .sampler import logprobs_of, make_generator, sample, structure_key
 from .spec_decode import SpeculativeDecoder
@@ -120,19 +122,30 @@ class Engine:
                                "kernels")  # fmt: skip
         want = kernels == "on" or (kernels == "auto" and use_triton(p) and supports(model))
         self.decoder = FusedDecoder(model, self.cache) if want and self.decode == "graph" else None
+        if self.decoder is None and kernels == "auto" and self.decode == "graph" and not want:
+            # off CUDA: the step on packed weights (one Q/K/V and one gate/up product per layer),
+            # which compiles its own layer and head (one graph each, not the whole step)
+            self.decoder = PackedDecoder(model, self.cache, compile=compile)
+        self.compile_s = 0.0  # seconds spent compiling decode steps: at load, not in requests
+        if compile:
+            self._graph_for(SamplingParams())  # the greedy step; other samplers at first use
 
     def _graph_for(self, params: SamplingParams) -> DecodeGraph:
         """One captured graph per sampler structure; values and seed are loaded per request."""
         key = structure_key(params)
         if key not in self._graphs:
+            t = time.perf_counter()
             self._graphs[key] = DecodeGraph(
                 self.model,
                 self.cache,
                 params,
                 steps=self.steps_per_replay,
                 decoder=self.decoder,
-                compile=self.compile,
+                compile=self.compile and not isinstance(self.decoder, PackedDecoder),
             )
+            if self.compile:  # compile now, before the request's clock starts
+                self._graphs[key].warm_up(runs=1)
+                self.compile_s += time.perf_counter() - t
         graph = self._graphs[key]
         graph.set_params(params)
         return graph
@@ -145,9 +158,15 @@ class Engine:
         dtype: str = "auto",
         max_model_len: int | None = None,
         progress: bool = True,
+        quantization: str | None = None,
         **engine_kw,
     ) -> Engine:
-        model = load_model(path, device=device, dtype=dtype, progress=progress)
+        """On a CPU, 16-bit `dtype` and `quantization` choose the packed weights' format
+        (computed in fp32); elsewhere `dtype` is the model's."""
+        load_dtype, fmt = load_plan(device, dtype, quantization)
+        model = load_model(path, device=device, dtype=load_dtype, progress=progress)
+        if fmt is not None:
+            pack_model(model, fmt)
         return cls(model, max_model_len=max_model_len, **engine_kw)
 
     # --- request checks -----------------------------------------------------------------------
@@ -229,12 +248,12 @@ class Engine:
         self.stats = st = Stats(prompt_tokens=len(prompt_ids))
         if self.speculator is not None:
             self.speculator.begin(st.extra)
-        t0 = time.perf_counter()
         if budget == 0:
             st.finish_reason = "length"
             return
         use_graph = self.decode == "graph" and params.logprobs is None
-        graph = self._graph_for(params) if use_graph else None
+        graph = self._graph_for(params) if use_graph else None  # may compile: before the clock
+        t0 = time.perf_counter()
         if graph is not None:
             gen = graph.generator
         logits = self.prefill(prompt_ids, cancel)

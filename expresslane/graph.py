@@ -12,7 +12,11 @@ warm-up exactly (cache slots, inputs, RNG), so capturing mid-request changes not
 
 The same `_body` runs eagerly on a CPU (or when capture is off); that is the path CI checks
 against the model's forward. The KV cache runs in its static mode (positions only on the
-device; every slot masked by `pos`), so no shape depends on the step.
+device; slots masked by `pos`). Attention reads only the live slots: the host counts positions
+(`load` sets, `run` advances; no device read) and bounds the cache to the slots the replay can
+see. Eagerly that is the exact count; compiled, the count is one dynamic dimension (one
+compilation serves every length); captured, it is rounded up to a power-of-two bucket (from
+`MIN_BUCKET`) and each bucket gets its own graph, so a short context never scans max_len slots.
 """
 
 from __future__ import annotations
@@ -26,6 +30,13 @@ from .config import SamplingParams
 from .fused import FusedDecoder
 from .model import Laneformer
 from .sampler import SamplerKnobs, make_generator, sample
+
+MIN_BUCKET = 256  # smallest live-slot bound of a captured graph
+
+
+def live_bucket(need: int, max_len: int) -> int:
+    """The captured bound for `need` live slots: a power of two >= MIN_BUCKET, <= max_len."""
+    return min(max_len, max(MIN_BUCKET, 1 << (max(need, 1) - 1).bit_length()))
 
 
 class DecodeGraph:
@@ -49,16 +60,46 @@ class DecodeGraph:
         self.knobs = SamplerKnobs(dev)  # temperature / top-p / min-p, read at replay time
         self.knobs.load(params)
         self.capture = (dev.type == "cuda") if capture is None else capture
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # one per live bucket
+        self.host_pos = 0  # the position the next replay starts at, counted on the host
+        # (live,) arange whose length carries the live bound into the step: a dynamic dimension
+        # when compiled, so the length never recompiles
+        self._span = torch.arange(cache.max_len, device=dev)
         # torch.compile of the static step: on a CPU it fuses the step's many small ops into a
         # few C++ kernels (the per-op overhead is what bounds small models there).
+        self.compiled = compile
         self._fn = torch.compile(self._steps, dynamic=False) if compile else self._steps
+        self._marked = False
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured graph of the current bucket (None before its capture)."""
+        return self.graphs.get(self.live())
+
+    def live(self) -> int:
+        """The slot bound of the next replay: every position it writes (at least 2, as a
+        dimension of size 0 or 1 would be specialised), bucketed when captured."""
+        need = max(2, self.host_pos + self.steps)
+        if self.capture:
+            return live_bucket(need, self.cache.max_len)
+        return min(need, self.cache.max_len)
 
     @torch.inference_mode()
     def _body(self) -> None:
-        self._fn()
+        span = self._span[: self.live()]
+        if self.compiled and not self._marked:  # the first call compiles: length dynamic
+            torch._dynamo.mark_dynamic(span, 0)
+            self._marked = True
+        self._fn(span)
 
-    def _steps(self) -> None:
+    def _steps(self, span: torch.Tensor) -> None:
+        self.cache.live = span.shape[0]
+        try:
+            self._step_loop()
+        finally:
+            self.cache.live = None
+
+    def _step_loop(self) -> None:
         for j in range(self.steps):
             if self.decoder is not None:
                 tok = self.decoder.next_token(
@@ -84,6 +125,7 @@ class DecodeGraph:
         """Set the step's input: the last sampled token (a device tensor) at `position`."""
         self.token.copy_(token.view(1, 1))
         self.pos.fill_(position)
+        self.host_pos = position
 
     def _snapshot(self) -> dict:
         """Everything a replay changes: inputs, outputs, RNG, and the cache slots it writes."""
@@ -126,16 +168,17 @@ class DecodeGraph:
             self.cache.static = was_static
 
     def _capture(self) -> None:
+        """Capture the step for the current live bucket."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # lazy inits happen outside the graph
             self.warm_up()
         torch.cuda.current_stream().wait_stream(side)
         snap = self._snapshot()
-        self.graph = torch.cuda.CUDAGraph()
+        graph = self.graphs[self.live()] = torch.cuda.CUDAGraph()
         if self.generator is not None:
-            self.graph.register_generator_state(self.generator)
-        with torch.cuda.graph(self.graph):
+            graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph):
             self._body()
         self._restore(snap)  # capture records the work; nothing may look advanced
 
@@ -151,6 +194,7 @@ class DecodeGraph:
                 self.graph.replay()
         finally:
             self.cache.static = was_static
+        self.host_pos += self.steps
         return self.out
 
 

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-import torch
-
 from ..assets import SUMMARY, default_model_dir, has_trained_model
-from ..checkpoint import resolve_model_dir
+from ..bench.ceiling import bytes_per_token
+from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
 from ..parallel import rendezvous
 from ..speculative import SpeculativeConfig
 from ..textgen import generate_text
+from ..threads import set_threads
 from ..tokenizer import Tokenizer
 from . import launch
 
@@ -54,8 +53,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads (default: 1 for small models, where threading a GEMV costs more than "
-        "it brings, one per 128 MB of weights otherwise)",
+        help="CPU threads (default: the cores idle at load, at most one per 32 MB of weights a "
+        "step streams; see expresslane/threads.py)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=["int8"],
+        default=None,
+        help="CPU: weight-only int8 (per-row scales), computed in fp32; 16-bit weights: --dtype",
     )
     p.add_argument(
         "--devices",
@@ -140,6 +145,8 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
     if launch.in_launch():  # rank 0 of `serve --devices N`: the lead of a parallel engine
         return launch.load_lead_engine(args)
     path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
+    quantization = getattr(args, "quantization", None)
+    set_cpu_threads(path, args.device, args.dtype, quantization, getattr(args, "threads", None))
     engine = Engine.from_pretrained(
         path,
         device=args.device,
@@ -148,23 +155,19 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
         compile=getattr(args, "compile", False),
         prefix_reuse=not getattr(args, "no_prefix_reuse", False),
         speculative=speculative_from_args(args),
+        quantization=quantization,
     )
-    set_cpu_threads(engine, getattr(args, "threads", None))
     return engine, Tokenizer.from_dir(path)
 
 
-def set_cpu_threads(engine: Engine, threads: int | None) -> None:
-    """Batch-1 decode on a CPU is a chain of small GEMVs: the OpenMP fork/join of each one
-    costs more than a second core brings on small models (and far more on a busy machine), so
-    the default scales threads with the bytes each step streams."""
-    if engine.device.type != "cpu":
+def set_cpu_threads(path, device: str, dtype: str, quantization, threads: int | None) -> None:
+    """On a CPU, the thread count for the bytes a step streams and the cores free now; set
+    before loading, as compiled kernels are built for it (expresslane/threads.py)."""
+    if resolve_device(device).type != "cpu":
         return
-    if threads is None:
-        nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        threads = min(os.cpu_count() or 1, max(1, nbytes // (128 << 20)))
-    if threads < 1:
-        raise ConfigError(f"--threads {threads}: must be at least 1")
-    torch.set_num_threads(threads)
+    per_weight = 1 if quantization else 2 if dtype in ("bfloat16", "float16") else 4
+    cfg = load_config(resolve_model_dir(path))
+    set_threads(bytes_per_token(cfg, 1, dtype_bytes=per_weight)["weights"], threads)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -173,7 +176,9 @@ def main(args: argparse.Namespace) -> int:
     if launch.parallel_requested(args):  # --devices 0 is refused there
         return launch.run_parallel(args, generate_on_rank)
     engine, tok = load_engine(args)
-    return generate_and_print(args, engine, tok, params)
+    # compilation happens at load, outside the time to first token: reported on its own
+    extra = {"compile_s": round(engine.compile_s, 2)} if getattr(engine, "compile_s", 0) else None
+    return generate_and_print(args, engine, tok, params, extra)
 
 
 def generate_on_rank(args: argparse.Namespace, engine, tok: Tokenizer, extra: dict) -> int:

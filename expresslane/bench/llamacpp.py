@@ -1,0 +1,184 @@
+"""llama.cpp as a decode peer: our weights as GGUF (F32, F16, Q8_0), run by llama-cpp-python.
+
+The peer runs the very tensors our engine loaded: a Llama-family model (one lane) is written with
+the gguf package's writer as llama.cpp's `llama` architecture (Q/K rows permuted to its RoPE
+pairing, as its converter does), in F32 (bit-identical weights), F16 (rounded from them) or Q8_0
+(gguf's quantizer); norms stay F32, as llama.cpp's converter leaves them. The vocabulary comes
+from the checkpoint's tokenizer.json (byte-level BPE); only ids are fed, so it needs to be
+valid, not faithful.
+
+llama-cpp-python is optional (building it takes ~18 minutes on 2 cores:
+`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`); `available()` says whether it is
+importable, and callers skip the peer with a note otherwise. Decode speed is measured as ours
+is: a prompt is evaluated, then one greedy token per `eval`, median of the per-step times after
+a warm-up; the thread count is the caller's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..model import Laneformer
+
+TYPES = ("F32", "F16", "Q8_0")
+FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # LLAMA_FTYPE_ALL_F32, _MOSTLY_F16, _MOSTLY_Q8_0
+LAYER = {  # ours (inside model.layers.{i}.) -> GGUF (inside blk.{i}.)
+    "attention_norm.weight": "attn_norm.weight",
+    "attention.wq.weight": "attn_q.weight",
+    "attention.wk.weight": "attn_k.weight",
+    "attention.wv.weight": "attn_v.weight",
+    "attention.wo.weight": "attn_output.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "feed_forward.w1.weight": "ffn_gate.weight",
+    "feed_forward.w3.weight": "ffn_up.weight",
+    "feed_forward.w2.weight": "ffn_down.weight",
+}
+
+
+def available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def unsupported(model: Laneformer) -> str | None:
+    """Why llama.cpp cannot run this model as `llama`, or None."""
+    cfg = model.cfg
+    if cfg.family != "llama" or cfg.model_type != "llama":
+        return f"llama.cpp peer: only model_type llama is written (this is {cfg.model_type})"
+    if cfg.rope_scaling is not None or cfg.attention_bias:
+        return "llama.cpp peer: RoPE scaling and attention biases are not written"
+    return None
+
+
+def permute_for_llamacpp(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rotate-half rows (i, i + d/2) of each head -> adjacent rows (2i, 2i + 1) (its converter)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def gguf_tensors(model: Laneformer) -> dict[str, torch.Tensor]:
+    """GGUF name -> fp32 tensor in llama.cpp's layout, from a loaded Llama-family model."""
+    cfg = model.cfg
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": state["model.tok_embeddings.weight"]}
+    out["output_norm.weight"] = state["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = state["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        for ours, theirs in LAYER.items():
+            t = state[f"model.layers.{i}.{ours}"]
+            t = t[0] if t.dim() == 3 else t  # (1, out, in): one lane
+            if theirs == "attn_q.weight":
+                t = permute_for_llamacpp(t, cfg.num_heads)
+            elif theirs == "attn_k.weight":
+                t = permute_for_llamacpp(t, cfg.num_kv_heads)
+            out[f"blk.{i}.{theirs}"] = t.contiguous()
+    return out
+
+
+def _vocab(tokenizer_json: Path) -> tuple[list[str], list[int], list[str]]:
+    """(tokens by id, token types, merges) of a byte-level BPE tokenizer.json."""
+    tj = json.loads(tokenizer_json.read_text())
+    vocab = dict(tj["model"]["vocab"])
+    special = {a["id"] for a in tj.get("added_tokens", []) if a.get("special")}
+    for a in tj.get("added_tokens", []):
+        vocab.setdefault(a["content"], a["id"])
+    tokens = [""] * (max(vocab.values()) + 1)
+    for tok, i in vocab.items():
+        tokens[i] = tok
+    types = [3 if i in special else 1 for i in range(len(tokens))]  # CONTROL / NORMAL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+    return tokens, types, merges
+
+
+def write_gguf(model: Laneformer, tokenizer_json: Path, out: Path, ggml_type: str) -> Path:
+    """Write `model` as a llama.cpp GGUF of type F32, F16 or Q8_0 at `out`."""
+    import gguf
+
+    cfg = model.cfg
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name("expresslane-peer")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(FILE_TYPES[ggml_type])
+    tokens, types, merges = _vocab(tokenizer_json)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if cfg.bos_token_id is not None:
+        w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_ids[0])
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    for name, t in gguf_tensors(model).items():
+        a = t.numpy()
+        if a.ndim == 1 or ggml_type == "F32":
+            w.add_tensor(name, a.astype(np.float32))
+        elif ggml_type == "F16":
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+class LlamaCppPeer:
+    """One GGUF loaded by llama-cpp-python, decoding greedily one token per eval."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+            n_batch=512, verbose=False,
+        )  # fmt: skip
+        self.n_vocab = self.llm.n_vocab()
+
+    def _argmax(self) -> int:
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def generate(self, prompt: list[int], n: int, warmup: int) -> dict:
+        """Greedy decode of n tokens after the prompt: TTFT, median decode step, token ids."""
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(prompt)
+        tokens = [self._argmax()]
+        ttft = time.perf_counter() - t0
+        steps = []
+        for _ in range(n + warmup - 1):
+            t = time.perf_counter()
+            self.llm.eval([tokens[-1]])
+            tokens.append(self._argmax())
+            steps.append(time.perf_counter() - t)
+        med = statistics.median(steps[warmup:] or steps)
+        return {
+            "ttft_ms": ttft * 1e3,
+            "prefill_tok_s": len(prompt) / ttft,
+            "decode_tok_s": 1.0 / med,
+            "ms_per_token": med * 1e3,
+            "token_ids": tokens,
+        }

@@ -1,0 +1,218 @@
+"""Pack a loaded model's weights for the decode step: fewer, larger products, in one format.
+
+Per layer, Q/K/V become one (L, (Hq+2Hkv)*hd/L, D) matrix and gate/up one (L, 2F/L, D) matrix
+(lane-major rows, so a lane's outputs stay together), each stored as a `QTensor` of the chosen
+format; wo, w2, the embedding and the LM head are stored alone. A tied head is the embedding.
+
+`pack_model(model, fmt)` is applied from outside, once, after loading, and the model then runs
+on the packed storage too, so prefill, the eager decode and the packed step share one copy:
+
+- a float format equal to the model's dtype: the parameters become views of the packed tensors
+  (same values, nothing else changes; the model can still be trained or saved);
+- any other format (int8, or 16-bit weights under an fp32 model): the projections, embedding
+  and head are replaced by modules that hold the packed storage and compute in the activation
+  dtype from its dequantized values (`PackedProj` ...): the model *is* the quantized model.
+
+The result is kept on the model (`model.packed`), so packing twice returns the same weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import resolve_device
+from .errors import ConfigError
+from .model import Laneformer, lane_linear
+from .quant import FLOAT_FORMATS, QTensor, check_format, concat_rows, quantize
+
+QUANTIZATIONS = ("int8",)
+
+
+def load_plan(device: str, dtype: str, quantization: str | None) -> tuple[str, str | None]:
+    """(dtype to load a checkpoint in, packed weight format or None) for the flags given.
+
+    On a CPU the decode step computes in fp32 whatever the weights: `--dtype bfloat16|float16`
+    and `--quantization int8` load fp32 and pack the weights in that format. Elsewhere `dtype`
+    is the model's own and there is no weight-only quantization (the GPU step reads floats).
+    """
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConfigError(f"--quantization {quantization!r}: expected one of {QUANTIZATIONS}")
+    cpu = resolve_device(device).type == "cpu"
+    if quantization is not None:
+        if not cpu:
+            raise ConfigError(f"--quantization {quantization}: weight-only formats run on a CPU")
+        return "float32", quantization
+    if cpu and dtype in ("bfloat16", "float16"):
+        return "float32", dtype
+    return dtype, None
+
+
+@dataclass
+class PackedLayer:
+    attention_norm: torch.Tensor  # (D,) or (L, D)
+    wqkv: QTensor  # (L, (Hq + 2 Hkv) hd / L, D): per lane its q rows, then k, then v
+    bqkv: torch.Tensor | None  # (L, (Hq + 2 Hkv) hd / L) attention biases (qwen2), or None
+    wo: QTensor  # (L, D, Hq hd / L)
+    ffn_norm: torch.Tensor
+    w13: QTensor  # (L, 2 F / L, D): per lane its gate rows, then up
+    w2: QTensor  # (L, D, F / L)
+
+
+@dataclass
+class PackedWeights:
+    fmt: str
+    embed: QTensor  # (V, D)
+    layers: list[PackedLayer]
+    final_norm: torch.Tensor
+    head: QTensor  # (V, D) replicate (the embedding itself when tied), (V, L D) lane,
+    #                (L, V / L, D) vocab_parallel
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the matrices one decode step streams (layers and head)."""
+        mats = [m for w in self.layers for m in (w.wqkv, w.wo, w.w13, w.w2)] + [self.head]
+        return sum(m.nbytes for m in mats)
+
+
+def model_dtype_name(model: Laneformer) -> str:
+    dt = model.model.layers[0].attention.wq.weight.dtype
+    return next((k for k, v in FLOAT_FORMATS.items() if v == dt), "float32")
+
+
+def pack_model(model: Laneformer, fmt: str | None = None) -> PackedWeights:
+    """Pack `model` in format `fmt` (default: its own dtype) and install the packed storage."""
+    have = getattr(model, "packed", None)
+    if have is not None:
+        if fmt is not None and fmt != have.fmt:
+            raise ValueError(f"the model is already packed as {have.fmt}, not {fmt}")
+        return have
+    fmt = check_format(fmt or model_dtype_name(model))
+    same = fmt in FLOAT_FORMATS and fmt == model_dtype_name(model)
+    if not same and model_dtype_name(model) != "float32":
+        raise ValueError(f"packing as {fmt} needs an fp32 model (its activations stay fp32)")
+    with torch.no_grad():
+        packed = _pack(model, fmt)
+        (_repoint if same else _swap)(model, packed)
+    model.packed = packed
+    return packed
+
+
+def _pack(model: Laneformer, fmt: str) -> PackedWeights:
+    layers = []
+    for b in model.model.layers:
+        at, ff = b.attention, b.feed_forward
+        bias = None
+        if at.wq.bias is not None:
+            bias = torch.cat([at.wq.bias, at.wk.bias, at.wv.bias], -1).float()
+        layers.append(
+            PackedLayer(
+                attention_norm=b.attention_norm.gamma,
+                wqkv=quantize(concat_rows([at.wq.weight, at.wk.weight, at.wv.weight]), fmt),
+                bqkv=bias,
+                wo=quantize(at.wo.weight, fmt),
+                ffn_norm=b.ffn_norm.gamma,
+                w13=quantize(concat_rows([ff.w1.weight, ff.w3.weight]), fmt),
+                w2=quantize(ff.w2.weight, fmt),
+            )
+        )
+    cfg = model.cfg
+    embed = quantize(model.model.tok_embeddings.weight, fmt)
+    if cfg.lm_head_type == "lane":
+        head = quantize(model.lm_head.linear.weight, fmt)
+    elif cfg.lm_head_type == "replicate" and cfg.tie_word_embeddings:
+        head = embed
+    else:
+        head = quantize(model.lm_head.weight, fmt)
+    return PackedWeights(fmt, embed, layers, model.model.norm.gamma, head)
+
+
+def _splits(total: int, parts: list[int]) -> list[tuple[int, int]]:
+    bounds, at = [], 0
+    for n in parts:
+        bounds.append((at, at + n))
+        at += n
+    assert at == total
+    return bounds
+
+
+def _parts(model: Laneformer, i: int, w: PackedLayer):
+    """(module, packed rows) for every projection of layer i, in packing order."""
+    at, ff = model.model.layers[i].attention, model.model.layers[i].feed_forward
+    qkv = [at.wq, at.wk, at.wv]
+    rows = _splits(w.wqkv.shape[-2], [m.weight.shape[-2] for m in qkv])
+    yield from ((m, w.wqkv.rows(a, b), (a, b)) for m, (a, b) in zip(qkv, rows, strict=True))
+    gu = [ff.w1, ff.w3]
+    rows = _splits(w.w13.shape[-2], [m.weight.shape[-2] for m in gu])
+    yield from ((m, w.w13.rows(a, b), None) for m, (a, b) in zip(gu, rows, strict=True))
+    yield at.wo, w.wo, None
+    yield ff.w2, w.w2, None
+
+
+def _repoint(model: Laneformer, packed: PackedWeights) -> None:
+    """Same dtype: every parameter becomes a view of its packed tensor (no second copy)."""
+    for i, w in enumerate(packed.layers):
+        for module, q, bias_rows in _parts(model, i, w):
+            module.weight.data = q.data
+            if bias_rows is not None and module.bias is not None:
+                module.bias.data = w.bqkv[..., bias_rows[0] : bias_rows[1]]
+
+
+def _swap(model: Laneformer, packed: PackedWeights) -> None:
+    """Another format: projections, embedding and head hold the packed storage themselves."""
+    for i, w in enumerate(packed.layers):
+        at, ff = model.model.layers[i].attention, model.model.layers[i].feed_forward
+        names = [(at, "wq"), (at, "wk"), (at, "wv"), (ff, "w1"), (ff, "w3"), (at, "wo"), (ff, "w2")]
+        for (owner, name), (module, q, _) in zip(names, _parts(model, i, w), strict=True):
+            setattr(owner, name, PackedProj(q, module.bias))
+    model.model.tok_embeddings = PackedEmbedding(packed.embed)
+    cfg = model.cfg
+    if cfg.lm_head_type == "lane":
+        model.lm_head.linear = PackedProj(packed.head, None)
+    elif cfg.lm_head_type == "vocab_parallel":
+        model.lm_head = PackedProj(packed.head, None)
+    elif not cfg.tie_word_embeddings:
+        model.lm_head = PackedProj(packed.head, None)
+
+
+class _Packed(nn.Module):
+    """Holds a QTensor as buffers (they follow the module in state_dict and .to())."""
+
+    def __init__(self, q: QTensor):
+        super().__init__()
+        self.fmt = q.fmt
+        self.register_buffer("qdata", q.data)
+        self.register_buffer("qscale", q.scale)
+
+    @property
+    def q(self) -> QTensor:
+        return QTensor(self.fmt, self.qdata, self.qscale)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized fp32 matrix (what the model's own forward computes with)."""
+        return self.q.dequantize()
+
+
+class PackedProj(_Packed):
+    """A lane-major projection (or a plain linear) on packed storage; the model's _Proj twin."""
+
+    def __init__(self, q: QTensor, bias: torch.Tensor | None):
+        super().__init__(q)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to(x.dtype)
+        if w.dim() == 2:  # an nn.Linear's place (the lane head)
+            return F.linear(x, w)
+        return lane_linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class PackedEmbedding(_Packed):
+    """nn.Embedding on packed storage: rows dequantized at lookup."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.q.lookup(tokens)
