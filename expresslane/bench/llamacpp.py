@@ -4,8 +4,11 @@ The peer runs the very tensors our engine loaded: a Llama-family model (one lane
 the gguf package's writer as llama.cpp's `llama` architecture (Q/K rows permuted to its RoPE
 pairing, as its converter does), in F32 (bit-identical weights), F16 (rounded from them) or Q8_0
 (gguf's quantizer); norms stay F32, as llama.cpp's converter leaves them. The vocabulary comes
-from the checkpoint's tokenizer.json (byte-level BPE); only ids are fed, so it needs to be
-valid, not faithful.
+from the checkpoint's tokenizer.json (byte-level BPE), or is made up (`t0`, `t1`, ...) for random
+weights; only ids are fed, so it needs to be valid, not faithful.
+
+As a peer of bench/peers.py (`llama.cpp=F32|F16|Q8_0`), it runs on the bench's model: the GGUF is
+written to a temporary folder when the peer is built and removed when it is closed.
 
 llama-cpp-python is optional (building it takes ~18 minutes on 2 cores:
 `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`); `available()` says whether it is
@@ -19,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import numpy as np
 import torch
 
 from ..model import Laneformer
+from .peers import PeerSetup, prompt_ids
 
 TYPES = ("F32", "F16", "Q8_0")
 FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # LLAMA_FTYPE_ALL_F32, _MOSTLY_F16, _MOSTLY_Q8_0
@@ -85,8 +90,10 @@ def gguf_tensors(model: Laneformer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _vocab(tokenizer_json: Path) -> tuple[list[str], list[int], list[str]]:
-    """(tokens by id, token types, merges) of a byte-level BPE tokenizer.json."""
+def _vocab(tokenizer_json: Path | None, size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens by id, token types, merges) of a byte-level BPE tokenizer.json, or made up."""
+    if tokenizer_json is None or not tokenizer_json.is_file():
+        return [f"t{i}" for i in range(size)], [1] * size, []
     tj = json.loads(tokenizer_json.read_text())
     vocab = dict(tj["model"]["vocab"])
     special = {a["id"] for a in tj.get("added_tokens", []) if a.get("special")}
@@ -100,7 +107,7 @@ def _vocab(tokenizer_json: Path) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def write_gguf(model: Laneformer, tokenizer_json: Path, out: Path, ggml_type: str) -> Path:
+def write_gguf(model: Laneformer, tokenizer_json: Path | None, out: Path, ggml_type: str) -> Path:
     """Write `model` as a llama.cpp GGUF of type F32, F16 or Q8_0 at `out`."""
     import gguf
 
@@ -120,7 +127,7 @@ def write_gguf(model: Laneformer, tokenizer_json: Path, out: Path, ggml_type: st
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(FILE_TYPES[ggml_type])
-    tokens, types, merges = _vocab(tokenizer_json)
+    tokens, types, merges = _vocab(tokenizer_json, cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
@@ -157,6 +164,9 @@ class LlamaCppPeer:
         )  # fmt: skip
         self.n_vocab = self.llm.n_vocab()
 
+    def close(self) -> None:
+        self.llm.close()  # now, not in __del__ at interpreter exit (llama.cpp is gone by then)
+
     def _argmax(self) -> int:
         logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
         return int(logits.argmax())
@@ -182,3 +192,37 @@ class LlamaCppPeer:
             "ms_per_token": med * 1e3,
             "token_ids": tokens,
         }
+
+
+class LlamaCppRunner:
+    """The `llama.cpp=TYPE` peer: the bench's model as a GGUF of TYPE, greedy decode."""
+
+    name = "llama.cpp"
+
+    def __init__(self, setup: PeerSetup):
+        t = setup.arg or "F32"
+        if t not in TYPES:
+            raise ValueError(f"llama.cpp={t}: expected one of {', '.join(TYPES)}")
+        why = unsupported(setup.model)
+        if why is not None:
+            raise ValueError(why)
+        self.setup, self.cfg, self.note = setup, setup.cfg, f"GGUF {t}, same weights"
+        self.tmp = tempfile.TemporaryDirectory(prefix="expresslane-llamacpp-")
+        ckpt = (setup.shared or {}).get("checkpoint")
+        tok = Path(ckpt) / "tokenizer.json" if ckpt is not None else None
+        path = write_gguf(setup.model, tok, Path(self.tmp.name) / f"{t}.gguf", t)
+        self.peer = LlamaCppPeer(path, torch.get_num_threads(), n_ctx=setup.max_len)
+
+    def measure(self, context: int) -> dict:
+        s = self.setup
+        prompt = prompt_ids(self.cfg.vocab_size, context, torch.device("cpu"))[0].tolist()
+        row = self.peer.generate(prompt, s.decode_tokens, s.warmup_tokens)
+        return {**row, "cuda_graph": False, "fused_kernels": False, "pdl": False}
+
+    def close(self) -> None:
+        self.peer.close()
+        self.tmp.cleanup()
+
+
+def llamacpp_peer(setup: PeerSetup) -> LlamaCppRunner:
+    return LlamaCppRunner(setup)

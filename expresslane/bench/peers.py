@@ -13,6 +13,7 @@ its own with a factory, and one line in `PEERS`.
   (CUDA graphs on a GPU). The model's `forward` is never rebound: `generate()` on a rebound
   forward hands the compiled function a dict of masks and dynamo fails on it.
 - `gpt-fast=DIR`: a gpt-fast checkout the user provides (bench/peer_gptfast.py).
+- `llama.cpp=F32|F16|Q8_0`: llama-cpp-python on the same weights as a GGUF (bench/llamacpp.py).
 
 A Llama-family model's peer runs on a copy of the very same weights; a Laneformer's on the
 equal-byte Llama of the same dims (transformers cannot run a Laneformer), with random weights.
@@ -39,6 +40,7 @@ PEERS: dict[str, str] = {
     "transformers": "expresslane.bench.peers:transformers_eager",
     "transformers+static+compile": "expresslane.bench.peers:transformers_compiled",
     "gpt-fast": "expresslane.bench.peer_gptfast:gptfast",
+    "llama.cpp": "expresslane.bench.llamacpp:llamacpp_peer",
 }
 
 

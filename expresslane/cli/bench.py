@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..bench import table
+from ..bench import rounds, table
 from ..bench.bandwidth import copy_bandwidth_gb_s, datasheet_tb_s
 from ..bench.ceiling import bytes_per_token
 from ..bench.decode import BenchConfig, parallel_rows, run_bench
@@ -32,6 +32,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from ..presets import get_preset, preset_names
 from ..speculative import SpeculativeConfig
+from ..threads import choose_threads
 from . import launch
 from .run import add_speculative_argument, speculative_from_args
 
@@ -50,6 +51,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--no-peer", action="store_true", help="skip the transformers baseline")
+    p.add_argument(
+        "--peer",
+        choices=("transformers", "llama.cpp"),
+        default="transformers",
+        help="llama.cpp: also llama-cpp-python on the same weights as GGUF F32/F16/Q8_0, every "
+        "engine once per round (--rounds), min and median (expresslane/bench/rounds.py)",
+    )
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        choices=("float32", "bfloat16", "float16", "int8"),
+        default=["float32", "bfloat16", "int8"],
+        help="with --peer llama.cpp: our CPU weight formats to run",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="with --peer llama.cpp: rounds")
     p.add_argument(
         "--peer-compile",
         action="store_true",
@@ -126,6 +142,12 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(_threads(args, model_cfg, 1))
     cfg = _bench_config(args, str(device), peer=not args.no_peer)
     machine = _machine(device)
+    if args.peer == "llama.cpp":  # our weight formats and llama.cpp's, in rounds
+        if device.type != "cpu" or checkpoint is None:
+            raise ConfigError("--peer llama.cpp: a checkpoint on the CPU (--device cpu)")
+        fmts, n = args.formats, args.rounds
+        rows, notes = rounds.bench_vs_llamacpp(model_cfg, cfg, checkpoint, fmts, n)
+        return _report(args, name, rows, machine, 1, notes, render=rounds.table)
     if not args.json:
         print(table.HEADER, flush=True)
     emit = None if args.json else _emitter(machine)
@@ -184,12 +206,14 @@ def _bench_config(args: argparse.Namespace, device: str, peer: bool) -> BenchCon
 
 
 def _threads(args: argparse.Namespace, cfg: ModelConfig, devices: int) -> int:
-    """--threads, else one per 128 MB of weights a process streams (CPU cores shared by ranks)."""
+    """--threads; else on one device the rule of threads.py, on N one per 128 MB per rank."""
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads {args.threads}: must be at least 1")
         return args.threads
     nbytes = bytes_per_token(cfg, 1, dtype_bytes=4, devices=devices)["per_device"]["weights"]
+    if devices == 1:  # idle cores and the bytes a step streams (expresslane/threads.py)
+        return choose_threads(nbytes)
     cores = max(1, (os.cpu_count() or 1) // devices)
     return min(cores, max(1, nbytes // (128 << 20)))
 
@@ -297,7 +321,7 @@ def _utilisation(r: dict, machine: dict) -> None:
             r["datasheet_bw_util"] = r["achieved_gb_s"] / (sheet[1] * 1e3)
 
 
-def _report(args, name: str, rows: list, machine: dict, devices: int, notes=()) -> int:
+def _report(args, name: str, rows: list, machine: dict, devices: int, notes=(), render=None) -> int:
     copy_gb_s, sheet = machine["copy_gb_s"], machine["datasheet"]
     for r in rows:
         _utilisation(r, machine)
@@ -315,7 +339,7 @@ def _report(args, name: str, rows: list, machine: dict, devices: int, notes=()) 
         "rows": rows,
     }
     if not args.json:
-        print(table.table(rows))
+        print((render or table.table)(rows))
         print(
             f"copy bandwidth {copy_gb_s:.1f} GB/s (read+write) on {summary['device_name']}"
             + (f" (rank 0 of {devices})" if devices > 1 else "")

@@ -1,0 +1,163 @@
+"""CPU decode against llama.cpp: every engine measured once per round, rounds interleaved.
+
+`expresslane bench MODEL --peer llama.cpp` lands here. The contestants, all in this process and
+with the same thread count: our engine in each weight format asked for (fp32, 16-bit, int8:
+the packed decode step, compiled with `--compile`), transformers on the same checkpoint (fp32),
+and llama.cpp on the same weights written as GGUF F32, F16 and Q8_0 (bench/llamacpp.py; skipped
+with a note when llama-cpp-python is not installed, or for a model it cannot run).
+
+On a shared machine speed drifts with other processes' load: running every engine once per round,
+round after round, exposes all of them to the same drift. Each row reports the min and the median
+over rounds of the decode speed (each itself the median of per-token times after a warm-up) and
+`same_tokens`: how many greedy tokens agree with our fp32 engine's before the first difference
+(the prompt is the same random one for everyone).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_model
+from ..config import ModelConfig
+from ..engine import Engine
+from ..packing import pack_model
+from . import llamacpp
+from .decode import BenchConfig, bench_engine
+from .peers import PeerSetup, make_peer
+
+# our weight format -> the llama.cpp type that streams as many bytes per weight
+PEER_OF = {"float32": "F32", "bfloat16": "F16", "float16": "F16", "int8": "Q8_0"}
+
+
+@dataclass
+class Contestant:
+    name: str
+    model: str  # what it runs (format, file type)
+    run: Callable[[int], dict]  # context -> {ttft_ms, prefill_tok_s, decode_tok_s, token_ids}
+    close: Callable[[], None] = field(default=lambda: None)
+
+
+def prompt_for(context: int, vocab: int) -> list[int]:
+    """The benchmark's random prompt of `context` tokens (bench/decode.py draws the same)."""
+    g = torch.Generator().manual_seed(context)
+    return torch.randint(3, vocab, (context,), generator=g).tolist()
+
+
+def ours(checkpoint: Path, fmt: str, cfg: BenchConfig, max_len: int) -> Contestant:
+    model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
+    if fmt != "float32":
+        pack_model(model, fmt)
+    engine = Engine(model, max_model_len=max_len, decode="graph", compile=cfg.compile)
+    name = "expresslane" + ("+compile" if cfg.compile else "")
+    note = f"{fmt}, compiled in {engine.compile_s:.1f} s" if cfg.compile else fmt
+    return Contestant(name, note, lambda ctx: bench_engine(engine, cfg, ctx))
+
+
+def peer(spec: str, setup: PeerSetup) -> Contestant:
+    """A peer of bench/peers.py (transformers, llama.cpp=TYPE, ...) as a contestant."""
+    runner = make_peer(spec, setup)
+    return Contestant(runner.name, runner.note, runner.measure, runner.close)
+
+
+def llamacpp_peers(setup: PeerSetup, types: list[str]) -> tuple[list[Contestant], list[str]]:
+    """llama.cpp on our weights, one contestant per GGUF type; notes say what was skipped."""
+    if not llamacpp.available():
+        return [], [
+            "llama.cpp peer skipped: llama-cpp-python is not installed (building it takes ~18 "
+            'min on 2 cores: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python)'
+        ]
+    why = llamacpp.unsupported(setup.model)
+    if why is not None:
+        return [], [why]
+    return [peer(f"llama.cpp={t}", setup) for t in types], []
+
+
+def same_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_rounds(contestants: list[Contestant], contexts, rounds: int) -> list[dict]:
+    """Every contestant once per (round, context), in order; one row per (contestant, context)."""
+    got: dict[tuple[int, int], list[dict]] = {}
+    for _ in range(rounds):
+        for ctx in contexts:
+            for i, c in enumerate(contestants):
+                got.setdefault((i, ctx), []).append(c.run(ctx))
+    rows = []
+    for ctx in contexts:
+        ref = got[(0, ctx)][0].get("token_ids", [])
+        for i, c in enumerate(contestants):
+            rs = [r for r in got[(i, ctx)] if r]
+            if not rs:
+                continue
+            speeds = [r["decode_tok_s"] for r in rs]
+            row = {
+                "engine": c.name,
+                "model": c.model,
+                "devices": 1,
+                "context": ctx,
+                "rounds": len(rs),
+                "ttft_ms": statistics.median(r["ttft_ms"] for r in rs),
+                "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in rs),
+                "decode_tok_s": statistics.median(speeds),
+                "decode_tok_s_min": min(speeds),
+            }
+            if "token_ids" in rs[0]:
+                row["same_tokens"] = same_prefix(rs[0]["token_ids"], ref)
+                row["tokens"] = len(rs[0]["token_ids"])
+            rows.append(row)
+    return rows
+
+
+def bench_vs_llamacpp(
+    model_cfg: ModelConfig, cfg: BenchConfig, checkpoint: Path, formats: list[str], rounds: int
+) -> tuple[list[dict], list[str]]:
+    """Rows for our formats, transformers and llama.cpp's matching GGUF types; and notes."""
+    max_len = max(cfg.contexts) + cfg.decode_tokens + cfg.warmup_tokens + 1
+    fmts = ["float32"] + [f for f in formats if f != "float32"]  # fp32 first: the reference
+    t = time.perf_counter()
+    contestants = [ours(checkpoint, f, cfg, max_len) for f in fmts]
+    model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
+    setup = PeerSetup(model.cfg, model, torch.device("cpu"), torch.float32, cfg.decode_tokens,
+                      cfg.warmup_tokens, max_len, shared={"checkpoint": checkpoint})  # fmt: skip
+    if cfg.peers:
+        contestants.append(peer("transformers", setup))
+    types = list(dict.fromkeys(PEER_OF[f] for f in fmts))
+    peers, notes = llamacpp_peers(setup, types)
+    contestants += peers
+    notes.append(f"set-up (loads, compilation, GGUF writes) {time.perf_counter() - t:.0f} s")
+    try:
+        rows = run_rounds(contestants, cfg.contexts, rounds)
+    finally:
+        for c in contestants:
+            c.close()
+    return rows, notes
+
+
+def table(rows: list[dict]) -> str:
+    """One line per row: decode tok/s min and median over rounds, and greedy agreement."""
+    head = (
+        f"{'engine':<20} {'weights':<30} {'ctx':>5} {'TTFT ms':>8} {'decode min':>10} "
+        f"{'median':>7} {'ms/tok':>7} {'x peer':>6} {'same tokens':>12}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = f"{r['speedup_vs_peer']:6.2f}" if "speedup_vs_peer" in r else f"{'':>6}"
+        same = f"{r['same_tokens']}/{r['tokens']}" if "same_tokens" in r else ""
+        lines.append(
+            f"{r['engine']:<20} {r['model'][:30]:<30} {r['context']:>5} {r['ttft_ms']:8.1f} "
+            f"{r['decode_tok_s_min']:10.1f} {r['decode_tok_s']:7.1f} "
+            f"{1e3 / r['decode_tok_s']:7.2f} {ratio} {same:>12}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""The decode step on packed weights equals the model's forward on the same weights, in every
+format; packing keeps the model's own forward right; the static step reads only live slots."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import tiny
+import torch
+
+from expresslane.cache import KVCache
+from expresslane.config import ModelConfig, SamplingParams
+from expresslane.engine import Engine, reference_generate
+from expresslane.graph import MIN_BUCKET, DecodeGraph, live_bucket
+from expresslane.model import Laneformer, init_weights
+from expresslane.packed_step import PackedDecoder
+from expresslane.packing import load_plan, pack_model
+from expresslane.quant import FORMATS
+
+PROMPT = [1, 7, 9, 30, 11, 12, 40, 3, 5]
+
+
+def llama(seed=0, **over) -> Laneformer:
+    """A small Llama with GQA and a tied head (SmolLM2's layout), odd sizes."""
+    cfg = dict(model_type="llama", vocab_size=67, hidden_size=48, intermediate_size=88,
+               num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+               max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=2)  # fmt: skip
+    model = Laneformer(ModelConfig.from_hf_dict({**cfg, **over}))
+    return init_weights(model, seed=seed, norm_noise=0.1).eval()
+
+
+MODELS = {
+    "laneformer": lambda: tiny.laneformer(seed=3),  # lanes, DTP reduces, rings, vocab-par. head
+    "laneformer-lane-head": lambda: tiny.laneformer(seed=4, lm_head_type="lane"),
+    "llama-tied": lambda: llama(),
+    "qwen2-bias": lambda: llama(model_type="qwen2", tie_word_embeddings=False),
+}
+
+
+def _step_logits(model: Laneformer, fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(forward logits of PROMPT, packed-step logits fed token by token) after packing."""
+    pack_model(model, fmt)
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        full = model(tokens)[0]
+        cache = KVCache(model.cfg, max_len=32)
+        cache.static = True
+        dec = PackedDecoder(model, cache)
+        steps = [dec.logits(tokens[:, i : i + 1], torch.tensor([i])) for i in range(len(PROMPT))]
+    return full, torch.stack(steps)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_step_equals_the_forward_on_the_same_weights(name, fmt):
+    full, steps = _step_logits(MODELS[name](), fmt)
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
+
+
+def test_same_dtype_packing_changes_no_value_and_shares_storage():
+    model = tiny.laneformer(seed=3)
+    before = copy.deepcopy(model)
+    packed = pack_model(model)
+    assert packed.fmt == "float32" and pack_model(model) is packed
+    wq = model.model.layers[1].attention.wq.weight
+    assert isinstance(wq, torch.nn.Parameter)
+    assert (
+        wq.untyped_storage().data_ptr() == packed.layers[1].wqkv.data.untyped_storage().data_ptr()
+    )
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert torch.equal(model(tokens), before(tokens))
+    with pytest.raises(ValueError, match="already packed as float32"):
+        pack_model(model, "int8")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+def test_quantized_model_is_the_model_with_dequantized_weights(fmt):
+    """Packing as int8 / bf16 swaps in modules holding the packed storage; their forward equals a
+    plain model loaded with the dequantized values (an independent reference)."""
+    model = llama(seed=5, tie_word_embeddings=False)
+    ref = copy.deepcopy(model)
+    packed = pack_model(model, fmt)
+    assert not any(p.dim() == 3 for p in model.parameters())  # fp32 projections are gone
+    state = ref.state_dict()
+    for i in range(len(packed.layers)):
+        for path in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                     "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):  # fmt: skip
+            swapped = model.get_submodule(f"model.layers.{i}.{path}")
+            state[f"model.layers.{i}.{path}.weight"] = swapped.weight  # dequantized
+    state["model.tok_embeddings.weight"] = packed.embed.dequantize()
+    state["lm_head.weight"] = packed.head.dequantize()
+    ref.load_state_dict(state)
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(model(tokens), llama(seed=5, tie_word_embeddings=False)(tokens))
+
+
+def test_engine_on_a_cpu_takes_the_packed_step_and_kernels_off_the_models_own():
+    model = tiny.laneformer(seed=3)
+    assert isinstance(Engine(model, max_model_len=32, decode="graph").decoder, PackedDecoder)
+    assert Engine(model, max_model_len=32, decode="graph", kernels="off").decoder is None
+    assert Engine(model, max_model_len=32).decoder is None  # eager decode: the forward
+
+
+def _poisoned(engine: Engine, written: int) -> Engine:
+    """Value slots no position below `written` maps to, NaN: a step that reads one of them
+    (even masked: 0 * NaN) yields NaN logits. Ring layers use every slot, so only full ones."""
+    for v in engine.cache.v:
+        if v.shape[0] > written:
+            v[written:] = float("nan")
+    return engine
+
+
+@pytest.mark.parametrize("kernels", ["auto", "off"])  # the packed step, the model's forward
+def test_static_step_reads_only_live_slots(kernels):
+    model = tiny.laneformer(seed=6)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = reference_generate(model, PROMPT, params, stop_ids=set())
+    eng = Engine(model, max_model_len=200, decode="graph", kernels=kernels, steps_per_replay=3)
+    written = len(PROMPT) + params.max_tokens + 3  # every position the request can write
+    assert list(_poisoned(eng, written).generate(PROMPT, params)) == ref
+
+
+def test_compiled_int8_step_equals_reference_and_compiles_at_load():
+    """The compiled packed step (inductor), int8, Llama layout: the greedy tokens of the
+    reference on the same weights; one layer graph for all layers; compiled before any request;
+    poisoned slots past the live bound never read."""
+    model = llama(seed=7, num_hidden_layers=3)
+    pack_model(model, "int8")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = reference_generate(model, PROMPT, params, stop_ids=set())
+    eng = Engine(model, max_model_len=96, compile=True, steps_per_replay=2)
+    assert eng.compile_s > 0 and len(eng._graphs) == 1  # the greedy step, at load
+    assert list(_poisoned(eng, len(PROMPT) + 26).generate(PROMPT, params)) == ref
+    short = reference_generate(model, PROMPT[:2], params, stop_ids=set())
+    assert list(eng.generate(PROMPT[:2], params)) == short
+    assert len(eng._graphs) == 1
+
+
+def test_captured_graphs_bucket_the_live_bound():
+    assert live_bucket(1, 8192) == MIN_BUCKET
+    assert live_bucket(MIN_BUCKET + 1, 8192) == 2 * MIN_BUCKET
+    assert live_bucket(5000, 8192) == 8192 and live_bucket(5000, 6000) == 6000
+    model = tiny.laneformer(seed=3)
+    cache = KVCache(model.cfg, max_len=1000)
+    graph = DecodeGraph(model, cache, SamplingParams(), steps=4, capture=True)
+    graph.load(torch.tensor(5), position=300)
+    assert graph.live() == 512  # positions 300..303 in the 512 bucket
+    eager = DecodeGraph(model, cache, SamplingParams(), steps=4, capture=False)
+    eager.load(torch.tensor(5), position=300)
+    assert eager.live() == 304
+
+
+def test_load_plan_maps_flags_to_formats():
+    assert load_plan("cpu", "bfloat16", None) == ("float32", "bfloat16")
+    assert load_plan("cpu", "auto", "int8") == ("float32", "int8")
+    assert load_plan("cpu", "float32", None) == ("float32", None)
+    from expresslane.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--quantization 'int4'"):
+        load_plan("cpu", "auto", "int4")
