@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .config import ModelConfig, SamplingParams
+from .cpu_kernels import NativeStep, available, native_matvec
 from .kernels.ref import _head_input
 from .model import Laneformer
 from .packing import pack_model
@@ -65,18 +66,25 @@ def attend_live(q, k_cache, v_cache, pos_cache, position, n, window: int | None)
     return torch.einsum("hgn,nhd->hgd", probs, v).reshape(-1, hd)
 
 
+def product(w: QTensor, x: torch.Tensor, native: bool) -> torch.Tensor:
+    """W @ x in fp32: the AVX-512 kernel (cpu_matvec.py) or quant.matvec (inductor / eager)."""
+    return native_matvec(w, x) if native else matvec(w, x)
+
+
 def decode_layer(
     h, w, kc, vc, pc, position, cos, sin, span, past_a, past_m,
-    *, fmt, heads, kv_heads, head_dim, eps, rope_style, window, mode,
+    *, fmt, native, heads, kv_heads, head_dim, eps, rope_style, window, mode,
 ):  # fmt: skip
     """One layer for one token: h (L, D) fp32 -> (h, attention partials a, MLP partials m).
 
-    `w` is the layer's flat tensor tuple (`PackedDecoder.layer_tensors`); kc/vc/pc its cache;
-    span (live,) bounds the slots read. Keyword arguments are constants (one compile each).
+    `w` is the layer's tensors (`PackedDecoder.layer_tensors`: norms, biases and each matrix's
+    (data, scale, rowsum)); kc/vc/pc its cache; span (live,) bounds the slots read. Keyword
+    arguments are constants (one compilation per distinct set).
     """
-    attention_norm, qkv_d, qkv_s, bqkv, wo_d, wo_s, ffn_norm, w13_d, w13_s, w2_d, w2_s = w
+    attention_norm, qkv, bqkv, wo, ffn_norm, w13, w2 = w
     L = h.shape[0]
-    qkv = matvec(QTensor(fmt, qkv_d, qkv_s), rms_norm(h, attention_norm, eps))  # (L, q+2kv)
+    xn = rms_norm(h, attention_norm, eps)
+    qkv = product(QTensor(fmt, *qkv), xn, native)  # (L, (Hq + 2 Hkv) hd / L)
     if bqkv is not None:
         qkv = qkv + bqkv
     lq, lkv = heads * head_dim // L, kv_heads * head_dim // L
@@ -90,38 +98,53 @@ def decode_layer(
     pc.index_copy_(0, slot, position)
     n = min(span.shape[0], kc.shape[0])
     o = attend_live(q[0], kc, vc, pc, position, n, window)  # (Hq, hd)
-    a = matvec(QTensor(fmt, wo_d, wo_s), o.reshape(L, -1))  # (L, D)
+    a = product(QTensor(fmt, *wo), o.reshape(L, -1), native)  # (L, D)
     h = h + reduce(a, mode, past_a)
-    gu = matvec(QTensor(fmt, w13_d, w13_s), rms_norm(h, ffn_norm, eps))  # (L, 2F/L)
+    gu = product(QTensor(fmt, *w13), rms_norm(h, ffn_norm, eps), native)  # (L, 2F/L)
     f = gu.shape[-1] // 2
-    m = matvec(QTensor(fmt, w2_d, w2_s), F.silu(gu[:, :f]) * gu[:, f:])  # (L, D)
+    m = product(QTensor(fmt, *w2), F.silu(gu[:, :f]) * gu[:, f:], native)  # (L, D)
     h = h + reduce(m, mode, past_m)
     return h, a, m
 
 
-def head(h, norm, head_d, head_s, *, fmt, head_type, eps, pre_norm_lane_agg, greedy):
+def head(h, norm, w, *, fmt, native, head_type, eps, pre_norm_lane_agg, greedy):
     """Final norm and LM head: fp32 logits (V,), or with `greedy` their argmax (0-d)."""
     x = _head_input(h, norm.float(), head_type, eps, pre_norm_lane_agg)
-    logits = matvec(QTensor(fmt, head_d, head_s), x).reshape(-1)  # vocab_parallel: lane order
+    logits = product(QTensor(fmt, *w), x, native).reshape(-1)  # vocab_parallel: lane order
     return torch.argmax(logits) if greedy else logits
+
+
+def _parts(q: QTensor) -> tuple:
+    return (q.data, q.scale, q.rowsum)
 
 
 class PackedDecoder:
     def __init__(
-        self, model: Laneformer, cache: KVCache, fmt: str | None = None, compile: bool = False
+        self,
+        model: Laneformer,
+        cache: KVCache,
+        fmt: str | None = None,
+        compile: bool = False,
+        native: bool | None = None,
     ):
         self.cfg: ModelConfig = model.cfg
         self.cache = cache
         self.weights = pack_model(model, fmt)
         self.inv_freq = model.inv_freq
+        # the C kernels where built and supported (default), else quant.matvec; a one-lane
+        # model then runs each layer as one C call (NativeStep), nothing to compile
+        self.native = available(self.weights.fmt) if native is None else native
+        self.step = None
+        if self.native and NativeStep.supports(self.cfg, cache, self.weights.fmt):
+            self.step = NativeStep(self.weights, self.cfg, model.inv_freq, cache)
         self.layer_tensors = [
-            (w.attention_norm, w.wqkv.data, w.wqkv.scale, w.bqkv, w.wo.data, w.wo.scale,
-             w.ffn_norm, w.w13.data, w.w13.scale, w.w2.data, w.w2.scale)
+            (w.attention_norm, _parts(w.wqkv), w.bqkv, _parts(w.wo), w.ffn_norm, _parts(w.w13),
+             _parts(w.w2))
             for w in self.weights.layers
         ]  # fmt: skip
-        self.compiled = compile
-        self._layer = torch.compile(decode_layer, dynamic=False) if compile else decode_layer
-        self._head = torch.compile(head, dynamic=False) if compile else head
+        self.compiled = compile and self.step is None
+        self._layer = torch.compile(decode_layer, dynamic=False) if self.compiled else decode_layer
+        self._head = torch.compile(head, dynamic=False) if self.compiled else head
         self._span = torch.arange(cache.max_len, device=cache.k[0].device)
         self._marked = False
 
@@ -139,6 +162,8 @@ class PackedDecoder:
 
     def hidden(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token (1, 1), position (1,) -> final residual stream (L, D) fp32; writes the KV."""
+        if self.step is not None:
+            return self.step.hidden(token, int(position)).view(1, -1)
         cfg, cache = self.cfg, self.cache
         h = self.weights.embed.lookup(token.view(1)).expand(cfg.num_lanes, -1)  # (L, D)
         cos, sin = cos_sin(self.inv_freq, position)  # (1, hd/2), as the model computes them
@@ -150,7 +175,7 @@ class PackedDecoder:
             pa, pm = (None, None) if src is None else (past_a[src], past_m[src])
             h, a, m = self._layer(
                 h, w, cache.k[i], cache.v[i], cache.pos[i], position, cos, sin, span, pa, pm,
-                fmt=self.fmt, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                fmt=self.fmt, native=self.native, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, eps=cfg.norm_eps, rope_style=cfg.rope_style,
                 window=cfg.window(i), mode=cfg.reduce_mode(i),
             )  # fmt: skip
@@ -161,14 +186,17 @@ class PackedDecoder:
     def _run_head(self, h: torch.Tensor, greedy: bool) -> torch.Tensor:
         cfg, wt = self.cfg, self.weights
         return self._head(
-            h, wt.final_norm, wt.head.data, wt.head.scale, fmt=self.fmt,
+            h, wt.final_norm, _parts(wt.head), fmt=self.fmt, native=self.native,
             head_type=cfg.lm_head_type, eps=cfg.norm_eps,
             pre_norm_lane_agg=cfg.pre_norm_lane_agg, greedy=greedy,
         )  # fmt: skip
 
     def logits(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """fp32 logits (V,) for the token at `position`."""
-        return self._run_head(self.hidden(token, position), greedy=False)
+        h = self.hidden(token, position)
+        if self.step is not None:
+            return self.step.head(h[0])[1].clone()
+        return self._run_head(h, greedy=False)
 
     def next_token(
         self,
@@ -180,6 +208,9 @@ class PackedDecoder:
     ) -> torch.Tensor:
         """The sampled next token, a 0-d tensor (greedy: the logits' argmax, in the head)."""
         h = self.hidden(token, position)
+        if self.step is not None:
+            best, logits = self.step.head(h[0])
+            return torch.tensor(best) if params.greedy else sample(logits, params, generator, knobs)
         if params.greedy:
             return self._run_head(h, greedy=True)
         return sample(self._run_head(h, greedy=False), params, generator, knobs)

@@ -186,10 +186,11 @@ class _Packed(nn.Module):
         self.fmt = q.fmt
         self.register_buffer("qdata", q.data)
         self.register_buffer("qscale", q.scale)
+        self.register_buffer("qrowsum", q.rowsum)
 
     @property
     def q(self) -> QTensor:
-        return QTensor(self.fmt, self.qdata, self.qscale)
+        return QTensor(self.fmt, self.qdata, self.qscale, self.qrowsum)
 
     @property
     def weight(self) -> torch.Tensor:

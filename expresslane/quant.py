@@ -4,7 +4,8 @@ A `QTensor` is a weight (..., N, K) (leading lane axes allowed) in one storage f
 
     float32, bfloat16, float16   data (..., N, K) in that dtype
     int8                         data (..., N, K) int8, scale (..., N) fp32: w = data * scale
-                                 (symmetric, one scale per output row: absmax / 127)
+                                 (symmetric, one scale per output row: absmax / 127); rowsum
+                                 (..., N) int32, sum_k data, for kernels with integer inputs
 
 Whatever the format, products are computed in fp32: `matvec(w, x)` upcasts the weights on the
 fly. Its body is written as a multiply and a sum over K, so that inductor (torch.compile on a
@@ -34,11 +35,12 @@ def check_format(fmt: str, what: str = "--quantization") -> str:
 
 @dataclass(frozen=True)
 class QTensor:
-    """A weight (..., N, K) in storage format `fmt`; `scale` (..., N) for int8, else None."""
+    """A weight (..., N, K) in storage format `fmt`; `scale`, `rowsum` (..., N) for int8."""
 
     fmt: str
     data: torch.Tensor
     scale: torch.Tensor | None = None
+    rowsum: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -47,8 +49,8 @@ class QTensor:
     @property
     def nbytes(self) -> int:
         """Bytes a product streams: the stored values and their scales."""
-        extra = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
-        return self.data.numel() * self.data.element_size() + extra
+        extra = [t for t in (self.scale, self.rowsum) if t is not None]
+        return sum(t.numel() * t.element_size() for t in [self.data, *extra])
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 matrix this format stands for (the reference of every kernel)."""
@@ -58,7 +60,8 @@ class QTensor:
     def rows(self, start: int, stop: int) -> QTensor:
         """Output rows [start, stop) as views of the same storage."""
         scale = None if self.scale is None else self.scale[..., start:stop]
-        return QTensor(self.fmt, self.data[..., start:stop, :], scale)
+        rowsum = None if self.rowsum is None else self.rowsum[..., start:stop]
+        return QTensor(self.fmt, self.data[..., start:stop, :], scale, rowsum)
 
     def lookup(self, index: torch.Tensor) -> torch.Tensor:
         """fp32 rows `index` of a (N, K) matrix (an embedding table)."""
@@ -74,8 +77,8 @@ def quantize(w: torch.Tensor, fmt: str) -> QTensor:
     wf = w.detach().float()
     scale = wf.abs().amax(-1) / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
-    q = torch.round(wf / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return QTensor(fmt, q.contiguous(), scale.contiguous())
+    q = torch.round(wf / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8).contiguous()
+    return QTensor(fmt, q, scale.contiguous(), q.sum(-1, dtype=torch.int32))
 
 
 def matvec(w: QTensor, x: torch.Tensor) -> torch.Tensor:

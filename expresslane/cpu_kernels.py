@@ -1,0 +1,172 @@
+"""The AVX-512 decode step (csrc/): whole layers of one-lane models, and products for the rest.
+
+`expresslane._cpu_kernels` is an optional C extension built by `pip install` (pyproject.toml;
+no torch headers, so it builds in seconds). Each weight format needs an instruction set, checked
+at run time: fp32 and fp16 AVX-512F, bf16 AVX512_BF16, int8 AVX512_VNNI (`available(fmt)`).
+
+- `NativeStep`: a one-lane (Llama-family) model's decode step as one C call per layer plus one
+  for the head (csrc/cpu_layer.c): the same arithmetic as packed_step.decode_layer, with every
+  intermediate in a scratch buffer allocated once. Used by PackedDecoder where it applies
+  (`NativeStep.supports`).
+- `cpu_matvec`: the products alone, as the operator `torch.ops.expresslane.cpu_matvec`, which
+  the compiled multi-lane step calls in place of quant.matvec.
+
+Why C at all: at batch 1 a CPU core converting weights to fp32 (what inductor generates: one
+accumulator per row, the conversion in registers) is bound by that conversion for 16-bit and
+int8 weights, and a ~20-op layer costs tens of microseconds in Python; llama.cpp is faster on
+both counts. The kernels here read rows front to back with several accumulators and use the
+dot-product instructions (vdpbf16ps, vpdpbusd) that torch.compile does not emit. Measured
+against llama.cpp in BENCHMARKS.md; compared with the dequantized reference in
+tests/test_cpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import KVCache
+from .config import ModelConfig
+from .fused import MAX_OVERRUN
+from .packing import PackedWeights
+from .quant import QTensor
+from .rope import cos_sin
+
+try:
+    from . import _cpu_kernels as _native
+except ImportError:  # not built (no compiler at install time): the compiled Python path runs
+    _native = None
+
+CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
+NEEDS = {"float32": 1, "float16": 1, "bfloat16": 2, "int8": 4}  # cpu_matvec.c's feature bits
+FEATURES = _native.features() if _native is not None else 0
+
+
+def available(fmt: str) -> bool:
+    """True when the C kernels for `fmt` are built and this CPU has their instructions."""
+    return fmt in NEEDS and FEATURES & NEEDS[fmt] == NEEDS[fmt]
+
+
+def _addr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+# --- the products, as an operator for the compiled step -------------------------------------
+# A plain Library kernel, not torch.library.custom_op: the latter's Python wrappers cost ~100 us
+# a call, this ~7 us.
+_lib = torch.library.Library("expresslane", "DEF")
+_lib.define("cpu_matvec(Tensor data, Tensor? scale, Tensor? rowsum, Tensor x, str fmt) -> Tensor")
+
+
+def cpu_matvec(
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    rowsum: torch.Tensor | None,
+    x: torch.Tensor,
+    fmt: str,
+) -> torch.Tensor:
+    """y (..., N) fp32 = W (..., N, K) @ x (..., K), W stored as `fmt` (QTensor's fields)."""
+    data, x = data.contiguous(), x.contiguous().float()
+    K, N = data.shape[-1], data.shape[-2]
+    y = torch.empty(data.shape[:-1], dtype=torch.float32)
+    if fmt == "int8":
+        scale, rowsum = scale.contiguous(), rowsum.contiguous()
+    rc = _native.matvec(
+        CODES[fmt], data.data_ptr(), _addr(scale), _addr(rowsum), x.data_ptr(), y.data_ptr(),
+        data.numel() // (N * K), N, K, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"cpu_matvec({fmt}): the kernel refused (status {rc})")
+    return y
+
+
+def _fake(data, scale, rowsum, x, fmt):
+    return data.new_empty(data.shape[:-1], dtype=torch.float32)
+
+
+if _native is not None:
+    _lib.impl("cpu_matvec", cpu_matvec, "CPU")
+    torch.library.register_fake("expresslane::cpu_matvec", _fake, lib=_lib)
+
+
+def native_matvec(w: QTensor, x: torch.Tensor) -> torch.Tensor:
+    """quant.matvec through the C kernel (the caller checked `available(w.fmt)`)."""
+    return torch.ops.expresslane.cpu_matvec(w.data, w.scale, w.rowsum, x, w.fmt)
+
+
+# --- whole layers of a one-lane model -------------------------------------------------------
+class NativeStep:
+    """The decode step of a one-lane model in C: `hidden` runs the layers, `head` the rest."""
+
+    @staticmethod
+    def supports(cfg: ModelConfig, cache: KVCache, fmt: str) -> bool:
+        return (
+            available(fmt)
+            and cfg.num_lanes == 1
+            and cfg.lm_head_type == "replicate"
+            and all(k.dtype == torch.float32 and k.device.type == "cpu" for k in cache.k)
+        )
+
+    def __init__(self, weights: PackedWeights, cfg: ModelConfig, inv_freq: torch.Tensor,
+                 cache: KVCache):  # fmt: skip
+        self.cfg, self.cache, self.weights = cfg, cache, weights
+        self.code = CODES[weights.fmt]
+        fields = _native.layer_fields()
+        self.keep = []  # every tensor a descriptor points into stays alive with the step
+        self.descs = [self._describe(i, w, fields) for i, w in enumerate(weights.layers)]
+        F, D = cfg.intermediate_size, cfg.hidden_size
+        # every layer's intermediates (the head needs less): allocated once, 64-byte aligned
+        size = _native.layer_scratch(D, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, F,
+                                     cache.max_len)  # fmt: skip
+        self.scratch = torch.empty(size, dtype=torch.uint8)
+        self.h = torch.empty(D)
+        self.logits = torch.empty(cfg.vocab_size)
+        positions = torch.arange(cache.max_len + MAX_OVERRUN)
+        self.cos, self.sin = (t.contiguous() for t in cos_sin(inv_freq, positions))  # (P, hd/2)
+        self.head_norm = weights.final_norm.float().contiguous()
+
+    def _describe(self, i: int, w, fields: tuple[str, ...]) -> torch.Tensor:
+        cfg, c = self.cfg, self.cache
+        t = {
+            "attention_norm": w.attention_norm.float().contiguous(),
+            "ffn_norm": w.ffn_norm.float().contiguous(),
+            "qkv_bias": None if w.bqkv is None else w.bqkv.float().contiguous(),
+            "k_cache": c.k[i], "v_cache": c.v[i], "pos_cache": c.pos[i],
+        }  # fmt: skip
+        for name, q in (("qkv", w.wqkv), ("wo", w.wo), ("w13", w.w13), ("w2", w.w2)):
+            t[name], t[name + "_scale"], t[name + "_rowsum"] = q.data, q.scale, q.rowsum
+        for v in t.values():
+            assert v is None or v.is_contiguous(), "packed tensors are contiguous"
+        self.keep += [v for v in t.values() if v is not None]
+        sizes = dict(
+            fmt=self.code, dim=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, ffn=cfg.intermediate_size, cap=c.k[i].shape[0],
+            window=cfg.window(i) or 0, rope_half=int(cfg.rope_style == "half"),
+        )  # fmt: skip
+        return torch.tensor([sizes[f] if f in sizes else _addr(t[f]) for f in fields])
+
+    def hidden(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        """Writes this token's KV and returns the final residual stream (D,) fp32."""
+        self.h.copy_(self.weights.embed.lookup(token.view(1))[0])
+        live = self.cache.live if self.cache.live is not None else self.cache.max_len
+        row = position * self.cos.shape[1] * 4
+        cos, sin = self.cos.data_ptr() + row, self.sin.data_ptr() + row
+        h, scratch, eps = self.h.data_ptr(), self.scratch.data_ptr(), self.cfg.norm_eps
+        threads = torch.get_num_threads()
+        for d in self.descs:
+            rc = _native.layer(d.data_ptr(), h, cos, sin, position, live, eps, scratch, threads)
+            if rc != 0:
+                raise RuntimeError(f"native decode layer refused (status {rc})")
+        return self.h
+
+    def head(self, h: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(greedy token, fp32 logits (V,)) for the final residual stream h (D,)."""
+        w = self.weights.head
+        best = _native.head(
+            self.code, w.data.data_ptr(), _addr(w.scale), _addr(w.rowsum),
+            self.head_norm.data_ptr(), h.data_ptr(), self.cfg.vocab_size, self.cfg.hidden_size,
+            self.cfg.norm_eps, self.logits.data_ptr(), self.scratch.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if best < 0:
+            raise RuntimeError("native head refused")
+        return best, self.logits

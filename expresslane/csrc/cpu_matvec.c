@@ -1,0 +1,226 @@
+/* Batch-1 products of the CPU decode step: y[l, n] = sum_k W[l, n, k] x[l, k], fp32 results.
+
+   One weight row at a time, front to back (several accumulators, so the loop is bound by
+   memory, not by add latency): rows of a few hundred bytes read as 4 interleaved streams defeat
+   the hardware prefetcher, sequential rows do not. Each format needs AVX-512, checked at run
+   time (el_features); the compiled Python path runs where a kernel is missing.
+
+     float32   AVX-512F FMA.
+     float16   F16C conversion, then FMA.
+     bfloat16  AVX512_BF16 dot products (vdpbf16ps). x is split as x_hi + x_lo, two bf16 parts
+               (x_hi = bf16(x), x_lo = bf16(x - x_hi)): 16 significant bits, products and sums
+               in fp32, so the result is the fp32 product to ~1e-5 relative.
+     int8      AVX512_VNNI (vpdpbusd, u8 x s8 -> s32). x is quantized to 16-bit fixed point
+               per vector, q = round(x / sx), |q| <= 32767, written as two bytes q = 256 a + b:
+               a + 128 and b are unsigned. Then sum w q = 256 (sum w (a+128) - 128 sum w)
+               + sum w b, exactly in integers; y = sx * scale[n] * that. The row sums of w
+               come precomputed. Error: 1/65534 of max|x| per element, far below the weights'
+               int8 rounding.
+   Rows are split over `threads` OpenMP threads (the OpenMP runtime torch loaded). */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define T_F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define T_BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define T_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+int el_features(void) {
+    static int f = -1;
+    if (f >= 0) return f;
+    __builtin_cpu_init();
+    int g = 0;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        g |= HAS_AVX512;
+    if ((g & HAS_AVX512) && __builtin_cpu_supports("avx512bf16")) g |= HAS_BF16;
+    if ((g & HAS_AVX512) && __builtin_cpu_supports("avx512vnni")) g |= HAS_VNNI;
+    return f = g;
+}
+
+#define MASK16(n) ((__mmask16)((1u << (n)) - 1))
+
+/* ---- float32 and float16: (convert and) FMA, 64 values per step, 4 accumulators ----------- */
+T_F static inline __m512 ld_f32(const void *w, int64_t k) {
+    return _mm512_loadu_ps((const float *)w + k);
+}
+T_F static inline __m512 ldm_f32(const void *w, int64_t k, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, (const float *)w + k);
+}
+T_F static inline __m512 ld_f16(const void *w, int64_t k) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
+}
+T_F static inline __m512 ldm_f16(const void *w, int64_t k, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k));
+}
+
+#define DEF_FMA_ROW(NAME, LD, LDM)                                                          \
+    T_F static float NAME(const void *w, const float *x, int64_t K) {                       \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                         \
+        int64_t k = 0;                                                                      \
+        for (; k + 64 <= K; k += 64) {                                                      \
+            a0 = _mm512_fmadd_ps(LD(w, k), _mm512_loadu_ps(x + k), a0);                     \
+            a1 = _mm512_fmadd_ps(LD(w, k + 16), _mm512_loadu_ps(x + k + 16), a1);           \
+            a2 = _mm512_fmadd_ps(LD(w, k + 32), _mm512_loadu_ps(x + k + 32), a2);           \
+            a3 = _mm512_fmadd_ps(LD(w, k + 48), _mm512_loadu_ps(x + k + 48), a3);           \
+        }                                                                                   \
+        for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(LD(w, k), _mm512_loadu_ps(x + k), a0); \
+        if (k < K) {                                                                        \
+            __mmask16 m = MASK16(K - k);                                                    \
+            a1 = _mm512_fmadd_ps(LDM(w, k, m), _mm512_maskz_loadu_ps(m, x + k), a1);        \
+        }                                                                                   \
+        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))); \
+    }
+DEF_FMA_ROW(row_f32, ld_f32, ldm_f32)
+DEF_FMA_ROW(row_f16, ld_f16, ldm_f16)
+
+/* ---- bfloat16: vdpbf16ps on (x_hi, x_lo), 64 values per step ------------------------------ */
+T_BF static void split_bf16(const float *x, int64_t K, int64_t Kp, uint16_t *hi, uint16_t *lo) {
+    for (int64_t k = 0; k < Kp; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? MASK16(K - k) : 0;
+        __m512 v = _mm512_maskz_loadu_ps(m, x + k);
+        __m256bh h = _mm512_cvtneps_pbh(v); /* round to nearest even */
+        __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+        __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)); /* v - hf is exact */
+        _mm256_storeu_si256((__m256i *)(hi + k), (__m256i)h);
+        _mm256_storeu_si256((__m256i *)(lo + k), (__m256i)l);
+    }
+}
+
+#define BF(p) ((__m512bh)_mm512_loadu_si512(p))
+T_BF static float row_bf16(const uint16_t *w, const uint16_t *xh, const uint16_t *xl, int64_t K) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512bh w0 = BF(w + k), w1 = BF(w + k + 32);
+        a0 = _mm512_dpbf16_ps(a0, w0, BF(xh + k));
+        b0 = _mm512_dpbf16_ps(b0, w0, BF(xl + k));
+        a1 = _mm512_dpbf16_ps(a1, w1, BF(xh + k + 32));
+        b1 = _mm512_dpbf16_ps(b1, w1, BF(xl + k + 32));
+    }
+    for (; k < K; k += 32) { /* x parts are zero-padded to a multiple of 64 */
+        __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);
+        a0 = _mm512_dpbf16_ps(a0, w0, BF(xh + k));
+        b0 = _mm512_dpbf16_ps(b0, w0, BF(xl + k));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(b0, b1)));
+}
+
+/* ---- int8: vpdpbusd on the two bytes of 16-bit fixed-point x, 128 values per step --------- */
+T_VNNI static float split_i16(const float *x, int64_t K, int64_t Kp, uint8_t *hi, uint8_t *lo) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : MASK16(K - k);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
+    }
+    float a = _mm512_reduce_max_ps(amax);
+    float sx = a > 0.0f ? a / 32767.0f : 1.0f;
+    __m512 inv = _mm512_set1_ps(1.0f / sx);
+    __m512i lim = _mm512_set1_epi32(32767), neg = _mm512_set1_epi32(-32767);
+    for (int64_t k = 0; k < Kp; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? MASK16(K - k) : 0;
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv));
+        q = _mm512_max_epi32(_mm512_min_epi32(q, lim), neg);
+        __m512i hb = _mm512_add_epi32(_mm512_srai_epi32(q, 8), _mm512_set1_epi32(128));
+        __m512i lb = _mm512_and_si512(q, _mm512_set1_epi32(255)); /* q - 256 floor(q / 256) */
+        _mm_storeu_si128((__m128i *)(hi + k), _mm512_cvtepi32_epi8(hb));
+        _mm_storeu_si128((__m128i *)(lo + k), _mm512_cvtepi32_epi8(lb));
+    }
+    return sx;
+}
+
+/* sum_k w (a + 128) and sum_k w b for one row; the next rows are prefetched (short int8 rows) */
+T_VNNI static void row_i8(const int8_t *w, const uint8_t *xh, const uint8_t *xl, int64_t K,
+                          int64_t *dh, int64_t *dl) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128) {
+        _mm_prefetch((const char *)(w + k) + 1024, _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + k) + 1088, _MM_HINT_T0);
+        __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 64);
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(xh + k), w0);
+        b0 = _mm512_dpbusd_epi32(b0, _mm512_loadu_si512(xl + k), w0);
+        a1 = _mm512_dpbusd_epi32(a1, _mm512_loadu_si512(xh + k + 64), w1);
+        b1 = _mm512_dpbusd_epi32(b1, _mm512_loadu_si512(xl + k + 64), w1);
+    }
+    for (; k < K; k += 64) { /* x parts are padded to a multiple of 64 */
+        __mmask64 m = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+        __m512i w0 = _mm512_maskz_loadu_epi8(m, w + k);
+        a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(xh + k), w0);
+        b0 = _mm512_dpbusd_epi32(b0, _mm512_loadu_si512(xl + k), w0);
+    }
+    *dh = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+    *dl = _mm512_reduce_add_epi32(_mm512_add_epi32(b0, b1));
+}
+
+/* ---- the product ------------------------------------------------------------------------------ */
+static int64_t padded(int64_t K) { return (K + 63) / 64 * 64; }
+
+int el_supports(int fmt) {
+    int need = fmt == FMT_BF16 ? HAS_BF16 : fmt == FMT_I8 ? HAS_VNNI : HAS_AVX512;
+    return fmt >= FMT_F32 && fmt <= FMT_I8 && (el_features() & need) == need;
+}
+
+int64_t el_matvec_scratch(int64_t L, int64_t K) {
+    return (4 * L * padded(K) + 4 * L + 127) / 64 * 64; /* x parts (2 bytes each), scales */
+}
+
+int el_matvec(int fmt, const void *w, const float *scale, const int32_t *rowsum, const float *x,
+              float *y, int64_t L, int64_t N, int64_t K, int threads, void *work) {
+    if (!el_supports(fmt)) return -1;
+    const int64_t Kp = padded(K), esize = fmt == FMT_F32 ? 4 : fmt == FMT_I8 ? 1 : 2;
+    void *own = NULL;
+    char *xa = NULL, *xb = NULL;
+    float *sx = NULL;
+    if (fmt == FMT_BF16 || fmt == FMT_I8) {
+        if (!work) work = own = aligned_alloc(64, (size_t)el_matvec_scratch(L, K));
+        if (!work) return -3;
+        xa = (char *)work;
+        xb = xa + L * Kp * 2;
+        sx = (float *)(xb + L * Kp * 2);
+        for (int64_t l = 0; l < L && fmt == FMT_BF16; l++)
+            split_bf16(x + l * K, K, Kp, (uint16_t *)xa + l * Kp, (uint16_t *)xb + l * Kp);
+        for (int64_t l = 0; l < L && fmt == FMT_I8; l++)
+            sx[l] = split_i16(x + l * K, K, Kp, (uint8_t *)xa + l * Kp, (uint8_t *)xb + l * Kp);
+    }
+    const int64_t rows = L * N;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t l = r / N;
+        const char *wr = (const char *)w + r * K * esize;
+        if (fmt == FMT_F32) {
+            y[r] = row_f32(wr, x + l * K, K);
+        } else if (fmt == FMT_F16) {
+            y[r] = row_f16(wr, x + l * K, K);
+        } else if (fmt == FMT_BF16) {
+            y[r] = row_bf16((const uint16_t *)wr, (const uint16_t *)xa + l * Kp,
+                            (const uint16_t *)xb + l * Kp, K);
+        } else {
+            int64_t dh, dl;
+            row_i8((const int8_t *)wr, (const uint8_t *)xa + l * Kp, (const uint8_t *)xb + l * Kp,
+                   K, &dh, &dl);
+            double v = 256.0 * (double)(dh - 128 * (int64_t)rowsum[r]) + (double)dl;
+            y[r] = (float)((double)sx[l] * (double)scale[r] * v);
+        }
+    }
+    free(own);
+    return 0;
+}
+#else
+int el_features(void) { return 0; }
+int el_supports(int fmt) { (void)fmt; return 0; }
+int64_t el_matvec_scratch(int64_t L, int64_t K) { (void)L, (void)K; return 0; }
+int el_matvec(int fmt, const void *w, const float *scale, const int32_t *rowsum, const float *x,
+              float *y, int64_t L, int64_t N, int64_t K, int threads, void *work) {
+    (void)fmt, (void)w, (void)scale, (void)rowsum, (void)x, (void)y, (void)L, (void)N, (void)K;
+    (void)threads, (void)work;
+    return -1;
+}
+#endif

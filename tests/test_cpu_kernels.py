@@ -1,0 +1,89 @@
+"""The AVX-512 C kernels (csrc/) against the dequantized reference on irregular shapes: the
+products in every format, and whole one-lane layers against the Python layer they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expresslane import cpu_kernels
+from expresslane.quant import FORMATS, quantize
+
+needs = {
+    fmt: pytest.mark.skipif(
+        not cpu_kernels.available(fmt),
+        reason=f"C kernels for {fmt}: not built, or this CPU lacks their instructions",
+    )
+    for fmt in FORMATS
+}
+
+
+def _case(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * torch.rand(shape[:-1] + (1,), generator=g) * 3
+    x = torch.randn(shape[:-2] + shape[-1:], generator=g)
+    x[..., 0] = 25.0  # an outlier: int8's 16-bit fixed point scales to it
+    return w, x
+
+
+SHAPES = [(37, 70), (3, 45, 33), (130, 576), (9, 1), (64, 129), (5, 200)]
+
+
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=needs[f]) for f in FORMATS])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_product_equals_the_dequantized_reference(fmt, shape):
+    w, x = _case(shape, len(shape) * 100 + shape[-1])
+    q = quantize(w, fmt)
+    got = torch.ops.expresslane.cpu_matvec(q.data, q.scale, q.rowsum, x, fmt)
+    ref = (q.dequantize().double() @ x.double().unsqueeze(-1)).squeeze(-1)
+    # fp32 / fp16: summation order; bf16: x as two bf16 parts (16 bits); int8: x in 16-bit
+    # fixed point (1/65534 of 25 per element)
+    tol = {"float32": 1e-5, "float16": 1e-5, "bfloat16": 2e-5, "int8": 5e-4}[fmt]
+    scale = ref.abs().max().item() + 1e-6
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    assert (got.double() - ref).abs().max().item() <= tol * scale
+
+
+@needs["int8"]
+def test_threads_split_rows_and_change_nothing():
+    w, x = _case((257, 300), 3)
+    q = quantize(w, "int8")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.expresslane.cpu_matvec(q.data, q.scale, q.rowsum, x, "int8")
+        torch.set_num_threads(2)
+        two = torch.ops.expresslane.cpu_matvec(q.data, q.scale, q.rowsum, x, "int8")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # each row is computed whole by one thread
+
+
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=needs[f]) for f in FORMATS])
+def test_c_layers_equal_the_python_layers(fmt):
+    """NativeStep (one C call per layer) against the same packed weights run by the Python
+    layer (decode_layer), token by token over a ring that wraps: logits and the cache."""
+    from test_packed_step import PROMPT, llama
+
+    from expresslane.cache import KVCache
+    from expresslane.packed_step import PackedDecoder
+    from expresslane.packing import pack_model
+
+    model = llama(seed=11, model_type="mistral", sliding_window=6, num_hidden_layers=3)
+    pack_model(model, fmt)
+    out = {}
+    for native in (True, False):
+        cache = KVCache(model.cfg, max_len=24)
+        cache.static = True
+        dec = PackedDecoder(model, cache, native=native)
+        assert (dec.step is not None) == native
+        with torch.no_grad():
+            logits = [dec.logits(torch.tensor([[t]]), torch.tensor([i])) for i, t in
+                      enumerate(PROMPT + PROMPT)]  # fmt: skip
+        out[native] = torch.stack(logits), cache
+    (a, ca), (b, cb) = out[True], out[False]
+    tol = 2e-3 * b.abs().max().item() if fmt == "int8" else 1e-4
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=tol)
+    for i in range(len(ca.k)):
+        assert torch.equal(ca.pos[i], cb.pos[i])
+        torch.testing.assert_close(ca.k[i], cb.k[i], rtol=1e-4, atol=tol)
