@@ -2,7 +2,8 @@
 
 `expresslane._cpu_kernels` is an optional C extension built by `pip install` (pyproject.toml;
 no torch headers, so it builds in seconds). Each weight format needs an instruction set, checked
-at run time: fp32 and fp16 AVX-512F, bf16 AVX512_BF16, int8 AVX512_VNNI (`available(fmt)`).
+at run time: fp32 and fp16 AVX-512F, bf16 AVX512_BF16, int8 and GGUF's Q8_0 / Q4_1 AVX512_VNNI
+(`available(fmt)`).
 
 - `NativeStep`: a one-lane (Llama-family) model's decode step as one C call per layer plus one
   for the head (csrc/cpu_layer.c): the same arithmetic as packed_step.decode_layer, with every
@@ -36,9 +37,15 @@ try:
 except ImportError:  # not built (no compiler at install time): the compiled Python path runs
     _native = None
 
-CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
-NEEDS = {"float32": 1, "float16": 1, "bfloat16": 2, "int8": 4}  # cpu_matvec.c's feature bits
+CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "q8_0": 4, "q4_1": 5}
+NEEDS = {"float32": 1, "float16": 1, "bfloat16": 2, "int8": 4, "q8_0": 4, "q4_1": 4}  # cpu bits
 FEATURES = _native.features() if _native is not None else 0
+
+
+def native_step_built() -> bool:
+    """True when the C step can run here at all (built, AVX-512): the CLI then decodes on CPUs
+    through the packed step by default (no compilation needed)."""
+    return available("float32")
 
 
 def available(fmt: str) -> bool:
@@ -54,32 +61,35 @@ def _addr(t: torch.Tensor | None) -> int:
 # A plain Library kernel, not torch.library.custom_op: the latter's Python wrappers cost ~100 us
 # a call, this ~7 us.
 _lib = torch.library.Library("expresslane", "DEF")
-_lib.define("cpu_matvec(Tensor data, Tensor? scale, Tensor? rowsum, Tensor x, str fmt) -> Tensor")
+_lib.define(
+    "cpu_matvec(Tensor data, Tensor? scale, Tensor? rowsum, Tensor? mins, Tensor x, str fmt) "
+    "-> Tensor"
+)
 
 
 def cpu_matvec(
     data: torch.Tensor,
     scale: torch.Tensor | None,
     rowsum: torch.Tensor | None,
+    mins: torch.Tensor | None,
     x: torch.Tensor,
     fmt: str,
 ) -> torch.Tensor:
     """y (..., N) fp32 = W (..., N, K) @ x (..., K), W stored as `fmt` (QTensor's fields)."""
     data, x = data.contiguous(), x.contiguous().float()
-    K, N = data.shape[-1], data.shape[-2]
+    scale, rowsum, mins = (None if t is None else t.contiguous() for t in (scale, rowsum, mins))
+    N, K = data.shape[-2], x.shape[-1]
     y = torch.empty(data.shape[:-1], dtype=torch.float32)
-    if fmt == "int8":
-        scale, rowsum = scale.contiguous(), rowsum.contiguous()
     rc = _native.matvec(
-        CODES[fmt], data.data_ptr(), _addr(scale), _addr(rowsum), x.data_ptr(), y.data_ptr(),
-        data.numel() // (N * K), N, K, torch.get_num_threads(),
+        CODES[fmt], data.data_ptr(), _addr(scale), _addr(rowsum), _addr(mins), x.data_ptr(),
+        y.data_ptr(), y.numel() // N, N, K, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"cpu_matvec({fmt}): the kernel refused (status {rc})")
     return y
 
 
-def _fake(data, scale, rowsum, x, fmt):
+def _fake(data, scale, rowsum, mins, x, fmt):
     return data.new_empty(data.shape[:-1], dtype=torch.float32)
 
 
@@ -90,7 +100,7 @@ if _native is not None:
 
 def native_matvec(w: QTensor, x: torch.Tensor) -> torch.Tensor:
     """quant.matvec through the C kernel (the caller checked `available(w.fmt)`)."""
-    return torch.ops.expresslane.cpu_matvec(w.data, w.scale, w.rowsum, x, w.fmt)
+    return torch.ops.expresslane.cpu_matvec(w.data, w.scale, w.rowsum, w.mins, x, w.fmt)
 
 
 # --- whole layers of a one-lane model -------------------------------------------------------
@@ -98,9 +108,9 @@ class NativeStep:
     """The decode step of a one-lane model in C: `hidden` runs the layers, `head` the rest."""
 
     @staticmethod
-    def supports(cfg: ModelConfig, cache: KVCache, fmt: str) -> bool:
+    def supports(cfg: ModelConfig, cache: KVCache, weights: PackedWeights) -> bool:
         return (
-            available(fmt)
+            all(available(f) for f in weights.formats)
             and cfg.num_lanes == 1
             and cfg.lm_head_type == "replicate"
             and all(k.dtype == torch.float32 and k.device.type == "cpu" for k in cache.k)
@@ -109,7 +119,6 @@ class NativeStep:
     def __init__(self, weights: PackedWeights, cfg: ModelConfig, inv_freq: torch.Tensor,
                  cache: KVCache):  # fmt: skip
         self.cfg, self.cache, self.weights = cfg, cache, weights
-        self.code = CODES[weights.fmt]
         fields = _native.layer_fields()
         self.keep = []  # every tensor a descriptor points into stays alive with the step
         self.descs = [self._describe(i, w, fields) for i, w in enumerate(weights.layers)]
@@ -132,16 +141,19 @@ class NativeStep:
             "qkv_bias": None if w.bqkv is None else w.bqkv.float().contiguous(),
             "k_cache": c.k[i], "v_cache": c.v[i], "pos_cache": c.pos[i],
         }  # fmt: skip
-        for name, q in (("qkv", w.wqkv), ("wo", w.wo), ("w13", w.w13), ("w2", w.w2)):
-            t[name], t[name + "_scale"], t[name + "_rowsum"] = q.data, q.scale, q.rowsum
-        for v in t.values():
-            assert v is None or v.is_contiguous(), "packed tensors are contiguous"
-        self.keep += [v for v in t.values() if v is not None]
         sizes = dict(
-            fmt=self.code, dim=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+            dim=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.intermediate_size, cap=c.k[i].shape[0],
             window=cfg.window(i) or 0, rope_half=int(cfg.rope_style == "half"),
         )  # fmt: skip
+        for name, q in (("qkv", w.wqkv), ("wo", w.wo), ("w13", w.w13), ("w2", w.w2)):
+            sizes[name + "_fmt"] = CODES[q.fmt]
+            for suffix, f in (("", q.data), ("_scale", q.scale), ("_rowsum", q.rowsum),
+                              ("_mins", q.mins)):  # fmt: skip
+                t[name + suffix] = f
+        for v in t.values():
+            assert v is None or v.is_contiguous(), "packed tensors are contiguous"
+        self.keep += [v for v in t.values() if v is not None]
         return torch.tensor([sizes[f] if f in sizes else _addr(t[f]) for f in fields])
 
     def hidden(self, token: torch.Tensor, position: int) -> torch.Tensor:
@@ -162,7 +174,7 @@ class NativeStep:
         """(greedy token, fp32 logits (V,)) for the final residual stream h (D,)."""
         w = self.weights.head
         best = _native.head(
-            self.code, w.data.data_ptr(), _addr(w.scale), _addr(w.rowsum),
+            CODES[w.fmt], w.data.data_ptr(), _addr(w.scale), _addr(w.rowsum), _addr(w.mins),
             self.head_norm.data_ptr(), h.data_ptr(), self.cfg.vocab_size, self.cfg.hidden_size,
             self.cfg.norm_eps, self.logits.data_ptr(), self.scratch.data_ptr(),
             torch.get_num_threads(),

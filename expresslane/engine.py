@@ -25,11 +25,12 @@ from .checkpoint import load_model
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
 from .fused import MAX_OVERRUN, FusedDecoder, supports
+from .gguf import find_gguf
 from .graph import DecodeGraph, committed_tokens
 from .kernels import use_triton
 from .model import Laneformer
 from .packed_step import PackedDecoder
-from .packing import load_plan, pack_model
+from .packing import load_plan, pack_gguf, pack_model
 from .prefix import PrefixReuse
 from .sampler import logprobs_of, make_generator, sample, structure_key
 from .spec_decode import SpeculativeDecoder
@@ -99,8 +100,10 @@ class Engine:
         # plain loop. auto = graph on CUDA, eager on a CPU where capture brings nothing.
         if decode not in ("auto", "graph", "eager"):
             raise RequestError(f"decode={decode!r}: expected auto, graph or eager", "decode")
-        if (compile or kernels == "on") and decode == "auto":
-            decode = "graph"  # compilation and the fused step need the static step
+        packed = getattr(model, "packed", None)  # quantized weights: the packed step reads them
+        quantized = packed is not None and packed.formats != {"float32"}
+        if (compile or kernels == "on" or quantized) and decode == "auto":
+            decode = "graph"  # compilation, the fused and the packed steps need the static step
         self.compile = compile
         self.decode = (
             ("graph" if self.device.type == "cuda" else "eager") if decode == "auto" else decode
@@ -162,10 +165,13 @@ class Engine:
         **engine_kw,
     ) -> Engine:
         """On a CPU, 16-bit `dtype` and `quantization` choose the packed weights' format
-        (computed in fp32); elsewhere `dtype` is the model's."""
-        load_dtype, fmt = load_plan(device, dtype, quantization)
+        (computed in fp32), and a GGUF file keeps its blocks; elsewhere `dtype` is the
+        model's (packing.load_plan)."""
+        load_dtype, fmt = load_plan(device, dtype, quantization, path)
         model = load_model(path, device=device, dtype=load_dtype, progress=progress)
-        if fmt is not None:
+        if fmt == "gguf":  # the file's quantized blocks, kept as they are where a kernel reads them
+            pack_gguf(model, find_gguf(path))
+        elif fmt is not None:
             pack_model(model, fmt)
         return cls(model, max_model_len=max_model_len, **engine_kw)
 

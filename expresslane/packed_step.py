@@ -73,18 +73,18 @@ def product(w: QTensor, x: torch.Tensor, native: bool) -> torch.Tensor:
 
 def decode_layer(
     h, w, kc, vc, pc, position, cos, sin, span, past_a, past_m,
-    *, fmt, native, heads, kv_heads, head_dim, eps, rope_style, window, mode,
+    *, native, heads, kv_heads, head_dim, eps, rope_style, window, mode,
 ):  # fmt: skip
     """One layer for one token: h (L, D) fp32 -> (h, attention partials a, MLP partials m).
 
     `w` is the layer's tensors (`PackedDecoder.layer_tensors`: norms, biases and each matrix's
-    (data, scale, rowsum)); kc/vc/pc its cache; span (live,) bounds the slots read. Keyword
-    arguments are constants (one compilation per distinct set).
+    QTensor fields, its format first); kc/vc/pc its cache; span (live,) bounds the slots read.
+    Keyword arguments are constants (one compilation per distinct set).
     """
     attention_norm, qkv, bqkv, wo, ffn_norm, w13, w2 = w
     L = h.shape[0]
     xn = rms_norm(h, attention_norm, eps)
-    qkv = product(QTensor(fmt, *qkv), xn, native)  # (L, (Hq + 2 Hkv) hd / L)
+    qkv = product(QTensor(*qkv), xn, native)  # (L, (Hq + 2 Hkv) hd / L)
     if bqkv is not None:
         qkv = qkv + bqkv
     lq, lkv = heads * head_dim // L, kv_heads * head_dim // L
@@ -98,24 +98,24 @@ def decode_layer(
     pc.index_copy_(0, slot, position)
     n = min(span.shape[0], kc.shape[0])
     o = attend_live(q[0], kc, vc, pc, position, n, window)  # (Hq, hd)
-    a = product(QTensor(fmt, *wo), o.reshape(L, -1), native)  # (L, D)
+    a = product(QTensor(*wo), o.reshape(L, -1), native)  # (L, D)
     h = h + reduce(a, mode, past_a)
-    gu = product(QTensor(fmt, *w13), rms_norm(h, ffn_norm, eps), native)  # (L, 2F/L)
+    gu = product(QTensor(*w13), rms_norm(h, ffn_norm, eps), native)  # (L, 2F/L)
     f = gu.shape[-1] // 2
-    m = product(QTensor(fmt, *w2), F.silu(gu[:, :f]) * gu[:, f:], native)  # (L, D)
+    m = product(QTensor(*w2), F.silu(gu[:, :f]) * gu[:, f:], native)  # (L, D)
     h = h + reduce(m, mode, past_m)
     return h, a, m
 
 
-def head(h, norm, w, *, fmt, native, head_type, eps, pre_norm_lane_agg, greedy):
+def head(h, norm, w, *, native, head_type, eps, pre_norm_lane_agg, greedy):
     """Final norm and LM head: fp32 logits (V,), or with `greedy` their argmax (0-d)."""
     x = _head_input(h, norm.float(), head_type, eps, pre_norm_lane_agg)
-    logits = product(QTensor(fmt, *w), x, native).reshape(-1)  # vocab_parallel: lane order
+    logits = product(QTensor(*w), x, native).reshape(-1)  # vocab_parallel: lane order
     return torch.argmax(logits) if greedy else logits
 
 
 def _parts(q: QTensor) -> tuple:
-    return (q.data, q.scale, q.rowsum)
+    return (q.fmt, q.data, q.scale, q.rowsum, q.mins)
 
 
 class PackedDecoder:
@@ -133,9 +133,10 @@ class PackedDecoder:
         self.inv_freq = model.inv_freq
         # the C kernels where built and supported (default), else quant.matvec; a one-lane
         # model then runs each layer as one C call (NativeStep), nothing to compile
-        self.native = available(self.weights.fmt) if native is None else native
+        fmts = self.weights.formats
+        self.native = all(available(f) for f in fmts) if native is None else native
         self.step = None
-        if self.native and NativeStep.supports(self.cfg, cache, self.weights.fmt):
+        if self.native and NativeStep.supports(self.cfg, cache, self.weights):
             self.step = NativeStep(self.weights, self.cfg, model.inv_freq, cache)
         self.layer_tensors = [
             (w.attention_norm, _parts(w.wqkv), w.bqkv, _parts(w.wo), w.ffn_norm, _parts(w.w13),
@@ -175,7 +176,7 @@ class PackedDecoder:
             pa, pm = (None, None) if src is None else (past_a[src], past_m[src])
             h, a, m = self._layer(
                 h, w, cache.k[i], cache.v[i], cache.pos[i], position, cos, sin, span, pa, pm,
-                fmt=self.fmt, native=self.native, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                native=self.native, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, eps=cfg.norm_eps, rope_style=cfg.rope_style,
                 window=cfg.window(i), mode=cfg.reduce_mode(i),
             )  # fmt: skip
@@ -186,7 +187,7 @@ class PackedDecoder:
     def _run_head(self, h: torch.Tensor, greedy: bool) -> torch.Tensor:
         cfg, wt = self.cfg, self.weights
         return self._head(
-            h, wt.final_norm, _parts(wt.head), fmt=self.fmt, native=self.native,
+            h, wt.final_norm, _parts(wt.head), native=self.native,
             head_type=cfg.lm_head_type, eps=cfg.norm_eps,
             pre_norm_lane_agg=cfg.pre_norm_lane_agg, greedy=greedy,
         )  # fmt: skip

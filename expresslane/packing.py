@@ -5,7 +5,9 @@ Per layer, Q/K/V become one (L, (Hq+2Hkv)*hd/L, D) matrix and gate/up one (L, 2F
 format; wo, w2, the embedding and the LM head are stored alone. A tied head is the embedding.
 
 `pack_model(model, fmt)` is applied from outside, once, after loading, and the model then runs
-on the packed storage too, so prefill, the eager decode and the packed step share one copy:
+on the packed storage too, so prefill, the eager decode and the packed step share one copy
+(`pack_gguf(model, path)` does the same with a GGUF file's own blocks: its Q8_0 and Q4_1
+matrices stay as they were quantized, each matrix in its own format):
 
 - a float format equal to the model's dtype: the parameters become views of the packed tensors
   (same values, nothing else changes; the model can still be trained or saved);
@@ -26,18 +28,31 @@ from torch import nn
 
 from .checkpoint import resolve_device
 from .errors import ConfigError
+from .gguf import find_gguf
 from .model import Laneformer, lane_linear
-from .quant import FLOAT_FORMATS, QTensor, check_format, concat_rows, quantize
+from .quant import (
+    FLOAT_FORMATS,
+    GGUF_FORMATS,
+    QTensor,
+    check_format,
+    concat_rows,
+    from_gguf,
+    quantize,
+    stack_rows,
+)
 
 QUANTIZATIONS = ("int8",)
 
 
-def load_plan(device: str, dtype: str, quantization: str | None) -> tuple[str, str | None]:
+def load_plan(
+    device: str, dtype: str, quantization: str | None, path=None
+) -> tuple[str, str | None]:
     """(dtype to load a checkpoint in, packed weight format or None) for the flags given.
 
     On a CPU the decode step computes in fp32 whatever the weights: `--dtype bfloat16|float16`
-    and `--quantization int8` load fp32 and pack the weights in that format. Elsewhere `dtype`
-    is the model's own and there is no weight-only quantization (the GPU step reads floats).
+    and `--quantization int8` load fp32 and pack the weights in that format, and a GGUF file
+    (dtype auto) keeps its own quantized blocks ("gguf", pack_gguf). Elsewhere `dtype` is the
+    model's own and there is no weight-only quantization (the GPU step reads floats).
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"--quantization {quantization!r}: expected one of {QUANTIZATIONS}")
@@ -48,6 +63,8 @@ def load_plan(device: str, dtype: str, quantization: str | None) -> tuple[str, s
         return "float32", quantization
     if cpu and dtype in ("bfloat16", "float16"):
         return "float32", dtype
+    if cpu and dtype == "auto" and path is not None and find_gguf(path) is not None:
+        return "float32", "gguf"
     return dtype, None
 
 
@@ -72,10 +89,17 @@ class PackedWeights:
     #                (L, V / L, D) vocab_parallel
 
     @property
+    def matrices(self) -> list[QTensor]:
+        """The matrices one decode step streams (layers and head)."""
+        return [m for w in self.layers for m in (w.wqkv, w.wo, w.w13, w.w2)] + [self.head]
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of the matrices one decode step streams (layers and head)."""
-        mats = [m for w in self.layers for m in (w.wqkv, w.wo, w.w13, w.w2)] + [self.head]
-        return sum(m.nbytes for m in mats)
+        return sum(m.nbytes for m in self.matrices)
+
+    @property
+    def formats(self) -> set[str]:
+        return {m.fmt for m in [*self.matrices, self.embed]}
 
 
 def model_dtype_name(model: Laneformer) -> str:
@@ -90,7 +114,9 @@ def pack_model(model: Laneformer, fmt: str | None = None) -> PackedWeights:
         if fmt is not None and fmt != have.fmt:
             raise ValueError(f"the model is already packed as {have.fmt}, not {fmt}")
         return have
-    fmt = check_format(fmt or model_dtype_name(model))
+    fmt = fmt or model_dtype_name(model)
+    if fmt not in GGUF_FORMATS:  # those two also pack from floats (llama.cpp's rounding)
+        check_format(fmt)
     same = fmt in FLOAT_FORMATS and fmt == model_dtype_name(model)
     if not same and model_dtype_name(model) != "float32":
         raise ValueError(f"packing as {fmt} needs an fp32 model (its activations stay fp32)")
@@ -101,33 +127,86 @@ def pack_model(model: Laneformer, fmt: str | None = None) -> PackedWeights:
     return packed
 
 
-def _pack(model: Laneformer, fmt: str) -> PackedWeights:
+def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights:
+    """Every matrix of `model` in `fmt`; `fused(paths, weights)` / `stored(path)` may supply
+    a layer's matrices and the embedding / head from elsewhere (a GGUF file's blocks)."""
+
+    def mat(paths: list[str], weights: list[torch.Tensor]) -> QTensor:
+        if fused is not None:
+            return fused(paths, weights)
+        return quantize(concat_rows(weights) if len(weights) > 1 else weights[0], fmt)
+
     layers = []
-    for b in model.model.layers:
+    for i, b in enumerate(model.model.layers):
         at, ff = b.attention, b.feed_forward
+        p = f"model.layers.{i}."
         bias = None
         if at.wq.bias is not None:
             bias = torch.cat([at.wq.bias, at.wk.bias, at.wv.bias], -1).float()
+        qkv = [p + "attention.wq", p + "attention.wk", p + "attention.wv"]
         layers.append(
             PackedLayer(
                 attention_norm=b.attention_norm.gamma,
-                wqkv=quantize(concat_rows([at.wq.weight, at.wk.weight, at.wv.weight]), fmt),
+                wqkv=mat(qkv, [at.wq.weight, at.wk.weight, at.wv.weight]),
                 bqkv=bias,
-                wo=quantize(at.wo.weight, fmt),
+                wo=mat([p + "attention.wo"], [at.wo.weight]),
                 ffn_norm=b.ffn_norm.gamma,
-                w13=quantize(concat_rows([ff.w1.weight, ff.w3.weight]), fmt),
-                w2=quantize(ff.w2.weight, fmt),
+                w13=mat(
+                    [p + "feed_forward.w1", p + "feed_forward.w3"], [ff.w1.weight, ff.w3.weight]
+                ),
+                w2=mat([p + "feed_forward.w2"], [ff.w2.weight]),
             )
         )
     cfg = model.cfg
-    embed = quantize(model.model.tok_embeddings.weight, fmt)
+
+    def whole(path: str, w: torch.Tensor) -> QTensor:
+        q = stored(path) if stored is not None else None
+        return q if q is not None else quantize(w, fmt)
+
+    embed = whole("model.tok_embeddings", model.model.tok_embeddings.weight)
     if cfg.lm_head_type == "lane":
         head = quantize(model.lm_head.linear.weight, fmt)
     elif cfg.lm_head_type == "replicate" and cfg.tie_word_embeddings:
         head = embed
+    elif cfg.lm_head_type == "replicate":
+        head = whole("lm_head", model.lm_head.weight)
     else:
         head = quantize(model.lm_head.weight, fmt)
     return PackedWeights(fmt, embed, layers, model.model.norm.gamma, head)
+
+
+def pack_gguf(model: Laneformer, path) -> PackedWeights:
+    """Pack a model loaded from the GGUF file `path` with that file's own blocks where a kernel
+    reads them (F32/F16/BF16, Q8_0, Q4_1); any other type, or a fused matrix whose parts differ,
+    is packed as fp32 from the loaded (dequantized) weights. Installs it as pack_model does."""
+    from .checkpoint import hf_name
+    from .gguf.tensors import GGUFCheckpoint
+
+    if getattr(model, "packed", None) is not None:
+        return model.packed
+    ck, cfg = GGUFCheckpoint(path), model.cfg
+
+    def stored(module_path: str) -> QTensor | None:
+        key = hf_name(cfg, module_path + ".weight")
+        if key not in ck.keys():
+            return None
+        raw = ck.raw(key)
+        return from_gguf(raw.ggml_type, raw.data, tuple(raw.shape))
+
+    def fused(paths: list[str], weights: list[torch.Tensor]) -> QTensor:
+        parts = [stored(p) for p in paths]
+        if all(p is not None for p in parts) and len({p.fmt for p in parts}) == 1:
+            q = stack_rows(parts)
+            return QTensor(q.fmt, *[None if t is None else t.unsqueeze(0) for t in  # one lane
+                                    (q.data, q.scale, q.rowsum, q.mins)])  # fmt: skip
+        return quantize(concat_rows(weights), "float32")
+
+    with torch.no_grad():
+        packed = _pack(model, "float32", fused if cfg.num_lanes == 1 else None, stored)
+        _swap(model, packed)
+    packed.fmt = "gguf"
+    model.packed = packed
+    return packed
 
 
 def _splits(total: int, parts: list[int]) -> list[tuple[int, int]]:
@@ -187,10 +266,11 @@ class _Packed(nn.Module):
         self.register_buffer("qdata", q.data)
         self.register_buffer("qscale", q.scale)
         self.register_buffer("qrowsum", q.rowsum)
+        self.register_buffer("qmins", q.mins)
 
     @property
     def q(self) -> QTensor:
-        return QTensor(self.fmt, self.qdata, self.qscale, self.qrowsum)
+        return QTensor(self.fmt, self.qdata, self.qscale, self.qrowsum, self.qmins)
 
     @property
     def weight(self) -> torch.Tensor:

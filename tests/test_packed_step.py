@@ -181,3 +181,27 @@ def test_load_plan_maps_flags_to_formats():
 
     with pytest.raises(ConfigError, match="--quantization 'int4'"):
         load_plan("cpu", "auto", "int4")
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
+def test_gguf_blocks_stay_quantized_through_the_engine(tmp_path, ggml_type):
+    """A GGUF file's Q8_0 / Q4_1 matrices are packed as they were stored (not expanded to fp32);
+    the packed step on them gives the reference's greedy tokens on the same (dequantized)
+    weights, and the bytes streamed are the file's."""
+    from expresslane.bench.llamacpp import write_gguf
+    from expresslane.checkpoint import load_model
+    from expresslane.packing import pack_gguf
+
+    src = llama(seed=12, hidden_size=64, num_attention_heads=4, intermediate_size=96)
+    path = write_gguf(src, None, tmp_path / "m.gguf", ggml_type)
+    model = load_model(path, progress=False)
+    reference = load_model(path, progress=False)  # the file dequantized to fp32
+    packed = pack_gguf(model, path)
+    assert packed.formats == {ggml_type.lower()}
+    weights = sum(m.dequantize().numel() for m in packed.matrices)
+    assert packed.nbytes == weights * {"Q8_0": 34, "Q4_1": 20}[ggml_type] // 32  # GGUF's bytes
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = reference_generate(reference, PROMPT, params, stop_ids=set())
+    eng = Engine(model, max_model_len=64)
+    assert eng.decode == "graph"  # quantized weights take the packed step by default
+    assert list(eng.generate(PROMPT, params)) == ref

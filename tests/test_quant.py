@@ -86,3 +86,21 @@ def test_eager_product_is_the_reference():
     ref = torch.stack([q.dequantize()[i] @ x[i] for i in range(3)])
     torch.testing.assert_close(matvec(q, x), ref)
     assert isinstance(q, QTensor)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
+def test_gguf_blocks_kept_planar_dequantize_as_the_reader_does(ggml_type):
+    """from_gguf re-lays a GGUF tensor's blocks (values, scales, mins apart) without changing a
+    bit; our quantizer rounds as gguf's (llama.cpp's reference) does."""
+    gguf = pytest.importorskip("gguf")
+    from expresslane.gguf.quants import dequantize
+    from expresslane.quant import from_gguf
+
+    w = _weights((37, 96), 4)
+    raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[ggml_type]))
+    q = from_gguf(ggml_type, raw, (37, 96))
+    assert q.fmt == ggml_type.lower() and q.shape == (37, 96) and q.nbytes == raw.numel()
+    assert torch.equal(q.dequantize(), dequantize(raw, ggml_type, (37, 96)))
+    assert torch.equal(quantize(w, q.fmt).dequantize(), q.dequantize())
+    assert torch.equal(q.rows(3, 9).dequantize(), q.dequantize()[3:9])
+    assert from_gguf("Q6_K", raw, (37, 96)) is None  # no kernel: the caller keeps floats

@@ -32,8 +32,8 @@ import torch
 from ..model import Laneformer
 from .peers import PeerSetup, prompt_ids
 
-TYPES = ("F32", "F16", "Q8_0")
-FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # LLAMA_FTYPE_ALL_F32, _MOSTLY_F16, _MOSTLY_Q8_0
+TYPES = ("F32", "F16", "Q8_0", "Q4_1")
+FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_1": 3}  # llama.cpp LLAMA_FTYPE_*
 LAYER = {  # ours (inside model.layers.{i}.) -> GGUF (inside blk.{i}.)
     "attention_norm.weight": "attn_norm.weight",
     "attention.wq.weight": "attn_q.weight",

@@ -15,6 +15,7 @@ from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..bench.ceiling import bytes_per_token
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import SamplingParams
+from ..cpu_kernels import native_step_built
 from ..engine import Engine
 from ..errors import ConfigError
 from ..parallel import rendezvous
@@ -147,11 +148,13 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
     path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
     quantization = getattr(args, "quantization", None)
     set_cpu_threads(path, args.device, args.dtype, quantization, getattr(args, "threads", None))
+    cpu = resolve_device(args.device).type == "cpu"
     engine = Engine.from_pretrained(
         path,
         device=args.device,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        decode="graph" if cpu and native_step_built() else "auto",  # the C step: no compile
         compile=getattr(args, "compile", False),
         prefix_reuse=not getattr(args, "no_prefix_reuse", False),
         speculative=speculative_from_args(args),

@@ -4,8 +4,18 @@
 #define EXPRESSLANE_CPU_KERNELS_H
 #include <stdint.h>
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_F16 = 2, FMT_I8 = 3 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_F16 = 2, FMT_I8 = 3, FMT_Q8_0 = 4, FMT_Q4_1 = 5 };
 enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
+
+/* A weight matrix (lanes, N, K) in one format (expresslane/quant.py's QTensor fields). Five
+   8-byte words, so a layer descriptor's five consecutive entries can be read as one. */
+typedef struct {
+    int64_t fmt;
+    const void *data;   /* rows of K values; q4_1: K / 2 bytes of nibbles per row */
+    const void *scale;  /* int8: fp32 per row; q8_0, q4_1: f16 per block of 32 values */
+    const void *rowsum; /* int8: int32 per row, the sum of its values */
+    const void *mins;   /* q4_1: f16 per block of 32 values */
+} qmat_t;
 
 /* bit mask of HAS_* for this CPU (0 off x86-64 or without AVX-512) */
 int el_features(void);
@@ -16,10 +26,9 @@ int el_supports(int fmt);
 /* Bytes of scratch el_matvec needs for K inputs per lane and L lanes (activation parts). */
 int64_t el_matvec_scratch(int64_t L, int64_t K);
 
-/* y[l, n] = sum_k W[l, n, k] x[l, k]; W stored as fmt (int8: w = data * scale[n], rowsum[n] =
-   sum_k data). `work` is el_matvec_scratch(L, K) bytes, 64-aligned, or NULL to allocate.
-   Returns 0, or -1 when the CPU lacks the instructions. */
-int el_matvec(int fmt, const void *w, const float *scale, const int32_t *rowsum, const float *x,
-              float *y, int64_t L, int64_t N, int64_t K, int threads, void *work);
+/* y[l, n] = sum_k W[l, n, k] x[l, k]. `work` is el_matvec_scratch(L, K) bytes, 64-aligned, or
+   NULL to allocate. Returns 0, or -1 when the CPU lacks the instructions. */
+int el_matvec(const qmat_t *w, const float *x, float *y, int64_t L, int64_t N, int64_t K,
+              int threads, void *work);
 
 #endif

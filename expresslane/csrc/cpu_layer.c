@@ -20,11 +20,12 @@
 
 #include "cpu_kernels.h"
 
+/* a matrix: its format, then the four addresses of a qmat_t */
+#define MAT(X, m) X(m##_fmt) X(m) X(m##_scale) X(m##_rowsum) X(m##_mins)
 #define FIELDS(X)                                                                              \
-    X(fmt) X(dim) X(heads) X(kv_heads) X(head_dim) X(ffn) X(cap) X(window) X(rope_half)         \
-    X(attention_norm) X(qkv) X(qkv_scale) X(qkv_rowsum) X(qkv_bias) X(wo) X(wo_scale)          \
-    X(wo_rowsum) X(ffn_norm) X(w13) X(w13_scale) X(w13_rowsum) X(w2) X(w2_scale) X(w2_rowsum)   \
-    X(k_cache) X(v_cache) X(pos_cache)
+    X(dim) X(heads) X(kv_heads) X(head_dim) X(ffn) X(cap) X(window) X(rope_half)                \
+    X(attention_norm) X(qkv_bias) X(ffn_norm) X(k_cache) X(v_cache) X(pos_cache)               \
+    MAT(X, qkv) MAT(X, wo) MAT(X, w13) MAT(X, w2)
 #define AS_ENUM(name) F_##name,
 enum { FIELDS(AS_ENUM) F_COUNT };
 #define AS_NAME(name) #name,
@@ -110,8 +111,7 @@ static void attend(const int64_t *d, const float *q, int64_t position, int64_t n
 }
 
 #define MATVEC(d, w, x, y, N, K, threads, work)                                                \
-    el_matvec((int)(d)[F_fmt], PTR(d, w, const void), PTR(d, w##_scale, const float),          \
-              PTR(d, w##_rowsum, const int32_t), (x), (y), 1, (N), (K), (threads), (work))
+    el_matvec((const qmat_t *)&(d)[F_##w##_fmt], (x), (y), 1, (N), (K), (threads), (work))
 
 static int layer(const int64_t *d, float *h, const float *c, const float *s, int64_t position,
                  int64_t live, float eps, char *scratch, int threads) {
@@ -146,13 +146,12 @@ static int layer(const int64_t *d, float *h, const float *c, const float *s, int
 }
 
 /* final RMSNorm and the head: logits (V,), returns their first argmax (or -1: unsupported) */
-static int64_t head(int fmt, const void *w, const float *scale, const int32_t *rowsum,
-                    const float *norm, const float *h, int64_t V, int64_t D, float eps,
-                    float *logits, char *scratch, int threads) {
+static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t V, int64_t D,
+                    float eps, float *logits, char *scratch, int threads) {
     float *xn = (float *)scratch;
     char *work = (char *)(((uintptr_t)(xn + D) + 63) & ~(uintptr_t)63);
     rms_norm(h, norm, D, eps, xn);
-    if (el_matvec(fmt, w, scale, rowsum, xn, logits, 1, V, D, threads, work)) return -1;
+    if (el_matvec(w, xn, logits, 1, V, D, threads, work)) return -1;
     int64_t best = 0;
     for (int64_t i = 1; i < V; i++)
         if (logits[i] > logits[best]) best = i;
@@ -165,11 +164,10 @@ static int layer(const int64_t *d, float *h, const float *c, const float *s, int
     (void)threads;
     return -1;
 }
-static int64_t head(int fmt, const void *w, const float *scale, const int32_t *rowsum,
-                    const float *norm, const float *h, int64_t V, int64_t D, float eps,
-                    float *logits, char *scratch, int threads) {
-    (void)fmt, (void)w, (void)scale, (void)rowsum, (void)norm, (void)h, (void)V, (void)D;
-    (void)eps, (void)logits, (void)scratch, (void)threads;
+static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t V, int64_t D,
+                    float eps, float *logits, char *scratch, int threads) {
+    (void)w, (void)norm, (void)h, (void)V, (void)D, (void)eps, (void)logits, (void)scratch;
+    (void)threads;
     return -1;
 }
 #endif
@@ -179,16 +177,16 @@ static int64_t head(int fmt, const void *w, const float *scale, const int32_t *r
 
 static PyObject *py_matvec(PyObject *self, PyObject *args) {
     int fmt, threads;
-    unsigned long long w, scale, rowsum, x, y;
+    unsigned long long w, scale, rowsum, mins, x, y;
     long long L, N, K;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iKKKKKLLLi", &fmt, &w, &scale, &rowsum, &x, &y, &L, &N, &K,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "iKKKKKKLLLi", &fmt, &w, &scale, &rowsum, &mins, &x, &y, &L, &N,
+                          &K, &threads))
         return NULL;
+    qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins)};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = el_matvec(fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(x), ADDR(y), L, N, K, threads,
-                   NULL);
+    rc = el_matvec(&m, ADDR(x), ADDR(y), L, N, K, threads, NULL);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }
@@ -210,17 +208,17 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
 
 static PyObject *py_head(PyObject *self, PyObject *args) {
     int fmt, threads;
-    unsigned long long w, scale, rowsum, norm, h, logits, scratch;
+    unsigned long long w, scale, rowsum, mins, norm, h, logits, scratch;
     long long V, D;
     float eps;
     long long best;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iKKKKKLLfKKi", &fmt, &w, &scale, &rowsum, &norm, &h, &V, &D,
-                          &eps, &logits, &scratch, &threads))
+    if (!PyArg_ParseTuple(args, "iKKKKKKLLfKKi", &fmt, &w, &scale, &rowsum, &mins, &norm, &h, &V,
+                          &D, &eps, &logits, &scratch, &threads))
         return NULL;
+    qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins)};
     Py_BEGIN_ALLOW_THREADS
-    best = head(fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(norm), ADDR(h), V, D, eps,
-                ADDR(logits), ADDR(scratch), threads);
+    best = head(&m, ADDR(norm), ADDR(h), V, D, eps, ADDR(logits), ADDR(scratch), threads);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(best);
 }
@@ -247,14 +245,14 @@ static PyObject *py_layer_scratch(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI"},
     {"matvec", py_matvec, METH_VARARGS,
-     "matvec(fmt, w, scale, rowsum, x, y, L, N, K, threads) -> status (0 = done)"},
+     "matvec(fmt, w, scale, rowsum, mins, x, y, L, N, K, threads) -> status (0 = done)"},
     {"layer_fields", py_layer_fields, METH_NOARGS, "names of a layer descriptor's int64 entries"},
     {"layer_scratch", py_layer_scratch, METH_VARARGS,
      "layer_scratch(D, Hq, Hkv, hd, F, slots) -> bytes of scratch a layer (or the head) needs"},
     {"layer", py_layer, METH_VARARGS,
      "layer(desc, h, cos, sin, position, live, eps, scratch, threads) -> status; h updated"},
     {"head", py_head, METH_VARARGS,
-     "head(fmt, w, scale, rowsum, norm, h, V, D, eps, logits, scratch, threads) -> argmax"},
+     "head(fmt, w, scale, rowsum, mins, norm, h, V, D, eps, logits, scratch, threads) -> argmax"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels",

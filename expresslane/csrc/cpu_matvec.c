@@ -16,6 +16,13 @@
                + sum w b, exactly in integers; y = sx * scale[n] * that. The row sums of w
                come precomputed. Error: 1/65534 of max|x| per element, far below the weights'
                int8 rounding.
+     q8_0      GGUF's blocks of 32 int8 with an f16 scale each, stored planar (values, then
+               scales): as int8, per block (the 128 sum w correction from a third vpdpbusd),
+               each block's integer dot scaled by its d in fp32.
+     q4_1      GGUF's blocks of 32 nibbles, w = d q + m, planar (nibbles in GGUF's in-block
+               order, d, m): the nibbles are the unsigned operand and x's two bytes signed
+               (q = 256 a + b, |a|, |b| <= 128), so sum_b d_b sum q x + sum_b m_b sum x; the
+               block sums of x are exact fp32.
    Rows are split over `threads` OpenMP threads (the OpenMP runtime torch loaded). */
 
 #include <math.h>
@@ -28,7 +35,7 @@
 #include <immintrin.h>
 #define T_F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define T_BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#define T_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+#define T_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
 
 int el_features(void) {
     static int f = -1;
@@ -105,8 +112,8 @@ T_BF static float row_bf16(const uint16_t *w, const uint16_t *xh, const uint16_t
         b1 = _mm512_dpbf16_ps(b1, w1, BF(xl + k + 32));
     }
     for (; k < K; k += 32) { /* x parts are zero-padded to a multiple of 64 */
-        __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
-        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w + k);
+        __m512bh w0 = K - k >= 32 ? BF(w + k)
+                                  : (__m512bh)_mm512_maskz_loadu_epi16((1u << (K - k)) - 1, w + k);
         a0 = _mm512_dpbf16_ps(a0, w0, BF(xh + k));
         b0 = _mm512_dpbf16_ps(b0, w0, BF(xl + k));
     }
@@ -151,8 +158,8 @@ T_VNNI static void row_i8(const int8_t *w, const uint8_t *xh, const uint8_t *xl,
         b1 = _mm512_dpbusd_epi32(b1, _mm512_loadu_si512(xl + k + 64), w1);
     }
     for (; k < K; k += 64) { /* x parts are padded to a multiple of 64 */
-        __mmask64 m = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
-        __m512i w0 = _mm512_maskz_loadu_epi8(m, w + k);
+        __m512i w0 = K - k >= 64 ? _mm512_loadu_si512(w + k)
+                                 : _mm512_maskz_loadu_epi8(((__mmask64)1 << (K - k)) - 1, w + k);
         a0 = _mm512_dpbusd_epi32(a0, _mm512_loadu_si512(xh + k), w0);
         b0 = _mm512_dpbusd_epi32(b0, _mm512_loadu_si512(xl + k), w0);
     }
@@ -160,54 +167,190 @@ T_VNNI static void row_i8(const int8_t *w, const uint8_t *xh, const uint8_t *xl,
     *dl = _mm512_reduce_add_epi32(_mm512_add_epi32(b0, b1));
 }
 
+/* ---- q8_0: int8 blocks of 32 with an f16 scale, planar -------------------------------------- */
+/* (masked byte and word loads are slow on some cores: only the last partial step uses them) */
+T_VNNI static inline __m512 q8_0_step(__m512i wv, __m128i d2, const uint8_t *xh,
+                                      const uint8_t *xl) {
+    const __m512i c128 = _mm512_set1_epi8((char)128), z = _mm512_setzero_si512();
+    const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i hi = _mm512_sub_epi32(_mm512_dpbusd_epi32(z, _mm512_loadu_si512(xh), wv),
+                                  _mm512_dpbusd_epi32(z, c128, wv)); /* sum w a */
+    __m512i t = _mm512_add_epi32(_mm512_slli_epi32(hi, 8),
+                                 _mm512_dpbusd_epi32(z, _mm512_loadu_si512(xl), wv));
+    __m512 dv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(d2)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv);
+}
+
+T_VNNI static float row_q8_0(const int8_t *w, const uint16_t *d, const uint8_t *xh,
+                             const uint8_t *xl, int64_t K) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128) {
+        int64_t dd;
+        memcpy(&dd, d + k / 32, 8);
+        __m128i d4 = _mm_cvtsi64_si128(dd);
+        acc0 = _mm512_add_ps(acc0, q8_0_step(_mm512_loadu_si512(w + k), d4, xh + k, xl + k));
+        acc1 = _mm512_add_ps(acc1, q8_0_step(_mm512_loadu_si512(w + k + 64),
+                                             _mm_srli_si128(d4, 4), xh + k + 64, xl + k + 64));
+    }
+    for (; k < K; k += 64) { /* K is a multiple of 32; x parts are padded */
+        int two = K - k >= 64;
+        int32_t d2;
+        memcpy(&d2, d + k / 32, two ? 4 : 2);
+        if (!two) d2 &= 0xFFFF;
+        __m512i wv = two ? _mm512_loadu_si512(w + k) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + k);
+        acc0 = _mm512_add_ps(acc0, q8_0_step(wv, _mm_cvtsi32_si128(d2), xh + k, xl + k));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+/* ---- q4_1: nibble blocks of 32, w = d q + m, planar ---------------------------------------- */
+/* x as signed 16-bit fixed point q = 256 a + b, |q| <= 32639 so that a, b fit in int8, arranged
+   per group of 4 blocks like the nibbles: [blocks' values 0-15 | values 16-31]; and the fp32 sum
+   of x over each block. */
+T_VNNI static float split_q4(const float *x, int64_t K, int64_t Kp, int8_t *a_lo, int8_t *a_hi,
+                             int8_t *b_lo, int8_t *b_hi, float *xs) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : MASK16(K - k);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + k)));
+    }
+    float a = _mm512_reduce_max_ps(amax);
+    float sx = a > 0.0f ? a / 32639.0f : 1.0f, inv = 1.0f / sx;
+    for (int64_t k = 0; k < Kp; k++) {
+        int32_t q = k < K ? (int32_t)lrintf(x[k] * inv) : 0;
+        q = q > 32639 ? 32639 : q < -32639 ? -32639 : q;
+        int32_t ah = (q + 128) >> 8, bl = q - 256 * ah;
+        int64_t blk = k / 32, j = k % 32, at = (blk / 4) * 64 + (blk % 4) * 16 + (j % 16);
+        if (j < 16) a_lo[at] = (int8_t)ah, b_lo[at] = (int8_t)bl;
+        else a_hi[at] = (int8_t)ah, b_hi[at] = (int8_t)bl;
+    }
+    for (int64_t b = 0; b * 32 < K; b++) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < 32 && b * 32 + j < K; j++) s += x[b * 32 + j];
+        xs[b] = s;
+    }
+    return sx;
+}
+
+T_VNNI static inline __m512 q4_1_step(__m512i v, __m128i d4, const int8_t *al,
+                                      const int8_t *ah, const int8_t *bl, const int8_t *bh) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
+    const __m512i pick = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    __m512i A = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo, _mm512_loadu_si512(al)), hi,
+                                    _mm512_loadu_si512(ah));
+    __m512i B = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, lo, _mm512_loadu_si512(bl)), hi,
+                                    _mm512_loadu_si512(bh));
+    __m512i t = _mm512_add_epi32(_mm512_slli_epi32(A, 8), B);
+    __m512 dv = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(d4)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(t), dv);
+}
+
+T_VNNI static void row_q4_1(const uint8_t *q, const uint16_t *d, const uint16_t *mn,
+                            const int8_t *a_lo, const int8_t *a_hi, const int8_t *b_lo,
+                            const int8_t *b_hi, const float *xs, int64_t K, float *dot,
+                            float *mdot) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, macc = acc0;
+    const int64_t nb = K / 32;
+    int64_t g = 0; /* groups of 4 blocks: 64 bytes of nibbles, 4 scales */
+    for (; (g + 2) * 4 <= nb; g += 2) {
+        int64_t dd[2];
+        memcpy(dd, d + g * 4, 16);
+        acc0 = _mm512_add_ps(acc0, q4_1_step(_mm512_loadu_si512(q + g * 64), _mm_cvtsi64_si128(dd[0]),
+                                             a_lo + g * 64, a_hi + g * 64, b_lo + g * 64, b_hi + g * 64));
+        acc1 = _mm512_add_ps(acc1, q4_1_step(_mm512_loadu_si512(q + g * 64 + 64),
+                                             _mm_cvtsi64_si128(dd[1]), a_lo + g * 64 + 64,
+                                             a_hi + g * 64 + 64, b_lo + g * 64 + 64, b_hi + g * 64 + 64));
+    }
+    for (; g * 4 < nb; g++) { /* the last 1-4 blocks: masked */
+        int64_t left = nb - g * 4 >= 4 ? 4 : nb - g * 4;
+        __mmask64 m = left == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1);
+        int64_t dd = 0;
+        memcpy(&dd, d + g * 4, (size_t)(2 * left));
+        acc0 = _mm512_add_ps(acc0, q4_1_step(_mm512_maskz_loadu_epi8(m, q + g * 64), _mm_cvtsi64_si128(dd),
+                                             a_lo + g * 64, a_hi + g * 64, b_lo + g * 64, b_hi + g * 64));
+    }
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16)
+        macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + b))),
+                               _mm512_loadu_ps(xs + b), macc);
+    float m = _mm512_reduce_add_ps(macc);
+    for (; b < nb; b++) m += _cvtsh_ss(mn[b]) * xs[b];
+    *dot = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    *mdot = m;
+}
+
 /* ---- the product ------------------------------------------------------------------------------ */
-static int64_t padded(int64_t K) { return (K + 63) / 64 * 64; }
+static int64_t padded(int64_t K) { return (K + 127) / 128 * 128; }
 
 int el_supports(int fmt) {
-    int need = fmt == FMT_BF16 ? HAS_BF16 : fmt == FMT_I8 ? HAS_VNNI : HAS_AVX512;
-    return fmt >= FMT_F32 && fmt <= FMT_I8 && (el_features() & need) == need;
+    int need = fmt == FMT_BF16 ? HAS_BF16 : fmt >= FMT_I8 ? HAS_VNNI : HAS_AVX512;
+    return fmt >= FMT_F32 && fmt <= FMT_Q4_1 && (el_features() & need) == need;
 }
 
 int64_t el_matvec_scratch(int64_t L, int64_t K) {
-    return (4 * L * padded(K) + 4 * L + 127) / 64 * 64; /* x parts (2 bytes each), scales */
+    /* x parts (4 bytes a value at most), block sums of x, the scales of x */
+    return (4 * L * padded(K) + 4 * L * (padded(K) / 32) + 4 * L + 127) / 64 * 64;
 }
 
-int el_matvec(int fmt, const void *w, const float *scale, const int32_t *rowsum, const float *x,
-              float *y, int64_t L, int64_t N, int64_t K, int threads, void *work) {
+int el_matvec(const qmat_t *w, const float *x, float *y, int64_t L, int64_t N, int64_t K,
+              int threads, void *work) {
+    const int fmt = (int)w->fmt;
     if (!el_supports(fmt)) return -1;
-    const int64_t Kp = padded(K), esize = fmt == FMT_F32 ? 4 : fmt == FMT_I8 ? 1 : 2;
+    const int64_t Kp = padded(K);
+    /* bytes per row: fp32 4K, bf16/fp16 2K, int8/q8_0 K, q4_1 K / 2 */
+    const int64_t rb = fmt == FMT_F32 ? 4 * K : fmt == FMT_Q4_1 ? K / 2 : fmt >= FMT_I8 ? K : 2 * K;
     void *own = NULL;
     char *xa = NULL, *xb = NULL;
-    float *sx = NULL;
-    if (fmt == FMT_BF16 || fmt == FMT_I8) {
+    float *sx = NULL, *xs = NULL;
+    if (fmt != FMT_F32 && fmt != FMT_F16) {
         if (!work) work = own = aligned_alloc(64, (size_t)el_matvec_scratch(L, K));
         if (!work) return -3;
-        xa = (char *)work;
+        xa = (char *)work; /* per lane 2 Kp bytes (q4_1: a_lo, a_hi), then 2 Kp more */
         xb = xa + L * Kp * 2;
-        sx = (float *)(xb + L * Kp * 2);
-        for (int64_t l = 0; l < L && fmt == FMT_BF16; l++)
-            split_bf16(x + l * K, K, Kp, (uint16_t *)xa + l * Kp, (uint16_t *)xb + l * Kp);
-        for (int64_t l = 0; l < L && fmt == FMT_I8; l++)
-            sx[l] = split_i16(x + l * K, K, Kp, (uint8_t *)xa + l * Kp, (uint8_t *)xb + l * Kp);
+        xs = (float *)(xb + L * Kp * 2);
+        sx = xs + L * (Kp / 32);
+        for (int64_t l = 0; l < L; l++) {
+            const float *xl = x + l * K;
+            char *pa = xa + l * Kp * 2, *pb = xb + l * Kp * 2;
+            if (fmt == FMT_BF16)
+                split_bf16(xl, K, Kp, (uint16_t *)pa, (uint16_t *)pb);
+            else if (fmt == FMT_Q4_1)
+                sx[l] = split_q4(xl, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (int8_t *)pb,
+                                 (int8_t *)pb + Kp / 2, xs + l * (Kp / 32));
+            else
+                sx[l] = split_i16(xl, K, Kp, (uint8_t *)pa, (uint8_t *)pb);
+        }
     }
     const int64_t rows = L * N;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t l = r / N;
-        const char *wr = (const char *)w + r * K * esize;
+        const char *wr = (const char *)w->data + r * rb;
+        const char *pa = xa + l * Kp * 2, *pb = xb + l * Kp * 2;
         if (fmt == FMT_F32) {
             y[r] = row_f32(wr, x + l * K, K);
         } else if (fmt == FMT_F16) {
             y[r] = row_f16(wr, x + l * K, K);
         } else if (fmt == FMT_BF16) {
-            y[r] = row_bf16((const uint16_t *)wr, (const uint16_t *)xa + l * Kp,
-                            (const uint16_t *)xb + l * Kp, K);
-        } else {
+            y[r] = row_bf16((const uint16_t *)wr, (const uint16_t *)pa, (const uint16_t *)pb, K);
+        } else if (fmt == FMT_I8) {
             int64_t dh, dl;
-            row_i8((const int8_t *)wr, (const uint8_t *)xa + l * Kp, (const uint8_t *)xb + l * Kp,
-                   K, &dh, &dl);
-            double v = 256.0 * (double)(dh - 128 * (int64_t)rowsum[r]) + (double)dl;
-            y[r] = (float)((double)sx[l] * (double)scale[r] * v);
+            row_i8((const int8_t *)wr, (const uint8_t *)pa, (const uint8_t *)pb, K, &dh, &dl);
+            double v = 256.0 * (double)(dh - 128 * (int64_t)((const int32_t *)w->rowsum)[r]) + dl;
+            y[r] = (float)((double)sx[l] * (double)((const float *)w->scale)[r] * v);
+        } else if (fmt == FMT_Q8_0) {
+            const uint16_t *d = (const uint16_t *)w->scale + r * (K / 32);
+            y[r] = sx[l] * row_q8_0((const int8_t *)wr, d, (const uint8_t *)pa, (const uint8_t *)pb, K);
+        } else {
+            const uint16_t *d = (const uint16_t *)w->scale + r * (K / 32);
+            const uint16_t *mn = (const uint16_t *)w->mins + r * (K / 32);
+            float dot, mdot;
+            row_q4_1((const uint8_t *)wr, d, mn, (const int8_t *)pa, (const int8_t *)pa + Kp / 2,
+                     (const int8_t *)pb, (const int8_t *)pb + Kp / 2, xs + l * (Kp / 32), K, &dot,
+                     &mdot);
+            y[r] = sx[l] * dot + mdot;
         }
     }
     free(own);
@@ -217,10 +360,9 @@ int el_matvec(int fmt, const void *w, const float *scale, const int32_t *rowsum,
 int el_features(void) { return 0; }
 int el_supports(int fmt) { (void)fmt; return 0; }
 int64_t el_matvec_scratch(int64_t L, int64_t K) { (void)L, (void)K; return 0; }
-int el_matvec(int fmt, const void *w, const float *scale, const int32_t *rowsum, const float *x,
-              float *y, int64_t L, int64_t N, int64_t K, int threads, void *work) {
-    (void)fmt, (void)w, (void)scale, (void)rowsum, (void)x, (void)y, (void)L, (void)N, (void)K;
-    (void)threads, (void)work;
+int el_matvec(const qmat_t *w, const float *x, float *y, int64_t L, int64_t N, int64_t K,
+              int threads, void *work) {
+    (void)w, (void)x, (void)y, (void)L, (void)N, (void)K, (void)threads, (void)work;
     return -1;
 }
 #endif
