@@ -4,8 +4,9 @@ The peer runs the very tensors our engine loaded: a Llama-family model (one lane
 the gguf package's writer as llama.cpp's `llama` architecture (Q/K rows permuted to its RoPE
 pairing, as its converter does), in F32 (bit-identical weights), F16 (rounded from them) or Q8_0
 (gguf's quantizer); norms stay F32, as llama.cpp's converter leaves them. The vocabulary comes
-from the checkpoint's tokenizer.json (byte-level BPE), or is made up (`t0`, `t1`, ...) for random
-weights; only ids are fed, so it needs to be valid, not faithful.
+from the checkpoint's tokenizer.json (byte-level BPE), or a GGUF checkpoint's own `tokenizer.*`
+fields, or is made up (`t0`, `t1`, ...) for random weights; only ids are fed, so it needs to be
+valid, not faithful.
 
 As a peer of bench/peers.py (`llama.cpp=F32|F16|Q8_0`), it runs on the bench's model: the GGUF is
 written to a temporary folder when the peer is built and removed when it is closed.
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..gguf import find_gguf
 from ..model import Laneformer
 from .peers import PeerSetup, prompt_ids
 
@@ -91,9 +93,10 @@ def gguf_tensors(model: Laneformer) -> dict[str, torch.Tensor]:
 
 
 def _vocab(tokenizer_json: Path | None, size: int) -> tuple[list[str], list[int], list[str]]:
-    """(tokens by id, token types, merges) of a byte-level BPE tokenizer.json, or made up."""
+    """(tokens by id, token types, merges) of a byte-level BPE tokenizer.json, or made up (one
+    merge: llama.cpp refuses a BPE vocabulary without any)."""
     if tokenizer_json is None or not tokenizer_json.is_file():
-        return [f"t{i}" for i in range(size)], [1] * size, []
+        return [f"t{i}" for i in range(size)], [1] * size, ["t 0"]
     tj = json.loads(tokenizer_json.read_text())
     vocab = dict(tj["model"]["vocab"])
     special = {a["id"] for a in tj.get("added_tokens", []) if a.get("special")}
@@ -127,15 +130,18 @@ def write_gguf(model: Laneformer, tokenizer_json: Path | None, out: Path, ggml_t
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(FILE_TYPES[ggml_type])
-    tokens, types, merges = _vocab(tokenizer_json, cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    if cfg.bos_token_id is not None:
-        w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_ids[0])
+    if tokenizer_json is not None and find_gguf(tokenizer_json) is not None:
+        _copy_tokenizer(w, find_gguf(tokenizer_json))
+    else:
+        tokens, types, merges = _vocab(tokenizer_json, cfg.vocab_size)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        if cfg.bos_token_id is not None:
+            w.add_bos_token_id(cfg.bos_token_id)
+        w.add_eos_token_id(cfg.eos_token_ids[0])
     qtype = gguf.GGMLQuantizationType[ggml_type]
     for name, t in gguf_tensors(model).items():
         a = t.numpy()
@@ -150,6 +156,16 @@ def write_gguf(model: Laneformer, tokenizer_json: Path | None, out: Path, ggml_t
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _copy_tokenizer(w, source: Path) -> None:
+    """The `tokenizer.*` fields of a GGUF file, as they are (SmolLM2's GGUF: its BPE vocab)."""
+    import gguf
+
+    for f in gguf.GGUFReader(str(source)).fields.values():
+        if f.name.startswith("tokenizer."):
+            sub = f.types[1] if len(f.types) > 1 else None
+            w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
 
 
 class LlamaCppPeer:
@@ -209,7 +225,13 @@ class LlamaCppRunner:
         self.setup, self.cfg, self.note = setup, setup.cfg, f"GGUF {t}, same weights"
         self.tmp = tempfile.TemporaryDirectory(prefix="expresslane-llamacpp-")
         ckpt = (setup.shared or {}).get("checkpoint")
-        tok = Path(ckpt) / "tokenizer.json" if ckpt is not None else None
+        tok = (
+            None
+            if ckpt is None
+            else Path(ckpt)
+            if find_gguf(ckpt)
+            else Path(ckpt) / "tokenizer.json"
+        )
         path = write_gguf(setup.model, tok, Path(self.tmp.name) / f"{t}.gguf", t)
         self.peer = LlamaCppPeer(path, torch.get_num_threads(), n_ctx=setup.max_len)
 

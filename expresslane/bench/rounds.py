@@ -26,13 +26,16 @@ import torch
 from ..checkpoint import load_model
 from ..config import ModelConfig
 from ..engine import Engine
-from ..packing import pack_model
+from ..errors import ConfigError
+from ..gguf import find_gguf
+from ..packing import pack_gguf, pack_model
 from . import llamacpp
 from .decode import BenchConfig, bench_engine
-from .peers import PeerSetup, make_peer
+from .peers import PeerSetup, make_peer, prompt_ids
 
-# our weight format -> the llama.cpp type that streams as many bytes per weight
-PEER_OF = {"float32": "F32", "bfloat16": "F16", "float16": "F16", "int8": "Q8_0"}
+# our weight format -> the llama.cpp type that streams as many bytes per weight ("gguf": a GGUF
+# checkpoint's own blocks, and llama.cpp runs that very file)
+PEER_OF = {"float32": "F32", "bfloat16": "F16", "float16": "F16", "int8": "Q8_0", "gguf": "file"}
 
 
 @dataclass
@@ -51,7 +54,11 @@ def prompt_for(context: int, vocab: int) -> list[int]:
 
 def ours(checkpoint: Path, fmt: str, cfg: BenchConfig, max_len: int) -> Contestant:
     model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
-    if fmt != "float32":
+    if fmt == "gguf":
+        if find_gguf(checkpoint) is None:
+            raise ConfigError(f"--formats gguf: {checkpoint} is not a GGUF file")
+        fmt = "gguf " + "/".join(sorted(pack_gguf(model, find_gguf(checkpoint)).formats))
+    elif fmt != "float32":
         pack_model(model, fmt)
     engine = Engine(model, max_model_len=max_len, decode="graph", compile=cfg.compile)
     name = "expresslane" + ("+compile" if cfg.compile else "")
@@ -65,8 +72,11 @@ def peer(spec: str, setup: PeerSetup) -> Contestant:
     return Contestant(runner.name, runner.note, runner.measure, runner.close)
 
 
-def llamacpp_peers(setup: PeerSetup, types: list[str]) -> tuple[list[Contestant], list[str]]:
-    """llama.cpp on our weights, one contestant per GGUF type; notes say what was skipped."""
+def llamacpp_peers(
+    setup: PeerSetup, types: list[str], checkpoint: Path
+) -> tuple[list[Contestant], list[str]]:
+    """llama.cpp on our weights, one contestant per GGUF type ("file": a GGUF checkpoint run as
+    it is); notes say what was skipped."""
     if not llamacpp.available():
         return [], [
             "llama.cpp peer skipped: llama-cpp-python is not installed (building it takes ~18 "
@@ -75,7 +85,18 @@ def llamacpp_peers(setup: PeerSetup, types: list[str]) -> tuple[list[Contestant]
     why = llamacpp.unsupported(setup.model)
     if why is not None:
         return [], [why]
-    return [peer(f"llama.cpp={t}", setup) for t in types], []
+    out = [peer(f"llama.cpp={t}", setup) for t in types if t != "file"]
+    if "file" in types:
+        path = find_gguf(checkpoint)
+        runner = llamacpp.LlamaCppPeer(path, torch.get_num_threads(), n_ctx=setup.max_len)
+        s = setup
+
+        def run(ctx: int) -> dict:
+            prompt = prompt_ids(s.cfg.vocab_size, ctx, torch.device("cpu"))[0].tolist()
+            return runner.generate(prompt, s.decode_tokens, s.warmup_tokens)
+
+        out.append(Contestant("llama.cpp", f"the GGUF file ({path.name})", run, runner.close))
+    return out, []
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:
@@ -134,7 +155,7 @@ def bench_vs_llamacpp(
     if cfg.peers:
         contestants.append(peer("transformers", setup))
     types = list(dict.fromkeys(PEER_OF[f] for f in fmts))
-    peers, notes = llamacpp_peers(setup, types)
+    peers, notes = llamacpp_peers(setup, types, checkpoint)
     contestants += peers
     notes.append(f"set-up (loads, compilation, GGUF writes) {time.perf_counter() - t:.0f} s")
     try:

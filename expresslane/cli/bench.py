@@ -61,9 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--formats",
         nargs="+",
-        choices=("float32", "bfloat16", "float16", "int8"),
+        choices=("float32", "bfloat16", "float16", "int8", "gguf"),
         default=["float32", "bfloat16", "int8"],
-        help="with --peer llama.cpp: our CPU weight formats to run",
+        help="with --peer llama.cpp: our CPU weight formats to run (gguf: a GGUF checkpoint's own "
+        "blocks, against llama.cpp on that very file)",
     )
     p.add_argument("--rounds", type=int, default=3, help="with --peer llama.cpp: rounds")
     p.add_argument(
