@@ -175,7 +175,8 @@ def test_captured_graphs_bucket_the_live_bound():
 
 def test_load_plan_maps_flags_to_formats():
     assert load_plan("cpu", "bfloat16", None) == ("float32", "bfloat16")
-    assert load_plan("cpu", "auto", "int8") == ("float32", "int8")
+    assert load_plan("cpu", "auto", "int8") == ("float32", "q8_0")  # Q8_0's layout
+    assert load_plan("cpu", "auto", "int8-row") == ("float32", "int8")
     assert load_plan("cpu", "float32", None) == ("float32", None)
     from expresslane.errors import ConfigError
 

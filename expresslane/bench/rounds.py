@@ -28,14 +28,15 @@ from ..config import ModelConfig
 from ..engine import Engine
 from ..errors import ConfigError
 from ..gguf import find_gguf
-from ..packing import pack_gguf, pack_model
+from ..packing import pack_gguf, pack_model, packed_format
 from . import llamacpp
 from .decode import BenchConfig, bench_engine
 from .peers import PeerSetup, make_peer, prompt_ids
 
 # our weight format -> the llama.cpp type that streams as many bytes per weight ("gguf": a GGUF
 # checkpoint's own blocks, and llama.cpp runs that very file)
-PEER_OF = {"float32": "F32", "bfloat16": "F16", "float16": "F16", "int8": "Q8_0", "gguf": "file"}
+PEER_OF = {"float32": "F32", "bfloat16": "F16", "float16": "F16", "int8": "Q8_0",
+           "int8-row": "Q8_0", "gguf": "file"}  # fmt: skip
 
 
 @dataclass
@@ -59,7 +60,7 @@ def ours(checkpoint: Path, fmt: str, cfg: BenchConfig, max_len: int) -> Contesta
             raise ConfigError(f"--formats gguf: {checkpoint} is not a GGUF file")
         fmt = "gguf " + "/".join(sorted(pack_gguf(model, find_gguf(checkpoint)).formats))
     elif fmt != "float32":
-        pack_model(model, fmt)
+        pack_model(model, packed_format(fmt))
     engine = Engine(model, max_model_len=max_len, decode="graph", compile=cfg.compile)
     name = "expresslane" + ("+compile" if cfg.compile else "")
     note = f"{fmt}, compiled in {engine.compile_s:.1f} s" if cfg.compile else fmt

@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--formats",
         nargs="+",
-        choices=("float32", "bfloat16", "float16", "int8", "gguf"),
+        choices=("float32", "bfloat16", "float16", "int8", "int8-row", "gguf"),
         default=["float32", "bfloat16", "int8"],
         help="with --peer llama.cpp: our CPU weight formats to run (gguf: a GGUF checkpoint's own "
         "blocks, against llama.cpp on that very file)",

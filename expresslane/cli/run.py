@@ -59,9 +59,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantization",
-        choices=["int8"],
+        choices=["int8", "int8-row"],
         default=None,
-        help="CPU: weight-only int8 (per-row scales), computed in fp32; 16-bit weights: --dtype",
+        help="CPU: weight-only int8, one f16 scale per 32 weights (GGUF Q8_0's layout), or one "
+        "fp32 scale per row (int8-row); computed in fp32. 16-bit weights: --dtype",
     )
     p.add_argument(
         "--devices",

@@ -1,0 +1,114 @@
+"""Greedy agreement of the CPU weight formats with fp32, on real chat prompts.
+
+    python -m expresslane.bench.agreement MODEL [--formats bfloat16 int8 gguf ...] [--tokens 128]
+
+For each prompt, fp32 decodes greedily through the engine; each other format then
+- decodes freely through its own packed step: `same_prefix`, the tokens equal to fp32's before
+  the first difference (one flip changes everything after it, so this is the strict measure);
+- is fed fp32's tokens (teacher forcing, one forward over prompt + answer): `top1`, the share of
+  positions whose argmax is fp32's next token (the stable measure of what the weights changed).
+One table, then one JSON line. Nothing is asserted: formats trade accuracy for bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..checkpoint import load_model, resolve_model_dir
+from ..config import SamplingParams
+from ..engine import Engine
+from ..gguf import find_gguf
+from ..packing import pack_gguf, pack_model, packed_format
+from ..tokenizer import Tokenizer
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for a good night's sleep.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How many legs does a spider have, and why?",
+    "Translate 'good morning, how are you?' into Spanish.",
+)
+
+
+def engine_for(path, fmt: str, max_len: int) -> Engine:
+    model = load_model(path, device="cpu", dtype="float32", progress=False)
+    if fmt == "gguf":
+        pack_gguf(model, find_gguf(path))
+    elif fmt != "float32":
+        pack_model(model, packed_format(fmt))
+    return Engine(model, max_model_len=max_len, decode="graph")
+
+
+def same_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@torch.inference_mode()
+def top1(engine: Engine, prompt: list[int], answer: list[int]) -> tuple[int, int]:
+    """(positions whose argmax is answer's next token, positions) with answer fed in."""
+    ids = torch.tensor([prompt + answer])
+    logits = engine.model(ids)[0, len(prompt) - 1 : -1]  # predicts answer[0..]
+    hits = (logits.argmax(-1) == torch.tensor(answer)).sum().item()
+    return int(hits), len(answer)
+
+
+def measure(path, formats: list[str], tokens: int, prompts=PROMPTS) -> list[dict]:
+    tok = Tokenizer.from_dir(path)
+    chats = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
+                   add_special_tokens=False)
+        for p in prompts
+    ]  # fmt: skip
+    max_len = max(len(c) for c in chats) + tokens + 8
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    ref = engine_for(path, "float32", max_len)
+    answers = [list(ref.generate(c, params)) for c in chats]
+    del ref
+    rows = []
+    for fmt in formats:
+        eng = engine_for(path, fmt, max_len)
+        prefix, hits, total = [], 0, 0
+        for chat, answer in zip(chats, answers, strict=True):
+            prefix.append(same_prefix(list(eng.generate(chat, params)), answer))
+            h, n = top1(eng, chat, answer)
+            hits, total = hits + h, total + n
+        rows.append({"format": fmt, "prompts": len(chats), "tokens": tokens,
+                     "same_prefix": prefix, "same_prefix_mean": sum(prefix) / len(prefix),
+                     "all_tokens_same": sum(p == tokens for p in prefix),
+                     "top1": hits / total})  # fmt: skip
+        del eng
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m expresslane.bench.agreement", description=__doc__)
+    ap.add_argument("model")
+    ap.add_argument("--formats", nargs="+", default=["bfloat16", "float16", "int8", "int8-row"],
+                    choices=["bfloat16", "float16", "int8", "int8-row", "gguf"])  # fmt: skip
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = resolve_model_dir(args.model)
+    rows = measure(path, args.formats, args.tokens)
+    print(f"{'format':<10} {'prompts':>7} {'tokens':>6} {'same prefix (mean)':>19} "
+          f"{'all same':>8} {'top-1 vs fp32':>13}")  # fmt: skip
+    for r in rows:
+        print(f"{r['format']:<10} {r['prompts']:>7} {r['tokens']:>6} {r['same_prefix_mean']:19.1f} "
+              f"{r['all_tokens_same']:>8} {r['top1']:13.1%}")  # fmt: skip
+    print(json.dumps({"model": str(path), "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
