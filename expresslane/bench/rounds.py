@@ -53,6 +53,15 @@ def prompt_for(context: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (context,), generator=g).tolist()
 
 
+def ours_eager(checkpoint: Path, cfg: BenchConfig, max_len: int) -> Contestant:
+    """The model's own forward per token (the reference path, and the CPU default before)."""
+    model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
+    engine = Engine(model, max_model_len=max_len, decode="eager")
+    return Contestant(
+        "expresslane eager", "float32, model forward", lambda ctx: bench_engine(engine, cfg, ctx)
+    )
+
+
 def ours(checkpoint: Path, fmt: str, cfg: BenchConfig, max_len: int) -> Contestant:
     model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
     if fmt == "gguf":
@@ -150,6 +159,7 @@ def bench_vs_llamacpp(
     fmts = ["float32"] + [f for f in formats if f != "float32"]  # fp32 first: the reference
     t = time.perf_counter()
     contestants = [ours(checkpoint, f, cfg, max_len) for f in fmts]
+    contestants.append(ours_eager(checkpoint, cfg, max_len))
     model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
     setup = PeerSetup(model.cfg, model, torch.device("cpu"), torch.float32, cfg.decode_tokens,
                       cfg.warmup_tokens, max_len, shared={"checkpoint": checkpoint})  # fmt: skip
