@@ -113,6 +113,7 @@ class NativeStep:
             all(available(f) for f in weights.formats)
             and cfg.num_lanes == 1
             and cfg.lm_head_type == "replicate"
+            and (cfg.num_heads // cfg.num_kv_heads) * -(-cfg.head_dim // 16) <= 32  # registers
             and all(k.dtype == torch.float32 and k.device.type == "cpu" for k in cache.k)
         )
 

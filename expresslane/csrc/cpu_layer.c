@@ -39,7 +39,7 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a
    product's activation parts (bytes) */
 static int64_t layer_scratch(int64_t D, int64_t Hq, int64_t Hkv, int64_t hd, int64_t F,
                              int64_t slots) {
-    int64_t floats = (Hq + 2 * Hkv) * hd + Hq * hd + max3(D, F, Hq * hd) + 2 * F + slots + D;
+    int64_t floats = (Hq + 2 * Hkv) * hd + Hq * hd + max3(D, F, Hq * hd) + 2 * F + Hq * slots + D;
     return floats * 4 + 64 + el_matvec_scratch(1, max3(D, F, Hq * hd));
 }
 
@@ -54,15 +54,6 @@ T_F static float dot(const float *a, const float *b, int64_t n) {
         acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
     }
     return _mm512_reduce_add_ps(acc);
-}
-
-T_F static void axpy(float *y, float a, const float *x, int64_t n) { /* y += a x */
-    __m512 av = _mm512_set1_ps(a);
-    for (int64_t i = 0; i < n; i += 16) {
-        __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
-        __m512 r = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i));
-        _mm512_mask_storeu_ps(y + i, m, r);
-    }
 }
 
 static void rms_norm(const float *x, const float *g, int64_t D, float eps, float *out) {
@@ -83,31 +74,107 @@ static void rope(float *v, int64_t heads, int64_t hd, const float *c, const floa
     }
 }
 
+/* e^x for x <= 0 (scores minus their max): 2^n 2^f, 2^f by its degree-6 Taylor polynomial on
+   |f| <= 1/2 (relative error ~1e-7, an ulp); exactly 0 below -87 */
+T_F static inline __m512 exp_neg(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                   _mm512_set1_ps(1.4426950408889634f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 r = _mm512_scalef_ps(p, n);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), r);
+}
+
+#define MASK(n, i) ((n) - (i) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ((n) - (i))) - 1))
+
+/* 16 floats from p, the last partial chunk masked (masked moves are slow on some cores) */
+T_F static inline __m512 load16(const float *p, int64_t n, int64_t i) {
+    return n - i >= 16 ? _mm512_loadu_ps(p + i) : _mm512_maskz_loadu_ps(MASK(n, i), p + i);
+}
+
+/* softmax(q k / sqrt(hd)) v for the G query heads of KV head g, over n slots: each key and value
+   row is read once for the G heads. sc: G * n floats; o: G * hd floats, G * ceil(hd/16) <= 32. */
+T_F static inline __attribute__((always_inline)) void attend_group_impl(
+    const float *q, int64_t G, const float *kc, const float *vc, const int64_t *pc, int64_t Hkv,
+    int64_t g, int64_t hd, int64_t n, int64_t position, int64_t win, float *sc, float *o,
+    const int64_t chunks) {
+    const float scale = 1.0f / sqrtf((float)hd);
+    for (int64_t s = 0; s < n; s++) {
+        const int64_t p = pc[s];
+        const int ok = p >= 0 && p <= position && (win == 0 || p > position - win);
+        const float *k = kc + (s * Hkv + g) * hd;
+        for (int64_t j = 0; j < G; j++) {
+            if (!ok) {
+                sc[j * n + s] = -INFINITY;
+                continue;
+            }
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t i = 0; i < hd; i += 16)
+                acc = _mm512_fmadd_ps(load16(q + j * hd, hd, i), load16(k, hd, i), acc);
+            sc[j * n + s] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+    for (int64_t j = 0; j < G; j++) { /* softmax of row j, in place; padding lanes give 0 */
+        float *r = sc + j * n;
+        __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+        for (int64_t s = 0; s < n; s += 16)
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), MASK(n, s), r + s));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        for (int64_t s = 0; s < n; s += 16) {
+            __m512 e = exp_neg(_mm512_sub_ps(_mm512_mask_loadu_ps(m, MASK(n, s), r + s), m));
+            if (n - s >= 16) _mm512_storeu_ps(r + s, e);
+            else _mm512_mask_storeu_ps(r + s, MASK(n, s), e);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(MASK(n, s), e));
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+        for (int64_t s = 0; s < n; s++) r[s] *= inv;
+    }
+    __m512 acc[32];
+    for (int64_t a = 0; a < G * chunks; a++) acc[a] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n; s++) {
+        const float *v = vc + (s * Hkv + g) * hd;
+        for (int64_t c = 0; c < chunks; c++) {
+            const __m512 vv = load16(v, hd, 16 * c);
+            for (int64_t j = 0; j < G; j++)
+                acc[j * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[j * n + s]), vv,
+                                                      acc[j * chunks + c]);
+        }
+    }
+    for (int64_t j = 0; j < G; j++)
+        for (int64_t c = 0; c < chunks; c++) {
+            if (hd - 16 * c >= 16) _mm512_storeu_ps(o + j * hd + 16 * c, acc[j * chunks + c]);
+            else _mm512_mask_storeu_ps(o + j * hd + 16 * c, MASK(hd, 16 * c), acc[j * chunks + c]);
+        }
+}
+
+/* head_dim 64 and 128 (most models) with the chunk count known: the accumulators stay in registers */
+T_F static void attend_group(const float *q, int64_t G, const float *kc, const float *vc,
+                             const int64_t *pc, int64_t Hkv, int64_t g, int64_t hd, int64_t n,
+                             int64_t position, int64_t win, float *sc, float *o) {
+    if (hd == 64)
+        attend_group_impl(q, G, kc, vc, pc, Hkv, g, 64, n, position, win, sc, o, 4);
+    else if (hd == 128)
+        attend_group_impl(q, G, kc, vc, pc, Hkv, g, 128, n, position, win, sc, o, 8);
+    else
+        attend_group_impl(q, G, kc, vc, pc, Hkv, g, hd, n, position, win, sc, o, (hd + 15) / 16);
+}
+
 static void attend(const int64_t *d, const float *q, int64_t position, int64_t n, float *sc,
-                   float *o) {
-    const int64_t Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim], win = d[F_window];
+                   float *o, int threads) {
+    const int64_t Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim], G = Hq / Hkv;
     const float *kc = PTR(d, k_cache, const float), *vc = PTR(d, v_cache, const float);
     const int64_t *pc = PTR(d, pos_cache, const int64_t);
-    const float scale = 1.0f / sqrtf((float)hd);
-    for (int64_t h = 0; h < Hq; h++) {
-        const int64_t g = h / (Hq / Hkv);
-        const float *qh = q + h * hd;
-        float mx = -INFINITY, sum = 0.0f;
-        for (int64_t s = 0; s < n; s++) {
-            const int64_t p = pc[s];
-            const int ok = p >= 0 && p <= position && (win == 0 || p > position - win);
-            sc[s] = ok ? dot(qh, kc + (s * Hkv + g) * hd, hd) * scale : -INFINITY;
-            mx = sc[s] > mx ? sc[s] : mx;
-        }
-        for (int64_t s = 0; s < n; s++) {
-            sc[s] = sc[s] == -INFINITY ? 0.0f : expf(sc[s] - mx);
-            sum += sc[s];
-        }
-        float *oh = o + h * hd;
-        for (int64_t i = 0; i < hd; i++) oh[i] = 0.0f;
-        for (int64_t s = 0; s < n; s++)
-            if (sc[s] != 0.0f) axpy(oh, sc[s] / sum, vc + (s * Hkv + g) * hd, hd);
-    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 512)
+    for (int64_t g = 0; g < Hkv; g++)
+        attend_group(q + g * G * hd, G, kc, vc, pc, Hkv, g, hd, n, position, d[F_window],
+                     sc + g * G * n, o + g * G * hd);
 }
 
 #define MATVEC(d, w, x, y, N, K, threads, work)                                                \
@@ -117,9 +184,10 @@ static int layer(const int64_t *d, float *h, const float *c, const float *s, int
                  int64_t live, float eps, char *scratch, int threads) {
     const int64_t D = d[F_dim], Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim];
     const int64_t F = d[F_ffn], cap = d[F_cap], nq = (Hq + 2 * Hkv) * hd;
+    if ((Hq / Hkv) * ((hd + 15) / 16) > 32) return -2; /* attend_group's accumulators */
     const int64_t n = live < cap ? live : cap;
     float *qkv = (float *)scratch, *o = qkv + nq, *xn = o + Hq * hd;
-    float *gu = xn + max3(D, F, Hq * hd), *sc = gu + 2 * F, *y = sc + cap;
+    float *gu = xn + max3(D, F, Hq * hd), *sc = gu + 2 * F, *y = sc + Hq * cap;
     char *work = (char *)(((uintptr_t)(y + D) + 63) & ~(uintptr_t)63);
     int rc = 0;
     rms_norm(h, PTR(d, attention_norm, const float), D, eps, xn);
@@ -134,7 +202,7 @@ static int layer(const int64_t *d, float *h, const float *c, const float *s, int
     float *kc = PTR(d, k_cache, float), *vc = PTR(d, v_cache, float);
     for (int64_t i = 0; i < Hkv * hd; i++) kc[slot * Hkv * hd + i] = k[i], vc[slot * Hkv * hd + i] = v[i];
     PTR(d, pos_cache, int64_t)[slot] = position;
-    attend(d, q, position, n, sc, o);
+    attend(d, q, position, n, sc, o, threads);
     rc |= MATVEC(d, wo, o, y, D, Hq * hd, threads, work);
     for (int64_t i = 0; i < D; i++) h[i] += y[i];
     rms_norm(h, PTR(d, ffn_norm, const float), D, eps, xn);
