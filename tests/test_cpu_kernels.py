@@ -66,8 +66,12 @@ def test_threads_split_rows_and_change_nothing():
     assert torch.equal(one, two)  # each row is computed whole by one thread
 
 
-@pytest.mark.parametrize("fmt", [pytest.param(f, marks=needs[f]) for f in ALL])
-def test_c_layers_equal_the_python_layers(fmt):
+@pytest.mark.parametrize(
+    "fmt, head_dim",
+    [pytest.param(f, 16, marks=needs[f]) for f in ALL]
+    + [pytest.param(f, hd, marks=needs[f]) for f in ("float32", "int8") for hd in (64, 128)],
+)
+def test_c_layers_equal_the_python_layers(fmt, head_dim):
     """NativeStep (one C call per layer) against the same packed weights run by the Python
     layer (decode_layer), token by token over a ring that wraps: logits and the cache."""
     from test_packed_step import PROMPT, llama
@@ -76,8 +80,10 @@ def test_c_layers_equal_the_python_layers(fmt):
     from expresslane.packed_step import PackedDecoder
     from expresslane.packing import pack_model
 
+    heads = {16: 4, 64: 2, 128: 2}[head_dim]  # head_dim 64 and 128 have their own paths in C
     model = llama(seed=11, model_type="mistral", sliding_window=6, num_hidden_layers=3,
-                  hidden_size=64, num_attention_heads=4, intermediate_size=96)  # fmt: skip
+                  hidden_size=heads * head_dim, num_attention_heads=heads,
+                  num_key_value_heads={4: 2, 2: 1}[heads], intermediate_size=96)  # fmt: skip
     pack_model(model, fmt)
     out = {}
     for native in (True, False):
