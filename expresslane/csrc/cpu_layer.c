@@ -56,13 +56,13 @@ T_F static float dot(const float *a, const float *b, int64_t n) {
     return _mm512_reduce_add_ps(acc);
 }
 
-static void rms_norm(const float *x, const float *g, int64_t D, float eps, float *out) {
+T_F static void rms_norm(const float *x, const float *g, int64_t D, float eps, float *out) {
     float ss = dot(x, x, D);
     float r = 1.0f / sqrtf(ss / (float)D + eps);
     for (int64_t i = 0; i < D; i++) out[i] = x[i] * r * g[i];
 }
 
-static void rope(float *v, int64_t heads, int64_t hd, const float *c, const float *s, int half) {
+T_F static void rope(float *v, int64_t heads, int64_t hd, const float *c, const float *s, int half) {
     int64_t m = hd / 2;
     for (int64_t h = 0; h < heads; h++, v += hd) {
         for (int64_t i = 0; i < m; i++) {
@@ -180,8 +180,22 @@ static void attend(const int64_t *d, const float *q, int64_t position, int64_t n
 #define MATVEC(d, w, x, y, N, K, threads, work)                                                \
     el_matvec((const qmat_t *)&(d)[F_##w##_fmt], (x), (y), 1, (N), (K), (threads), (work))
 
-static int layer(const int64_t *d, float *h, const float *c, const float *s, int64_t position,
-                 int64_t live, float eps, char *scratch, int threads) {
+/* out = silu(gate) * up, silu(z) = z sigmoid(z), sigmoid from u = e^-|z| in (0, 1] */
+T_F static void silu_mul(const float *gate, const float *up, int64_t F, float *out) {
+    for (int64_t i = 0; i < F; i += 16) {
+        const __mmask16 m = MASK(F, i);
+        const __m512 z = _mm512_maskz_loadu_ps(m, gate + i);
+        const __m512 u = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z)));
+        const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GE_OQ),
+                                                u, _mm512_set1_ps(1.0f));
+        const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), u));
+        const __m512 r = _mm512_mul_ps(_mm512_mul_ps(z, sig), _mm512_maskz_loadu_ps(m, up + i));
+        _mm512_mask_storeu_ps(out + i, m, r);
+    }
+}
+
+T_F static int layer(const int64_t *d, float *h, const float *c, const float *s, int64_t position,
+                     int64_t live, float eps, char *scratch, int threads) {
     const int64_t D = d[F_dim], Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim];
     const int64_t F = d[F_ffn], cap = d[F_cap], nq = (Hq + 2 * Hkv) * hd;
     if ((Hq / Hkv) * ((hd + 15) / 16) > 32) return -2; /* attend_group's accumulators */
@@ -207,7 +221,7 @@ static int layer(const int64_t *d, float *h, const float *c, const float *s, int
     for (int64_t i = 0; i < D; i++) h[i] += y[i];
     rms_norm(h, PTR(d, ffn_norm, const float), D, eps, xn);
     rc |= MATVEC(d, w13, xn, gu, 2 * F, D, threads, work);
-    for (int64_t i = 0; i < F; i++) xn[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[F + i];
+    silu_mul(gu, gu + F, F, xn);
     rc |= MATVEC(d, w2, xn, y, D, F, threads, work);
     for (int64_t i = 0; i < D; i++) h[i] += y[i];
     return rc;
