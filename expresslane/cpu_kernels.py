@@ -27,7 +27,6 @@ import torch
 
 from .cache import KVCache
 from .config import ModelConfig
-from .fused import MAX_OVERRUN
 from .packing import PackedWeights
 from .quant import QTensor
 from .rope import cos_sin
@@ -118,7 +117,7 @@ class NativeStep:
         )
 
     def __init__(self, weights: PackedWeights, cfg: ModelConfig, inv_freq: torch.Tensor,
-                 cache: KVCache):  # fmt: skip
+                 cache: KVCache, positions: int):  # fmt: skip
         self.cfg, self.cache, self.weights = cfg, cache, weights
         fields = _native.layer_fields()
         self.keep = []  # every tensor a descriptor points into stays alive with the step
@@ -130,8 +129,10 @@ class NativeStep:
         self.scratch = torch.empty(size, dtype=torch.uint8)
         self.h = torch.empty(D)
         self.logits = torch.empty(cfg.vocab_size)
-        positions = torch.arange(cache.max_len + MAX_OVERRUN)
-        self.cos, self.sin = (t.contiguous() for t in cos_sin(inv_freq, positions))  # (P, hd/2)
+        # RoPE angles of every position a step may write (a multi-step replay runs past the
+        # budget): the same fp32 values the model computes on the fly
+        table = cos_sin(inv_freq, torch.arange(positions))
+        self.cos, self.sin = (t.contiguous() for t in table)  # (positions, hd/2)
         self.head_norm = weights.final_norm.float().contiguous()
 
     def _describe(self, i: int, w, fields: tuple[str, ...]) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from .cache import KVCache
 from .config import ModelConfig, SamplingParams
 from .cpu_kernels import NativeStep, available, native_matvec
+from .fused import MAX_OVERRUN
 from .kernels.ref import _head_input
 from .model import Laneformer
 from .packing import pack_model
@@ -137,7 +138,8 @@ class PackedDecoder:
         self.native = all(available(f) for f in fmts) if native is None else native
         self.step = None
         if self.native and NativeStep.supports(self.cfg, cache, self.weights):
-            self.step = NativeStep(self.weights, self.cfg, model.inv_freq, cache)
+            positions = cache.max_len + MAX_OVERRUN
+            self.step = NativeStep(self.weights, self.cfg, model.inv_freq, cache, positions)
         self.layer_tensors = [
             (w.attention_norm, _parts(w.wqkv), w.bqkv, _parts(w.wo), w.ffn_norm, _parts(w.w13),
              _parts(w.w2))
