@@ -97,7 +97,8 @@ class Engine:
         self.speculator = SpeculativeDecoder(self, speculative) if speculative else None
         self.stats = Stats()
         # "graph": decode from static buffers (captured on CUDA, eager elsewhere); "eager": the
-        # plain loop. auto = graph on CUDA, eager on a CPU where capture brings nothing.
+        # plain loop. auto = graph on CUDA or with quantized packed weights, else eager on a CPU
+        # (the CLI asks for graph there: the packed step, packed_step.py).
         if decode not in ("auto", "graph", "eager"):
             raise RequestError(f"decode={decode!r}: expected auto, graph or eager", "decode")
         packed = getattr(model, "packed", None)  # quantized weights: the packed step reads them
