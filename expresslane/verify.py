@@ -94,7 +94,7 @@ class VerifyGraph(DecodeGraph):
         self.out = torch.zeros((k + 2,), dtype=torch.long, device=dev)
         self.offsets = torch.arange(k + 1, device=dev)
 
-    def _steps(self) -> None:
+    def _step_loop(self) -> None:  # DecodeGraph bounds the cache's live slots around it
         positions = self.pos + self.offsets  # (k + 1,)
         logits = self.model(self.token, positions=positions, cache=self.cache)[0]  # (k+1, V)
         kept, tokens = accept(logits, self.token[0, 1:], self.params, self.generator, self.knobs)
@@ -108,6 +108,7 @@ class VerifyGraph(DecodeGraph):
         pad = [drafts[-1]] * (self.k - len(drafts))
         self.token.copy_(torch.tensor([[token, *drafts, *pad]]), non_blocking=True)
         self.pos.fill_(position)
+        self.host_pos = position  # the live slot bound: position + k + 1
 
     def set_params(self, params: SamplingParams) -> None:
         """The request's sampler values; the seed belongs to the shared generator's owner."""
