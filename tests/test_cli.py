@@ -193,3 +193,15 @@ def test_run_without_a_model_says_what_the_embedded_model_is(capsys):
     assert lines[2] == "answer:" and lines[-1].startswith("[prompt tokens: ")
     code, out, _ = _run(capsys, *argv, "--json")
     assert code == 0 and "embedded model" not in out and json.loads(out)["completion_tokens"]
+
+
+@pytest.mark.parametrize(
+    "flags, weights",
+    [([], None), (["--dtype", "bfloat16"], "bfloat16"), (["--quantization", "int8"], "q8_0")],
+)
+def test_run_json_names_the_weight_format(random_laneformer_dir, capsys, flags, weights):
+    """Packed CPU weights compute in fp32: `dtype` is the activations', `weights` what is read."""
+    argv = ["run", str(random_laneformer_dir), "--prompt", "x", "--max-tokens", "2", "--json"]
+    code, out, _ = _run(capsys, *argv, "--device", "cpu", *flags)
+    res = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and res["dtype"] == "float32" and res.get("weights") == weights

@@ -174,6 +174,13 @@ def set_cpu_threads(path, device: str, dtype: str, quantization, threads: int | 
     set_threads(bytes_per_token(cfg, 1, dtype_bytes=per_weight)["weights"], threads)
 
 
+def weight_formats(engine) -> dict:
+    """{"weights": the formats the decode step reads, e.g. "int8" or "q4_1+q8_0"}, where the
+    weights were packed in a format other than the activations' dtype (CPU packed step)."""
+    packed = getattr(engine.model, "packed", None)
+    return {"weights": "+".join(sorted({m.fmt for m in packed.matrices}))} if packed else {}
+
+
 def main(args: argparse.Namespace) -> int:
     speculative_from_args(args)  # a bad --speculative-config exits 2 before anything loads
     params = sampling_from_args(args)  # bad flags fail before any rank starts
@@ -224,7 +231,8 @@ def generate_and_print(
                     "prefill_tokens_per_s": round(st.prefill_tokens_per_s, 2),
                     "decode_tokens_per_s": round(st.decode_tokens_per_s, 2),
                     "device": str(engine.device),
-                    "dtype": str(engine.dtype).removeprefix("torch."),
+                    "dtype": str(engine.dtype).removeprefix("torch."),  # of the activations
+                    **weight_formats(engine),
                     **extra,
                 }
             )
