@@ -23,6 +23,8 @@ tests/test_cpu_kernels.py.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .cache import KVCache
@@ -38,7 +40,10 @@ except ImportError:  # not built (no compiler at install time): the compiled Pyt
 
 CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "q8_0": 4, "q4_1": 5}
 NEEDS = {"float32": 1, "float16": 1, "bfloat16": 2, "int8": 4, "q8_0": 4, "q4_1": 4}  # cpu bits
-FEATURES = _native.features() if _native is not None else 0
+# EXPRESSLANE_CPU_KERNELS=0 turns the C kernels off (the compiled Python step then runs): to
+# compare the two, or to rule the extension out when something looks wrong.
+ENABLED = os.environ.get("EXPRESSLANE_CPU_KERNELS", "1") != "0"
+FEATURES = _native.features() if _native is not None and ENABLED else 0
 
 
 def native_step_built() -> bool:

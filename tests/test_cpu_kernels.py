@@ -3,6 +3,10 @@ products in every format, and whole one-lane layers against the Python layer the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -103,3 +107,13 @@ def test_c_layers_equal_the_python_layers(fmt, head_dim):
     for i in range(len(ca.k)):
         assert torch.equal(ca.pos[i], cb.pos[i])
         torch.testing.assert_close(ca.k[i], cb.k[i], rtol=1e-4, atol=tol)
+
+
+@pytest.mark.skipif(not cpu_kernels.native_step_built(), reason="the C kernels are not built here")
+def test_environment_switch_turns_the_c_kernels_off():
+    """EXPRESSLANE_CPU_KERNELS=0: the CLI's packed step falls back to the Python step."""
+    probe = "import expresslane.cpu_kernels as c; print(c.native_step_built(), c.available('int8'))"
+    env = {**os.environ, "EXPRESSLANE_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
