@@ -11,6 +11,7 @@ import pytest
 
 from expresslane.__main__ import main
 from expresslane.config import SamplingParams
+from expresslane.cpu_kernels import native_step_built
 from expresslane.engine import Engine
 from expresslane.tokenizer import Tokenizer
 
@@ -180,6 +181,18 @@ def test_bench_kernels_both_rows_decode_the_same_tokens(capsys):
     assert rows[0]["token_ids"] == rows[1]["token_ids"] and len(rows[0]["token_ids"]) == 16
 
 
+def test_bench_on_a_cpu_measures_the_step_run_takes(capsys):
+    """`bench` on a CPU decodes through the packed step where the C kernels are built (what
+    `run` uses), beside the transformers peer on the same weights."""
+    argv = ["bench", "--preset", "llama-tiny", "--device", "cpu", "--contexts", "16",
+            "--decode-tokens", "8", "--peer", "transformers"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
+    ours = next(r for r in rows if r["engine"] == "expresslane")
+    assert ours["step"] == ("packed, C layers" if native_step_built() else "forward")
+    assert "decode_tok_s" in next(r for r in rows if r["engine"] == "transformers")
+
+
 def test_run_without_a_model_says_what_the_embedded_model_is(capsys):
     """The first-contact path (`make run`): the first line says what the model is and what to
     expect, then the request and a label before the answer; --json output stays one object."""
@@ -197,11 +210,11 @@ def test_run_without_a_model_says_what_the_embedded_model_is(capsys):
 
 @pytest.mark.parametrize(
     "flags, weights",
-    [([], None), (["--dtype", "bfloat16"], "bfloat16"), (["--quantization", "int8"], "q8_0")],
+    [([], "float32"), (["--dtype", "bfloat16"], "bfloat16"), (["--quantization", "int8"], "q8_0")],
 )
 def test_run_json_names_the_weight_format(random_laneformer_dir, capsys, flags, weights):
     """Packed CPU weights compute in fp32: `dtype` is the activations', `weights` what is read."""
     argv = ["run", str(random_laneformer_dir), "--prompt", "x", "--max-tokens", "2", "--json"]
     code, out, _ = _run(capsys, *argv, "--device", "cpu", *flags)
     res = json.loads(out.strip().splitlines()[-1])
-    assert code == 0 and res["dtype"] == "float32" and res.get("weights") == weights
+    assert code == 0 and res["dtype"] == "float32" and res["weights"] == weights

@@ -34,7 +34,9 @@ import torch
 
 from ..checkpoint import load_model, resolve_device, resolve_dtype
 from ..config import ModelConfig, SamplingParams
+from ..cpu_kernels import default_decode
 from ..engine import Engine
+from ..packed_step import PackedDecoder
 from .ceiling import bytes_per_token
 from .peers import PeerSetup, Timer, make_peer
 
@@ -94,7 +96,9 @@ class EngineRunner:
 
     def _build(self) -> None:
         # prefix_reuse off: TTFT and prefill figures are those of whole prompts
-        self.engine = Engine(self.model, max_model_len=_max_len(self.cfg),
+        # the decode path `run` takes on this device (on a CPU: the packed step, C kernels)
+        decode = default_decode(next(self.model.parameters()).device)
+        self.engine = Engine(self.model, max_model_len=_max_len(self.cfg), decode=decode,
                              compile=self.compiled, kernels=self.kernels,
                              prefix_reuse=False)  # fmt: skip
         # one-time costs (imports, torch.compile, graph capture) stay out of the measured rows
@@ -135,9 +139,12 @@ class EngineRunner:
     def flags(self) -> dict:
         """What this variant really ran: a captured CUDA graph, Triton kernels, PDL."""
         dec = self.engine.decoder
+        graph = any(g.graph is not None for g in self.engine._graphs.values())
+        if isinstance(dec, PackedDecoder):  # a CPU
+            step = "packed, C layers" if dec.step is not None else "packed"
+            return {"cuda_graph": graph, "fused_kernels": False, "pdl": False, "step": step}
         fused = dec is not None and dec.kernels
         pdl = fused and self._pdl_now()
-        graph = any(g.graph is not None for g in self.engine._graphs.values())
         step = "forward" if dec is None else "fused" if fused else "fused (reference twins)"
         return {"cuda_graph": graph, "fused_kernels": fused, "pdl": pdl, "step": step}
 

@@ -15,7 +15,7 @@ from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..bench.ceiling import bytes_per_token
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import SamplingParams
-from ..cpu_kernels import native_step_built
+from ..cpu_kernels import default_decode
 from ..engine import Engine
 from ..errors import ConfigError
 from ..parallel import rendezvous
@@ -149,13 +149,12 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
     path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
     quantization = getattr(args, "quantization", None)
     set_cpu_threads(path, args.device, args.dtype, quantization, getattr(args, "threads", None))
-    cpu = resolve_device(args.device).type == "cpu"
     engine = Engine.from_pretrained(
         path,
         device=args.device,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
-        decode="graph" if cpu and native_step_built() else "auto",  # the C step: no compile
+        decode=default_decode(resolve_device(args.device)),
         compile=getattr(args, "compile", False),
         prefix_reuse=not getattr(args, "no_prefix_reuse", False),
         speculative=speculative_from_args(args),
@@ -175,10 +174,12 @@ def set_cpu_threads(path, device: str, dtype: str, quantization, threads: int | 
 
 
 def weight_formats(engine) -> dict:
-    """{"weights": the formats the decode step reads, e.g. "int8" or "q4_1+q8_0"}, where the
-    weights were packed in a format other than the activations' dtype (CPU packed step)."""
+    """{"weights": the formats the decode step reads}: e.g. "int8" or "q4_1+q8_0" for weights
+    packed on a CPU (computed in fp32), else the model's dtype."""
     packed = getattr(engine.model, "packed", None)
-    return {"weights": "+".join(sorted({m.fmt for m in packed.matrices}))} if packed else {}
+    if packed is None:
+        return {"weights": str(engine.dtype).removeprefix("torch.")}
+    return {"weights": "+".join(sorted({m.fmt for m in packed.matrices}))}
 
 
 def main(args: argparse.Namespace) -> int:
