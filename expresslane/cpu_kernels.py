@@ -9,6 +9,9 @@ at run time: fp32 and fp16 AVX-512F, bf16 AVX512_BF16, int8 and GGUF's Q8_0 / Q4
   for the head (csrc/cpu_layer.c): the same arithmetic as packed_step.decode_layer, with every
   intermediate in a scratch buffer allocated once. Used by PackedDecoder where it applies
   (`NativeStep.supports`).
+  `hidden_tokens` / `head_tokens` run S tokens through the same calls at once (the verify step
+  of speculative decoding, packed_verify.py): each weight read once for all S, the bits of S
+  single-token steps.
 - `cpu_matvec`: the products alone, as the operator `torch.ops.expresslane.cpu_matvec`, which
   the compiled multi-lane step calls in place of quant.matvec.
 
@@ -38,6 +41,7 @@ try:
 except ImportError:  # not built (no compiler at install time): the compiled Python path runs
     _native = None
 
+MAX_TOKENS = 16  # tokens of one multi-token call (a verify step: k + 1)
 CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "q8_0": 4, "q4_1": 5}
 NEEDS = {"float32": 1, "float16": 1, "bfloat16": 2, "int8": 4, "q8_0": 4, "q4_1": 4}  # cpu bits
 # EXPRESSLANE_CPU_KERNELS=0 turns the C kernels off (the compiled Python step then runs): to
@@ -113,6 +117,22 @@ def native_matvec(w: QTensor, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.expresslane.cpu_matvec(w.data, w.scale, w.rowsum, w.mins, x, w.fmt)
 
 
+def native_matmul(w: QTensor, x: torch.Tensor) -> torch.Tensor:
+    """S tokens at once: W (L, N, K) or (N, K) and x (S, L, K) or (S, K) -> y (S, L, N) or
+    (S, N) fp32, each weight row read once for all S, each token's result the bits of
+    native_matvec's (csrc/cpu_matmul.c). For the verify step; not an operator (run eagerly)."""
+    fields = [None if t is None else t.contiguous() for t in (w.data, w.scale, w.rowsum, w.mins)]
+    x = x.contiguous().float()
+    N, K, S = fields[0].shape[-2], x.shape[-1], x.shape[0]
+    L = x[0].numel() // K
+    y = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
+    rc = _native.matmul(CODES[w.fmt], *(_addr(t) for t in fields), x.data_ptr(), y.data_ptr(),
+                        S, L, N, K, torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"cpu_matmul({w.fmt}): the kernel refused (status {rc})")
+    return y
+
+
 # --- whole layers of a one-lane model -------------------------------------------------------
 class NativeStep:
     """The decode step of a one-lane model in C: `hidden` runs the layers, `head` the rest."""
@@ -140,6 +160,7 @@ class NativeStep:
         self.scratch = torch.empty(size, dtype=torch.uint8)
         self.h = torch.empty(D)
         self.logits = torch.empty(cfg.vocab_size)
+        self._tokens_scratch: torch.Tensor | None = None  # the verify step's, at first use
         # RoPE angles of every position a step may write (a multi-step replay runs past the
         # budget): the same fp32 values the model computes on the fly
         table = cos_sin(inv_freq, torch.arange(positions))
@@ -182,6 +203,48 @@ class NativeStep:
             if rc != 0:
                 raise RuntimeError(f"native decode layer refused (status {rc})")
         return self.h
+
+    def hidden_tokens(self, tokens: torch.Tensor, position: int, live: int) -> torch.Tensor:
+        """S <= MAX_TOKENS tokens at positions position.. (a verify step) -> their final residual
+        streams (S, D) fp32; writes their KV. Attention reads the first min(live, cap) slots
+        (live >= position + S). Each row is the bits `hidden` gives for that token alone."""
+        S, cfg = tokens.shape[0], self.cfg
+        if not 1 <= S <= MAX_TOKENS:
+            raise ValueError(f"hidden_tokens: {S} tokens, expected 1..{MAX_TOKENS}")
+        h = self.weights.embed.lookup(tokens.view(S)).contiguous()  # (S, D)
+        scratch = self._tokens_work()
+        row = position * self.cos.shape[1] * 4
+        cos, sin = self.cos.data_ptr() + row, self.sin.data_ptr() + row
+        threads = torch.get_num_threads()
+        for d in self.descs:
+            rc = _native.layer(d.data_ptr(), h.data_ptr(), cos, sin, position, live,
+                               cfg.norm_eps, scratch.data_ptr(), threads, S)  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"native decode layer refused (status {rc})")
+        return h
+
+    def head_tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (S, V) for final residual streams h (S, D)."""
+        w, cfg, S = self.weights.head, self.cfg, h.shape[0]
+        logits = torch.empty(S, cfg.vocab_size)
+        best = _native.head(
+            CODES[w.fmt], w.data.data_ptr(), _addr(w.scale), _addr(w.rowsum), _addr(w.mins),
+            self.head_norm.data_ptr(), h.contiguous().data_ptr(), cfg.vocab_size,
+            cfg.hidden_size, cfg.norm_eps, logits.data_ptr(), self._tokens_work().data_ptr(),
+            torch.get_num_threads(), S,
+        )  # fmt: skip
+        if best < 0:
+            raise RuntimeError("native head refused")
+        return logits
+
+    def _tokens_work(self) -> torch.Tensor:
+        if self._tokens_scratch is None:
+            cfg = self.cfg
+            size = _native.layer_scratch(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                                         cfg.head_dim, cfg.intermediate_size,
+                                         self.cache.max_len, MAX_TOKENS)  # fmt: skip
+            self._tokens_scratch = torch.empty(size, dtype=torch.uint8)
+        return self._tokens_scratch
 
     def head(self, h: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(greedy token, fp32 logits (V,)) for the final residual stream h (D,)."""

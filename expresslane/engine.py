@@ -21,16 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache
-from .checkpoint import load_model
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
 from .fused import MAX_OVERRUN, FusedDecoder, supports
-from .gguf import find_gguf
 from .graph import DecodeGraph, committed_tokens
 from .kernels import use_triton
 from .model import Laneformer
 from .packed_step import PackedDecoder
-from .packing import load_plan, pack_gguf, pack_model
+from .packing import load_packed
 from .prefix import PrefixReuse
 from .sampler import logprobs_of, make_generator, sample, structure_key
 from .spec_decode import SpeculativeDecoder
@@ -168,12 +166,7 @@ class Engine:
         """On a CPU, 16-bit `dtype` and `quantization` choose the packed weights' format
         (computed in fp32), and a GGUF file keeps its blocks; elsewhere `dtype` is the
         model's (packing.load_plan)."""
-        load_dtype, fmt = load_plan(device, dtype, quantization, path)
-        model = load_model(path, device=device, dtype=load_dtype, progress=progress)
-        if fmt == "gguf":  # the file's quantized blocks, kept as they are where a kernel reads them
-            pack_gguf(model, find_gguf(path))
-        elif fmt is not None:
-            pack_model(model, fmt)
+        model = load_packed(path, device, dtype, quantization, progress)
         return cls(model, max_model_len=max_model_len, **engine_kw)
 
     # --- request checks -----------------------------------------------------------------------

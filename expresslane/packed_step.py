@@ -44,14 +44,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def reduce(y: torch.Tensor, mode: str, past: torch.Tensor | None) -> torch.Tensor:
-    """What a module adds to each lane's residual (laneformer-spec 6.2); y, past (L, D) fp32."""
+    """What a module adds to each lane's residual (laneformer-spec 6.2); y, past (..., L, D)
+    fp32 (a verify step puts a token axis in front)."""
     if mode == "present":
-        return y.sum(0, keepdim=True).expand_as(y)
+        return y.sum(-2, keepdim=True).expand_as(y)
     if mode == "no_reduce":
-        return y * math.sqrt(y.shape[0])
+        return y * math.sqrt(y.shape[-2])
     if past is None:
         return y
-    return y + (past.sum(0, keepdim=True) - past)
+    return y + (past.sum(-2, keepdim=True) - past)
 
 
 def attend_live(q, k_cache, v_cache, pos_cache, position, n, window: int | None):

@@ -78,6 +78,22 @@ def load_plan(
     return dtype, None
 
 
+def load_packed(
+    path, device: str = "auto", dtype: str = "auto", quantization: str | None = None,
+    progress: bool = True,
+) -> Laneformer:  # fmt: skip
+    """A checkpoint loaded and packed as the flags say (load_plan): what `run` decodes with."""
+    from .checkpoint import load_model
+
+    load_dtype, fmt = load_plan(device, dtype, quantization, path)
+    model = load_model(path, device=device, dtype=load_dtype, progress=progress)
+    if fmt == "gguf":  # the file's quantized blocks, kept as they are where a kernel reads them
+        pack_gguf(model, find_gguf(path))
+    elif fmt is not None:
+        pack_model(model, fmt)
+    return model
+
+
 @dataclass
 class PackedLayer:
     attention_norm: torch.Tensor  # (D,) or (L, D)

@@ -5,10 +5,11 @@ from the prefill logits), one at a time, so the engine's loop applies stop token
 `max_tokens` and cancellation between any two of them, inside an accepted run too. Each round:
 draft up to k tokens (fewer near `max_tokens` or the end of the context; none during a back-off
 pause, unless the match is full-length), then either one verify step or, without a draft, one
-plain decode step. The eager path serves CPUs and logprob requests. With the engine's decode
-graph (GPU) the verify step is a captured `VerifyGraph` for the configured k, plain steps replay
-the decode graph, and a back-off pause runs as one stream of them, one replay ahead as plain
-decoding runs.
+plain decode step. The eager path serves the eager engine and logprob requests. With the
+engine's decode graph the plain steps replay it, and a back-off pause runs as one stream of
+them, one replay ahead as plain decoding runs; the verify step is then, where that graph's step
+is the packed one (a CPU), the packed step over the k + 1 rows (`verify_packed`, any k up to
+the configured one), else (GPU) a captured `VerifyGraph` for the configured k.
 
 Figures (verify steps, drafted, kept) go live into the engine's `Stats.extra["speculative"]`.
 """
@@ -21,9 +22,11 @@ import torch
 
 from .config import SamplingParams
 from .graph import DecodeGraph, committed_tokens
+from .packed_step import PackedDecoder
+from .packed_verify import PackedVerifier
 from .sampler import sample, structure_key
 from .speculative import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
-from .verify import VerifyGraph, verify_eager
+from .verify import VerifyGraph, verify_eager, verify_packed
 
 # What each draft adds to a verify step, in decode steps (BackOff): a CPU computes every row
 # (0.1-0.15 measured with SmolLM2; the low end, so that break-even verifies are not punished); a
@@ -37,6 +40,7 @@ class SpeculativeDecoder:
         """`engine`: the Engine that owns the model and cache (model, cache, max_len, device)."""
         self.engine, self.cfg = engine, cfg
         self.graphs: dict[tuple, VerifyGraph] = {}
+        self.packed: PackedVerifier | None = None
         self.stats = SpecStats()
         self._extra: dict = {}
 
@@ -78,7 +82,10 @@ class SpeculativeDecoder:
         want_lp = params.logprobs is not None
         drafter = NgramDrafter(cfg, [*prompt_ids, first])
         backoff = BackOff(DRAFT_COST.get(eng.device.type, DRAFT_COST_DEFAULT))
-        vgraph = self._verify_graph(params, generator) if graph is not None else None
+        packed = self._packed(graph)
+        vgraph = None
+        if graph is not None and packed is None:
+            vgraph = self._verify_graph(params, generator)
         last, pos, left = first, len(prompt_ids), budget  # `last` sits at `pos`, not yet cached
         while left > 0:
             paused = not backoff.ready()
@@ -94,7 +101,7 @@ class SpeculativeDecoder:
             if paused and not drafter.strong:  # a full-length match is kept ~90% of the time
                 drafts = []
             if drafts:
-                new, rows = self._verify(vgraph, last, drafts, pos, params, generator)
+                new, rows = self._verify(vgraph, packed, last, drafts, pos, params, generator)
                 kept = min(len(new) - 1, len(drafts))
                 self.stats.add(len(drafts), kept)
                 backoff.verified(len(drafts), kept)
@@ -118,12 +125,22 @@ class SpeculativeDecoder:
             return []  # the fixed-k step would write past the context
         return drafter.propose(min(self.cfg.num_speculative_tokens, left - 1, room))
 
-    def _verify(self, vgraph, last, drafts, pos, params, generator):
+    def _packed(self, graph: DecodeGraph | None) -> PackedVerifier | None:
+        """The packed verify step where the decode graph's step is the packed one (CPU)."""
+        dec = None if graph is None else graph.decoder
+        if not isinstance(dec, PackedDecoder):
+            return None
+        if self.packed is None or self.packed.decoder is not dec:
+            self.packed = PackedVerifier(dec)
+        return self.packed
+
+    def _verify(self, vgraph, packed, last, drafts, pos, params, generator):
         """One verify step -> (new tokens, their logits rows or None)."""
+        eng = self.engine
+        if packed is not None and packed.fits(len(drafts) + 1):
+            return verify_packed(packed, eng.cache, last, drafts, params, generator)
         if vgraph is None:
-            return verify_eager(
-                self.engine.model, self.engine.cache, last, drafts, params, generator
-            )
+            return verify_eager(eng.model, eng.cache, last, drafts, params, generator)
         vgraph.load_drafts(last, drafts, pos)
         out = vgraph.verify()
         new = out[1 : out[0] + 2]

@@ -10,9 +10,12 @@ overwrites the key of p + j - window, which the queries after p still need when 
 rejected. So the engine gives rings `headroom` = k extra slots (cache.py): then a draft's slot
 only ever held a key that is out of every later query's window.
 
-Two forms with the same arithmetic:
-- `verify_eager`: the model's plain forward on the growing cache (CPU default, and whenever
-  logprobs are asked for); returns the logits of every row.
+Three forms with the same arithmetic:
+- `verify_eager`: the model's plain forward on the growing cache (the eager engine, and
+  whenever logprobs are asked for); returns the logits of every row.
+- `verify_packed`: where the decode step runs on packed weights (a CPU's static path), the same
+  step for the k + 1 rows (packed_verify.py: each weight read once for all of them; on the C
+  path each row has the bits of a plain step); returns the logits of every row.
 - `VerifyGraph`: fixed k, static buffers, acceptance on the device, one host copy of
   [n, tokens] per step; captured in a CUDA graph on a GPU exactly like the decode step (it is a
   DecodeGraph whose step is the verify), run eagerly elsewhere (tests prove that path on a CPU).
@@ -26,6 +29,7 @@ from .cache import KVCache
 from .config import SamplingParams
 from .graph import DecodeGraph
 from .model import Laneformer
+from .packed_verify import PackedVerifier
 from .speculative import accept
 
 
@@ -58,13 +62,37 @@ def verify_eager(
     start = cache.length
     ids = torch.tensor([[token, *drafts]], device=dev)  # (1, S)
     logits = model(ids, cache=cache)[0]  # (S, V); the cache advanced by S
-    kept, tokens = accept(logits, ids[0, 1:], params, generator)
+    return settle(cache, start, ids[0], logits, params, generator), logits
+
+
+@torch.inference_mode()
+def verify_packed(
+    verifier: PackedVerifier,
+    cache: KVCache,
+    token: int,
+    drafts: list[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[list[int], torch.Tensor]:
+    """verify_eager on the packed decode step's weights (packed_verify.py, each weight read once
+    for the k + 1 rows): the same acceptance, commit and truncation."""
+    start = cache.length
+    ids = [token, *drafts]
+    logits = verifier.logits(ids, start)  # (S, V); writes positions start .. start + k
+    return settle(cache, start, torch.tensor(ids), logits, params, generator), logits
+
+
+def settle(cache: KVCache, start: int, ids: torch.Tensor, logits: torch.Tensor,
+           params: SamplingParams, generator: torch.Generator | None) -> list[int]:  # fmt: skip
+    """Accept against logits (S, V) for ids (S,) written from `start` -> the new tokens; commit
+    the last token and the kept drafts, truncate the rejected ones away."""
+    kept, tokens = accept(logits, ids[1:].to(logits.device), params, generator)
     out = torch.cat((kept.view(1), tokens)).tolist()  # the one host copy
     n, new = out[0], out[1 : out[0] + 2]
-    cache.commit([token, *new[:-1]])  # `token` and the kept drafts: written and final
-    if n < len(drafts):
+    cache.commit([int(ids[0]), *new[:-1]])  # the last token and the kept drafts: final
+    if n < ids.shape[0] - 1:
         cache.truncate(start + n + 1)  # the rejected drafts' slots emptied
-    return new, logits
+    return new
 
 
 class VerifyGraph(DecodeGraph):

@@ -105,13 +105,14 @@ def test_greedy_identity_over_prompts_and_k(which, request):
 @pytest.mark.parametrize("k, steps", [(1, 1), (3, 1), (8, 1), (4, 3)])
 def test_static_verify_step_equals_plain_greedy(lane, k, steps):
     """The graph-capable verify (static buffers, acceptance on the device), run eagerly, with
-    plain steps from the decode graph (`steps` per replay)."""
+    plain steps from the decode graph (`steps` per replay). kernels="off": the model's forward
+    as the step (on a CPU the packed step would verify with packed_verify instead)."""
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     flips = []
     for prompt in prompts(3, seed=k):
         plain = list(Engine(lane, max_model_len=128).generate(prompt, params))
         eng = Engine(lane, max_model_len=128, decode="graph", steps_per_replay=steps,
-                     speculative=spec(k))  # fmt: skip
+                     kernels="off", speculative=spec(k))  # fmt: skip
         assert_identical(lane, prompt, plain, list(eng.generate(prompt, params)), flips)
         assert eng.stats.extra["speculative"]["verify_steps"] > 0
         assert eng.speculator.graphs  # the verify went through the static step

@@ -56,15 +56,19 @@ def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
     model = load_model(random_laneformer_dir, device="cpu", dtype="float32", progress=False)
     tok = Tokenizer.from_dir(random_laneformer_dir)
     work = (Workload("copy", "edit", f"Reprint:\n{MERGE}", 24), Workload("free", "free", "hi", 24))
-    rows, by_kind = run_speculative_bench(model, tok, SpeculativeConfig(4, 3, 1), workloads=work)
+    rows, by_kind, cost = run_speculative_bench(
+        model, tok, SpeculativeConfig(4, 3, 1), workloads=work, decode="graph"
+    )  # as `run` builds the engines on a CPU: the packed step, the packed verify
     assert [r["workload"] for r in rows] == ["copy", "free"]
     for r in rows:
         assert r["identical"] and r["tokens"] > 1
         assert r["speedup"] == r["spec_tok_s"] / r["plain_tok_s"]
         assert r["draft_tokens"] >= r["accepted_tokens"] >= 0
     assert set(by_kind) == {"edit", "free"}
-    text = spec_table(rows, by_kind)
-    assert "copy" in text and "geometric mean speedup: edit" in text
+    assert cost["path"].startswith("packed step, packed verify") and cost["rows"] == [1, 2, 3, 4, 5]
+    assert len(cost["relative"]) == 5 and all(r > 0 for r in cost["relative"])
+    text = spec_table(rows, by_kind, cost)
+    assert "copy" in text and "geometric mean speedup: edit" in text and "per extra row" in text
 
 
 def test_bench_needs_a_tokenizer_for_its_text_workloads(capsys):

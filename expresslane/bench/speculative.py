@@ -8,7 +8,12 @@ process's CPU seconds, which leave out the time other jobs held the cores of a s
 drafted and kept tokens, mean kept per verify step; whether the two outputs are identical, and
 where they are not, the index of the first difference and the plain path's top-2 logit gap
 there (a near tie, < 1e-5, is the one allowed difference). Per kind, the geometric mean
-speedups. One table, then one JSON line.
+speedups. Then what one verify step costs against one plain step, by its number of rows (what
+spec_decode.DRAFT_COST is set from). One table, then one JSON line.
+
+Both engines are built as `run` builds them on the device (the CLI passes its decode mode and
+packed weights): on a CPU the plain path is the packed decode step, and speculation verifies on
+the same packed weights, so the speedup is against what users get without speculation.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from ..config import SamplingParams
 from ..engine import Engine
 from ..model import Laneformer
+from ..packed_step import PackedDecoder
 from ..speculative import SpeculativeConfig
 from .spec_workloads import KINDS, WORKLOADS, Workload
 
@@ -94,6 +100,66 @@ def bench_workload(plain: Engine, spec: Engine, ids: list[int], w: Workload, rep
     return row
 
 
+@torch.inference_mode()
+def verify_cost(engine: Engine, ids: list[int], k: int, repeats: int = 7) -> dict:
+    """What a verify step over S = 1 .. k + 1 rows costs, in plain decode steps, on the paths
+    this engine takes (the packed step and the packed verify on a CPU, else the model's
+    forward for both), each the minimum of `repeats` timings after a warm-up, the cache put
+    back after each. `per_extra_row` is the least-squares slope over S: spec_decode.DRAFT_COST.
+    """
+    cache, spec = engine.cache, engine.speculator
+    engine.prefill(ids)
+    pos = len(ids)
+    graph = engine._graph_for(SamplingParams()) if engine.decode == "graph" else None
+    packed = spec._packed(graph) if spec is not None else None
+    tokens = (ids * (k + 1))[: k + 1]
+
+    def plain():
+        if graph is not None:
+            graph.load(torch.tensor(ids[-1], device=engine.device), position=pos)
+            graph.run()
+        else:
+            engine.model(torch.tensor([ids[-1:]], device=engine.device), cache=cache)
+
+    def verify(S: int):
+        if packed is not None:
+            packed.logits(tokens[:S], pos).argmax(-1)
+        else:
+            engine.model(torch.tensor([tokens[:S]], device=engine.device), cache=cache)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            fn()
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            cache.truncate(pos)  # the rows written are forgotten
+        return min(times[1:])
+
+    step = best(plain)
+    rows = list(range(1, k + 2))
+    rel = [best(lambda S=S: verify(S)) / step for S in rows]
+    mean_s, mean_r = statistics.fmean(rows), statistics.fmean(rel)
+    slope = sum((s - mean_s) * (r - mean_r) for s, r in zip(rows, rel, strict=True)) / sum(
+        (s - mean_s) ** 2 for s in rows
+    )
+    stepper = getattr(graph, "decoder", None)
+    step_path = "packed step" if isinstance(stepper, PackedDecoder) else "model forward"
+    if packed is not None:
+        verify_path = "packed verify (C)" if packed.decoder.step else "packed verify (Python)"
+    else:
+        verify_path = "model forward"
+    return {
+        "path": f"{step_path}, {verify_path}",
+        "plain_step_ms": round(step * 1e3, 3),
+        "rows": rows,
+        "relative": [round(r, 3) for r in rel],
+        "per_extra_row": round(slope, 3),
+    }
+
+
 def run_speculative_bench(
     model: Laneformer,
     tokenizer,
@@ -101,8 +167,8 @@ def run_speculative_bench(
     repeats: int = 1,
     workloads: Sequence[Workload] = WORKLOADS,
     **engine_kw,
-) -> tuple[list[dict], dict]:
-    """(one row per workload, per-kind geometric mean speedups)."""
+) -> tuple[list[dict], dict, dict]:
+    """(one row per workload, per-kind geometric mean speedups, verify_cost figures)."""
     prompts = [prompt_ids(tokenizer, w) for w in workloads]
     max_len = max(len(p) + w.max_tokens for p, w in zip(prompts, workloads, strict=True)) + 1
     plain = Engine(model, max_model_len=max_len, **engine_kw)
@@ -118,10 +184,11 @@ def run_speculative_bench(
             ups = [r[key] for r in rows if r["kind"] == kind and r[key]]
             if ups:
                 by_kind.setdefault(kind, {})[key] = math.exp(sum(map(math.log, ups)) / len(ups))
-    return rows, by_kind
+    cost = verify_cost(spec, prompts[0], cfg.num_speculative_tokens)
+    return rows, by_kind, cost
 
 
-def spec_table(rows: list[dict], by_kind: dict) -> str:
+def spec_table(rows: list[dict], by_kind: dict, cost: dict | None = None) -> str:
     head = (
         f"{'workload':<11} {'kind':<5} {'prompt':>6} {'tokens':>6} {'plain t/s':>9} "
         f"{'spec t/s':>8} {'speedup':>7} {'cpu x':>6} {'drafted':>7} {'kept':>5} "
@@ -142,4 +209,11 @@ def spec_table(rows: list[dict], by_kind: dict) -> str:
         for k, v in by_kind.items()
     )
     lines.append(f"geometric mean speedup: {means}")
+    if cost:
+        pairs = zip(cost["rows"], cost["relative"], strict=True)
+        rel = ", ".join(f"{s}: {r:.2f}" for s, r in pairs)
+        lines.append(
+            f"{cost['path']}: verify of S rows in plain steps ({cost['plain_step_ms']:.2f} ms) "
+            f"{rel}; per extra row {cost['per_extra_row']:.3f}"
+        )
     return "\n".join(lines)

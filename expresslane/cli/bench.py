@@ -109,6 +109,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_speculative_argument(p)
     p.add_argument(
+        "--quantization",
+        choices=["int8", "int8-row"],
+        default=None,
+        help="--speculative-config: the weights as `run --quantization` packs them (CPU)",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -135,6 +141,9 @@ def main(args: argparse.Namespace) -> int:
     model_cfg, checkpoint = _source(args)
     if spec is not None:
         return _main_speculative(args, spec, model_cfg, checkpoint)
+    if args.quantization is not None:
+        raise ConfigError("--quantization: only with --speculative-config (the decode bench "
+                          "compares formats with --peer llama.cpp --formats)")  # fmt: skip
     name = args.preset or str(checkpoint)
     if args.devices != 1 or launch.torchrun_env():
         return _main_parallel(args, model_cfg, checkpoint, name)
@@ -236,7 +245,8 @@ def _machine(device: torch.device) -> dict:
 # --- --speculative-config: plain vs speculative decoding on the shipped workloads -----------------
 def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path | None) -> int:
     from ..bench.speculative import run_speculative_bench, spec_table
-    from ..checkpoint import load_model
+    from ..cpu_kernels import native_step_built
+    from ..packing import load_packed
     from ..tokenizer import Tokenizer
 
     if checkpoint is None:
@@ -247,11 +257,13 @@ def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path
     device = resolve_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(_threads(args, model_cfg, 1))
-    model = load_model(checkpoint, device=str(device), dtype=args.dtype, progress=False)
+    # both engines as `run` builds them here: on a CPU the packed step (and the packed verify)
+    model = load_packed(checkpoint, str(device), args.dtype, args.quantization, progress=False)
     tok = Tokenizer.from_dir(checkpoint)
     machine = _machine(device)
-    rows, by_kind = run_speculative_bench(
-        model, tok, spec, repeats=args.repeats, compile=args.compile
+    decode = "graph" if device.type == "cpu" and native_step_built() else "auto"
+    rows, by_kind, cost = run_speculative_bench(
+        model, tok, spec, repeats=args.repeats, compile=args.compile, decode=decode
     )
     summary = {
         "model": str(checkpoint),
@@ -263,12 +275,15 @@ def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path
             k: getattr(spec, k) for k in ("num_speculative_tokens", "prompt_lookup_max",
                                           "prompt_lookup_min")}},
         "repeats": args.repeats,
+        "weights": getattr(getattr(model, "packed", None), "fmt", args.dtype),
+        "decode": cost.pop("path"),
         "note": "plain and speculative runs interleaved in one process (order alternates)",
         "geomean_speedup": by_kind,
+        "verify_cost": cost,
         "rows": rows,
     }  # fmt: skip
     if not args.json:
-        print(spec_table(rows, by_kind))
+        print(spec_table(rows, by_kind, cost))
     print(table.dumps(summary), flush=True)
     return 0
 

@@ -26,9 +26,28 @@ int el_supports(int fmt);
 /* Bytes of scratch el_matvec needs for K inputs per lane and L lanes (activation parts). */
 int64_t el_matvec_scratch(int64_t L, int64_t K);
 
+/* Bytes of one weight row of K values in format fmt. */
+int64_t el_row_bytes(int fmt, int64_t K);
+
+/* x (V vectors of K) in the form the integer and bf16 row kernels read (bf16 hi / lo parts, or
+   16-bit fixed point as two bytes, q4_1 arranged per nibble group, with their scales), written
+   into `work` (el_matvec_scratch(V, K) bytes). fp32 and fp16 read x as it is (NULL parts). */
+typedef struct {
+    char *a, *b;    /* per vector 2 Kp bytes each: hi / lo parts (q4_1: a_lo a_hi / b_lo b_hi) */
+    float *xs, *sx; /* q4_1: per vector Kp / 32 block sums of x; integer formats: x's scale */
+    int64_t Kp;     /* K padded to a multiple of 128 */
+} xparts_t;
+int el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p);
+
 /* y[l, n] = sum_k W[l, n, k] x[l, k]. `work` is el_matvec_scratch(L, K) bytes, 64-aligned, or
    NULL to allocate. Returns 0, or -1 when the CPU lacks the instructions. */
 int el_matvec(const qmat_t *w, const float *x, float *y, int64_t L, int64_t N, int64_t K,
               int threads, void *work);
+
+/* The same product for S tokens at once: y[s, l, n] = sum_k W[l, n, k] x[s, l, k], every weight
+   row read from memory once for all S (cpu_matmul.c), each (row, token) computed exactly as
+   el_matvec computes it (the same bits). `work`: el_matvec_scratch(S * L, K) bytes or NULL. */
+int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
+              int64_t K, int threads, void *work);
 
 #endif

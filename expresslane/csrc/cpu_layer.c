@@ -1,12 +1,14 @@
-/* One decoder layer (and the head) of a one-lane model for one token, and the Python module.
+/* One decoder layer (and the head) of a one-lane model for one token or S, and the Python module.
 
    The same arithmetic as expresslane/packed_step.py's decode_layer for a Llama-family layer
    (one lane, where every DTP reduce is the identity): RMSNorm, the Q/K/V product (+ biases),
    RoPE (rotate-half or interleaved pairs), the KV-cache write at slot position % cap, attention
    over the first min(live, cap) slots masked by their positions (and the sliding window), the
    output product, the residual, RMSNorm, the gate/up product, SiLU(gate) * up, the down product
-   and the residual, all fp32. Products are el_matvec (cpu_matvec.c); everything else is here so
-   that a layer is one call from Python: the step's cost is the weights, not ~20 small ops.
+   and the residual, all fp32. Products are el_matvec (cpu_matvec.c), for S tokens el_matmul
+   (cpu_matmul.c: each weight read once for all of them, the verify step of speculative
+   decoding); everything else is here so that a layer is one call from Python: the step's cost
+   is the weights, not ~20 small ops.
 
    A layer is described once by an int64 array (`layer_fields()` names its entries: sizes and
    the addresses of the packed weights and of the layer's cache); per token only the residual,
@@ -35,12 +37,12 @@ static const char *field_names[] = {FIELDS(AS_NAME)};
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
-/* floats of: qkv, attention output, normed input, gate/up, scores, product output; then the
-   product's activation parts (bytes) */
+/* floats of, per token: qkv, attention output, normed input, gate/up, product output; once:
+   scores; then the products' activation parts (bytes) */
 static int64_t layer_scratch(int64_t D, int64_t Hq, int64_t Hkv, int64_t hd, int64_t F,
-                             int64_t slots) {
-    int64_t floats = (Hq + 2 * Hkv) * hd + Hq * hd + max3(D, F, Hq * hd) + 2 * F + Hq * slots + D;
-    return floats * 4 + 64 + el_matvec_scratch(1, max3(D, F, Hq * hd));
+                             int64_t slots, int64_t S) {
+    int64_t per = (Hq + 2 * Hkv) * hd + Hq * hd + max3(D, F, Hq * hd) + 2 * F + D;
+    return (S * per + Hq * slots) * 4 + 64 + el_matvec_scratch(S, max3(D, F, Hq * hd));
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -177,8 +179,9 @@ static void attend(const int64_t *d, const float *q, int64_t position, int64_t n
                      sc + g * G * n, o + g * G * hd);
 }
 
-#define MATVEC(d, w, x, y, N, K, threads, work)                                                \
-    el_matvec((const qmat_t *)&(d)[F_##w##_fmt], (x), (y), 1, (N), (K), (threads), (work))
+/* W x for S tokens: x (S, K) -> y (S, N); one token is el_matvec itself */
+#define PRODUCT(d, w, x, y, S, N, K, threads, work)                                             \
+    el_matmul((const qmat_t *)&(d)[F_##w##_fmt], (x), (y), (S), 1, (N), (K), (threads), (work))
 
 /* out = silu(gate) * up, silu(z) = z sigmoid(z), sigmoid from u = e^-|z| in (0, 1] */
 T_F static void silu_mul(const float *gate, const float *up, int64_t F, float *out) {
@@ -194,68 +197,95 @@ T_F static void silu_mul(const float *gate, const float *up, int64_t F, float *o
     }
 }
 
-T_F static int layer(const int64_t *d, float *h, const float *c, const float *s, int64_t position,
-                     int64_t live, float eps, char *scratch, int threads) {
+/* S tokens at positions position .. position + S - 1 (S = 1: a decode step; more: a verify
+   step), h (S, D) updated; c, s: the RoPE rows of those positions. Every key and value is
+   written first, then each query attends over the first min(live, cap) slots masked by their
+   positions: causal among the new tokens because a later token's position is masked for an
+   earlier query. Per token the same calls in the same order as one token alone, and products
+   with el_matvec's bits: a token's result does not depend on S. */
+T_F static int layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
+                     int64_t position, int64_t live, float eps, char *scratch, int threads) {
     const int64_t D = d[F_dim], Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim];
-    const int64_t F = d[F_ffn], cap = d[F_cap], nq = (Hq + 2 * Hkv) * hd;
+    const int64_t F = d[F_ffn], cap = d[F_cap], nq = (Hq + 2 * Hkv) * hd, half = hd / 2;
     if ((Hq / Hkv) * ((hd + 15) / 16) > 32) return -2; /* attend_group's accumulators */
     const int64_t n = live < cap ? live : cap;
-    float *qkv = (float *)scratch, *o = qkv + nq, *xn = o + Hq * hd;
-    float *gu = xn + max3(D, F, Hq * hd), *sc = gu + 2 * F, *y = sc + Hq * cap;
-    char *work = (char *)(((uintptr_t)(y + D) + 63) & ~(uintptr_t)63);
+    float *qkv = (float *)scratch, *o = qkv + S * nq, *xn = o + S * Hq * hd;
+    float *gu = xn + S * max3(D, F, Hq * hd), *y = gu + S * 2 * F, *sc = y + S * D;
+    char *work = (char *)(((uintptr_t)(sc + Hq * cap) + 63) & ~(uintptr_t)63);
     int rc = 0;
-    rms_norm(h, PTR(d, attention_norm, const float), D, eps, xn);
-    rc |= MATVEC(d, qkv, xn, qkv, nq, D, threads, work);
+    for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, PTR(d, attention_norm, const float), D, eps, xn + t * D);
+    rc |= PRODUCT(d, qkv, xn, qkv, S, nq, D, threads, work);
     const float *bias = PTR(d, qkv_bias, const float);
-    if (bias)
-        for (int64_t i = 0; i < nq; i++) qkv[i] += bias[i];
-    float *q = qkv, *k = qkv + Hq * hd, *v = k + Hkv * hd;
-    rope(q, Hq, hd, c, s, (int)d[F_rope_half]);
-    rope(k, Hkv, hd, c, s, (int)d[F_rope_half]);
-    const int64_t slot = position % cap;
     float *kc = PTR(d, k_cache, float), *vc = PTR(d, v_cache, float);
-    for (int64_t i = 0; i < Hkv * hd; i++) kc[slot * Hkv * hd + i] = k[i], vc[slot * Hkv * hd + i] = v[i];
-    PTR(d, pos_cache, int64_t)[slot] = position;
-    attend(d, q, position, n, sc, o, threads);
-    rc |= MATVEC(d, wo, o, y, D, Hq * hd, threads, work);
-    for (int64_t i = 0; i < D; i++) h[i] += y[i];
-    rms_norm(h, PTR(d, ffn_norm, const float), D, eps, xn);
-    rc |= MATVEC(d, w13, xn, gu, 2 * F, D, threads, work);
-    silu_mul(gu, gu + F, F, xn);
-    rc |= MATVEC(d, w2, xn, y, D, F, threads, work);
-    for (int64_t i = 0; i < D; i++) h[i] += y[i];
+    for (int64_t t = 0; t < S; t++) {
+        float *q = qkv + t * nq, *k = q + Hq * hd, *v = k + Hkv * hd;
+        if (bias)
+            for (int64_t i = 0; i < nq; i++) q[i] += bias[i];
+        rope(q, Hq, hd, c + t * half, s + t * half, (int)d[F_rope_half]);
+        rope(k, Hkv, hd, c + t * half, s + t * half, (int)d[F_rope_half]);
+        const int64_t slot = (position + t) % cap;
+        for (int64_t i = 0; i < Hkv * hd; i++) kc[slot * Hkv * hd + i] = k[i], vc[slot * Hkv * hd + i] = v[i];
+        PTR(d, pos_cache, int64_t)[slot] = position + t;
+    }
+    for (int64_t t = 0; t < S; t++) attend(d, qkv + t * nq, position + t, n, sc, o + t * Hq * hd, threads);
+    rc |= PRODUCT(d, wo, o, y, S, D, Hq * hd, threads, work);
+    for (int64_t i = 0; i < S * D; i++) h[i] += y[i];
+    for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, PTR(d, ffn_norm, const float), D, eps, xn + t * D);
+    rc |= PRODUCT(d, w13, xn, gu, S, 2 * F, D, threads, work);
+    for (int64_t t = 0; t < S; t++) silu_mul(gu + t * 2 * F, gu + t * 2 * F + F, F, xn + t * F);
+    rc |= PRODUCT(d, w2, xn, y, S, D, F, threads, work);
+    for (int64_t i = 0; i < S * D; i++) h[i] += y[i];
     return rc;
 }
 
-/* final RMSNorm and the head: logits (V,), returns their first argmax (or -1: unsupported) */
-static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t V, int64_t D,
-                    float eps, float *logits, char *scratch, int threads) {
+/* final RMSNorm and the head for S tokens: logits (S, V); returns the first argmax of the last
+   token's logits (or -1: unsupported) */
+static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t S, int64_t V,
+                    int64_t D, float eps, float *logits, char *scratch, int threads) {
     float *xn = (float *)scratch;
-    char *work = (char *)(((uintptr_t)(xn + D) + 63) & ~(uintptr_t)63);
-    rms_norm(h, norm, D, eps, xn);
-    if (el_matvec(w, xn, logits, 1, V, D, threads, work)) return -1;
+    char *work = (char *)(((uintptr_t)(xn + S * D) + 63) & ~(uintptr_t)63);
+    for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, norm, D, eps, xn + t * D);
+    if (el_matmul(w, xn, logits, S, 1, V, D, threads, work)) return -1;
+    const float *last = logits + (S - 1) * V;
     int64_t best = 0;
     for (int64_t i = 1; i < V; i++)
-        if (logits[i] > logits[best]) best = i;
+        if (last[i] > last[best]) best = i;
     return best;
 }
 #else
-static int layer(const int64_t *d, float *h, const float *c, const float *s, int64_t position,
-                 int64_t live, float eps, char *scratch, int threads) {
-    (void)d, (void)h, (void)c, (void)s, (void)position, (void)live, (void)eps, (void)scratch;
-    (void)threads;
+static int layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
+                 int64_t position, int64_t live, float eps, char *scratch, int threads) {
+    (void)d, (void)h, (void)S, (void)c, (void)s, (void)position, (void)live, (void)eps;
+    (void)scratch, (void)threads;
     return -1;
 }
-static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t V, int64_t D,
-                    float eps, float *logits, char *scratch, int threads) {
-    (void)w, (void)norm, (void)h, (void)V, (void)D, (void)eps, (void)logits, (void)scratch;
-    (void)threads;
+static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t S, int64_t V,
+                    int64_t D, float eps, float *logits, char *scratch, int threads) {
+    (void)w, (void)norm, (void)h, (void)S, (void)V, (void)D, (void)eps, (void)logits;
+    (void)scratch, (void)threads;
     return -1;
 }
 #endif
 
 /* ---- Python: addresses in, status out -------------------------------------------------------- */
 #define ADDR(p) ((void *)(uintptr_t)(p))
+
+/* matvec: S = 1 (el_matvec); matmul: S tokens, x (S, L, K) -> y (S, L, N) (el_matmul) */
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    int fmt, threads;
+    unsigned long long w, scale, rowsum, mins, x, y;
+    long long S, L, N, K;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iKKKKKKLLLLi", &fmt, &w, &scale, &rowsum, &mins, &x, &y, &S, &L,
+                          &N, &K, &threads))
+        return NULL;
+    qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins)};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = el_matmul(&m, ADDR(x), ADDR(y), S, L, N, K, threads, NULL);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
 
 static PyObject *py_matvec(PyObject *self, PyObject *args) {
     int fmt, threads;
@@ -275,15 +305,16 @@ static PyObject *py_matvec(PyObject *self, PyObject *args) {
 
 static PyObject *py_layer(PyObject *self, PyObject *args) {
     unsigned long long d, h, c, s, scratch;
-    long long position, live;
+    long long position, live, S = 1;
     float eps;
     int threads, rc;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKKKLLfKi", &d, &h, &c, &s, &position, &live, &eps, &scratch,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "KKKKLLfKi|L", &d, &h, &c, &s, &position, &live, &eps, &scratch,
+                          &threads, &S))
         return NULL;
+    if (S < 1) S = 1;
     Py_BEGIN_ALLOW_THREADS
-    rc = layer(ADDR(d), ADDR(h), ADDR(c), ADDR(s), position, live, eps, ADDR(scratch), threads);
+    rc = layer(ADDR(d), ADDR(h), S, ADDR(c), ADDR(s), position, live, eps, ADDR(scratch), threads);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }
@@ -291,16 +322,17 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
 static PyObject *py_head(PyObject *self, PyObject *args) {
     int fmt, threads;
     unsigned long long w, scale, rowsum, mins, norm, h, logits, scratch;
-    long long V, D;
+    long long V, D, S = 1;
     float eps;
     long long best;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iKKKKKKLLfKKi", &fmt, &w, &scale, &rowsum, &mins, &norm, &h, &V,
-                          &D, &eps, &logits, &scratch, &threads))
+    if (!PyArg_ParseTuple(args, "iKKKKKKLLfKKi|L", &fmt, &w, &scale, &rowsum, &mins, &norm, &h,
+                          &V, &D, &eps, &logits, &scratch, &threads, &S))
         return NULL;
+    if (S < 1) S = 1;
     qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins)};
     Py_BEGIN_ALLOW_THREADS
-    best = head(&m, ADDR(norm), ADDR(h), V, D, eps, ADDR(logits), ADDR(scratch), threads);
+    best = head(&m, ADDR(norm), ADDR(h), S, V, D, eps, ADDR(logits), ADDR(scratch), threads);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(best);
 }
@@ -318,23 +350,28 @@ static PyObject *py_layer_fields(PyObject *self, PyObject *noargs) {
 }
 
 static PyObject *py_layer_scratch(PyObject *self, PyObject *args) {
-    long long D, Hq, Hkv, hd, F, slots;
+    long long D, Hq, Hkv, hd, F, slots, S = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "LLLLLL", &D, &Hq, &Hkv, &hd, &F, &slots)) return NULL;
-    return PyLong_FromLongLong(layer_scratch(D, Hq, Hkv, hd, F, slots));
+    if (!PyArg_ParseTuple(args, "LLLLLL|L", &D, &Hq, &Hkv, &hd, &F, &slots, &S)) return NULL;
+    return PyLong_FromLongLong(layer_scratch(D, Hq, Hkv, hd, F, slots, S < 1 ? 1 : S));
 }
 
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI"},
     {"matvec", py_matvec, METH_VARARGS,
      "matvec(fmt, w, scale, rowsum, mins, x, y, L, N, K, threads) -> status (0 = done)"},
+    {"matmul", py_matmul, METH_VARARGS,
+     "matmul(fmt, w, scale, rowsum, mins, x, y, S, L, N, K, threads) -> status: S tokens"},
     {"layer_fields", py_layer_fields, METH_NOARGS, "names of a layer descriptor's int64 entries"},
     {"layer_scratch", py_layer_scratch, METH_VARARGS,
-     "layer_scratch(D, Hq, Hkv, hd, F, slots) -> bytes of scratch a layer (or the head) needs"},
+     "layer_scratch(D, Hq, Hkv, hd, F, slots[, S]) -> bytes of scratch a layer (or the head) "
+     "needs for S tokens"},
     {"layer", py_layer, METH_VARARGS,
-     "layer(desc, h, cos, sin, position, live, eps, scratch, threads) -> status; h updated"},
+     "layer(desc, h, cos, sin, position, live, eps, scratch, threads[, S]) -> status; h (S, D) "
+     "updated"},
     {"head", py_head, METH_VARARGS,
-     "head(fmt, w, scale, rowsum, mins, norm, h, V, D, eps, logits, scratch, threads) -> argmax"},
+     "head(fmt, w, scale, rowsum, mins, norm, h, V, D, eps, logits, scratch, threads[, S]) -> "
+     "argmax of the last token's logits"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels",

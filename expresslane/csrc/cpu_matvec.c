@@ -284,6 +284,11 @@ T_VNNI static void row_q4_1(const uint8_t *q, const uint16_t *d, const uint16_t 
 /* ---- the product ------------------------------------------------------------------------------ */
 static int64_t padded(int64_t K) { return (K + 127) / 128 * 128; }
 
+/* bytes per row: fp32 4K, bf16/fp16 2K, int8/q8_0 K, q4_1 K / 2 */
+int64_t el_row_bytes(int fmt, int64_t K) {
+    return fmt == FMT_F32 ? 4 * K : fmt == FMT_Q4_1 ? K / 2 : fmt >= FMT_I8 ? K : 2 * K;
+}
+
 int el_supports(int fmt) {
     int need = fmt == FMT_BF16 ? HAS_BF16 : fmt >= FMT_I8 ? HAS_VNNI : HAS_AVX512;
     return fmt >= FMT_F32 && fmt <= FMT_Q4_1 && (el_features() & need) == need;
@@ -294,35 +299,43 @@ int64_t el_matvec_scratch(int64_t L, int64_t K) {
     return (4 * L * padded(K) + 4 * L * (padded(K) / 32) + 4 * L + 127) / 64 * 64;
 }
 
+int el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p) {
+    const int64_t Kp = padded(K);
+    p->Kp = Kp;
+    p->a = p->b = NULL, p->xs = p->sx = NULL;
+    if (fmt == FMT_F32 || fmt == FMT_F16) return 0; /* x is read as it is */
+    p->a = (char *)work; /* per vector 2 Kp bytes (q4_1: a_lo, a_hi), then 2 Kp more */
+    p->b = p->a + V * Kp * 2;
+    p->xs = (float *)(p->b + V * Kp * 2);
+    p->sx = p->xs + V * (Kp / 32);
+    for (int64_t v = 0; v < V; v++) {
+        const float *xv = x + v * K;
+        char *pa = p->a + v * Kp * 2, *pb = p->b + v * Kp * 2;
+        if (fmt == FMT_BF16)
+            split_bf16(xv, K, Kp, (uint16_t *)pa, (uint16_t *)pb);
+        else if (fmt == FMT_Q4_1)
+            p->sx[v] = split_q4(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (int8_t *)pb,
+                                (int8_t *)pb + Kp / 2, p->xs + v * (Kp / 32));
+        else
+            p->sx[v] = split_i16(xv, K, Kp, (uint8_t *)pa, (uint8_t *)pb);
+    }
+    return 0;
+}
+
 int el_matvec(const qmat_t *w, const float *x, float *y, int64_t L, int64_t N, int64_t K,
               int threads, void *work) {
     const int fmt = (int)w->fmt;
     if (!el_supports(fmt)) return -1;
-    const int64_t Kp = padded(K);
-    /* bytes per row: fp32 4K, bf16/fp16 2K, int8/q8_0 K, q4_1 K / 2 */
-    const int64_t rb = fmt == FMT_F32 ? 4 * K : fmt == FMT_Q4_1 ? K / 2 : fmt >= FMT_I8 ? K : 2 * K;
+    const int64_t Kp = padded(K), rb = el_row_bytes(fmt, K);
     void *own = NULL;
-    char *xa = NULL, *xb = NULL;
-    float *sx = NULL, *xs = NULL;
-    if (fmt != FMT_F32 && fmt != FMT_F16) {
-        if (!work) work = own = aligned_alloc(64, (size_t)el_matvec_scratch(L, K));
+    if (fmt != FMT_F32 && fmt != FMT_F16 && !work) {
+        work = own = aligned_alloc(64, (size_t)el_matvec_scratch(L, K));
         if (!work) return -3;
-        xa = (char *)work; /* per lane 2 Kp bytes (q4_1: a_lo, a_hi), then 2 Kp more */
-        xb = xa + L * Kp * 2;
-        xs = (float *)(xb + L * Kp * 2);
-        sx = xs + L * (Kp / 32);
-        for (int64_t l = 0; l < L; l++) {
-            const float *xl = x + l * K;
-            char *pa = xa + l * Kp * 2, *pb = xb + l * Kp * 2;
-            if (fmt == FMT_BF16)
-                split_bf16(xl, K, Kp, (uint16_t *)pa, (uint16_t *)pb);
-            else if (fmt == FMT_Q4_1)
-                sx[l] = split_q4(xl, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (int8_t *)pb,
-                                 (int8_t *)pb + Kp / 2, xs + l * (Kp / 32));
-            else
-                sx[l] = split_i16(xl, K, Kp, (uint8_t *)pa, (uint8_t *)pb);
-        }
     }
+    xparts_t parts;
+    el_split_x(fmt, x, L, K, work, &parts);
+    char *xa = parts.a, *xb = parts.b;
+    float *sx = parts.sx, *xs = parts.xs;
     const int64_t rows = L * N;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t r = 0; r < rows; r++) {
