@@ -276,7 +276,7 @@ def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path
                                           "prompt_lookup_min")}},
         "repeats": args.repeats,
         "weights": getattr(getattr(model, "packed", None), "fmt", args.dtype),
-        "decode": cost.pop("path"),
+        "decode": cost["path"],
         "note": "plain and speculative runs interleaved in one process (order alternates)",
         "geomean_speedup": by_kind,
         "verify_cost": cost,

@@ -46,7 +46,8 @@ int el_matvec(const qmat_t *w, const float *x, float *y, int64_t L, int64_t N, i
 
 /* The same product for S tokens at once: y[s, l, n] = sum_k W[l, n, k] x[s, l, k], every weight
    row read from memory once for all S (cpu_matmul.c), each (row, token) computed exactly as
-   el_matvec computes it (the same bits). `work`: el_matvec_scratch(S * L, K) bytes or NULL. */
+   el_matvec computes it (the same bits). `work`: el_matmul_scratch(S, L, K) bytes or NULL. */
+int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K);
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
               int64_t K, int threads, void *work);
 

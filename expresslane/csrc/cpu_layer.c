@@ -42,7 +42,7 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a
 static int64_t layer_scratch(int64_t D, int64_t Hq, int64_t Hkv, int64_t hd, int64_t F,
                              int64_t slots, int64_t S) {
     int64_t per = (Hq + 2 * Hkv) * hd + Hq * hd + max3(D, F, Hq * hd) + 2 * F + D;
-    return (S * per + Hq * slots) * 4 + 64 + el_matvec_scratch(S, max3(D, F, Hq * hd));
+    return (S * per + Hq * slots) * 4 + 64 + el_matmul_scratch(S, 1, max3(D, F, Hq * hd));
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
