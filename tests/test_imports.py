@@ -111,7 +111,7 @@ LAYERS = [
     ("parallel",),
     ("engine", "spec_decode"),
     ("graph", "verify"),
-    ("fused", "kernels.aot", "packed_step", "cpu_kernels"),
+    ("fused", "kernels.aot", "packed_step", "packed_verify", "cpu_kernels"),
     ("kernels",),
     ("checkpoint", "packing"),
     ("model",),
