@@ -74,3 +74,9 @@ def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
 def test_bench_needs_a_tokenizer_for_its_text_workloads(capsys):
     assert main(["bench", "--preset", "llama-tiny", "--speculative-config", CONFIG]) == 2
     assert "checkpoint folder with a tokenizer" in capsys.readouterr().err
+
+
+def test_bench_quantization_belongs_to_the_speculative_bench(capsys):
+    assert main(["bench", "--preset", "llama-tiny", "--quantization", "int8"]) == 2
+    err = capsys.readouterr().err
+    assert "--quantization" in err and "--speculative-config" in err

@@ -245,7 +245,7 @@ def _machine(device: torch.device) -> dict:
 # --- --speculative-config: plain vs speculative decoding on the shipped workloads -----------------
 def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path | None) -> int:
     from ..bench.speculative import run_speculative_bench, spec_table
-    from ..cpu_kernels import native_step_built
+    from ..cpu_kernels import default_decode
     from ..packing import load_packed
     from ..tokenizer import Tokenizer
 
@@ -261,9 +261,8 @@ def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path
     model = load_packed(checkpoint, str(device), args.dtype, args.quantization, progress=False)
     tok = Tokenizer.from_dir(checkpoint)
     machine = _machine(device)
-    decode = "graph" if device.type == "cpu" and native_step_built() else "auto"
     rows, by_kind, cost = run_speculative_bench(
-        model, tok, spec, repeats=args.repeats, compile=args.compile, decode=decode
+        model, tok, spec, repeats=args.repeats, compile=args.compile, decode=default_decode(device)
     )
     summary = {
         "model": str(checkpoint),
