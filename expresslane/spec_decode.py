@@ -29,28 +29,15 @@ from .speculative import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
 from .verify import VerifyGraph, verify_eager, verify_packed
 
 # What each draft adds to a verify step, in decode steps (BackOff's break-even). On a CPU the
-# packed verify computes every row on weights it reads once: its cost per extra row relative to a
-# plain packed step, measured by `expresslane bench MODEL --speculative-config ...` (the slope
-# of its "verify of S rows" line; SmolLM2-135M, 1 thread, S = 1..9): fp32 0.15, 16-bit 0.2,
-# int8 as Q8_0 0.31, int8-row 0.43, GGUF Q4_1 0.34 (BENCHMARKS.md). The eager CPU verify (the
-# model's forward, fp32) measured 0.1-0.15. A GPU at batch 1 streams the weights once for all.
-DRAFT_COST = {
-    "cpu": 0.15,
-    "cpu/bfloat16": 0.2,
-    "cpu/float16": 0.2,
-    "cpu/q8_0": 0.31,
-    "cpu/int8": 0.43,
-    "cpu/gguf": 0.34,
-}
+# packed verify computes every row on weights it reads once; its cost per extra row relative to
+# a plain packed step is the slope of the "verify of S rows" line of `expresslane bench MODEL
+# --speculative-config ...` (SmolLM2-135M, 1 thread): fp32 0.15-0.16, bf16/fp16 0.2, int8 (Q8_0)
+# 0.31-0.35 (BENCHMARKS.md). 0.15 for every format: with int8's own 0.31 the back-off counted
+# verify steps that kept 1 of 5 drafts as misses and paused too often (edits 1.5x either way,
+# free generation 1.14x against 1.22x, two interleaved runs each). The eager CPU verify (the
+# model's forward) measured 0.1-0.15. A GPU at batch 1 streams the weights once for all rows.
+DRAFT_COST = {"cpu": 0.15}
 DRAFT_COST_DEFAULT = 0.02
-
-
-def draft_cost(device: str, packed: PackedVerifier | None) -> float:
-    """DRAFT_COST for this device and, when the packed verify runs, its weights' format."""
-    cost = DRAFT_COST.get(device, DRAFT_COST_DEFAULT)
-    if packed is None:
-        return cost
-    return DRAFT_COST.get(f"{device}/{packed.decoder.fmt}", cost)
 
 
 class SpeculativeDecoder:
@@ -100,7 +87,7 @@ class SpeculativeDecoder:
         want_lp = params.logprobs is not None
         drafter = NgramDrafter(cfg, [*prompt_ids, first])
         packed = self._packed(graph)
-        backoff = BackOff(draft_cost(eng.device.type, packed))
+        backoff = BackOff(DRAFT_COST.get(eng.device.type, DRAFT_COST_DEFAULT))
         vgraph = None
         if graph is not None and packed is None:
             vgraph = self._verify_graph(params, generator)

@@ -201,8 +201,9 @@ class BackOff:
     """Pauses drafting after verify steps that did not pay for themselves.
 
     A verify over 1 + d positions costs about 1 + `draft_cost` * d decode steps (a CPU computes
-    every row: ~0.1; a GPU at batch 1 streams the same weights once: ~0.02), so one that keeps
-    fewer than `draft_cost` * d drafts (none at all, always) yielded less than it cost: a miss.
+    every row: ~0.15 for the packed fp32 step; a GPU at batch 1 streams the same weights once:
+    ~0.02), so one that keeps fewer than `draft_cost` * d drafts (none at all, always) yielded
+    less than it cost: a miss.
     Consecutive misses pause drafting for 2, 4, 8, ... up to `max_pause` tokens of plain
     decoding; a verify that pays resets the count.
     """
