@@ -32,10 +32,10 @@ from .verify import VerifyGraph, verify_eager, verify_packed
 # packed verify computes every row on weights it reads once; its cost per extra row relative to
 # a plain packed step is the slope of the "verify of S rows" line of `expresslane bench MODEL
 # --speculative-config ...` (SmolLM2-135M, 1 thread): fp32 0.15-0.16, bf16/fp16 0.2, int8 (Q8_0)
-# 0.31-0.35 (BENCHMARKS.md). 0.15 for every format: with int8's own 0.31 the back-off counted
-# verify steps that kept 1 of 5 drafts as misses and paused too often (edits 1.5x either way,
-# free generation 1.14x against 1.22x, two interleaved runs each). The eager CPU verify (the
-# model's forward) measured 0.1-0.15. A GPU at batch 1 streams the weights once for all rows.
+# 0.31-0.35 (BENCHMARKS.md). 0.15 for every format: with int8's own 0.31 the back-off counts
+# verify steps that keep 1 of 5 drafts as misses and paused drafting more often, which in A/B
+# runs gained nothing on edits and lost on free generation. The eager CPU verify (the model's
+# forward) measured 0.1-0.15. A GPU at batch 1 streams the weights once for all rows.
 DRAFT_COST = {"cpu": 0.15}
 DRAFT_COST_DEFAULT = 0.02
 
