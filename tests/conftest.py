@@ -25,6 +25,17 @@ def pytest_configure(config):
     )
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    its models are tiny, or stream hundreds of MB a token, and on 2 shared cores two OpenMP
+    threads stall each other (measured: 7.4 tok/s with one thread, 0.6 with two, SmolLM2 fp32)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def random_laneformer_dir(tmp_path_factory):
     """A random tiny Laneformer (8 lanes, delay 2, sliding + full layers) with a tokenizer."""

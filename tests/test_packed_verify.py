@@ -39,12 +39,7 @@ needs = {
 NEW = [5, 9, 30, 7, 7, 12, 3, 44, 2]  # the tokens a verify scores after PROMPT
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny or shared-core work
 
 
 def ring_llama(**over):

@@ -113,13 +113,7 @@ def expected_bytes(cfg: ModelConfig, world: int, itemsize: int = 4) -> tuple[int
     return rep * itemsize, split * itemsize // world
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The references are tiny: one thread each, like the ranks (2 shared cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny or shared-core work
 
 
 @pytest.fixture(scope="module")

@@ -36,15 +36,7 @@ MIXED = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One CPU thread for both engines: decoding a 135M fp32 model streams 540 MB per token, and
-    on shared cores two OpenMP threads stall each other (measured on the loaded 2-core machine:
-    7.4 tok/s with one thread, 0.6 with two)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny or shared-core work
 
 
 def _reference(path) -> dict:

@@ -30,13 +30,7 @@ def spec(k: int, hi: int = 3, lo: int = 1) -> SpeculativeConfig:
     return SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and sane on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny or shared-core work
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,7 @@ PROMPT = [1, 7, 9, 30, 11, 12, 40, 7, 9]
 GREEDY = SamplingParams(max_tokens=90, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny or shared-core work
 
 
 @pytest.fixture(scope="module")

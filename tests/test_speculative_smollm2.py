@@ -6,7 +6,6 @@ reported."""
 from __future__ import annotations
 
 import pytest
-import torch
 from test_speculative import NEAR_TIE, first_flip
 
 from expresslane.bench.spec_workloads import WORKLOADS
@@ -16,14 +15,7 @@ from expresslane.engine import Engine
 from expresslane.speculative import SpeculativeConfig
 from expresslane.tokenizer import Tokenizer
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """135 M fp32 on shared cores: one OpenMP thread (see test_smollm2.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny or shared-core work
 
 
 def test_code_edit_is_identical_to_plain_greedy(smollm2_gguf):
