@@ -20,6 +20,7 @@ import torch
 from ..checkpoint import load_model, resolve_model_dir
 from ..config import SamplingParams
 from ..engine import Engine
+from ..errors import ConfigError
 from ..gguf import find_gguf
 from ..packing import pack_gguf, pack_model, packed_format
 from ..tokenizer import Tokenizer
@@ -36,13 +37,16 @@ PROMPTS = (
 )
 
 
-def engine_for(path, fmt: str, max_len: int) -> Engine:
+def engine_for(path, fmt: str, max_len: int, compile: bool = False) -> Engine:
+    """A CPU engine on the packed step with weights in `fmt` ("gguf": a GGUF file's blocks)."""
     model = load_model(path, device="cpu", dtype="float32", progress=False)
     if fmt == "gguf":
+        if find_gguf(path) is None:
+            raise ConfigError(f"--formats gguf: {path} is not a GGUF file")
         pack_gguf(model, find_gguf(path))
     elif fmt != "float32":
         pack_model(model, packed_format(fmt))
-    return Engine(model, max_model_len=max_len, decode="graph")
+    return Engine(model, max_model_len=max_len, decode="graph", compile=compile)
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:

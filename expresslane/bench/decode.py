@@ -38,7 +38,7 @@ from ..cpu_kernels import default_decode
 from ..engine import Engine
 from ..packed_step import PackedDecoder
 from .ceiling import bytes_per_token
-from .peers import PeerSetup, Timer, make_peer
+from .peers import PeerSetup, Timer, make_peer, prompt_ids
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,7 @@ class BenchConfig:
 
 
 def bench_engine(engine: Engine, cfg: BenchConfig, context: int) -> dict:
-    vocab = engine.cfg.vocab_size
-    g = torch.Generator().manual_seed(context)
-    prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
+    prompt = prompt_ids(engine.cfg.vocab_size, context, torch.device("cpu"))[0].tolist()
     params = SamplingParams(max_tokens=cfg.decode_tokens + cfg.warmup_tokens, ignore_eos=True)
     timer = Timer(engine.device)
     t0 = time.perf_counter()
@@ -98,7 +96,7 @@ class EngineRunner:
         # prefix_reuse off: TTFT and prefill figures are those of whole prompts
         # the decode path `run` takes on this device (on a CPU: the packed step, C kernels)
         decode = default_decode(next(self.model.parameters()).device)
-        self.engine = Engine(self.model, max_model_len=_max_len(self.cfg), decode=decode,
+        self.engine = Engine(self.model, max_model_len=context_needed(self.cfg), decode=decode,
                              compile=self.compiled, kernels=self.kernels,
                              prefix_reuse=False)  # fmt: skip
         # one-time costs (imports, torch.compile, graph capture) stay out of the measured rows
@@ -214,7 +212,7 @@ def run_bench(
         for compiled, kernels in _variants(cfg)
     ]
     setup = PeerSetup(model.cfg, model, dev, dt, cfg.decode_tokens, cfg.warmup_tokens,
-                      _max_len(cfg), compile_backend=cfg.compile_backend)  # fmt: skip
+                      context_needed(cfg), compile_backend=cfg.compile_backend)  # fmt: skip
     runners += [PeerRunner(spec, setup) for spec in cfg.peers]
     rows = []
     for ctx in cfg.contexts:
@@ -244,7 +242,7 @@ def _variant_name(cfg: BenchConfig, compiled: bool, kernels: str) -> str:
     return name
 
 
-def _max_len(cfg: BenchConfig) -> int:
+def context_needed(cfg: BenchConfig) -> int:
     return max(cfg.contexts) + cfg.decode_tokens + cfg.warmup_tokens + 1
 
 
@@ -263,7 +261,7 @@ def parallel_rows(rank: int, world: int, device: str, checkpoint: str, cfg: Benc
     from ..parallel import ParallelEngine
 
     engine = ParallelEngine.from_pretrained(
-        checkpoint, rank, world, device=device, dtype=cfg.dtype, max_model_len=_max_len(cfg),
+        checkpoint, rank, world, device=device, dtype=cfg.dtype, max_model_len=context_needed(cfg),
         prefix_reuse=False,  # cold prefill figures
     )  # fmt: skip
     list(engine.generate([1, 2, 3], SamplingParams(max_tokens=cfg.warmup_tokens, ignore_eos=True)))

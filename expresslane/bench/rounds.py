@@ -26,11 +26,10 @@ import torch
 from ..checkpoint import load_model
 from ..config import ModelConfig
 from ..engine import Engine
-from ..errors import ConfigError
 from ..gguf import find_gguf
-from ..packing import pack_gguf, pack_model, packed_format
 from . import llamacpp
-from .decode import BenchConfig, bench_engine
+from .agreement import engine_for, same_prefix
+from .decode import BenchConfig, bench_engine, context_needed
 from .peers import PeerSetup, make_peer, prompt_ids
 
 # our weight format -> the llama.cpp type that streams as many bytes per weight ("gguf": a GGUF
@@ -47,12 +46,6 @@ class Contestant:
     close: Callable[[], None] = field(default=lambda: None)
 
 
-def prompt_for(context: int, vocab: int) -> list[int]:
-    """The benchmark's random prompt of `context` tokens (bench/decode.py draws the same)."""
-    g = torch.Generator().manual_seed(context)
-    return torch.randint(3, vocab, (context,), generator=g).tolist()
-
-
 def ours_eager(checkpoint: Path, cfg: BenchConfig, max_len: int) -> Contestant:
     """The model's own forward per token (the reference path, and the CPU default before)."""
     model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
@@ -63,14 +56,9 @@ def ours_eager(checkpoint: Path, cfg: BenchConfig, max_len: int) -> Contestant:
 
 
 def ours(checkpoint: Path, fmt: str, cfg: BenchConfig, max_len: int) -> Contestant:
-    model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
+    engine = engine_for(checkpoint, fmt, max_len, compile=cfg.compile)
     if fmt == "gguf":
-        if find_gguf(checkpoint) is None:
-            raise ConfigError(f"--formats gguf: {checkpoint} is not a GGUF file")
-        fmt = "gguf " + "/".join(sorted(pack_gguf(model, find_gguf(checkpoint)).formats))
-    elif fmt != "float32":
-        pack_model(model, packed_format(fmt))
-    engine = Engine(model, max_model_len=max_len, decode="graph", compile=cfg.compile)
+        fmt = "gguf " + "/".join(sorted(engine.model.packed.formats))
     name = "expresslane" + ("+compile" if cfg.compile else "")
     note = f"{fmt}, compiled in {engine.compile_s:.1f} s" if cfg.compile else fmt
     return Contestant(name, note, lambda ctx: bench_engine(engine, cfg, ctx))
@@ -107,15 +95,6 @@ def llamacpp_peers(
 
         out.append(Contestant("llama.cpp", f"the GGUF file ({path.name})", run, runner.close))
     return out, []
-
-
-def same_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run_rounds(contestants: list[Contestant], contexts, rounds: int) -> list[dict]:
@@ -155,7 +134,7 @@ def bench_vs_llamacpp(
     model_cfg: ModelConfig, cfg: BenchConfig, checkpoint: Path, formats: list[str], rounds: int
 ) -> tuple[list[dict], list[str]]:
     """Rows for our formats, transformers and llama.cpp's matching GGUF types; and notes."""
-    max_len = max(cfg.contexts) + cfg.decode_tokens + cfg.warmup_tokens + 1
+    max_len = context_needed(cfg)
     fmts = ["float32"] + [f for f in formats if f != "float32"]  # fp32 first: the reference
     t = time.perf_counter()
     contestants = [ours(checkpoint, f, cfg, max_len) for f in fmts]
