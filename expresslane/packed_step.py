@@ -125,13 +125,12 @@ class PackedDecoder:
         self,
         model: Laneformer,
         cache: KVCache,
-        fmt: str | None = None,
         compile: bool = False,
         native: bool | None = None,
     ):
         self.cfg: ModelConfig = model.cfg
         self.cache = cache
-        self.weights = pack_model(model, fmt)
+        self.weights = pack_model(model)  # the model's own packing, or its dtype
         self.inv_freq = model.inv_freq
         # the C kernels where built and supported (default), else quant.matvec; a one-lane
         # model then runs each layer as one C call (NativeStep), nothing to compile
@@ -151,10 +150,6 @@ class PackedDecoder:
         self._head = torch.compile(head, dynamic=False) if self.compiled else head
         self._span = torch.arange(cache.max_len, device=cache.k[0].device)
         self._marked = False
-
-    @property
-    def fmt(self) -> str:
-        return self.weights.fmt
 
     def _live_span(self) -> torch.Tensor:
         live = self.cache.live if self.cache.live is not None else self.cache.max_len
