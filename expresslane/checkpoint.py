@@ -26,6 +26,7 @@ from tqdm import tqdm
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
 from .gguf import find_gguf
+from .hub import INDEX, PICKLE_SUFFIXES
 from .model import Laneformer
 from .rope import inv_frequencies
 
@@ -41,7 +42,6 @@ LLAMA_KEYS = {  # ours -> transformers' (inside model.layers.{i}.)
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 # --- where the files are --------------------------------------------------------------------
@@ -85,7 +85,7 @@ def _snapshot(repo: Path) -> Path | None:
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -344,7 +344,7 @@ def save_model(
         save_file(shard, str(out / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(
+    (out / INDEX).write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
     )
     return out

@@ -26,7 +26,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 INDEX = "model.safetensors.index.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # never read (checkpoint.py)
 
 
 def is_offline() -> bool:

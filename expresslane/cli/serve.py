@@ -184,9 +184,7 @@ def main(args: argparse.Namespace) -> int:
     server.run()
     if failure:
         raise failure[0]
-    worker = app.state.service.worker
-    if worker is not None:
-        worker.shutdown()
+    app.state.service.shutdown()
     return 0
 
 
@@ -212,5 +210,4 @@ def serving(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warni
     finally:
         server.should_exit = True
         thread.join(10)
-        if app.state.service.worker is not None:
-            app.state.service.worker.shutdown()
+        app.state.service.shutdown()

@@ -90,6 +90,13 @@ class Service:
         self.preparer = Preparer(engine, tok, self.limits, self.model_name, self.rng)
         self.worker = Worker(engine, tok, self.metrics)
 
+    def shutdown(self) -> None:
+        """Stop the engine thread and the preparation threads (the server has stopped)."""
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.preparer is not None:
+            self.preparer.shutdown()
+
     def ready(self) -> Service:
         if self.worker is None:
             raise RequestError("Loading model", status_code=503)
