@@ -23,16 +23,16 @@ import torch
 from .cache import KVCache
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
-from .fused import MAX_OVERRUN, FusedDecoder, supports
-from .graph import DecodeGraph, committed_tokens
 from .kernels import use_triton
 from .model import Laneformer
-from .packed_step import PackedDecoder
-from .packing import load_packed
 from .prefix import PrefixReuse
 from .sampler import logprobs_of, make_generator, sample, structure_key
-from .spec_decode import SpeculativeDecoder
-from .speculative import SpeculativeConfig
+from .speculative.decoder import SpeculativeDecoder
+from .speculative.drafting import SpeculativeConfig
+from .step.fused import MAX_OVERRUN, FusedDecoder, supports
+from .step.graph import DecodeGraph, committed_tokens
+from .step.packed import PackedDecoder
+from .weights.packing import load_packed
 
 
 @dataclass

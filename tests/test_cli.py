@@ -11,8 +11,8 @@ import pytest
 
 from expresslane.__main__ import main
 from expresslane.config import SamplingParams
-from expresslane.cpu_kernels import native_step_built
 from expresslane.engine import Engine
+from expresslane.step.native import native_step_built
 from expresslane.tokenizer import Tokenizer
 
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from expresslane import cpu_kernels
-from expresslane.quant import FORMATS, GGUF_FORMATS, quantize
+from expresslane.step import native as cpu_kernels
+from expresslane.weights.quant import FORMATS, GGUF_FORMATS, quantize
 
 ALL = (*FORMATS, *GGUF_FORMATS)
 needs = {
@@ -81,8 +81,8 @@ def test_c_layers_equal_the_python_layers(fmt, head_dim):
     from test_packed_step import PROMPT, llama
 
     from expresslane.cache import KVCache
-    from expresslane.packed_step import PackedDecoder
-    from expresslane.packing import pack_model
+    from expresslane.step.packed import PackedDecoder
+    from expresslane.weights.packing import pack_model
 
     heads = {16: 4, 64: 2, 128: 2}[head_dim]  # head_dim 64 and 128 have their own paths in C
     model = llama(seed=11, model_type="mistral", sliding_window=6, num_hidden_layers=3,
@@ -112,7 +112,7 @@ def test_c_layers_equal_the_python_layers(fmt, head_dim):
 @pytest.mark.skipif(not cpu_kernels.native_step_built(), reason="the C kernels are not built here")
 def test_environment_switch_turns_the_c_kernels_off():
     """EXPRESSLANE_CPU_KERNELS=0: the CLI's packed step falls back to the Python step."""
-    probe = "import expresslane.cpu_kernels as c; print(c.native_step_built(), c.available('int8'))"
+    probe = "import expresslane.step.native as c; print(c.native_step_built(), c.available('int8'))"
     env = {**os.environ, "EXPRESSLANE_CPU_KERNELS": "0"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -116,7 +116,7 @@ def test_fused_step_with_reference_kernels_equals_forward(extra):
 
 def test_fused_logits_equal_the_model_forward(model):
     from expresslane.cache import KVCache
-    from expresslane.fused import FusedDecoder
+    from expresslane.step.fused import FusedDecoder
 
     tokens = torch.tensor([PROMPT])
     with torch.no_grad():
@@ -190,8 +190,8 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
 def test_graph_sampling_follows_the_filtered_distribution(model, device):
     """Replays from one state draw from softmax(filter(logits)) (chi-square, p = 0.001): the
     graph's RNG advances per replay and the device-side filters are the CPU path's."""
-    from expresslane.graph import DecodeGraph
     from expresslane.sampler import filter_logits
+    from expresslane.step.graph import DecodeGraph
 
     m = copy.deepcopy(model).to(device)
     with torch.no_grad():
@@ -220,7 +220,7 @@ def test_graph_sampling_follows_the_filtered_distribution(model, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_no_host_synchronisation_inside_the_replay_loop(model):
     """After capture, replays and the pinned copies run with CUDA's sync debug mode on 'error'."""
-    from expresslane.graph import DecodeGraph
+    from expresslane.step.graph import DecodeGraph
 
     m = model.to("cuda")
     try:

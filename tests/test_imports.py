@@ -109,14 +109,17 @@ LAYERS = [
     ("train",),
     ("textgen",),
     ("parallel",),
-    ("engine", "spec_decode"),
-    ("graph", "verify"),
-    ("fused", "kernels.aot", "packed_step", "packed_verify", "cpu_kernels"),
+    ("engine",),
+    ("speculative.decoder",),
+    ("speculative.verify",),
+    ("step.graph", "step.packed_verify"),
+    ("step.packed",),
+    ("step.fused", "kernels.aot", "step.native"),
     ("kernels",),
-    ("checkpoint", "packing"),
+    ("checkpoint", "weights.packing"),
     ("model",),
-    ("prefix", "speculative"),
-    ("sampler", "cache", "rope", "presets", "quant", "threads"),
+    ("prefix", "speculative.drafting", "speculative"),
+    ("sampler", "cache", "rope", "presets", "weights.quant", "step.threads", "step", "weights"),
     ("tokenizer",),
     ("config",),
     ("hf_config",),
@@ -161,10 +164,10 @@ def test_package_has_no_import_cycle(graph):
 
 def test_imports_run_down_the_layers(graph):
     assert layer_of("expresslane.cli.launch") == 4 and layer_of("expresslane.cli.run") == 0
-    assert layer_of("expresslane.kernels.aot") == 11 and layer_of("expresslane.kernels.ref") == 12
+    assert layer_of("expresslane.kernels.aot") == 14 and layer_of("expresslane.kernels.ref") == 15
     fake = {"expresslane.model": {"expresslane.engine": "m.py:1", "expresslane.config": "m.py:2"}}
     (only,) = climbing(fake)  # model -> config runs down; model -> engine climbs
-    assert only == "expresslane.model (layer 14) -> expresslane.engine (layer 9) (m.py:1)"
+    assert only == "expresslane.model (layer 17) -> expresslane.engine (layer 9) (m.py:1)"
     up = climbing(graph)
     assert not up, "imports that climb the layers of docs/architecture.md:\n" + "\n".join(up)
 

@@ -12,11 +12,11 @@ import torch
 from expresslane.cache import KVCache
 from expresslane.config import ModelConfig, SamplingParams
 from expresslane.engine import Engine, reference_generate
-from expresslane.graph import MIN_BUCKET, DecodeGraph, live_bucket
 from expresslane.model import Laneformer, init_weights
-from expresslane.packed_step import PackedDecoder
-from expresslane.packing import load_plan, pack_model
-from expresslane.quant import FORMATS
+from expresslane.step.graph import MIN_BUCKET, DecodeGraph, live_bucket
+from expresslane.step.packed import PackedDecoder
+from expresslane.weights.packing import load_plan, pack_model
+from expresslane.weights.quant import FORMATS
 
 PROMPT = [1, 7, 9, 30, 11, 12, 40, 3, 5]
 
@@ -191,7 +191,7 @@ def test_gguf_blocks_stay_quantized_through_the_engine(tmp_path, ggml_type):
     weights, and the bytes streamed are the file's."""
     from expresslane.bench.llamacpp import write_gguf
     from expresslane.checkpoint import load_model
-    from expresslane.packing import pack_gguf
+    from expresslane.weights.packing import pack_gguf
 
     src = llama(seed=12, hidden_size=64, num_attention_heads=4, intermediate_size=96)
     path = write_gguf(src, None, tmp_path / "m.gguf", ggml_type)

@@ -18,15 +18,15 @@ from test_packed_step import MODELS, PROMPT, llama
 from test_speculative import NEAR_TIE, first_flip, prompts
 from test_speculative_runs import continuation_logits, use_oracle
 
-from expresslane import cpu_kernels
 from expresslane.cache import KVCache
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
-from expresslane.packed_step import PackedDecoder
-from expresslane.packed_verify import PackedVerifier
-from expresslane.packing import pack_model
-from expresslane.quant import FORMATS, GGUF_FORMATS, quantize
-from expresslane.speculative import SpeculativeConfig
+from expresslane.speculative.drafting import SpeculativeConfig
+from expresslane.step import native as cpu_kernels
+from expresslane.step.packed import PackedDecoder
+from expresslane.step.packed_verify import PackedVerifier
+from expresslane.weights.packing import pack_model
+from expresslane.weights.quant import FORMATS, GGUF_FORMATS, quantize
 
 ALL = (*FORMATS, *GGUF_FORMATS)
 needs = {

@@ -28,7 +28,7 @@ from expresslane.cli.serve import serving
 from expresslane.engine import Engine
 from expresslane.serve import create_app, worker
 from expresslane.serve.metrics import parse_metrics
-from expresslane.speculative import SpeculativeConfig
+from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.tokenizer import Tokenizer
 
 CHROMIUM = os.environ.get("EXPRESSLANE_CHROMIUM", "/usr/bin/chromium")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from expresslane.errors import ConfigError
-from expresslane.quant import FORMATS, QTensor, check_format, matvec, quantize
+from expresslane.weights.quant import FORMATS, QTensor, check_format, matvec, quantize
 
 
 def _weights(shape, seed=0):
@@ -94,7 +94,7 @@ def test_gguf_blocks_kept_planar_dequantize_as_the_reader_does(ggml_type):
     bit; our quantizer rounds as gguf's (llama.cpp's reference) does."""
     gguf = pytest.importorskip("gguf")
     from expresslane.gguf.quants import dequantize
-    from expresslane.quant import from_gguf
+    from expresslane.weights.quant import from_gguf
 
     w = _weights((37, 96), 4)
     raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[ggml_type]))

@@ -21,7 +21,7 @@ from expresslane.config import ModelConfig, SamplingParams
 from expresslane.engine import Engine
 from expresslane.errors import ConfigError
 from expresslane.model import Laneformer, init_weights
-from expresslane.speculative import NgramDrafter, SpeculativeConfig
+from expresslane.speculative.drafting import NgramDrafter, SpeculativeConfig
 
 NEAR_TIE = 1e-5
 
@@ -115,7 +115,7 @@ def test_static_verify_step_equals_plain_greedy(lane, k, steps):
 
 def test_static_and_eager_verify_agree_on_one_step(lane):
     """One verify of the same drafts: same tokens, same visible cache, same sampled draw."""
-    from expresslane.verify import VerifyGraph, verify_eager
+    from expresslane.speculative.verify import VerifyGraph, verify_eager
 
     prompt = prompts(1)[0]
     drafts = [9, 30, 11, 5]
@@ -155,7 +155,7 @@ def test_acceptance_rule_follows_the_filtered_distribution():
     """accept() on fixed logits: the 1st token ~ p_0, the 2nd given the 1st draft ~ p_1, the
     3rd given both ~ p_2 (chi-square, p = 0.001), against the plain sampler's filter."""
     from expresslane.sampler import filter_logits
-    from expresslane.speculative import accept
+    from expresslane.speculative.drafting import accept
 
     V, k, n = 24, 3, 6000
     logits = torch.randn(k + 1, V, generator=torch.Generator().manual_seed(2)) * 2.0
@@ -313,7 +313,7 @@ def test_cuda_captured_verify_equals_eager_decoding(lane):
 @cuda
 def test_cuda_captured_and_eager_verify_draw_the_same_tokens(lane):
     """One sampled verify step, captured and not, from the same state and seed."""
-    from expresslane.verify import VerifyGraph
+    from expresslane.speculative.verify import VerifyGraph
 
     m = copy.deepcopy(lane).to("cuda")
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
@@ -335,7 +335,7 @@ def test_cuda_captured_and_eager_verify_draw_the_same_tokens(lane):
 @pytest.mark.gpu
 @cuda
 def test_cuda_verify_replays_do_not_synchronise(lane):
-    from expresslane.verify import VerifyGraph
+    from expresslane.speculative.verify import VerifyGraph
 
     m = copy.deepcopy(lane).to("cuda")
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=2)

@@ -50,7 +50,7 @@ def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
     from expresslane.bench.spec_workloads import MERGE, Workload
     from expresslane.bench.speculative import run_speculative_bench, spec_table
     from expresslane.checkpoint import load_model
-    from expresslane.speculative import SpeculativeConfig
+    from expresslane.speculative.drafting import SpeculativeConfig
     from expresslane.tokenizer import Tokenizer
 
     model = load_model(random_laneformer_dir, device="cpu", dtype="float32", progress=False)

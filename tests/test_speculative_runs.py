@@ -14,11 +14,11 @@ import pytest
 import tiny
 import torch
 
-from expresslane import spec_decode
 from expresslane.cache import KVCache
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
-from expresslane.speculative import BackOff, NgramDrafter, SpeculativeConfig
+from expresslane.speculative import decoder as spec_decode
+from expresslane.speculative.drafting import BackOff, NgramDrafter, SpeculativeConfig
 
 PROMPT = [1, 7, 9, 30, 11, 12, 40, 7, 9]
 GREEDY = SamplingParams(max_tokens=90, ignore_eos=True)

@@ -12,7 +12,7 @@ from expresslane.bench.spec_workloads import WORKLOADS
 from expresslane.bench.speculative import prompt_ids
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
-from expresslane.speculative import SpeculativeConfig
+from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny or shared-core work

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from expresslane import threads
 from expresslane.errors import ConfigError
+from expresslane.step import threads
 
 MB = 1 << 20
 

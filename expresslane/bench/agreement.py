@@ -22,8 +22,8 @@ from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
 from ..gguf import find_gguf
-from ..packing import pack_gguf, pack_model, packed_format
 from ..tokenizer import Tokenizer
+from ..weights.packing import pack_gguf, pack_model, packed_format
 
 PROMPTS = (
     "What is the capital of France?",

@@ -34,9 +34,9 @@ import torch
 
 from ..checkpoint import load_model, resolve_device, resolve_dtype
 from ..config import ModelConfig, SamplingParams
-from ..cpu_kernels import default_decode
 from ..engine import Engine
-from ..packed_step import PackedDecoder
+from ..step.native import default_decode
+from ..step.packed import PackedDecoder
 from .ceiling import bytes_per_token
 from .peers import PeerSetup, Timer, make_peer, prompt_ids
 

@@ -62,7 +62,7 @@ def eager_step_kernels(model_ref: str, max_len: int = 4096) -> dict[str, int]:
     """ATen kernels of one greedy static decode step through the model's forward."""
     from ..cache import KVCache
     from ..config import SamplingParams
-    from ..graph import DecodeGraph
+    from ..step.graph import DecodeGraph
 
     cfg, model = _meta_model(model_ref)
     cache = KVCache(cfg, max_len, "meta", torch.bfloat16)

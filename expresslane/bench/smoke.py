@@ -125,7 +125,7 @@ def teacher_forced(model, ref, prefill: int, steps: int, tol: float) -> dict:
     """Fused-step logits at positions prefill..prefill+steps-1 (the prompt's own tokens fed one
     by one) against `ref`'s forward over the whole sequence; the model's own forward beside."""
     from ..cache import KVCache
-    from ..fused import FusedDecoder
+    from ..step.fused import FusedDecoder
 
     cfg, p = model.cfg, next(model.parameters())
     g = torch.Generator().manual_seed(prefill + steps)
@@ -161,7 +161,7 @@ def graph_check(model, steps: int) -> dict:
     from ..cache import KVCache
     from ..config import SamplingParams
     from ..engine import Engine
-    from ..fused import FusedDecoder
+    from ..step.fused import FusedDecoder
 
     cfg, p = model.cfg, next(model.parameters())
     prompt = list(range(3, 3 + 12))

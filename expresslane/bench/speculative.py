@@ -28,8 +28,8 @@ import torch
 from ..config import SamplingParams
 from ..engine import Engine
 from ..model import Laneformer
-from ..packed_step import PackedDecoder
-from ..speculative import SpeculativeConfig
+from ..speculative.drafting import SpeculativeConfig
+from ..step.packed import PackedDecoder
 from .spec_workloads import KINDS, WORKLOADS, Workload
 
 

@@ -31,8 +31,8 @@ from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import ModelConfig
 from ..errors import ConfigError
 from ..presets import get_preset, preset_names
-from ..speculative import SpeculativeConfig
-from ..threads import choose_threads
+from ..speculative.drafting import SpeculativeConfig
+from ..step.threads import choose_threads
 from . import launch
 from .run import add_speculative_argument, speculative_from_args
 
@@ -222,7 +222,7 @@ def _threads(args: argparse.Namespace, cfg: ModelConfig, devices: int) -> int:
             raise ConfigError(f"--threads {args.threads}: must be at least 1")
         return args.threads
     nbytes = bytes_per_token(cfg, 1, dtype_bytes=4, devices=devices)["per_device"]["weights"]
-    if devices == 1:  # idle cores and the bytes a step streams (expresslane/threads.py)
+    if devices == 1:  # idle cores and the bytes a step streams (expresslane/step/threads.py)
         return choose_threads(nbytes)
     cores = max(1, (os.cpu_count() or 1) // devices)
     return min(cores, max(1, nbytes // (128 << 20)))
@@ -245,9 +245,9 @@ def _machine(device: torch.device) -> dict:
 # --- --speculative-config: plain vs speculative decoding on the shipped workloads -----------------
 def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path | None) -> int:
     from ..bench.speculative import run_speculative_bench, spec_table
-    from ..cpu_kernels import default_decode
-    from ..packing import load_packed
+    from ..step.native import default_decode
     from ..tokenizer import Tokenizer
+    from ..weights.packing import load_packed
 
     if checkpoint is None:
         raise ConfigError("--speculative-config: the workloads are text: give a checkpoint "

@@ -15,13 +15,13 @@ from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..bench.ceiling import bytes_per_token
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import SamplingParams
-from ..cpu_kernels import default_decode
 from ..engine import Engine
 from ..errors import ConfigError
 from ..parallel import rendezvous
-from ..speculative import SpeculativeConfig
+from ..speculative.drafting import SpeculativeConfig
+from ..step.native import default_decode
+from ..step.threads import set_threads
 from ..textgen import generate_text
-from ..threads import set_threads
 from ..tokenizer import Tokenizer
 from . import launch
 
@@ -55,7 +55,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="CPU threads (default: the cores idle at load, at most one per 32 MB of weights a "
-        "step streams; see expresslane/threads.py)",
+        "step streams; see expresslane/step/threads.py)",
     )
     p.add_argument(
         "--quantization",
@@ -165,7 +165,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
 
 def set_cpu_threads(path, device: str, dtype: str, quantization, threads: int | None) -> None:
     """On a CPU, the thread count for the bytes a step streams and the cores free now; set
-    before loading, as compiled kernels are built for it (expresslane/threads.py)."""
+    before loading, as compiled kernels are built for it (expresslane/step/threads.py)."""
     if resolve_device(device).type != "cpu":
         return
     per_weight = 1 if quantization else 2 if dtype in ("bfloat16", "float16") else 4

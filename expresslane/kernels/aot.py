@@ -183,8 +183,8 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
     """The launches of one greedy decode step of the model, then (`logits`) of its logits path."""
     from ..cache import KVCache
     from ..config import SamplingParams
-    from ..fused import FusedDecoder
     from ..model import Laneformer
+    from ..step.fused import FusedDecoder
 
     cfg = load_model_config(model_ref)  # every layer: meta tensors cost nothing
     with torch.device("meta"):

@@ -30,7 +30,7 @@ import torch
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ExpressLaneError
-from ..speculative import combine
+from ..speculative.drafting import combine
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from .metrics import Metrics

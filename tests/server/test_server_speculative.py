@@ -14,7 +14,7 @@ from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.serve import create_app
 from expresslane.serve.metrics import parse_metrics
-from expresslane.speculative import SpeculativeConfig
+from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.textgen import generate_text
 from expresslane.tokenizer import Tokenizer
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from .cache import KVCache
-from .config import SamplingParams
-from .kernels import decode_step, ref, use_triton
-from .model import Laneformer
-from .rope import cos_sin
-from .sampler import SamplerKnobs, sample
+from ..cache import KVCache
+from ..config import SamplingParams
+from ..kernels import decode_step, ref, use_triton
+from ..model import Laneformer
+from ..rope import cos_sin
+from ..sampler import SamplerKnobs, sample
 
 # The most steps one CUDA-graph replay may run (Engine checks steps_per_replay against it).
 MAX_OVERRUN = 64
@@ -100,7 +100,7 @@ class FusedDecoder:
 
     def _head(self, fn_name: str, h: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            from .kernels import lm_head
+            from ..kernels import lm_head
 
             fn = getattr(lm_head, fn_name)
         else:

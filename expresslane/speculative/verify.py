@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from .cache import KVCache
-from .config import SamplingParams
-from .graph import DecodeGraph
-from .model import Laneformer
-from .packed_verify import PackedVerifier
-from .speculative import accept
+from ..cache import KVCache
+from ..config import SamplingParams
+from ..model import Laneformer
+from ..step.graph import DecodeGraph
+from ..step.packed_verify import PackedVerifier
+from .drafting import accept
 
 
 def forget(cache: KVCache, positions: torch.Tensor, keep: torch.Tensor) -> None:

@@ -30,14 +30,14 @@ import os
 
 import torch
 
-from .cache import KVCache
-from .config import ModelConfig
-from .packing import PackedWeights
-from .quant import QTensor
-from .rope import cos_sin
+from ..cache import KVCache
+from ..config import ModelConfig
+from ..rope import cos_sin
+from ..weights.packing import PackedWeights
+from ..weights.quant import QTensor
 
 try:
-    from . import _cpu_kernels as _native
+    from .. import _cpu_kernels as _native
 except ImportError:  # not built (no compiler at install time): the compiled Python path runs
     _native = None
 

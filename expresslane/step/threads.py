@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 BYTES_PER_THREAD = 32 << 20  # below this a product is too short to pay for a fork/join
 

@@ -25,11 +25,11 @@ from collections.abc import Iterator
 
 import torch
 
-from .cache import KVCache
-from .config import SamplingParams
+from ..cache import KVCache
+from ..config import SamplingParams
+from ..model import Laneformer
+from ..sampler import SamplerKnobs, make_generator, sample
 from .fused import FusedDecoder
-from .model import Laneformer
-from .sampler import SamplerKnobs, make_generator, sample
 
 MIN_BUCKET = 256  # smallest live-slot bound of a captured graph
 

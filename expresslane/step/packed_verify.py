@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import MAX_TOKENS, native_matmul
-from .packed_step import PackedDecoder, reduce, rms_norm
-from .quant import QTensor, matvec
-from .rope import apply_rope, cos_sin
+from ..rope import apply_rope, cos_sin
+from ..weights.quant import QTensor, matvec
+from .native import MAX_TOKENS, native_matmul
+from .packed import PackedDecoder, reduce, rms_norm
 
 
 def product(w: QTensor, x: torch.Tensor, native: bool) -> torch.Tensor:

@@ -20,12 +20,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .config import SamplingParams
-from .graph import DecodeGraph, committed_tokens
-from .packed_step import PackedDecoder
-from .packed_verify import PackedVerifier
-from .sampler import sample, structure_key
-from .speculative import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
+from ..config import SamplingParams
+from ..sampler import sample, structure_key
+from ..step.graph import DecodeGraph, committed_tokens
+from ..step.packed import PackedDecoder
+from ..step.packed_verify import PackedVerifier
+from .drafting import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
 from .verify import VerifyGraph, verify_eager, verify_packed
 
 # What each draft adds to a verify step, in decode steps (BackOff's break-even). On a CPU the

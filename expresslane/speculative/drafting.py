@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SamplingParams
-from .errors import ConfigError
-from .sampler import SamplerKnobs, filter_logits
+from ..config import SamplingParams
+from ..errors import ConfigError
+from ..sampler import SamplerKnobs, filter_logits
 
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32

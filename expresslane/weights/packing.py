@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import resolve_device
-from .errors import ConfigError
-from .gguf import find_gguf
-from .model import Laneformer, lane_linear
+from ..checkpoint import resolve_device
+from ..errors import ConfigError
+from ..gguf import find_gguf
+from ..model import Laneformer, lane_linear
 from .quant import (
     FLOAT_FORMATS,
     GGUF_FORMATS,
@@ -83,7 +83,7 @@ def load_packed(
     progress: bool = True,
 ) -> Laneformer:  # fmt: skip
     """A checkpoint loaded and packed as the flags say (load_plan): what `run` decodes with."""
-    from .checkpoint import load_model
+    from ..checkpoint import load_model
 
     load_dtype, fmt = load_plan(device, dtype, quantization, path)
     model = load_model(path, device=device, dtype=load_dtype, progress=progress)
@@ -209,8 +209,8 @@ def pack_gguf(model: Laneformer, path) -> PackedWeights:
     """Pack a model loaded from the GGUF file `path` with that file's own blocks where a kernel
     reads them (F32/F16/BF16, Q8_0, Q4_1); any other type, or a fused matrix whose parts differ,
     is packed as fp32 from the loaded (dequantized) weights. Installs it as pack_model does."""
-    from .checkpoint import hf_name
-    from .gguf.tensors import GGUFCheckpoint
+    from ..checkpoint import hf_name
+    from ..gguf.tensors import GGUFCheckpoint
 
     if getattr(model, "packed", None) is not None:
         return model.packed

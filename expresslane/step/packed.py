@@ -26,16 +26,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .cache import KVCache
-from .config import ModelConfig, SamplingParams
-from .cpu_kernels import NativeStep, available, native_matvec
+from ..cache import KVCache
+from ..config import ModelConfig, SamplingParams
+from ..kernels.ref import _head_input
+from ..model import Laneformer
+from ..rope import apply_rope, cos_sin
+from ..sampler import SamplerKnobs, sample
+from ..weights.packing import pack_model
+from ..weights.quant import QTensor, matvec
 from .fused import MAX_OVERRUN
-from .kernels.ref import _head_input
-from .model import Laneformer
-from .packing import pack_model
-from .quant import QTensor, matvec
-from .rope import apply_rope, cos_sin
-from .sampler import SamplerKnobs, sample
+from .native import NativeStep, available, native_matvec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
