@@ -24,7 +24,10 @@ def stream_text(
     cancel: threading.Event | None = None,
 ) -> Iterator[tuple[str, Step]]:
     """Yield (new text, step) per generated token; text may be '' while bytes are pending."""
-    detok = IncrementalDetokenizer(tok, context=prompt_ids)
+    # vLLM's default hides special tokens (a sampled <|endoftext|> that is no stop id for this
+    # model would otherwise show up in the text); spaces_between_special_tokens changes nothing
+    # here: these decoders, like vLLM's fast detokenizer, put no space between added tokens.
+    detok = IncrementalDetokenizer(tok, params.skip_special_tokens, context=prompt_ids)
     matcher = StopStringMatcher(list(stop))
     stops = engine.stop_ids(params)
     steps = engine.generate_steps(prompt_ids, params, cancel)

@@ -15,10 +15,21 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Annotated, Any, ClassVar
+import math
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+)
 
+from ..config import FP32_MAX
 from ..errors import ExpressLaneError, RequestError
 from . import unsupported
 
@@ -29,8 +40,19 @@ def _no_bool(v: Any) -> Any:
     return v
 
 
+def _fp32(v: float) -> float:
+    # 1e39 is finite JSON but no fp32: it reached the sampler's fp32 buffers as a 500
+    if not (math.isfinite(v) and abs(v) <= FP32_MAX):
+        raise ValueError(f"must be a finite number within float32 range (|x| <= {FP32_MAX:.7g})")
+    return v
+
+
 Int = Annotated[int, BeforeValidator(_no_bool)]
-Float = Annotated[float, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool), AfterValidator(_fp32)]
+Bool = Annotated[bool, Strict()]  # true or false only: "yes", 1 and "true" are refused
+TokenId = Annotated[int, BeforeValidator(_no_bool), Field(ge=0)]
+# OpenAI's roles, vLLM's too ("function" is OpenAI's deprecated tool role)
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
 MAX_N = 128  # the API's cap; the server's own (--max-n) is usually lower
@@ -45,7 +67,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _SamplingRequest(_Request):
@@ -59,10 +81,12 @@ class _SamplingRequest(_Request):
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
     seed: Int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
     stop: str | list[str] | None = None
-    stop_token_ids: list[Int] | None = None
-    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: Bool = False
     n: Int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: Bool = False
+    skip_special_tokens: Bool = True  # vLLM's: special tokens are left out of the text
+    spaces_between_special_tokens: Bool = True
     stream_options: StreamOptions | None = None
 
     @field_validator("seed")
@@ -106,9 +130,9 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
     max_tokens: Int | None = Field(16, ge=0)
-    echo: bool = False
+    echo: Bool = False
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_special_tokens: bool = True  # string prompts only: token-id prompts never get a BOS
+    add_special_tokens: Bool = True  # string prompts only: token-id prompts never get a BOS
 
     @field_validator("prompt")
     @classmethod
@@ -131,7 +155,7 @@ class ContentPart(_Request):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # tool_calls, name, ... reach the template
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
 
     def for_template(self) -> dict:
@@ -150,10 +174,10 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool | None = None  # None: continue a trailing assistant message
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool | None = None  # None: continue a trailing assistant message
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
@@ -169,18 +193,33 @@ class ChatCompletionRequest(_SamplingRequest):
 TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message"}
 
 
+# /tokenize needs one of these (a string, or the messages); the preparer says so as a 400
+TOKENIZE_SOURCES = {
+    "anyOf": [
+        {"required": [name], "properties": {name: kind}}
+        for name, kind in (
+            ("prompt", {"type": "string"}),
+            ("content", {"type": "string"}),
+            ("messages", {"type": "array"}),
+        )
+    ]
+}
+
+
 class TokenizeRequest(_Request):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=TOKENIZE_SOURCES)
+
     prompt: str | None = None
     content: str | None = None  # llama.cpp's name
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_special: bool | None = None  # llama.cpp's name
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Bool | None = None
+    add_special: Bool | None = None  # llama.cpp's name
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
 
 
 class DetokenizeRequest(_Request):
-    tokens: list[Int]
+    tokens: list[TokenId]
 
 
 def parse(cls: type[BaseModel], body: bytes) -> Any:

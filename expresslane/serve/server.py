@@ -154,8 +154,19 @@ class Service:
         with self.admitted():
             return await self.preparer.run(fn, await self.body(request))
 
+    async def reply(self, fn, *args) -> JSONResponse:
+        """`fn(*args)` as a JSON response, built on the preparer's threads (as_json)."""
+        return await self.preparer.run(as_json(fn), *args)
+
+
     def submit(self, specs: list[ChoiceSpec]) -> Job:
         return self.worker.submit(Job(specs, asyncio.get_running_loop()))
+
+
+def as_json(fn):
+    """`fn` returning its dict as a JSONResponse, serialised where `fn` runs: a 4 MB answer (a
+    /tokenize of 690k ids) serialised on the event loop stalled /health for a second."""
+    return lambda *args: JSONResponse(fn(*args))
 
 
 def create_app(
@@ -196,8 +207,8 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(limits.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+            allow_headers=list(limits.allowed_headers),
             max_age=600,
         )
     install_openapi(app, limits)
@@ -221,7 +232,8 @@ def _error_handlers(app: FastAPI, svc: Service) -> None:
     async def _http(request: Request, e: HTTPException):
         headers = dict(e.headers or {})
         if e.status_code == 405:
-            headers.setdefault("Allow", allowed_methods(app, request.scope))
+            # Starlette names the first route that matched the path only (GET or HEAD)
+            headers["Allow"] = allowed_methods(app, request.scope)
         return reply(str(e.detail), e.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -258,7 +270,7 @@ def _key_check(svc: Service):
 def _v1_routes(svc: Service) -> APIRouter:
     r = APIRouter(prefix="/v1", dependencies=[_key_check(svc)])
 
-    @r.get("/models", **route_docs("models"))
+    @_get(r, "/models", **route_docs("models"))
     async def models():
         s = svc.ready()
         card = {"object": "model", "owned_by": "expresslane", "max_model_len": s.engine.max_len}
@@ -276,7 +288,7 @@ def _v1_routes(svc: Service) -> APIRouter:
         n = sum(a.count for a in accs.values())
         usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens)
         # detokenizing thousands of echoed tokens for text_offset is no work for the loop either
-        return await s.preparer.run(prep.fmt.response, accs, usage, job.timings.as_dict())
+        return await s.reply(prep.fmt.response, accs, usage, job.timings.as_dict())
 
     @r.post("/completions", **route_docs("completions"))
     async def completions(request: Request):
@@ -289,25 +301,36 @@ def _v1_routes(svc: Service) -> APIRouter:
     return r
 
 
+def _get(r: APIRouter, path: str, **docs):
+    """A GET route and HEAD beside it (HEAD kept out of the schema), as HTTP asks of servers:
+    `HEAD /health` was a 405."""
+
+    def register(fn):
+        r.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
+        return r.get(path, **docs)(fn)
+
+    return register
+
+
 # --- the root: health, metrics, tokenizer, playground -----------------------------------------
 def _root_routes(svc: Service) -> APIRouter:
     r = APIRouter()
 
-    @r.get("/health", **route_docs("health"))
+    @_get(r, "/health", **route_docs("health"))
     async def health():
         if svc.worker is None:
             return JSONResponse(P.error_body("Loading model", 503), status_code=503)
         return {"status": "ok"}
 
-    @r.get("/metrics", **route_docs("metrics"))
+    @_get(r, "/metrics", **route_docs("metrics"))
     async def metrics():
         return Response(svc.metrics.render(), media_type=svc.metrics.content_type)
 
-    @r.get("/", include_in_schema=False)
+    @_get(r, "/", include_in_schema=False)
     async def playground():
         return FileResponse(PLAYGROUND / "index.html")
 
-    @r.get("/tokenizer_info", **route_docs("tokenizer_info"))
+    @_get(r, "/tokenizer_info", **route_docs("tokenizer_info"))
     async def tokenizer_info():
         s = svc.ready()
         tok = s.tok
@@ -327,12 +350,12 @@ def _root_routes(svc: Service) -> APIRouter:
     @r.post("/tokenize", dependencies=[_key_check(svc)], **route_docs("tokenize"))
     async def tokenize(request: Request):
         s = svc.ready()
-        return await s.prepare(request, s.preparer.tokenize)
+        return await s.prepare(request, as_json(s.preparer.tokenize))
 
     @r.post("/detokenize", dependencies=[_key_check(svc)], **route_docs("detokenize"))
     async def detokenize(request: Request):
         s = svc.ready()
-        return await s.prepare(request, s.preparer.detokenize)
+        return await s.prepare(request, as_json(s.preparer.detokenize))
 
     return r
 
