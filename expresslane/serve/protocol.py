@@ -14,8 +14,8 @@ sends more than OpenAI's 4).
 from __future__ import annotations
 
 import json
-import uuid
 import math
+import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (

@@ -158,7 +158,6 @@ class Service:
         """`fn(*args)` as a JSON response, built on the preparer's threads (as_json)."""
         return await self.preparer.run(as_json(fn), *args)
 
-
     def submit(self, specs: list[ChoiceSpec]) -> Job:
         return self.worker.submit(Job(specs, asyncio.get_running_loop()))
 
