@@ -18,6 +18,7 @@ import math
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
+from annotated_types import Ge
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -50,7 +51,7 @@ def _fp32(v: float) -> float:
 Int = Annotated[int, BeforeValidator(_no_bool)]
 Float = Annotated[float, BeforeValidator(_no_bool), AfterValidator(_fp32)]
 Bool = Annotated[bool, Strict()]  # true or false only: "yes", 1 and "true" are refused
-TokenId = Annotated[int, BeforeValidator(_no_bool), Field(ge=0)]
+TokenId = Annotated[int, Ge(0), BeforeValidator(_no_bool)]
 # OpenAI's roles, vLLM's too ("function" is OpenAI's deprecated tool role)
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
