@@ -113,8 +113,8 @@ def test_special_tokens_hidden_unless_asked_for(server):
     with own_server(server, model=Favour) as s:
         hidden = httpx.post(s.url + C, json=body).json()
         shown = httpx.post(s.url + C, json={**body, "skip_special_tokens": False}).json()
-        tight = httpx.post(s.url + C, json={**body, "skip_special_tokens": False,
-                                           "spaces_between_special_tokens": False}).json()  # fmt: skip
+        tight_body = {**body, "skip_special_tokens": False, "spaces_between_special_tokens": False}
+        tight = httpx.post(s.url + C, json=tight_body).json()
         chat = httpx.post(s.url + CH, json={"messages": USER, "max_tokens": 3}).json()
         streamed = httpx.post(s.url + C, json={**body, "stream": True}).text
     assert hidden["usage"]["completion_tokens"] == 3 and hidden["choices"][0]["text"] == ""
