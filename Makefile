@@ -34,7 +34,8 @@ $(STAMP): pyproject.toml $(SETUP)
 run: $(RUN_STAMP)
 ifeq ($(MODEL),smollm2)
 	@model="$$($(EL) fetch smollm2 --or-embedded)" && \
-	  case "$$model" in *.gguf) chat='$(or $(CHAT),$(REAL_CHAT))' ;; \
+	  case "$$model" in *.gguf) chat='$(or $(CHAT),$(REAL_CHAT))' && \
+	    printf 'model: SmolLM2-135M-Instruct, GGUF Q4_1 (%s)\nchat: %s\nanswer:\n' "$$model" "$$chat" ;; \
 	    *) model="" chat='$(or $(CHAT),$(EMBEDDED_CHAT))' ;; esac && \
 	  $(EL) run $$model --chat "$$chat" $(SAMPLING)
 else ifeq ($(MODEL),embedded)

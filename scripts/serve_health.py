@@ -11,7 +11,7 @@ from one client while another keeps the server busy, and reports the latencies p
 
 One table, then one JSON line last.
 
-    PYTHONPATH=. python scripts/serve_health.py /work/models/smollm2-hf --seconds 5 --threads 1
+    PYTHONPATH=. python scripts/serve_health.py HuggingFaceTB/SmolLM2-135M-Instruct --seconds 5 --threads 1
 
 A script, not a module of expresslane/bench/: it drives the server, which sits above bench/ in
 the layers of docs/architecture.md.
