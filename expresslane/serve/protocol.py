@@ -63,6 +63,15 @@ def _token_ids(v: Any) -> bool:
     return isinstance(v, list) and all(type(t) is int for t in v)
 
 
+def _integral(v: Any) -> Any:
+    """JSON Schema counts 259.0 as an integer: token ids written so are taken as ints."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, list):
+        return [_integral(x) for x in v]
+    return v
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -71,9 +80,24 @@ class StreamOptions(_Request):
     include_usage: Bool = False
 
 
+def _needs(field: str, kind: dict, then: str, value: Any) -> dict:
+    """JSON Schema for "when `field` is given as `kind`, `then` must be `value`"."""
+    return {
+        "if": {"properties": {field: kind}, "required": [field]},
+        "then": {"properties": {then: {"const": value}}, "required": [then]},
+    }
+
+
+def _state_rules(schema: dict, cls: type) -> None:
+    """The cross-field rules check() enforces, stated in the model's JSON Schema."""
+    schema["allOf"] = list(cls.RULES)
+
+
 class _SamplingRequest(_Request):
-    model_config = ConfigDict(extra="allow")  # kept, to refuse unsupported fields by name
+    # extra fields are kept, to refuse unsupported ones by name
+    model_config = ConfigDict(extra="allow", json_schema_extra=_state_rules)
     UNSUPPORTED: ClassVar[dict] = unsupported.SAMPLING
+    RULES: ClassVar[list] = [_needs("stream_options", {"type": "object"}, "stream", True)]
 
     model: str | None = None
     temperature: Float = Field(1.0, ge=0.0)
@@ -138,6 +162,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
+        v = _integral(v)
         many = isinstance(v, list) and v and all(isinstance(p, str) or _token_ids(p) for p in v)
         if not (isinstance(v, str) or _token_ids(v) or many):
             raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
@@ -150,7 +175,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Request):
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]})  # others: a 400 naming the type
     text: str | None = None
 
 
@@ -169,6 +194,9 @@ class ChatMessage(BaseModel):
         return d
 
 
+TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message"}
+
+
 class ChatCompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict] = unsupported.CHAT
 
@@ -179,7 +207,13 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool = True
     continue_final_message: Bool | None = None  # None: continue a trailing assistant message
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}}}
+    )
+    RULES: ClassVar[list] = [
+        *_SamplingRequest.RULES,
+        _needs("top_logprobs", {"type": "integer"}, "logprobs", True),
+    ]
 
     def check(self) -> None:
         super().check()
@@ -189,9 +223,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if taken:
             msg = f"chat_template_kwargs: {taken[0]!r} is set by the request itself, not here"
             raise RequestError(msg, param="chat_template_kwargs")
-
-
-TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message"}
 
 
 # /tokenize needs one of these (a string, or the messages); the preparer says so as a 400

@@ -210,7 +210,7 @@ def create_app(
             allow_headers=list(limits.allowed_headers),
             max_age=600,
         )
-    install_openapi(app, limits)
+    install_openapi(app, limits, names)
     return app
 
 
