@@ -269,6 +269,8 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
             raise RequestError(f"request body: {err['msg']}", param=None) from None
         path = str(loc[0]) + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc[1:])
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "literal_error":  # name what was sent: "... or 'function', got 'bot'"
+            msg += f", got {err['input']!r}"
         raise RequestError(f"{path}: {msg}", param=str(loc[0])) from None
     if hasattr(req, "check"):
         req.check()
