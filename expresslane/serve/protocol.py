@@ -301,6 +301,25 @@ def error_of(e: Exception) -> dict:
     return error_body(INTERNAL_ERROR, 500)
 
 
+SLICE = 16384  # list items json encodes at one go: a few ms with the GIL held
+
+
+def json_bytes(obj: Any) -> bytes:
+    """`obj` as compact JSON (Starlette's JSONResponse's form), a long list a slice at a time.
+
+    json's C encoder holds the GIL for a whole call: 700k token ids (a 4 MB /tokenize) held it,
+    and so the event loop, for over half a second, even off the loop. Between slices the GIL
+    changes hands and /health answers."""
+    if isinstance(obj, dict):
+        items = (json_bytes(str(k))[:-1] + b'":' + json_bytes(v) for k, v in obj.items())
+        return b"{" + b",".join(items) + b"}"
+    if isinstance(obj, list) and len(obj) > SLICE:
+        parts = (json_bytes(obj[i : i + SLICE])[1:-1] for i in range(0, len(obj), SLICE))
+        return b"[" + b",".join(parts) + b"]"
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode("utf-8")
+
+
 def sse(obj: dict | str) -> str:
     """One server-sent event: `data: <json>` and a blank line."""
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"

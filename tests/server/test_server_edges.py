@@ -44,17 +44,25 @@ def test_fp32_temperature_still_samples(server):
 
 # --- a large reply off the loop ---------------------------------------------------------------
 class GatedIds(list):
-    """Token ids whose serialisation waits for `release`: iterating them is the serialiser's
-    work (json's C encoder and FastAPI's jsonable_encoder both iterate a list subclass)."""
+    """Token ids whose serialisation waits for `release`: iterating or slicing them is the
+    serialiser's work (json's C encoder and FastAPI's jsonable_encoder iterate a list subclass;
+    a long list may be encoded a slice at a time)."""
 
     def __init__(self, ids, entered: threading.Event, release: threading.Event):
         super().__init__(ids)
         self.entered, self.release = entered, release
 
-    def __iter__(self):
+    def _gate(self) -> None:
         self.entered.set()
         assert self.release.wait(30)
+
+    def __iter__(self):
+        self._gate()
         return super().__iter__()
+
+    def __getitem__(self, index):
+        self._gate()
+        return super().__getitem__(index)
 
 
 class LargeReply:
