@@ -124,10 +124,12 @@ def test_special_tokens_hidden_unless_asked_for(server):
         tight_body = {**body, "skip_special_tokens": False, "spaces_between_special_tokens": False}
         tight = httpx.post(s.url + C, json=tight_body).json()
         chat = httpx.post(s.url + CH, json={"messages": USER, "max_tokens": 3}).json()
+        scored = httpx.post(s.url + C, json={**body, "logprobs": 0}).json()["choices"][0]
         streamed = httpx.post(s.url + C, json={**body, "stream": True}).text
     assert hidden["usage"]["completion_tokens"] == 3 and hidden["choices"][0]["text"] == ""
     assert shown["choices"][0]["text"] == bos * 3 == tight["choices"][0]["text"]
     assert chat["choices"][0]["message"]["content"] == ""
+    assert scored["text"] == "" and scored["logprobs"]["text_offset"] == [0, 0, 0]
     assert bos not in streamed and "[DONE]" in streamed
 
 
