@@ -133,6 +133,22 @@ def test_special_tokens_hidden_unless_asked_for(server):
     assert bos not in streamed and "[DONE]" in streamed
 
 
+def test_every_end_id_of_the_tokenizer_stops_generation(server):
+    """An end id the tokenizer declares (tokenizer_config.json, GGUF end markers) stops as the
+    config's EOS does, unless ignore_eos."""
+    tok = copy.copy(server.tok)
+    tok.eos_ids = (*server.tok.eos_ids, 1)
+    assert 1 not in server.engine.cfg.eos_token_ids
+    body = {"prompt": "a", "max_tokens": 3, "temperature": 0, "skip_special_tokens": False}
+    with own_server(server, tok=tok, model=Favour) as s:
+        stopped = httpx.post(s.url + C, json=body).json()
+        ignored = httpx.post(s.url + C, json={**body, "ignore_eos": True}).json()
+    choice = stopped["choices"][0]
+    assert stopped["usage"]["completion_tokens"] == 1 and choice["text"] == ""
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+    assert ignored["usage"]["completion_tokens"] == 3
+
+
 # --- CORS, HEAD -------------------------------------------------------------------------------
 SDK_HEADERS = "authorization, content-type, x-stainless-os, x-stainless-lang, openai-beta"
 
