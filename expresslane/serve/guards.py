@@ -10,12 +10,15 @@
   refused body is read and dropped (up to a bound), so that the client, still sending, gets
   the answer instead of a reset connection.
 - `allowed_methods`: what a 405 lists in `Allow`.
+- `key_check`: the API key (401 with `WWW-Authenticate`).
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
+from fastapi import Depends
 from starlette.requests import Request
 from starlette.routing import Match
 
@@ -109,3 +112,23 @@ def _methods(routes, scope: dict) -> set[str]:
         if match != Match.NONE:
             methods |= set(getattr(route, "methods", None) or {"GET", "HEAD"})  # a mount: files
     return methods
+
+
+def key_check(svc):
+    """The dependency that guards a route with `svc.api_key` (when the server has one): 401."""
+
+    async def require_key(request: Request) -> None:
+        if svc.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), svc.api_key.encode()
+        ):
+            challenge = 'Bearer error="invalid_token"' if token.strip() else "Bearer"
+            raise Refusal(
+                "Invalid API key: send 'Authorization: Bearer <key>'",
+                401,
+                {"WWW-Authenticate": challenge},
+            )
+
+    return Depends(require_key)

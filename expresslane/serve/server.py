@@ -28,12 +28,11 @@ import logging
 import math
 import os
 import random
-import secrets
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -44,7 +43,7 @@ from ..engine import Engine
 from ..errors import ExpressLaneError, RequestError
 from ..tokenizer import Tokenizer
 from . import protocol as P
-from .guards import Refusal, ServeLimits, allowed_methods, read_json_body
+from .guards import Refusal, ServeLimits, allowed_methods, key_check, read_json_body
 from .metrics import Metrics
 from .prepare import Preparer
 from .schema import install_openapi, route_docs
@@ -247,28 +246,8 @@ def _error_handlers(app: FastAPI, svc: Service) -> None:
 
 
 # --- /v1 --------------------------------------------------------------------------------------
-def _key_check(svc: Service):
-    """The dependency that guards a route with the API key (when the server has one)."""
-
-    async def require_key(request: Request) -> None:
-        if svc.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), svc.api_key.encode()
-        ):
-            challenge = 'Bearer error="invalid_token"' if token.strip() else "Bearer"
-            raise Refusal(
-                "Invalid API key: send 'Authorization: Bearer <key>'",
-                401,
-                {"WWW-Authenticate": challenge},
-            )
-
-    return Depends(require_key)
-
-
 def _v1_routes(svc: Service) -> APIRouter:
-    r = APIRouter(prefix="/v1", dependencies=[_key_check(svc)])
+    r = APIRouter(prefix="/v1", dependencies=[key_check(svc)])
 
     @_get(r, "/models", **route_docs("models"))
     async def models():
@@ -347,12 +326,12 @@ def _root_routes(svc: Service) -> APIRouter:
 
     # Unlike vLLM, the key guards these two as well: tokenizing costs CPU in proportion to the
     # body (lm-eval's remote tokenizer sends the key it is given).
-    @r.post("/tokenize", dependencies=[_key_check(svc)], **route_docs("tokenize"))
+    @r.post("/tokenize", dependencies=[key_check(svc)], **route_docs("tokenize"))
     async def tokenize(request: Request):
         s = svc.ready()
         return await s.prepare(request, as_json(s.preparer.tokenize))
 
-    @r.post("/detokenize", dependencies=[_key_check(svc)], **route_docs("detokenize"))
+    @r.post("/detokenize", dependencies=[key_check(svc)], **route_docs("detokenize"))
     async def detokenize(request: Request):
         s = svc.ready()
         return await s.prepare(request, as_json(s.preparer.detokenize))
