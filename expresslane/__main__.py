@@ -20,6 +20,7 @@ COMMANDS = {
     "ceiling": "expresslane.cli.ceiling",
     "train": "expresslane.cli.train",
     "eval": "expresslane.cli.eval",
+    "fetch": "expresslane.cli.fetch",
 }
 
 

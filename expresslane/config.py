@@ -304,6 +304,8 @@ class ModelConfig:
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by
 # 1e-38 overflows to inf and the softmax turns into NaN, so such a value cannot mean anything else.
 GREEDY_TEMPERATURE = 1e-5
+# The largest finite fp32: the sampler's knobs are fp32 buffers, and filling one with 1e39 fails.
+FP32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -317,6 +319,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the chosen token's plus the top n
+    skip_special_tokens: bool = True  # vLLM's default: special tokens never reach the text
+    spaces_between_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -333,9 +337,9 @@ class SamplingParams:
             "must be an integer >= 0",
         )
         check(
-            math.isfinite(self.temperature) and self.temperature >= 0,
+            math.isfinite(self.temperature) and 0 <= self.temperature <= FP32_MAX,
             "temperature",
-            "must be a finite number >= 0",
+            f"must be a finite number in [0, {FP32_MAX:.7g}] (float32)",
         )
         check(
             isinstance(self.top_k, int) and self.top_k >= -1,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 from .config import SamplingParams
 from .engine import Engine, Step
@@ -24,8 +25,12 @@ def stream_text(
     cancel: threading.Event | None = None,
 ) -> Iterator[tuple[str, Step]]:
     """Yield (new text, step) per generated token; text may be '' while bytes are pending."""
-    detok = IncrementalDetokenizer(tok, context=prompt_ids)
+    # vLLM's default hides special tokens (a sampled <|endoftext|> that is no stop id for this
+    # model would otherwise show up in the text); spaces_between_special_tokens changes nothing
+    # here: these decoders, like vLLM's fast detokenizer, put no space between added tokens.
+    detok = IncrementalDetokenizer(tok, params.skip_special_tokens, context=prompt_ids)
     matcher = StopStringMatcher(list(stop))
+    params = with_tokenizer_eos(engine, tok, params)
     stops = engine.stop_ids(params)
     steps = engine.generate_steps(prompt_ids, params, cancel)
     try:
@@ -44,6 +49,15 @@ def stream_text(
             yield emit, step
     finally:
         steps.close()
+
+
+def with_tokenizer_eos(engine: Engine, tok: Tokenizer, params: SamplingParams) -> SamplingParams:
+    """`params` that also stop at the tokenizer's end ids the model's config does not name (a
+    tokenizer_config.json EOS, GGUF end markers), as vLLM adds the tokenizer's EOS."""
+    if params.ignore_eos:
+        return params
+    extra = tuple(t for t in tok.eos_ids if t not in engine.stop_ids(params))
+    return replace(params, stop_token_ids=params.stop_token_ids + extra) if extra else params
 
 
 def generate_text(

@@ -7,11 +7,13 @@ from one client while another keeps the server busy, and reports the latencies p
 - idle: nothing else happening;
 - 413: 12 MB completions bodies, beyond --max-request-bytes;
 - too long: the same bodies under a raised limit, refused by the prompt-length bound;
-- prepare + generate: long prompts that fit, tokenized and then generated, one after another.
+- prepare + generate: long prompts that fit, tokenized and then generated, one after another;
+- 4 MB /tokenize: a text of 4 MB tokenized, its reply (some 700k ids) serialised and sent.
 
 One table, then one JSON line last.
 
-    PYTHONPATH=. python scripts/serve_health.py /work/models/smollm2-hf --seconds 5 --threads 1
+    PYTHONPATH=. python scripts/serve_health.py HuggingFaceTB/SmolLM2-135M-Instruct \
+        --seconds 5 --threads 1
 
 A script, not a module of expresslane/bench/: it drives the server, which sits above bench/ in
 the layers of docs/architecture.md.
@@ -62,7 +64,9 @@ def _phase(url: str, seconds: float, load) -> tuple[list[float], int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", help="model folder")
+    p.add_argument(
+        "model", help="checkpoint folder, .gguf file, or org/name (HF cache, else downloaded)"
+    )
     p.add_argument("--seconds", type=float, default=5.0, help="per phase")
     p.add_argument("--prompt-chars", type=int, default=6000, help="the fitting prompts' length")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from expresslane.checkpoint import resolve_model_dir
     from expresslane.cli.serve import serving
     from expresslane.engine import Engine
     from expresslane.serve import create_app
@@ -79,12 +84,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(args.model, progress=False)
-    tok = Tokenizer.from_dir(args.model)
+    path = str(resolve_model_dir(args.model))  # org/name: from the Hugging Face cache
+    engine = Engine.from_pretrained(path, progress=False)
+    tok = Tokenizer.from_dir(path)
     big = b'{"prompt": "' + b"x" * BIG + b'", "max_tokens": 4}'
     words = ("def add(a, b):\n    return a + b\n" * args.prompt_chars)[: args.prompt_chars]
     fits = {"prompt": words, "max_tokens": args.max_tokens, "ignore_eos": True}
     json_ct = {"Content-Type": "application/json"}
+    large = {"prompt": ("def add(a, b): return a + b " * (4 << 20))[: (4 << 20) - 64]}  # no escapes
     phases = [
         ("idle", ServeLimits(), lambda c: time.sleep(0.05)),
         ("413 (12 MB body)", ServeLimits(), lambda c: c.post("/v1/completions", content=big,
@@ -92,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         ("too long (12 MB prompt)", ServeLimits(max_request_bytes=64 << 20),
          lambda c: c.post("/v1/completions", content=big, headers=json_ct)),
         ("prepare + generate", ServeLimits(), lambda c: c.post("/v1/completions", json=fits)),
+        ("4 MB /tokenize", ServeLimits(), lambda c: c.post("/tokenize", json=large)
+         .raise_for_status()),
     ]  # fmt: skip
     rows = []
     for name, limits, load in phases:

@@ -152,3 +152,25 @@ def test_rope_freqs_that_are_not_llama3_are_refused(tmp_path):
     path = hf_to_gguf(hf, tmp_path / "m.gguf", rope_freqs=freqs)
     with pytest.raises(ExpressLaneError, match="rope_freqs"):
         load_config(path)
+
+
+def test_every_end_marker_of_the_vocabulary_stops_generation(tmp_path):
+    """Issue 28: SmolLM2's GGUF declares only <|im_end|> as EOS, and its <|endoftext|> leaked
+    into replies; llama.cpp stops on every token spelled as an end marker, and so do we."""
+    from expresslane.config import SamplingParams
+    from expresslane.engine import Engine
+
+    hf = _hf_model("llama-gqa")
+    tokens = [f"t{i}" for i in range(BASE["vocab_size"])]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    plain = Engine.from_pretrained(str(hf_to_gguf(hf, tmp_path / "a" / "m.gguf")), device="cpu",
+                                   dtype="float32", progress=False)  # fmt: skip
+    prompt, params = [5, 9, 3], SamplingParams(max_tokens=4)
+    first = next(plain.generate_steps(prompt, params)).token
+    assert first != 2  # the declared EOS: the marker below is what must stop it
+    tokens[first] = "<|endoftext|>"
+    path = hf_to_gguf(hf, tmp_path / "b" / "m.gguf", extra={"tokenizer.ggml.tokens": tokens})
+    assert load_config(path).eos_token_ids == (2, first)
+    marked = Engine.from_pretrained(str(path), device="cpu", dtype="float32", progress=False)
+    steps = list(marked.generate_steps(prompt, params))
+    assert [s.token for s in steps] == [first] and steps[-1].finish_reason == "stop"

@@ -86,14 +86,18 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", type=_origins, default=(),
                    help="web origins allowed by CORS: a JSON list as vLLM takes it, or "
                    "comma-separated (default none)")  # fmt: skip
+    p.add_argument("--allowed-headers", type=_origins, default=d.allowed_headers,
+                   help="request headers a CORS preflight may ask for, as vLLM takes them "
+                   '(default ["*"]: all; the OpenAI JS SDK sends x-stainless-*)')  # fmt: skip
 
 
 def _origins(value: str) -> tuple[str, ...]:
+    """A JSON list of strings (vLLM's form) or a comma-separated list: origins, headers."""
     if value.strip().startswith("["):
         try:
             items = json.loads(value)
         except json.JSONDecodeError as e:
-            raise argparse.ArgumentTypeError(f"not a JSON list of origins ({e})") from None
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings ({e})") from None
         if not all(isinstance(o, str) for o in items):
             raise argparse.ArgumentTypeError("a JSON list of strings")
         return tuple(items)
@@ -109,6 +113,7 @@ def limits_from(args: argparse.Namespace):
         max_n=args.max_n,
         clamp_max_tokens=args.clamp_max_tokens,
         allowed_origins=tuple(args.allowed_origins),
+        allowed_headers=tuple(args.allowed_headers),
     )
 
 

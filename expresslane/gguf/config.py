@@ -106,10 +106,9 @@ def _dtype(header: GGUFHeader) -> str:
 
 
 def _special_ids(header: GGUFHeader) -> dict[str, Any]:
-    """BOS, PAD, and every end-of-generation id llama.cpp knows (EOS, EOT, EOM)."""
+    """BOS, PAD, and every end-of-generation id llama.cpp knows (EOS, EOT, EOM, end markers)."""
     g = header.get
-    eos = [g(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    eos = list(dict.fromkeys(int(e) for e in eos if e is not None))
+    eos = header.end_of_generation_ids()
     out: dict[str, Any] = {"bos_token_id": g("tokenizer.ggml.bos_token_id"), "eos_token_id": eos}
     if g("tokenizer.ggml.padding_token_id") is not None:
         out["pad_token_id"] = g("tokenizer.ggml.padding_token_id")

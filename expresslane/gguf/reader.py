@@ -57,6 +57,12 @@ class TensorInfo:
         return GGMLQuantizationType(self.ggml_type).name
 
 
+# The end-of-generation markers llama.cpp recognises by their text (llama-vocab.cpp)
+EOG_TOKENS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
+                        "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+                        "<|end_of_text|>", "<end_of_utterance>"})  # fmt: skip
+
+
 @dataclass(frozen=True)
 class GGUFHeader:
     path: Path
@@ -74,6 +80,16 @@ class GGUFHeader:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
+
+    def end_of_generation_ids(self) -> list[int]:
+        """Every id that ends generation, as llama.cpp reads them: EOS, EOT and EOM from the
+        metadata, then any token spelled as a known end marker (SmolLM2's GGUF names only
+        <|im_end|>, yet its <|endoftext|> ends a text as well)."""
+        declared = [self.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        ids = [int(i) for i in declared if i is not None]
+        tokens = self.get("tokenizer.ggml.tokens") or []
+        ids += [i for i, t in enumerate(tokens) if t in EOG_TOKENS]
+        return list(dict.fromkeys(ids))
 
     def raw_bytes(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored (quantized blocks included), as a writable uint8 copy."""

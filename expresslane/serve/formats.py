@@ -44,8 +44,10 @@ class CompletionFormat(_Format):
         logprobs: bool,
         added: dict[int, tuple[int, int]] | None = None,
         contexts: dict[int, list[int]] | None = None,
+        skip_special_tokens: bool = False,
     ):
         super().__init__(model, text, "cmpl")
+        self.skip = skip_special_tokens  # as the generated text was decoded
         self.echo, self.logprobs, self.added = echo, logprobs, added or {}
         self.contexts = contexts or {}  # a choice's prompt ids: the generated text's context
         self._sent: dict[int, int] = {}  # streaming: characters sent per choice
@@ -75,7 +77,7 @@ class CompletionFormat(_Format):
         return TextOffsets(self.text.tok).take([t.id for t in tokens], len(echo), zero)
 
     def _generated_offsets(self, i: int, start: int) -> TextOffsets:
-        return TextOffsets(self.text.tok, start, self.contexts.get(i, ()))
+        return TextOffsets(self.text.tok, start, self.contexts.get(i, ()), self.skip)
 
     def start(self) -> list[dict]:
         # With logprobs the echo comes from the worker, scored; without, it is sent at once.

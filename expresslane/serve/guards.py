@@ -1,7 +1,7 @@
 """What the server refuses before doing any work on a request, and the limits behind it.
 
 - `ServeLimits`: the operator's limits (`--max-request-bytes`, `--max-queue`, `--max-n`,
-  `--clamp-max-tokens`, `--allowed-origins`), frozen, filled by argparse.
+  `--clamp-max-tokens`, `--allowed-origins`, `--allowed-headers`), frozen, filled by argparse.
 - `Refusal`: a `RequestError` that carries HTTP headers (`Allow`, `Retry-After`,
   `WWW-Authenticate`).
 - `read_json_body`: 415 unless the body is declared JSON (a web page cannot send that without
@@ -10,12 +10,15 @@
   refused body is read and dropped (up to a bound), so that the client, still sending, gets
   the answer instead of a reset connection.
 - `allowed_methods`: what a 405 lists in `Allow`.
+- `key_check`: the API key (401 with `WWW-Authenticate`).
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
+from fastapi import Depends
 from starlette.requests import Request
 from starlette.routing import Match
 
@@ -34,6 +37,7 @@ class ServeLimits:
     max_n: int = 16  # choices per request (`n`)
     clamp_max_tokens: bool = False  # max_tokens beyond the context: clamp instead of 400
     allowed_origins: tuple[str, ...] = ()  # CORS; none by default
+    allowed_headers: tuple[str, ...] = ("*",)  # CORS request headers: all, as vLLM allows
 
     def validate(self) -> None:
         for name in ("max_request_bytes", "max_queue", "max_n"):
@@ -94,9 +98,37 @@ def _too_large(size: str, limit: int) -> Refusal:
 
 def allowed_methods(app, scope: dict) -> str:
     """The methods some route of `app` accepts at the request's path, for a 405's Allow."""
+    return ", ".join(sorted(_methods(app.router.routes, scope)))
+
+
+def _methods(routes, scope: dict) -> set[str]:
     methods: set[str] = set()
-    for route in app.router.routes:
+    for route in routes:
+        inner = getattr(getattr(route, "original_router", None), "routes", None)
+        if inner is not None:  # a router included in the app: its own routes
+            methods |= _methods(inner, scope)
+            continue
         match, _ = route.matches(scope)  # a wrong method is a partial match, a wrong path none
         if match != Match.NONE:
             methods |= set(getattr(route, "methods", None) or {"GET", "HEAD"})  # a mount: files
-    return ", ".join(sorted(methods))
+    return methods
+
+
+def key_check(svc):
+    """The dependency that guards a route with `svc.api_key` (when the server has one): 401."""
+
+    async def require_key(request: Request) -> None:
+        if svc.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), svc.api_key.encode()
+        ):
+            challenge = 'Bearer error="invalid_token"' if token.strip() else "Bearer"
+            raise Refusal(
+                "Invalid API key: send 'Authorization: Bearer <key>'",
+                401,
+                {"WWW-Authenticate": challenge},
+            )
+
+    return Depends(require_key)

@@ -48,9 +48,11 @@ class TextOffsets:
     token that releases it starts after it.
     """
 
-    def __init__(self, tok: Tokenizer, start: int = 0, context: Sequence[int] = ()):
+    def __init__(
+        self, tok: Tokenizer, start: int = 0, context: Sequence[int] = (), skip: bool = False
+    ):
         self._tok = tok
-        self._detok = IncrementalDetokenizer(tok, context=context)  # as the text was made
+        self._detok = IncrementalDetokenizer(tok, skip, context=context)  # as the text was made
         self._held: list[int] = []  # tokens pushed since the last text came out
         self.pos = start
 

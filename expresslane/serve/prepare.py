@@ -135,6 +135,8 @@ class Preparer:
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
         params.validate()
         return params
@@ -169,7 +171,8 @@ class Preparer:
                 echo[sp.index] = text if text is not None else self.tok.decode(ids)
                 added[sp.index] = extra
         contexts = {sp.index: sp.prompt_ids for sp in specs}  # what the text was decoded after
-        fmt = CompletionFormat(model, self.text, echo, req.logprobs is not None, added, contexts)
+        fmt = CompletionFormat(model, self.text, echo, req.logprobs is not None, added, contexts,
+                               req.skip_special_tokens)  # fmt: skip
         prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
         return Prepared(specs, prompt_tokens, req.stream, req.include_usage, fmt)
 

@@ -14,11 +14,23 @@ sends more than OpenAI's 4).
 from __future__ import annotations
 
 import json
+import math
 import uuid
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from annotated_types import Ge
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+)
 
+from ..config import FP32_MAX
 from ..errors import ExpressLaneError, RequestError
 from . import unsupported
 
@@ -29,8 +41,19 @@ def _no_bool(v: Any) -> Any:
     return v
 
 
+def _fp32(v: float) -> float:
+    # 1e39 is finite JSON but no fp32: it reached the sampler's fp32 buffers as a 500
+    if not (math.isfinite(v) and abs(v) <= FP32_MAX):
+        raise ValueError(f"must be a finite number within float32 range (|x| <= {FP32_MAX:.7g})")
+    return v
+
+
 Int = Annotated[int, BeforeValidator(_no_bool)]
-Float = Annotated[float, BeforeValidator(_no_bool)]
+Float = Annotated[float, BeforeValidator(_no_bool), AfterValidator(_fp32)]
+Bool = Annotated[bool, Strict()]  # true or false only: "yes", 1 and "true" are refused
+TokenId = Annotated[int, Ge(0), BeforeValidator(_no_bool)]
+# OpenAI's roles, vLLM's too ("function" is OpenAI's deprecated tool role)
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
 MAX_N = 128  # the API's cap; the server's own (--max-n) is usually lower
@@ -40,17 +63,41 @@ def _token_ids(v: Any) -> bool:
     return isinstance(v, list) and all(type(t) is int for t in v)
 
 
+def _integral(v: Any) -> Any:
+    """JSON Schema counts 259.0 as an integer: token ids written so are taken as ints."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, list):
+        return [_integral(x) for x in v]
+    return v
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
+
+
+def _needs(field: str, kind: dict, then: str, value: Any) -> dict:
+    """JSON Schema for "when `field` is given as `kind`, `then` must be `value`"."""
+    return {
+        "if": {"properties": {field: kind}, "required": [field]},
+        "then": {"properties": {then: {"const": value}}, "required": [then]},
+    }
+
+
+def _state_rules(schema: dict, cls: type) -> None:
+    """The cross-field rules check() enforces, stated in the model's JSON Schema."""
+    schema["allOf"] = list(cls.RULES)
 
 
 class _SamplingRequest(_Request):
-    model_config = ConfigDict(extra="allow")  # kept, to refuse unsupported fields by name
+    # extra fields are kept, to refuse unsupported ones by name
+    model_config = ConfigDict(extra="allow", json_schema_extra=_state_rules)
     UNSUPPORTED: ClassVar[dict] = unsupported.SAMPLING
+    RULES: ClassVar[list] = [_needs("stream_options", {"type": "object"}, "stream", True)]
 
     model: str | None = None
     temperature: Float = Field(1.0, ge=0.0)
@@ -59,10 +106,12 @@ class _SamplingRequest(_Request):
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
     seed: Int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
     stop: str | list[str] | None = None
-    stop_token_ids: list[Int] | None = None
-    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: Bool = False
     n: Int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    stream: Bool = False
+    skip_special_tokens: Bool = True  # vLLM's: special tokens are left out of the text
+    spaces_between_special_tokens: Bool = True
     stream_options: StreamOptions | None = None
 
     @field_validator("seed")
@@ -106,13 +155,14 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
     max_tokens: Int | None = Field(16, ge=0)
-    echo: bool = False
+    echo: Bool = False
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_special_tokens: bool = True  # string prompts only: token-id prompts never get a BOS
+    add_special_tokens: Bool = True  # string prompts only: token-id prompts never get a BOS
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
+        v = _integral(v)
         many = isinstance(v, list) and v and all(isinstance(p, str) or _token_ids(p) for p in v)
         if not (isinstance(v, str) or _token_ids(v) or many):
             raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
@@ -125,13 +175,13 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Request):
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]})  # others: a 400 naming the type
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # tool_calls, name, ... reach the template
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
 
     def for_template(self) -> dict:
@@ -144,17 +194,26 @@ class ChatMessage(BaseModel):
         return d
 
 
+TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message"}
+
+
 class ChatCompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict] = unsupported.CHAT
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool | None = None  # None: continue a trailing assistant message
-    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool | None = None  # None: continue a trailing assistant message
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}}}
+    )
+    RULES: ClassVar[list] = [
+        *_SamplingRequest.RULES,
+        _needs("top_logprobs", {"type": "integer"}, "logprobs", True),
+    ]
 
     def check(self) -> None:
         super().check()
@@ -166,21 +225,33 @@ class ChatCompletionRequest(_SamplingRequest):
             raise RequestError(msg, param="chat_template_kwargs")
 
 
-TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message"}
+# /tokenize needs one of these (a string, or the messages); the preparer says so as a 400
+TOKENIZE_SOURCES = {
+    "anyOf": [
+        {"required": [name], "properties": {name: kind}}
+        for name, kind in (
+            ("prompt", {"type": "string"}),
+            ("content", {"type": "string"}),
+            ("messages", {"type": "array"}),
+        )
+    ]
+}
 
 
 class TokenizeRequest(_Request):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=TOKENIZE_SOURCES)
+
     prompt: str | None = None
     content: str | None = None  # llama.cpp's name
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_special: bool | None = None  # llama.cpp's name
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Bool | None = None
+    add_special: Bool | None = None  # llama.cpp's name
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
 
 
 class DetokenizeRequest(_Request):
-    tokens: list[Int]
+    tokens: list[TokenId]
 
 
 def parse(cls: type[BaseModel], body: bytes) -> Any:
@@ -198,6 +269,8 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
             raise RequestError(f"request body: {err['msg']}", param=None) from None
         path = str(loc[0]) + "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc[1:])
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "literal_error":  # name what was sent: "... or 'function', got 'bot'"
+            msg += f", got {err['input']!r}"
         raise RequestError(f"{path}: {msg}", param=str(loc[0])) from None
     if hasattr(req, "check"):
         req.check()
@@ -226,6 +299,25 @@ def error_of(e: Exception) -> dict:
     if isinstance(e, ExpressLaneError):
         return error_body(str(e), e.status_code, getattr(e, "param", None))
     return error_body(INTERNAL_ERROR, 500)
+
+
+SLICE = 16384  # list items json encodes at one go: a few ms with the GIL held
+
+
+def json_bytes(obj: Any) -> bytes:
+    """`obj` as compact JSON (Starlette's JSONResponse's form), a long list a slice at a time.
+
+    json's C encoder holds the GIL for a whole call: 700k token ids (a 4 MB /tokenize) held it,
+    and so the event loop, for over half a second, even off the loop. Between slices the GIL
+    changes hands and /health answers."""
+    if isinstance(obj, dict):
+        items = (json_bytes(str(k))[:-1] + b'":' + json_bytes(v) for k, v in obj.items())
+        return b"{" + b",".join(items) + b"}"
+    if isinstance(obj, list) and len(obj) > SLICE:
+        parts = (json_bytes(obj[i : i + SLICE])[1:-1] for i in range(0, len(obj), SLICE))
+        return b"[" + b",".join(parts) + b"]"
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode("utf-8")
 
 
 def sse(obj: dict | str) -> str:

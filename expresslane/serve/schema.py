@@ -273,8 +273,36 @@ def route_docs(name: str) -> dict:
     return docs
 
 
-def install_openapi(app: FastAPI, limits: ServeLimits) -> None:
-    """Serve the schema with the request models and this server's own caps (`n` <= --max-n)."""
+# pydantic leaves a constraint of an optional Annotated field as its own name (`"ge": 0` on
+# max_tokens), which JSON Schema ignores: fuzzers then send -124 and count the 400 a surprise
+_KEYWORDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _state_rules(node) -> None:
+    """Make a request model's schema say what the server enforces: pydantic's leftover `ge`/
+    `le` as JSON Schema keywords, and every number within float32 (protocol.Float)."""
+    if isinstance(node, list):
+        for item in node:
+            _state_rules(item)
+        return
+    if not isinstance(node, dict):
+        return
+    for short, keyword in _KEYWORDS.items():
+        if short in node and isinstance(node[short], int | float):
+            node[keyword] = node.pop(short)
+    if node.get("type") == "number":
+        if "exclusiveMaximum" not in node:
+            node["maximum"] = min(node.get("maximum", P.FP32_MAX), P.FP32_MAX)
+        if "exclusiveMinimum" not in node:
+            node["minimum"] = max(node.get("minimum", -P.FP32_MAX), -P.FP32_MAX)
+    for key, value in node.items():
+        if key != "default":
+            _state_rules(value)
+
+
+def install_openapi(app: FastAPI, limits: ServeLimits, names: list[str] | None = None) -> None:
+    """Serve the schema with the request models and this server's own caps (`n` <= --max-n,
+    `model` one of the served names)."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -289,6 +317,11 @@ def install_openapi(app: FastAPI, limits: ServeLimits) -> None:
                 found.setdefault(key, value)
             for name in ("CompletionRequest", "ChatCompletionRequest"):
                 found[name]["properties"]["n"]["maximum"] = limits.max_n
+                if names:
+                    model = found[name]["properties"]["model"]
+                    model["anyOf"] = [{"enum": list(names)}, {"type": "null"}]
+            for model in REQUEST_MODELS:
+                _state_rules(found[model.__name__])
             app.openapi_schema = schema
         return app.openapi_schema
 

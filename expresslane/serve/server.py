@@ -28,12 +28,11 @@ import logging
 import math
 import os
 import random
-import secrets
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -44,7 +43,7 @@ from ..engine import Engine
 from ..errors import ExpressLaneError, RequestError
 from ..tokenizer import Tokenizer
 from . import protocol as P
-from .guards import Refusal, ServeLimits, allowed_methods, read_json_body
+from .guards import Refusal, ServeLimits, allowed_methods, key_check, read_json_body
 from .metrics import Metrics
 from .prepare import Preparer
 from .schema import install_openapi, route_docs
@@ -154,8 +153,19 @@ class Service:
         with self.admitted():
             return await self.preparer.run(fn, await self.body(request))
 
+    async def reply(self, fn, *args) -> Response:
+        """`fn(*args)` as a JSON response, built on the preparer's threads (as_json)."""
+        return await self.preparer.run(as_json(fn), *args)
+
     def submit(self, specs: list[ChoiceSpec]) -> Job:
         return self.worker.submit(Job(specs, asyncio.get_running_loop()))
+
+
+def as_json(fn):
+    """`fn` returning its dict as a JSON response, serialised where `fn` runs (P.json_bytes):
+    a 4 MB answer (a /tokenize of 690k ids) serialised on the event loop stalled /health for a
+    second."""
+    return lambda *args: Response(P.json_bytes(fn(*args)), media_type="application/json")
 
 
 def create_app(
@@ -196,11 +206,11 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(limits.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+            allow_headers=list(limits.allowed_headers),
             max_age=600,
         )
-    install_openapi(app, limits)
+    install_openapi(app, limits, names)
     return app
 
 
@@ -221,7 +231,8 @@ def _error_handlers(app: FastAPI, svc: Service) -> None:
     async def _http(request: Request, e: HTTPException):
         headers = dict(e.headers or {})
         if e.status_code == 405:
-            headers.setdefault("Allow", allowed_methods(app, request.scope))
+            # Starlette names the first route that matched the path only (GET or HEAD)
+            headers["Allow"] = allowed_methods(app, request.scope)
         return reply(str(e.detail), e.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
@@ -235,30 +246,10 @@ def _error_handlers(app: FastAPI, svc: Service) -> None:
 
 
 # --- /v1 --------------------------------------------------------------------------------------
-def _key_check(svc: Service):
-    """The dependency that guards a route with the API key (when the server has one)."""
-
-    async def require_key(request: Request) -> None:
-        if svc.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), svc.api_key.encode()
-        ):
-            challenge = 'Bearer error="invalid_token"' if token.strip() else "Bearer"
-            raise Refusal(
-                "Invalid API key: send 'Authorization: Bearer <key>'",
-                401,
-                {"WWW-Authenticate": challenge},
-            )
-
-    return Depends(require_key)
-
-
 def _v1_routes(svc: Service) -> APIRouter:
-    r = APIRouter(prefix="/v1", dependencies=[_key_check(svc)])
+    r = APIRouter(prefix="/v1", dependencies=[key_check(svc)])
 
-    @r.get("/models", **route_docs("models"))
+    @_get(r, "/models", **route_docs("models"))
     async def models():
         s = svc.ready()
         card = {"object": "model", "owned_by": "expresslane", "max_model_len": s.engine.max_len}
@@ -276,7 +267,7 @@ def _v1_routes(svc: Service) -> APIRouter:
         n = sum(a.count for a in accs.values())
         usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens)
         # detokenizing thousands of echoed tokens for text_offset is no work for the loop either
-        return await s.preparer.run(prep.fmt.response, accs, usage, job.timings.as_dict())
+        return await s.reply(prep.fmt.response, accs, usage, job.timings.as_dict())
 
     @r.post("/completions", **route_docs("completions"))
     async def completions(request: Request):
@@ -289,25 +280,36 @@ def _v1_routes(svc: Service) -> APIRouter:
     return r
 
 
+def _get(r: APIRouter, path: str, **docs):
+    """A GET route and HEAD beside it (HEAD kept out of the schema), as HTTP asks of servers:
+    `HEAD /health` was a 405."""
+
+    def register(fn):
+        r.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
+        return r.get(path, **docs)(fn)
+
+    return register
+
+
 # --- the root: health, metrics, tokenizer, playground -----------------------------------------
 def _root_routes(svc: Service) -> APIRouter:
     r = APIRouter()
 
-    @r.get("/health", **route_docs("health"))
+    @_get(r, "/health", **route_docs("health"))
     async def health():
         if svc.worker is None:
             return JSONResponse(P.error_body("Loading model", 503), status_code=503)
         return {"status": "ok"}
 
-    @r.get("/metrics", **route_docs("metrics"))
+    @_get(r, "/metrics", **route_docs("metrics"))
     async def metrics():
         return Response(svc.metrics.render(), media_type=svc.metrics.content_type)
 
-    @r.get("/", include_in_schema=False)
+    @_get(r, "/", include_in_schema=False)
     async def playground():
         return FileResponse(PLAYGROUND / "index.html")
 
-    @r.get("/tokenizer_info", **route_docs("tokenizer_info"))
+    @_get(r, "/tokenizer_info", **route_docs("tokenizer_info"))
     async def tokenizer_info():
         s = svc.ready()
         tok = s.tok
@@ -324,15 +326,15 @@ def _root_routes(svc: Service) -> APIRouter:
 
     # Unlike vLLM, the key guards these two as well: tokenizing costs CPU in proportion to the
     # body (lm-eval's remote tokenizer sends the key it is given).
-    @r.post("/tokenize", dependencies=[_key_check(svc)], **route_docs("tokenize"))
+    @r.post("/tokenize", dependencies=[key_check(svc)], **route_docs("tokenize"))
     async def tokenize(request: Request):
         s = svc.ready()
-        return await s.prepare(request, s.preparer.tokenize)
+        return await s.prepare(request, as_json(s.preparer.tokenize))
 
-    @r.post("/detokenize", dependencies=[_key_check(svc)], **route_docs("detokenize"))
+    @r.post("/detokenize", dependencies=[key_check(svc)], **route_docs("detokenize"))
     async def detokenize(request: Request):
         s = svc.ready()
-        return await s.prepare(request, s.preparer.detokenize)
+        return await s.prepare(request, as_json(s.preparer.detokenize))
 
     return r
 

@@ -199,11 +199,23 @@ class Tokenizer:
         except Exception as e:  # an operator's template may raise anything (the sandbox's
             # range limit is an OverflowError, '+' on mixed types a TypeError): still its error
             raise TokenizerError(f"chat template of {self.folder}: {e}") from e
+        _check_text(rendered, f"chat template of {self.folder}")
         return rendered if final is None else _cut_after_final_message(rendered, final)
 
     def encode_chat(self, messages: Sequence[dict], **kwargs: Any) -> list[int]:
         """Prompt ids for a chat; special tokens come only from the template, as in HF."""
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+def _check_text(text: str, what: str) -> None:
+    """Refuse a str that is no text (a lone surrogate has no UTF-8): the tokenizer would fail."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = f"U+{ord(text[e.start]):04X}"
+        raise TokenizerError(
+            f"{what}: its output is not valid text ({bad} at character {e.start}: {e.reason})"
+        ) from None
 
 
 def gguf_file(path: Path) -> Path | None:

@@ -105,8 +105,8 @@ def tokenizer_parts(path: Path) -> tuple:
         "add_eos_token": bool(g("tokenizer.ggml.add_eos_token", False)),
         **_chat_template(header),
     }
-    stop = [g(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
-    return _GGUFBackend(tk), header.path, config, specials, [int(i) for i in stop if i is not None]
+    stop = header.end_of_generation_ids()  # EOS comes first in eos_ids all the same
+    return _GGUFBackend(tk), header.path, config, specials, stop
 
 
 def _token(tokens: list[str], token_id) -> str | None:

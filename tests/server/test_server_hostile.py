@@ -179,8 +179,8 @@ def test_echo_text_offset_indexes_the_returned_text(server):
 
 # --- HTTP conventions -------------------------------------------------------------------------
 @pytest.mark.parametrize(("method", "path", "allow"), [
-    ("GET", C, "POST"), ("PUT", CH, "POST"), ("POST", "/health", "GET"),
-    ("DELETE", "/v1/models", "GET"), ("GET", "/tokenize", "POST"),
+    ("GET", C, "POST"), ("PUT", CH, "POST"), ("POST", "/health", "GET, HEAD"),
+    ("DELETE", "/v1/models", "GET, HEAD"), ("GET", "/tokenize", "POST"),
     ("POST", "/playground/", "GET, HEAD"), ("OPTIONS", C, "POST"),
 ])  # fmt: skip
 def test_405_says_what_is_allowed(server, method, path, allow):

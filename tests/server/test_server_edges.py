@@ -1,0 +1,223 @@
+"""The edges a hostile test found (issue 28), each against a real uvicorn (serverkit.py).
+
+Covered: finite numbers beyond fp32 (temperature 1e39) are a 400 naming the field, streamed or
+not; a large reply is serialised off the event loop (/health answers while it is); special
+tokens hidden unless `skip_special_tokens` is false; CORS preflights asking for any header (the
+OpenAI JS SDK's x-stainless-*) pass by default and `--allowed-headers` narrows them; a chat
+template whose output is no text is a 400; HEAD wherever GET; the schema states the rules the
+server enforces (token ids >= 0, /tokenize's prompt or messages, chat roles) and strict
+booleans.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import httpx
+import pytest
+from test_server_hostile import CH, USER, C, Post, own_server
+
+from expresslane.serve.guards import ServeLimits
+
+
+# --- numbers ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "field", "value"), [
+    (C, "temperature", 1e39), (CH, "temperature", 1e39), (C, "temperature", -1e39),
+    (CH, "top_p", 1e39), (C, "min_p", -1e300),
+])  # fmt: skip
+def test_finite_numbers_beyond_fp32_are_400_naming_the_field(server, stream, path, field, value):
+    body = {"prompt": "a"} if path == C else {"messages": USER}
+    r = httpx.post(
+        server.url + path, json={**body, field: value, "max_tokens": 2, "stream": stream}
+    )
+    assert r.status_code == 400, r.text  # was a 500 (or a 200 then an error event when streamed)
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"]
+
+
+def test_fp32_temperature_still_samples(server):
+    r = httpx.post(server.url + C, json={"prompt": "a", "temperature": 3e38, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+# --- a large reply off the loop ---------------------------------------------------------------
+class GatedIds(list):
+    """Token ids whose serialisation waits for `release`: iterating or slicing them is the
+    serialiser's work (json's C encoder and FastAPI's jsonable_encoder iterate a list subclass;
+    a long list may be encoded a slice at a time)."""
+
+    def __init__(self, ids, entered: threading.Event, release: threading.Event):
+        super().__init__(ids)
+        self.entered, self.release = entered, release
+
+    def _gate(self) -> None:
+        self.entered.set()
+        assert self.release.wait(30)
+
+    def __iter__(self):
+        self._gate()
+        return super().__iter__()
+
+    def __getitem__(self, index):
+        self._gate()
+        return super().__getitem__(index)
+
+
+class LargeReply:
+    """The tokenizer, except that encoding returns GatedIds (690k ids: the issue's 4 MB reply)."""
+
+    def __init__(self, tok):
+        self.tok, self.entered, self.release = tok, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text, add_special_tokens=True):
+        ids = self.tok.encode(text, add_special_tokens)
+        if text.startswith("LARGE"):
+            return GatedIds(ids * (690_000 // len(ids) + 1), self.entered, self.release)
+        return ids
+
+
+def test_health_answers_while_a_large_reply_is_serialised(server):
+    tok = LargeReply(server.tok)
+    with own_server(server, tok=tok) as s:
+        req = Post(s.url + "/tokenize", json={"prompt": "LARGE reply"})
+        assert tok.entered.wait(30)
+        # The reply is being serialised and stays so until released: on the event loop, this
+        # /health would time out instead of answering.
+        try:
+            health = httpx.get(s.url + "/health", timeout=10)
+        finally:
+            tok.release.set()
+        assert health.status_code == 200 and req.is_alive()
+        req.join(60)
+    assert req.response.status_code == 200
+    assert req.response.json()["count"] >= 690_000
+
+
+# --- special tokens ---------------------------------------------------------------------------
+class Favour:
+    """The model, except that token `token` always has the highest logit."""
+
+    def __init__(self, model, token: int = 1):
+        self.model, self.token = model, token
+
+    def __call__(self, *args, **kw):
+        logits = self.model(*args, **kw).clone()
+        logits[..., self.token] = logits.max() + 10
+        return logits
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_special_tokens_hidden_unless_asked_for(server):
+    bos = server.tok.id_to_piece(1)
+    assert 1 in server.tok.special_ids and 1 not in server.tok.eos_ids
+    body = {"prompt": "a", "max_tokens": 3, "temperature": 0}
+    with own_server(server, model=Favour) as s:
+        hidden = httpx.post(s.url + C, json=body).json()
+        shown = httpx.post(s.url + C, json={**body, "skip_special_tokens": False}).json()
+        tight_body = {**body, "skip_special_tokens": False, "spaces_between_special_tokens": False}
+        tight = httpx.post(s.url + C, json=tight_body).json()
+        chat = httpx.post(s.url + CH, json={"messages": USER, "max_tokens": 3}).json()
+        scored = httpx.post(s.url + C, json={**body, "logprobs": 0}).json()["choices"][0]
+        streamed = httpx.post(s.url + C, json={**body, "stream": True}).text
+    assert hidden["usage"]["completion_tokens"] == 3 and hidden["choices"][0]["text"] == ""
+    assert shown["choices"][0]["text"] == bos * 3 == tight["choices"][0]["text"]
+    assert chat["choices"][0]["message"]["content"] == ""
+    assert scored["text"] == "" and scored["logprobs"]["text_offset"] == [0, 0, 0]
+    assert bos not in streamed and "[DONE]" in streamed
+
+
+def test_every_end_id_of_the_tokenizer_stops_generation(server):
+    """An end id the tokenizer declares (tokenizer_config.json, GGUF end markers) stops as the
+    config's EOS does, unless ignore_eos."""
+    tok = copy.copy(server.tok)
+    tok.eos_ids = (*server.tok.eos_ids, 1)
+    assert 1 not in server.engine.cfg.eos_token_ids
+    body = {"prompt": "a", "max_tokens": 3, "temperature": 0, "skip_special_tokens": False}
+    with own_server(server, tok=tok, model=Favour) as s:
+        stopped = httpx.post(s.url + C, json=body).json()
+        ignored = httpx.post(s.url + C, json={**body, "ignore_eos": True}).json()
+    choice = stopped["choices"][0]
+    assert stopped["usage"]["completion_tokens"] == 1 and choice["text"] == ""
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", None)
+    assert ignored["usage"]["completion_tokens"] == 3
+
+
+# --- CORS, HEAD -------------------------------------------------------------------------------
+SDK_HEADERS = "authorization, content-type, x-stainless-os, x-stainless-lang, openai-beta"
+
+
+def _preflight(url: str, headers: str) -> httpx.Response:
+    return httpx.options(url + C, headers={"Origin": "https://ok.example",
+                                           "Access-Control-Request-Method": "POST",
+                                           "Access-Control-Request-Headers": headers})  # fmt: skip
+
+
+def test_cors_allows_every_header_by_default_and_allowed_headers_narrows(server):
+    origins = ("https://ok.example",)
+    with own_server(server, limits=ServeLimits(allowed_origins=origins)) as s:
+        sdk = _preflight(s.url, SDK_HEADERS)
+    narrow = ServeLimits(allowed_origins=origins, allowed_headers=("Content-Type",))
+    with own_server(server, limits=narrow) as s:
+        refused = _preflight(s.url, SDK_HEADERS)
+        plain = _preflight(s.url, "content-type")
+    assert sdk.status_code == 200, sdk.text  # the OpenAI JS SDK from a browser app
+    assert sdk.headers["access-control-allow-origin"] == "https://ok.example"
+    assert "x-stainless-os" in sdk.headers["access-control-allow-headers"].lower()
+    assert refused.status_code == 400 and plain.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models", "/tokenizer_info", "/"])
+def test_head_works_where_get_does(server, path):
+    get, head = httpx.get(server.url + path), httpx.head(server.url + path)
+    assert get.status_code == 200 and head.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+
+
+# --- templates --------------------------------------------------------------------------------
+def test_template_output_that_is_no_text_is_400(server):
+    tok = copy.copy(server.tok)
+    tok.chat_templates = {"default": "{{ '\\ud800' }}{{ messages[0]['content'] }}"}
+    with own_server(server, tok=tok) as s:
+        chat = httpx.post(s.url + CH, json={"messages": USER, "max_tokens": 2})
+        tokenize = httpx.post(s.url + "/tokenize", json={"messages": USER})
+    for r in (chat, tokenize):
+        assert r.status_code == 400, r.text  # was a 500 from the tokenizer
+        err = r.json()["error"]
+        assert err["param"] == "messages" and "not valid text" in err["message"]
+        assert str(server.tok.folder) not in err["message"]
+
+
+# --- what the schema says, the server enforces ------------------------------------------------
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (C, {"prompt": "a", "echo": "yes"}, "echo"),
+    (C, {"prompt": "a", "stream": 1}, "stream"),
+    (C, {"prompt": "a", "skip_special_tokens": "false"}, "skip_special_tokens"),
+    (CH, {"messages": [{"role": "bot", "content": "hi"}]}, "messages"),
+    (CH, {"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/detokenize", {"tokens": [-3]}, "tokens"),
+    ("/tokenize", {"add_special_tokens": True}, "prompt"),
+])  # fmt: skip
+def test_schema_rules_are_enforced(server, path, body, param):
+    r = httpx.post(server.url + path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_schema_states_the_rules(server):
+    schemas = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    message = schemas["ChatMessage"]["properties"]["role"]
+    assert set(message["enum"]) >= {"system", "user", "assistant", "tool"}
+    detok = schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert detok["minimum"] == 0
+    assert {"prompt", "messages"} <= {
+        name for alt in schemas["TokenizeRequest"]["anyOf"] for name in alt["required"]
+    }
+    completion = schemas["CompletionRequest"]["properties"]
+    assert completion["echo"]["type"] == "boolean"
+    assert completion["skip_special_tokens"]["default"] is True

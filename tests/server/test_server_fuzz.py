@@ -1,0 +1,87 @@
+"""A bounded fuzz of the server from its own /openapi.json that reaches generation (issue 28).
+
+Schemathesis generates requests from the schema, against a real uvicorn over the tiny random
+Laneformer (serverkit.py): bodies the schema calls valid for /v1/chat/completions and
+/v1/completions must get a 200 (so the schema states every rule the server enforces), unless
+the refusal is one no schema can state (the prompt longer than the context, a token id outside
+this model's vocabulary, the model's chat template refusing the conversation); invalid bodies
+must get a 4xx; nothing anywhere gets a 5xx. Bounded: a few dozen examples, max_tokens capped,
+no deadline, derandomized (the same examples every run).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import Counter
+
+import httpx
+import pytest
+from test_server_hostile import CH, C, own_server
+
+from expresslane.serve.guards import ServeLimits
+
+schemathesis = pytest.importorskip("schemathesis", reason="needs schemathesis (PyPI)")
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from schemathesis import GenerationMode  # noqa: E402
+
+MAX_TOKENS = 3  # generation is what is fuzzed, not its length
+# The tiny model's template takes user and assistant only; this one takes every role of the
+# schema, so that generated conversations reach generation
+EVERY_ROLE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+# Refusals of schema-valid bodies that depend on the model or the prompt, not on the schema
+SEMANTIC = re.compile(
+    r"maximum context length|outside the vocabulary|chat template|'max_(completion_)?tokens' is "
+    r"too large|continue_final_message|at least one token|no room to generate"
+)
+
+
+def _bounded(body):
+    if isinstance(body, dict):
+        for key in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(key), int) and not isinstance(body[key], bool):
+                body[key] = min(body[key], MAX_TOKENS)
+        body.setdefault("max_tokens", MAX_TOKENS)
+    return body
+
+
+def _run(op, url: str, mode, examples: int, seen: Counter, failures: list) -> None:
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    def check(case):
+        if mode == GenerationMode.POSITIVE and op.path in (C, CH):
+            case.body = _bounded(case.body)
+        r = case.call(base_url=url, timeout=60)
+        seen[(op.path, mode.value, r.status_code)] += 1
+        body = repr(case.body)[:300]
+        if r.status_code >= 500:
+            failures.append(f"{op.path} {mode.value}: {r.status_code} for {body}: {r.text[:200]}")
+        elif mode == GenerationMode.NEGATIVE and r.status_code == 200 and op.path in (C, CH):
+            pass  # the negative generator may produce a valid body (an extra key, say)
+        elif mode == GenerationMode.POSITIVE and op.path in (C, CH) and r.status_code != 200:
+            if not SEMANTIC.search(r.text):
+                failures.append(f"{op.path}: {r.status_code} for a valid body {body}: {r.text}")
+
+    check()
+
+
+def test_fuzz_from_the_schema_reaches_generation_and_never_5xx(server):
+    limits = ServeLimits(max_n=2)
+    seen: Counter = Counter()
+    failures: list[str] = []
+    tok = copy.copy(server.tok)
+    tok.chat_templates = {"default": EVERY_ROLE}
+    with own_server(server, tok=tok, limits=limits) as s:
+        schema = schemathesis.openapi.from_dict(httpx.get(s.url + "/openapi.json").json())
+        for result in schema.get_all_operations():
+            op = result.ok()
+            generating = op.path in (C, CH)
+            _run(op, s.url, GenerationMode.POSITIVE, 20 if generating else 3, seen, failures)
+            if op.method.upper() == "POST":
+                _run(op, s.url, GenerationMode.NEGATIVE, 5 if generating else 3, seen, failures)
+    assert not failures, "\n".join(failures[:10])
+    for path in (C, CH):  # generation was reached, many times
+        assert seen[(path, "positive", 200)] >= 10, seen
+    assert not [k for k in seen if k[2] >= 500]
