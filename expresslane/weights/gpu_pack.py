@@ -114,6 +114,12 @@ def _pad_k(w: torch.Tensor, kp: int) -> torch.Tensor:
     return torch.nn.functional.pad(w, (0, kp - w.shape[-1])) if kp != w.shape[-1] else w
 
 
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale in fp32, 0 where the scale is 0 (an all-equal group quantizes to 0)."""
+    s = scale.float()
+    return torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """Values 0-15 (..., Kp) -> (..., Kp/2) uint8 in the chunk order of the module docstring."""
     c = q.to(torch.uint8).reshape(*q.shape[:-1], -1, CHUNK)  # (..., Kp/64, 64)
@@ -133,7 +139,7 @@ def quantize(w: torch.Tensor, fmt: str, group: int, scale_dtype=torch.float16) -
     g = _pad_k(w, _padded(k, group)).reshape(*w.shape[:-1], -1, group)  # (L, N, Kp/g, g)
     if fmt == "int8":
         scale = (g.abs().amax(-1) / 127.0).to(scale_dtype)
-        inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float))
+        inv = _inverse(scale)
         q = torch.round(g * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
         return GPUQuant("int8", group, k, q.reshape(*w.shape[:-1], -1).contiguous(),
                         scale.contiguous())  # fmt: skip
@@ -141,7 +147,7 @@ def quantize(w: torch.Tensor, fmt: str, group: int, scale_dtype=torch.float16) -
     scale = ((hi - lo) / 15.0).to(scale_dtype)
     mins = lo.to(scale_dtype)
     # q from the stored (rounded) scale and min, so the rounding error is the format's alone
-    inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float))
+    inv = _inverse(scale)
     q = torch.round((g - mins.float().unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15)
     q = q.reshape(*w.shape[:-1], -1)
     return GPUQuant("int4", group, k, pack_nibbles(q), scale.contiguous(), mins.contiguous())
@@ -150,8 +156,8 @@ def quantize(w: torch.Tensor, fmt: str, group: int, scale_dtype=torch.float16) -
 def from_qtensor(q: QTensor) -> GPUQuant:
     """A packed CPU weight in GGUF Q8_0 or Q4_1 blocks, repacked for the GPU (same values)."""
     lane = q.data.dim() == 2  # (N, K): one lane
-    pick = [None if t is None else (t.unsqueeze(0) if lane else t) for t in (q.data, q.scale, q.mins)]
-    data, scale, mins = pick
+    data, scale, mins = [None if t is None else (t.unsqueeze(0) if lane else t)
+                         for t in (q.data, q.scale, q.mins)]  # fmt: skip
     k = q.shape[-1]
     kp = _padded(k, BLOCK)
     pad_groups = (kp - k) // BLOCK

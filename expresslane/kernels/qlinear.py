@@ -1,0 +1,95 @@
+"""`--quantization int8|int4` on a GPU: the model's projections on quantized storage.
+
+`quantize_model(model, name)` quantizes every layer projection (wq, wk, wv, wo, w1, w3, w2) of
+a loaded float model in the GPU layout (weights/gpu_pack.py) and puts a `QuantProj` in its
+place; the embedding and the LM head stay in the model's dtype. A QuantProj computes
+
+- up to 8 tokens (decode, speculative verify): the Triton product over the quantized blocks
+  (kernels/qgemv.py), when `use_triton` says the kernels run on this device;
+- anything else (prefill, a CPU): the dequantized matrix in the activation dtype, lane_linear.
+
+The fused bf16 decode step reads plain weight tensors, so a quantized model decodes through the
+graph of its own forward (step/fused.supports says no): every product streams the quantized
+bytes, the norms, RoPE and attention run as PyTorch ops in the graph. Fusing the quantized
+products into norm_qkv / gemv_reduce / norm_swiglu is the next step, once those kernels take
+their token axis.
+
+`quantized_reference(model, name)` is the reference path of the same format: each projection's
+weight replaced by its dequantized values, the model otherwise untouched, so any decode step
+(the CPU's packed step included) computes exactly what the GPU products should, in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model import Laneformer, lane_linear
+from ..weights.gpu_pack import GPUQuant, gpu_format, quantize
+from . import use_triton
+
+PROJECTIONS = (("attention", "wq"), ("attention", "wk"), ("attention", "wv"),
+               ("attention", "wo"), ("feed_forward", "w1"), ("feed_forward", "w3"),
+               ("feed_forward", "w2"))  # fmt: skip
+MAX_TOKENS = 8  # kernels/qgemv.MAX_TOKENS (that module needs triton to import)
+
+
+class QuantProj(nn.Module):
+    """A lane-major projection (L, O, K) on GPUQuant storage, with an optional bias (L, O)."""
+
+    def __init__(self, q: GPUQuant, bias: torch.Tensor | None):
+        super().__init__()
+        self.fmt, self.group, self.k = q.fmt, q.group, q.k
+        self.register_buffer("qdata", q.data)
+        self.register_buffer("qscale", q.scale)
+        self.register_buffer("qmins", q.mins)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def q(self) -> GPUQuant:
+        return GPUQuant(self.fmt, self.group, self.k, self.qdata, self.qscale, self.qmins)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, (L, K) = x.shape[:-2], x.shape[-2:]
+        tokens = x[..., 0, 0].numel()
+        if tokens <= MAX_TOKENS and use_triton(x):
+            from .qgemv import qgemv
+
+            y = qgemv(self.q, x.reshape(tokens, L, K).contiguous())  # (S, L, O)
+            y = y.reshape(*lead, L, -1)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        w = self.q.dequantize().to(x.dtype)
+        return lane_linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def _projections(model: Laneformer):
+    for block in model.model.layers:
+        for part, name in PROJECTIONS:
+            owner = getattr(block, part)
+            yield owner, name, getattr(owner, name)
+
+
+@torch.no_grad()
+def quantize_model(model: Laneformer, name: str) -> Laneformer:
+    """Quantize the layer projections in place (`name`: a gpu_pack.GPU_QUANTIZATIONS key)."""
+    fmt, group = gpu_format(name)
+    for owner, attr, proj in list(_projections(model)):
+        q = quantize(proj.weight, fmt, group)
+        setattr(owner, attr, QuantProj(q, proj.bias))
+    model.gpu_quantization = name
+    return model
+
+
+@torch.no_grad()
+def quantized_reference(model: Laneformer, name: str) -> Laneformer:
+    """Each layer projection's weight replaced by its dequantized `name` values, in place."""
+    fmt, group = gpu_format(name)
+    for _, _, proj in _projections(model):
+        w = proj.weight
+        proj.weight.data = quantize(w, fmt, group).dequantize().to(w.dtype).reshape(w.shape)
+    return model
+
+
+def quantized_bytes(model: Laneformer) -> int:
+    """Bytes a decode step streams from the quantized projections (integers and scales)."""
+    return sum(p.q.nbytes for _, _, p in _projections(model) if isinstance(p, QuantProj))
