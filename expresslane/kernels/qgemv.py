@@ -143,9 +143,10 @@ def qgemv_kernel(
 def tiles(w: GPUQuant, lanes: int, rows: int, device_probe: torch.Tensor) -> tuple[int, int]:
     """(BLOCK_O, BLOCK_K) from the weight's shape and the GPU, never from the token count.
 
-    On a GPU: BLOCK_K = 256 values (128 bytes of int4 or 256 of int8 per row and step), BLOCK_O
-    from 16 down to 4 until there are ~4 programs per SM. In the interpreter: fewer, larger
-    programs.
+    On a GPU: BLOCK_O from 16 down to 4 until there are ~4 programs per SM, then BLOCK_K so that
+    a step's tile is >= 2 KB of integers: 16 bytes a thread at 4 warps, the width of one load
+    (sm_90 builds of smaller tiles load 2-8 bytes a thread, kernels/aot.py). In the interpreter:
+    fewer, larger programs.
     """
     k_step = max(CHUNK, w.group)
     sms = num_sms(device_probe)
@@ -155,7 +156,8 @@ def tiles(w: GPUQuant, lanes: int, rows: int, device_probe: torch.Tensor) -> tup
     block_o = min(16, triton.next_power_of_2(rows))
     while block_o > 4 and lanes * triton.cdiv(rows, block_o) < 4 * sms:
         block_o //= 2
-    return block_o, max(k_step, 256)
+    per_row = 2048 // block_o * (2 if w.fmt == "int4" else 1)  # values for 2 KB a step
+    return block_o, max(k_step, min(per_row, triton.next_power_of_2(w.padded_k)))
 
 
 def qgemv(
