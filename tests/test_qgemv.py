@@ -27,7 +27,12 @@ pytest.importorskip("triton")
 from expresslane.errors import ConfigError  # noqa: E402
 from expresslane.gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 from expresslane.kernels.qgemv import qgemv, qgemv_reference  # noqa: E402
-from expresslane.kernels.qlinear import QuantProj, quantize_model, quantized_reference  # noqa: E402
+from expresslane.kernels.qlinear import (  # noqa: E402
+    QuantProj,
+    quantize_model,
+    quantized_bytes,
+    quantized_reference,
+)
 from expresslane.weights import gpu_pack, quant  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
@@ -113,11 +118,30 @@ def tiny_pair():
 
 
 def test_quantized_model_equals_its_dequantized_reference(tiny_pair, monkeypatch):
-    """Every projection on the kernel (<= 8 tokens) gives the float model's logits."""
+    """Every projection and the head on the kernel (<= 8 tokens) give the float model's logits;
+    the bytes counted are the layout's."""
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
     model, ref = tiny_pair
     assert isinstance(model.model.layers[0].attention.wq, QuantProj)
+    assert isinstance(model.lm_head, QuantProj)  # the vocab-parallel head (L, V/L, D)
     ids = torch.tensor([[1, 5, 9, 13]], device=DEVICE)
+    with torch.no_grad():
+        _close(model(ids), ref(ids), torch.float32)
+    mats = [m.q for m in model.modules() if isinstance(m, QuantProj)]
+    assert quantized_bytes(model) == sum(q.nbytes for q in mats) and len(mats) == 3 * 7 + 1
+
+
+def test_a_tied_head_is_quantized_apart_from_the_embedding(monkeypatch):
+    import tiny
+
+    monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
+    kw = dict(seed=4, lm_head_type="replicate", tie_word_embeddings=True)
+    model = quantize_model(tiny.laneformer(**kw).to(DEVICE), "int8")
+    ref = quantized_reference(tiny.laneformer(**kw).to(DEVICE), "int8")
+    embed = tiny.laneformer(**kw).model.tok_embeddings.weight
+    assert torch.equal(model.model.tok_embeddings.weight.cpu(), embed)  # lookups stay float
+    assert isinstance(model.lm_head, QuantProj) and model.lm_head.plain
+    ids = torch.tensor([[3, 1, 4]], device=DEVICE)
     with torch.no_grad():
         _close(model(ids), ref(ids), torch.float32)
 

@@ -132,7 +132,8 @@ def _decode(preset: str, formats, context: int, tokens: int, dev, copy_gb_s: flo
         nbytes = base["total"]
         if fmt != "bf16":
             quantize_model(model, fmt)
-            nbytes = nbytes - base["attention"] - base["mlp"] + quantized_bytes(model)
+            projections = base["attention"] + base["mlp"] + base["lm_head"]
+            nbytes = nbytes - projections + quantized_bytes(model)
         engine = Engine(model, max_model_len=context + tokens + 8, decode="graph")
         tok_s = _decode_tok_s(engine, cfg.vocab_size, context, tokens, dev)
         gb_s = nbytes * tok_s / 1e9

@@ -1,8 +1,9 @@
 """`--quantization int8|int4` on a GPU: the model's projections on quantized storage.
 
-`quantize_model(model, name)` quantizes every layer projection (wq, wk, wv, wo, w1, w3, w2) of
-a loaded float model in the GPU layout (weights/gpu_pack.py) and puts a `QuantProj` in its
-place; the embedding and the LM head stay in the model's dtype. A QuantProj computes
+`quantize_model(model, name)` quantizes every layer projection (wq, wk, wv, wo, w1, w3, w2) and
+the LM head of a loaded float model in the GPU layout (weights/gpu_pack.py) and puts a
+`QuantProj` in their place; the embedding table stays in the model's dtype (a step reads one
+row of it; a tied head gets its own quantized copy). A QuantProj computes
 
 - up to 8 tokens (decode, speculative verify): the Triton product over the quantized blocks
   (kernels/qgemv.py), when `use_triton` says the kernels run on this device;
@@ -35,11 +36,12 @@ MAX_TOKENS = 8  # kernels/qgemv.MAX_TOKENS (that module needs triton to import)
 
 
 class QuantProj(nn.Module):
-    """A lane-major projection (L, O, K) on GPUQuant storage, with an optional bias (L, O)."""
+    """A lane-major projection (L, O, K) on GPUQuant storage, with an optional bias (L, O);
+    `plain`: an nn.Linear's place, x (..., K) with one lane."""
 
-    def __init__(self, q: GPUQuant, bias: torch.Tensor | None):
+    def __init__(self, q: GPUQuant, bias: torch.Tensor | None, plain: bool = False):
         super().__init__()
-        self.fmt, self.group, self.k = q.fmt, q.group, q.k
+        self.fmt, self.group, self.k, self.plain = q.fmt, q.group, q.k, plain
         self.register_buffer("qdata", q.data)
         self.register_buffer("qscale", q.scale)
         self.register_buffer("qmins", q.mins)
@@ -50,6 +52,11 @@ class QuantProj(nn.Module):
         return GPUQuant(self.fmt, self.group, self.k, self.qdata, self.qscale, self.qmins)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            return self._lanes(x.unsqueeze(-2)).squeeze(-2)
+        return self._lanes(x)
+
+    def _lanes(self, x: torch.Tensor) -> torch.Tensor:
         lead, (L, K) = x.shape[:-2], x.shape[-2:]
         tokens = x[..., 0, 0].numel()
         if tokens <= MAX_TOKENS and use_triton(x):
@@ -69,27 +76,51 @@ def _projections(model: Laneformer):
             yield owner, name, getattr(owner, name)
 
 
+def _head(model: Laneformer) -> tuple[nn.Module, str, torch.Tensor]:
+    """(owner, attribute, weight) of the LM head: (L, V/L, D), (V, L D) or (V, D)."""
+    head = model.cfg.lm_head_type
+    if head == "vocab_parallel":
+        return model, "lm_head", model.lm_head.weight
+    if head == "lane":
+        return model.lm_head, "linear", model.lm_head.linear.weight
+    tied = model.cfg.tie_word_embeddings
+    return model, "lm_head", (model.model.tok_embeddings if tied else model.lm_head).weight
+
+
 @torch.no_grad()
 def quantize_model(model: Laneformer, name: str) -> Laneformer:
-    """Quantize the layer projections in place (`name`: a gpu_pack.GPU_QUANTIZATIONS key)."""
+    """Quantize the layer projections and the head in place (`name`: a GPU_QUANTIZATIONS key)."""
     fmt, group = gpu_format(name)
     for owner, attr, proj in list(_projections(model)):
         q = quantize(proj.weight, fmt, group)
         setattr(owner, attr, QuantProj(q, proj.bias))
+    owner, attr, w = _head(model)
+    setattr(owner, attr, QuantProj(quantize(w, fmt, group), None, plain=w.dim() == 2))
     model.gpu_quantization = name
     return model
 
 
 @torch.no_grad()
 def quantized_reference(model: Laneformer, name: str) -> Laneformer:
-    """Each layer projection's weight replaced by its dequantized `name` values, in place."""
+    """Each layer projection's and the head's weight replaced by its dequantized `name` values,
+    in place (a tied head gets its own copy: the embedding lookups keep the float table)."""
     fmt, group = gpu_format(name)
+
+    def dequantized(w: torch.Tensor) -> torch.Tensor:
+        return quantize(w, fmt, group).dequantize().to(w.dtype).reshape(w.shape)
+
     for _, _, proj in _projections(model):
-        w = proj.weight
-        proj.weight.data = quantize(w, fmt, group).dequantize().to(w.dtype).reshape(w.shape)
+        proj.weight.data = dequantized(proj.weight)
+    owner, attr, w = _head(model)
+    if model.cfg.lm_head_type == "replicate" and model.cfg.tie_word_embeddings:
+        V, D = w.shape
+        model.lm_head = nn.Linear(D, V, bias=False, device=w.device, dtype=w.dtype)
+        model.lm_head.weight.data = dequantized(w)
+    else:
+        getattr(owner, attr).weight.data = dequantized(w)
     return model
 
 
 def quantized_bytes(model: Laneformer) -> int:
-    """Bytes a decode step streams from the quantized projections (integers and scales)."""
-    return sum(p.q.nbytes for _, _, p in _projections(model) if isinstance(p, QuantProj))
+    """Bytes a decode step streams from the quantized matrices (integers, scales, mins)."""
+    return sum(m.q.nbytes for m in model.modules() if isinstance(m, QuantProj))
