@@ -20,8 +20,8 @@ registers, warps and shared memory; waves are the grid over (SMs x blocks per SM
 
     python -m expresslane.kernels.aot --model laneformer-2b [--arch 90] [--quant int8 int4] [--json]
 
-`--quant` (default int8 int4) adds the quantized products of kernels/qgemv.py at the model's
-layer shapes, 1 and 8 tokens, with and without the fused RMSNorm.
+`--quant int8 int4` adds the quantized products of kernels/qgemv.py at the model's layer and
+head shapes, 1 and 8 tokens, with and without the fused RMSNorm.
 """
 
 from __future__ import annotations
@@ -216,17 +216,21 @@ def record_quant_products(model_ref: str, formats: list[str], sms: int, pdl: boo
     L, D, hd = cfg.num_lanes, cfg.hidden_size, cfg.head_dim
     q, kv, f = cfg.num_heads * hd // L, cfg.num_kv_heads * hd // L, cfg.intermediate_size // L
     shapes = [(q + 2 * kv, D), (D, q), (2 * f, D), (D, f)]  # qkv, wo, gate/up, w2
+    head = cfg.lm_head_type
+    shapes.append((cfg.vocab_size // L, D) if head == "vocab_parallel" else
+                  (cfg.vocab_size, L * D if head == "lane" else D))  # fmt: skip
     with recording(sms, pdl, arch) as launches, torch.device("meta"):
         for name in formats:
             fmt, group = gpu_format(name)
-            for o, k in shapes:
+            for i, (o, k) in enumerate(shapes):
+                lanes = 1 if i == 4 and cfg.lm_head_type != "vocab_parallel" else L
                 kp = -(-k // max(CHUNK, group)) * max(CHUNK, group)
-                data = torch.empty(L, o, kp // 2 if fmt == "int4" else kp,
+                data = torch.empty(lanes, o, kp // 2 if fmt == "int4" else kp,
                                    dtype=torch.uint8 if fmt == "int4" else torch.int8)  # fmt: skip
-                scale = torch.empty(L, o, kp // group, dtype=torch.float16)
+                scale = torch.empty(lanes, o, kp // group, dtype=torch.float16)
                 w = GPUQuant(fmt, group, k, data, scale, scale.clone() if fmt == "int4" else None)
                 for s in tokens:
-                    x = torch.empty(s, L, k, dtype=torch.bfloat16)
+                    x = torch.empty(s, lanes, k, dtype=torch.bfloat16)
                     qgemv(w, x)
                     qgemv(w, x, norm_weight=torch.empty(k, dtype=torch.bfloat16))
     return launches
@@ -363,9 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compile without the JIT's alignment specialisation (not what runs)",
     )
-    ap.add_argument("--quant", nargs="*", default=["int8", "int4"], metavar="FORMAT",
+    ap.add_argument("--quant", nargs="+", default=[], metavar="FORMAT",
                     help="also the quantized products (kernels/qgemv.py) in these --quantization "
-                         "formats, 1 and 8 tokens (none: --quant with no format)")  # fmt: skip
+                         "formats (int8 int4 ...), 1 and 8 tokens")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="only the JSON line")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
