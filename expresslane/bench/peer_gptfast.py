@@ -105,10 +105,11 @@ class GptFast:
                 self.model = _quantize(gf_quantize, self.model, quantization).to(setup.device)
                 self.name = f"gpt-fast {quantization}"
             # what one step streams: every weight but the embedding table (one row of it)
+            embed = getattr(self.model, "tok_embeddings", None)
+            skip = set() if embed is None else {id(t) for t in embed.parameters()}
             tensors = [*self.model.parameters(), *self.model.buffers()]
-            self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors) - sum(
-                t.numel() * t.element_size() for t in self.model.tok_embeddings.parameters()
-            )
+            self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors
+                                    if id(t) not in skip)  # fmt: skip
             self.model.setup_caches(max_batch_size=1, max_seq_length=setup.max_len)
         backend = setup.compile_backend
         mode = "reduce-overhead" if backend == "inductor" and setup.device.type == "cuda" else None
