@@ -169,3 +169,33 @@ def test_quantization_names_are_checked():
         load_plan("cpu", "auto", "int3")
     with pytest.raises(ConfigError, match="group"):
         gpu_pack.quantize(torch.zeros(4, 64), "int4", 64)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
+def test_gguf_blocks_repack_into_the_model(tmp_path, monkeypatch, ggml_type):
+    """A Llama GGUF's Q8_0 / Q4_1 matrices (projections and the tied head) on the kernels give
+    the logits of the same file loaded as floats (its dequantized values)."""
+    transformers = pytest.importorskip("transformers")
+    from gguf_kit import hf_to_gguf
+
+    from expresslane.checkpoint import load_model
+    from expresslane.kernels.qlinear import repack_gguf
+
+    monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)
+    path = hf_to_gguf(hf, tmp_path / "m.gguf", weight_type=ggml_type)
+    ref = load_model(path, device="cpu", dtype="float32", progress=False).to(DEVICE)
+    model = repack_gguf(load_model(path, device="cpu", dtype="float32", progress=False), path)
+    model = model.to(DEVICE)
+    assert isinstance(model.model.layers[0].feed_forward.w2, QuantProj)
+    assert isinstance(model.lm_head, QuantProj) and model.lm_head.plain
+    ids = torch.tensor([[3, 1, 4, 1, 5]], device=DEVICE)
+    with torch.no_grad():
+        _close(model(ids), ref(ids), torch.float32)

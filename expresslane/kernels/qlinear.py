@@ -15,6 +15,10 @@ bytes, the norms, RoPE and attention run as PyTorch ops in the graph. Fusing the
 products into norm_qkv / gemv_reduce / norm_swiglu is the next step, once those kernels take
 their token axis.
 
+`repack_gguf(model, path)` does the same with a GGUF file's own blocks: each matrix stored as
+Q8_0, Q4_1 or Q4_K becomes a QuantProj holding those values (weights/gpu_pack.py's repacks), the
+others stay float.
+
 `quantized_reference(model, name)` is the reference path of the same format: each projection's
 weight replaced by its dequantized values, the model otherwise untouched, so any decode step
 (the CPU's packed step included) computes exactly what the GPU products should, in fp32.
@@ -26,7 +30,8 @@ import torch
 from torch import nn
 
 from ..model import Laneformer, lane_linear
-from ..weights.gpu_pack import GPUQuant, gpu_format, quantize
+from ..weights.gpu_pack import GPUQuant, from_q4_k, from_qtensor, gpu_format, quantize
+from ..weights.quant import from_gguf
 from . import use_triton
 
 PROJECTIONS = (("attention", "wq"), ("attention", "wk"), ("attention", "wv"),
@@ -97,6 +102,50 @@ def quantize_model(model: Laneformer, name: str) -> Laneformer:
     owner, attr, w = _head(model)
     setattr(owner, attr, QuantProj(quantize(w, fmt, group), None, plain=w.dim() == 2))
     model.gpu_quantization = name
+    return model
+
+
+REPACKED = ("Q8_0", "Q4_1", "Q4_K")  # GGUF types with a GPU layout
+
+
+@torch.no_grad()
+def repack_gguf(model: Laneformer, path) -> Laneformer:
+    """The layer projections and the head of a model loaded from the GGUF file `path` (one
+    lane: Llama-family files) on the file's Q8_0 / Q4_1 / Q4_K blocks, repacked as stored."""
+    from ..checkpoint import hf_name
+    from ..gguf.tensors import GGUFCheckpoint
+
+    ck, cfg = GGUFCheckpoint(path), model.cfg
+    if cfg.num_lanes != 1:
+        raise ValueError("repack_gguf: GGUF files hold one-lane (Llama-family) models")
+
+    def stored(module_path: str, proj: nn.Module) -> QuantProj | None:
+        key = hf_name(cfg, module_path + ".weight")
+        raw = ck.raw(key) if key in ck.keys() else None
+        if raw is None or raw.ggml_type not in REPACKED:
+            return None
+        n, k = tuple(raw.shape)
+        if raw.ggml_type == "Q4_K":
+            q = from_q4_k(raw.data.reshape(-1), n, k)
+        else:
+            q = from_qtensor(from_gguf(raw.ggml_type, raw.data, (n, k)))
+        bias = getattr(proj, "bias", None)
+        return QuantProj(q.to(proj.weight.device), bias, plain=proj.weight.dim() == 2)
+
+    for i, block in enumerate(model.model.layers):
+        for part, name in PROJECTIONS:
+            owner = getattr(block, part)
+            q = stored(f"model.layers.{i}.{part}.{name}", getattr(owner, name))
+            if q is not None:
+                setattr(owner, name, q)
+    owner, attr, w = _head(model)
+    tied = cfg.lm_head_type == "replicate" and cfg.tie_word_embeddings
+    head_module = model.model.tok_embeddings if tied else getattr(owner, attr)
+    q = stored("model.tok_embeddings" if tied else "lm_head", head_module)
+    if q is not None:
+        q.plain = True
+        setattr(owner, attr, q)
+    model.gpu_quantization = "gguf"
     return model
 
 
