@@ -124,7 +124,9 @@ class Engine:
                                "kernels")  # fmt: skip
         want = kernels == "on" or (kernels == "auto" and use_triton(p) and supports(model))
         self.decoder = FusedDecoder(model, self.cache) if want and self.decode == "graph" else None
-        if self.decoder is None and kernels == "auto" and self.decode == "graph" and not want:
+        gpu_quantized = getattr(model, "gpu_quantization", None) is not None  # kernels/qlinear.py
+        if (self.decoder is None and kernels == "auto" and self.decode == "graph" and not want
+                and not gpu_quantized):  # fmt: skip
             # off CUDA: the step on packed weights (one Q/K/V and one gate/up product per layer),
             # which compiles its own layer and head (one graph each, not the whole step)
             self.decoder = PackedDecoder(model, self.cache, compile=compile)
@@ -167,6 +169,10 @@ class Engine:
         (computed in fp32), and a GGUF file keeps its blocks; elsewhere `dtype` is the
         model's (packing.load_plan)."""
         model = load_packed(path, device, dtype, quantization, progress)
+        if quantization is not None and _on_gpu(model):
+            from .kernels.qlinear import quantize_model
+
+            quantize_model(model, quantization)  # the GPU formats (packing.load_plan)
         return cls(model, max_model_len=max_model_len, **engine_kw)
 
     # --- request checks -----------------------------------------------------------------------
@@ -375,3 +381,7 @@ def reference_generate(
         if tok in stops:
             break
     return out
+
+
+def _on_gpu(model) -> bool:
+    return next(model.parameters()).device.type != "cpu"

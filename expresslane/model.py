@@ -264,8 +264,9 @@ class Laneformer(nn.Module):
         if cfg.lm_head_type == "lane":
             return self.lm_head.linear(norm(h).reshape(B, S, L * D))
         z = norm(h.sum(-2)) if cfg.pre_norm_lane_agg else norm(h).mean(-2)  # (B, S, D)
-        w = self.model.tok_embeddings.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        return F.linear(z, w)
+        if hasattr(self, "lm_head"):  # untied, or a tied head given its own storage (quantized)
+            return self.lm_head(z)
+        return F.linear(z, self.model.tok_embeddings.weight)
 
 
 @torch.no_grad()

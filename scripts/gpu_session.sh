@@ -3,7 +3,8 @@
 # preinstalled; nothing is installed here). Plan and timings: docs/gpu-session.md.
 #
 #   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] scripts/gpu_session.sh [--dry-run] STAGE...
-#   stages: smoke bench-2b bench-1b tests kernels profile   (at most 4 per call: 8 files)
+#   stages: smoke bench-2b bench-1b tests kernels profile quant-2b quant-1b
+#           (at most 4 per call: 8 files)
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
 # (rows kept as measured, test verdicts, rc, seconds) goes to $OUT/STAGE.json. A stage that fails
@@ -18,7 +19,7 @@ OUT=${OUT:-out}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-STAGES=(smoke bench-2b bench-1b tests kernels profile)
+STAGES=(smoke bench-2b bench-1b tests kernels profile quant-2b quant-1b)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -53,11 +54,18 @@ stage_command() {
     tests)  # the GPU tests only (a marker: -k would match module names, every CPU test too)
       LIMIT=420
       CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider tests/test_graph.py tests/test_parallel.py
-           tests/test_prefix.py tests/test_speculative.py tests/test_kernels.py)
-      ((DRY)) && unset 'CMD[${#CMD[@]}-1]' ;;  # the kernel tests take a minute in the interpreter
+           tests/test_prefix.py tests/test_speculative.py tests/test_qgemv.py tests/test_kernels.py)
+      # the kernel tests take minutes in the interpreter
+      ((DRY)) && unset "CMD[$((${#CMD[@]} - 1))]" "CMD[$((${#CMD[@]} - 2))]" ;;
     kernels)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.kernels --context 1024)
       ((DRY)) && CMD+=(--dry-run --reps 1 --trials 1) ;;
+    quant-2b|quant-1b)  # int8 / int4 products and decode against bf16 (bench/quant_gpu.py)
+      LIMIT=420
+      local preset=laneformer-2b; [ "$1" = quant-1b ] && preset=llama-3.2-1b
+      CMD=("$PY" -m expresslane.bench.quant_gpu --preset "$preset" --context 1024)
+      [ -n "${GPTFAST_DIR:-}" ] && CMD+=(--gptfast "$GPTFAST_DIR")
+      ((DRY)) && CMD=("$PY" -m expresslane.bench.quant_gpu --preset "$preset" --dry-run) ;;
     profile)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.profile --model laneformer-2b --context 1024
                       --steps 20)

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from expresslane.bench import decode, session
 from expresslane.bench.decode import BenchConfig, run_bench
@@ -248,3 +249,52 @@ def test_profile_bytes_match_the_ceiling():
     for ctx, (got, want, _) in out.items():
         assert want <= got <= 1.01 * want, (ctx, got, want)
     assert out["100"][2] < out["1000"][2]  # attention reads the keys within reach
+
+
+def test_quant_stage_headline_and_gptfast_quantizer(tmp_path):
+    """bench/quant_gpu.py's summary line, and gpt-fast's quantize.py applied through the peer
+    (a stand-in with its handler interface: int8 swaps the Linear for a quantized one)."""
+    rows = [{"part": "products", "tokens": 1, "format": "int4"},
+            {"part": "decode", "format": "bf16", "tok_s": 500.0, "x_bf16": 1.0, "pct_copy": 61.0},
+            {"part": "decode", "format": "int4", "tok_s": 1400.0, "x_bf16": 2.8, "pct_copy": 70.0},
+            {"part": "gpt-fast", "format": "int4", "error": "RuntimeError"}]  # fmt: skip
+    res = {"stage": "quant-2b", "rows": [], "result": {"bench": "quant_gpu", "rows": rows,
+           "layer": {"bf16@1": {"x_bf16": 1.0}, "int4@1": {"x_bf16": 3.1}}}}  # fmt: skip
+    line = session.headline(res)
+    assert line.startswith("bf16 500 tok/s (1.00x, 61% of copy); int4 1400 tok/s (2.80x, 70%")
+    assert "gpt-fast int4 ERROR" in line and line.endswith("products per layer: int4@1 3.10x")
+
+    from expresslane.bench.peer_gptfast import _quantize
+
+    (tmp_path / "quantize.py").write_text(
+        textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Int8Linear(nn.Module):
+            def __init__(self, lin):
+                super().__init__()
+                self.register_buffer("weight", lin.weight.detach().to(torch.int8))
+
+        class WeightOnlyInt8QuantHandler:
+            def __init__(self, mod):
+                self.mod = mod
+
+            def create_quantized_state_dict(self):
+                return {"out.weight": self.mod.out.weight.detach().round().to(torch.int8)}
+
+            def convert_for_runtime(self):
+                self.mod.out = Int8Linear(self.mod.out)
+                return self.mod
+    """)
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import quantize as gf_quantize
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("quantize", None)
+    model = torch.nn.Module()
+    model.out = torch.nn.Linear(4, 3)
+    model = _quantize(gf_quantize, model, "int8")
+    assert model.out.weight.dtype == torch.int8

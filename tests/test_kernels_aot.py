@@ -131,3 +131,17 @@ def test_blocks_per_sm_follows_cuda_occupancy_rules():
     }
     for (regs, warps, smem), want in cases.items():
         assert blocks_per_sm(regs, warps, smem, 90) == want, (regs, warps, smem)
+
+
+def test_quantized_products_compile_for_sm90():
+    """kernels/qgemv.py at the Llama-1B shapes (layers and head), int8 and int4, 1 and 8 tokens,
+    with and without the fused norm: the integers stream in 16-byte loads, nothing spills, PDL."""
+    out = aot("--model", "llama-3.2-1b", "--kernel", "qgemv", "--quant", "int8", "int4", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])["kernels"]
+    assert {r["kernel"].split("INT4=")[1][:4] for r in rows} == {"True", "Fals"}
+    for r in rows:
+        assert r["loads"].get("128", 0) >= 1, f"{r['kernel']}: loads {r['loads']}"
+        assert r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 4 and r["pdl"], r
+        programs = r["grid"][0] * r["grid"][1]
+        assert programs >= 132, f"{r['kernel']}: {programs} programs for 132 SMs"

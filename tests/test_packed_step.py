@@ -180,8 +180,10 @@ def test_load_plan_maps_flags_to_formats():
     assert load_plan("cpu", "float32", None) == ("float32", None)
     from expresslane.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--quantization 'int4'"):
-        load_plan("cpu", "auto", "int4")
+    with pytest.raises(ConfigError, match="--quantization 'int3'"):
+        load_plan("cpu", "auto", "int3")
+    with pytest.raises(ConfigError, match="--quantization int4: the GPU"):
+        load_plan("cpu", "auto", "int4")  # kernels/qlinear.py: GPU only
 
 
 @pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])

@@ -1,8 +1,14 @@
-"""Greedy agreement of the CPU weight formats with fp32, on real chat prompts.
+"""Greedy agreement of the weight formats with fp32 (or bf16), on real chat prompts.
 
-    python -m expresslane.bench.agreement MODEL [--formats bfloat16 int8 gguf ...] [--tokens 128]
+    python -m expresslane.bench.agreement MODEL [--formats bfloat16 int8 gguf gpu-int4 ...]
+        [--tokens 128] [--reference float32|bfloat16]
 
-For each prompt, fp32 decodes greedily through the engine; each other format then
+The CPU formats run as the packed step stores them. The GPU formats (`gpu-int8`, `gpu-int4`,
+`gpu-int8-g128`, `gpu-int4-g32`: `--quantization int8|int4...` on a GPU) run through their
+reference path on the CPU: each layer projection replaced by its dequantized values
+(kernels/qlinear.quantized_reference), which is what the GPU products compute, in fp32.
+
+For each prompt, the reference decodes greedily through the engine; each other format then
 - decodes freely through its own packed step: `same_prefix`, the tokens equal to fp32's before
   the first difference (one flip changes everything after it, so this is the strict measure);
 - is fed fp32's tokens (teacher forcing, one forward over prompt + answer): `top1`, the share of
@@ -22,9 +28,12 @@ from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
 from ..gguf import find_gguf
+from ..kernels.qlinear import quantized_reference
 from ..tokenizer import Tokenizer
 from ..weights.packing import pack_gguf, pack_model, packed_format
 
+CPU_FORMATS = ("bfloat16", "float16", "int8", "int8-row", "gguf")
+GPU_FORMATS = ("gpu-int8", "gpu-int4", "gpu-int8-g128", "gpu-int4-g32")
 PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -40,7 +49,9 @@ PROMPTS = (
 def engine_for(path, fmt: str, max_len: int, compile: bool = False) -> Engine:
     """A CPU engine on the packed step with weights in `fmt` ("gguf": a GGUF file's blocks)."""
     model = load_model(path, device="cpu", dtype="float32", progress=False)
-    if fmt == "gguf":
+    if fmt.startswith("gpu-"):
+        quantized_reference(model, fmt.removeprefix("gpu-"))
+    elif fmt == "gguf":
         if find_gguf(path) is None:
             raise ConfigError(f"--formats gguf: {path} is not a GGUF file")
         pack_gguf(model, find_gguf(path))
@@ -65,7 +76,8 @@ def top1(engine: Engine, prompt: list[int], answer: list[int]) -> tuple[int, int
     return int(hits), len(answer)
 
 
-def measure(path, formats: list[str], tokens: int, prompts=PROMPTS) -> list[dict]:
+def measure(path, formats: list[str], tokens: int, prompts=PROMPTS,
+            reference: str = "float32") -> list[dict]:  # fmt: skip
     tok = Tokenizer.from_dir(path)
     chats = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
@@ -74,7 +86,7 @@ def measure(path, formats: list[str], tokens: int, prompts=PROMPTS) -> list[dict
     ]  # fmt: skip
     max_len = max(len(c) for c in chats) + tokens + 8
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    ref = engine_for(path, "float32", max_len)
+    ref = engine_for(path, reference, max_len)
     answers = [list(ref.generate(c, params)) for c in chats]
     del ref
     rows = []
@@ -85,7 +97,7 @@ def measure(path, formats: list[str], tokens: int, prompts=PROMPTS) -> list[dict
             prefix.append(same_prefix(list(eng.generate(chat, params)), answer))
             h, n = top1(eng, chat, answer)
             hits, total = hits + h, total + n
-        rows.append({"format": fmt, "prompts": len(chats), "tokens": tokens,
+        rows.append({"format": fmt, "reference": reference, "prompts": len(chats), "tokens": tokens,
                      "same_prefix": prefix, "same_prefix_mean": sum(prefix) / len(prefix),
                      "all_tokens_same": sum(p == tokens for p in prefix),
                      "top1": hits / total})  # fmt: skip
@@ -97,19 +109,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m expresslane.bench.agreement", description=__doc__)
     ap.add_argument("model")
     ap.add_argument("--formats", nargs="+", default=["bfloat16", "float16", "int8", "int8-row"],
-                    choices=["bfloat16", "float16", "int8", "int8-row", "gguf"])  # fmt: skip
+                    choices=[*CPU_FORMATS, *GPU_FORMATS])  # fmt: skip
+    ap.add_argument("--reference", default="float32", choices=["float32", "bfloat16"],
+                    help="the format the others are compared with")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_dir(args.model)
-    rows = measure(path, args.formats, args.tokens)
-    print(f"{'format':<10} {'prompts':>7} {'tokens':>6} {'same prefix (mean)':>19} "
-          f"{'all same':>8} {'top-1 vs fp32':>13}")  # fmt: skip
+    rows = measure(path, args.formats, args.tokens, reference=args.reference)
+    print(f"{'format':<14} {'prompts':>7} {'tokens':>6} {'same prefix (mean)':>19} "
+          f"{'all same':>8} {'top-1 vs ' + args.reference:>17}")  # fmt: skip
     for r in rows:
-        print(f"{r['format']:<10} {r['prompts']:>7} {r['tokens']:>6} {r['same_prefix_mean']:19.1f} "
-              f"{r['all_tokens_same']:>8} {r['top1']:13.1%}")  # fmt: skip
+        print(f"{r['format']:<14} {r['prompts']:>7} {r['tokens']:>6} {r['same_prefix_mean']:19.1f} "
+              f"{r['all_tokens_same']:>8} {r['top1']:17.1%}")  # fmt: skip
     print(json.dumps({"model": str(path), "rows": rows}))
     return 0
 

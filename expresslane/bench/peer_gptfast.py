@@ -37,6 +37,16 @@ def _import_checkout(directory: Path):
         sys.path.remove(str(directory))
 
 
+def _import_module(directory: Path, name: str):
+    """DIR/name.py of the checkout (after _import_checkout put its model module in place)."""
+    sys.path.insert(0, str(directory))
+    try:
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(directory))
+
+
 def model_args(gf_model, cfg: ModelConfig, max_len: int):
     """gpt-fast's ModelArgs for our config (head_dim = dim / n_head there, as in every preset)."""
     kw = dict(block_size=max_len, vocab_size=cfg.vocab_size, n_layer=cfg.num_layers,
@@ -59,10 +69,26 @@ def _math_sdpa():
         return contextlib.nullcontext()
 
 
+def _quantize(gf_quantize, model, mode: str):
+    """gpt-fast's own weight-only quantizers, as its quantize.py applies them: int8 per output
+    channel, int4 in groups of 128 (tinygemm's packed layout, CUDA)."""
+    if mode == "int8":
+        handler = gf_quantize.WeightOnlyInt8QuantHandler(model)
+    else:
+        handler = gf_quantize.WeightOnlyInt4QuantHandler(model, groupsize=128)
+    state = handler.create_quantized_state_dict()
+    try:
+        model = handler.convert_for_runtime(use_cuda=True)
+    except TypeError:  # int8's (and older int4's) take no argument
+        model = handler.convert_for_runtime()
+    model.load_state_dict(state, assign=True)
+    return model
+
+
 class GptFast:
     name = "gpt-fast"
 
-    def __init__(self, setup: PeerSetup):
+    def __init__(self, setup: PeerSetup, quantization: str | None = None):
         if not setup.arg:
             raise ValueError("gpt-fast: give the checkout as gpt-fast=DIR (--peer-gptfast DIR)")
         self.setup = setup
@@ -74,6 +100,16 @@ class GptFast:
             raise ValueError(f"gpt-fast: head_dim {self.cfg.head_dim} != dim / n_head")
         with torch.device(setup.device):
             self.model = gf_model.Transformer(args).to(setup.dtype).eval()
+            if quantization is not None:  # gpt-fast's quantize.py (imports sentencepiece)
+                gf_quantize = _import_module(Path(setup.arg).expanduser(), "quantize")
+                self.model = _quantize(gf_quantize, self.model, quantization).to(setup.device)
+                self.name = f"gpt-fast {quantization}"
+            # what one step streams: every weight but the embedding table (one row of it)
+            embed = getattr(self.model, "tok_embeddings", None)
+            skip = set() if embed is None else {id(t) for t in embed.parameters()}
+            tensors = [*self.model.parameters(), *self.model.buffers()]
+            self.weight_bytes = sum(t.numel() * t.element_size() for t in tensors
+                                    if id(t) not in skip)  # fmt: skip
             self.model.setup_caches(max_batch_size=1, max_seq_length=setup.max_len)
         backend = setup.compile_backend
         mode = "reduce-overhead" if backend == "inductor" and setup.device.type == "cuda" else None

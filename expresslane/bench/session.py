@@ -81,6 +81,8 @@ def headline(res: dict) -> str:
         return "all checks ok" if r.get("ok") else f"FAILED: {', '.join(checks)}"
     if res["rows"]:
         return _bench_line(res["rows"])
+    if r.get("bench") == "quant_gpu":
+        return _quant_line(r)
     if r.get("kernels") and isinstance(r["kernels"], dict):  # bench.kernels
         return ", ".join(f"{k} {v['gb_s']:.0f} GB/s" for k, v in r["kernels"].items()
                          if "gb_s" in v)  # fmt: skip
@@ -109,6 +111,23 @@ def _bench_line(rows: list[dict]) -> str:
     ratios = [f"{ours['decode_tok_s'] / p['decode_tok_s']:.2f}x {p['engine']}" for p in peers]
     tail = f"; {ours['engine']} = " + ", ".join(ratios) if ours and ratios else ""
     return f"ctx {ctx}: " + ", ".join(parts) + tail
+
+
+def _quant_line(r: dict) -> str:
+    """bench.quant_gpu: decode tok/s per format (x bf16, % of copy), the products' speed-ups."""
+    parts = []
+    for row in r["rows"]:
+        if row["part"] == "products":
+            continue
+        who = ("" if row["part"] == "decode" else "gpt-fast ") + row["format"]
+        if "error" in row:
+            parts.append(f"{who} ERROR")
+        else:
+            parts.append(f"{who} {row['tok_s']:.0f} tok/s ({row['x_bf16'] or 0:.2f}x, "
+                         f"{row['pct_copy']:.0f}% of copy)")  # fmt: skip
+    layer = [f"{k} {v['x_bf16']:.2f}x" for k, v in r.get("layer", {}).items()
+             if not k.startswith("bf16")]  # fmt: skip
+    return "; ".join(parts) + (f"; products per layer: {', '.join(layer)}" if layer else "")
 
 
 def summary(out: Path, stages: list[str]) -> str:

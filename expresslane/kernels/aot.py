@@ -18,7 +18,10 @@ Each distinct (kernel, argument types, specialisation, constexprs, options) is t
 memory from the cubin, and its SASS the width of every global load. Blocks per SM follow from
 registers, warps and shared memory; waves are the grid over (SMs x blocks per SM).
 
-    python -m expresslane.kernels.aot --model laneformer-2b [--arch 90] [--json]
+    python -m expresslane.kernels.aot --model laneformer-2b [--arch 90] [--quant int8 int4] [--json]
+
+`--quant int8 int4` adds the quantized products of kernels/qgemv.py at the model's layer and
+head shapes, 1 and 8 tokens, with and without the fused RMSNorm.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 
 from ..errors import ConfigError
 from ..presets import load_model_config
+from ..weights.gpu_pack import gpu_format
 
 # Launch options that are not kernel parameters (triton's launch keywords).
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "launch_cooperative_grid")
@@ -72,7 +76,8 @@ class Launch:
         return self.kernel.__name__
 
     def label(self) -> str:
-        keys = ("MODE", "SPLIT_K", "HAS_NORM", "HAS_WINDOW", "BLOCK_O", "BLOCK_N", "BLOCK_V")
+        keys = ("MODE", "SPLIT_K", "HAS_NORM", "HAS_WINDOW", "BLOCK_O", "BLOCK_N", "BLOCK_V",
+                "INT4", "GROUP", "BLOCK_S")  # fmt: skip
         shown = [f"{k}={v}" for k, v in self.constexprs if k in keys]
         return f"{self.name}[{','.join(shown)}]"
 
@@ -200,6 +205,37 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
     return launches
 
 
+def record_quant_products(model_ref: str, formats: list[str], sms: int, pdl: bool,
+                          arch: int | None = 90, tokens: tuple[int, ...] = (1, 8)):  # fmt: skip
+    """The launches of the quantized products (kernels/qgemv.py) of one layer of the model in
+    each --quantization format, for each token count, without and with the fused RMSNorm."""
+    from ..weights.gpu_pack import CHUNK, GPUQuant, gpu_format
+    from .qgemv import qgemv
+
+    cfg = load_model_config(model_ref)
+    L, D, hd = cfg.num_lanes, cfg.hidden_size, cfg.head_dim
+    q, kv, f = cfg.num_heads * hd // L, cfg.num_kv_heads * hd // L, cfg.intermediate_size // L
+    shapes = [(q + 2 * kv, D), (D, q), (2 * f, D), (D, f)]  # qkv, wo, gate/up, w2
+    head = cfg.lm_head_type
+    shapes.append((cfg.vocab_size // L, D) if head == "vocab_parallel" else
+                  (cfg.vocab_size, L * D if head == "lane" else D))  # fmt: skip
+    with recording(sms, pdl, arch) as launches, torch.device("meta"):
+        for name in formats:
+            fmt, group = gpu_format(name)
+            for i, (o, k) in enumerate(shapes):
+                lanes = 1 if i == 4 and cfg.lm_head_type != "vocab_parallel" else L
+                kp = -(-k // max(CHUNK, group)) * max(CHUNK, group)
+                data = torch.empty(lanes, o, kp // 2 if fmt == "int4" else kp,
+                                   dtype=torch.uint8 if fmt == "int4" else torch.int8)  # fmt: skip
+                scale = torch.empty(lanes, o, kp // group, dtype=torch.float16)
+                w = GPUQuant(fmt, group, k, data, scale, scale.clone() if fmt == "int4" else None)
+                for s in tokens:
+                    x = torch.empty(s, lanes, k, dtype=torch.bfloat16)
+                    qgemv(w, x)
+                    qgemv(w, x, norm_weight=torch.empty(k, dtype=torch.bfloat16))
+    return launches
+
+
 def distinct(launches: list[Launch]) -> list[Launch]:
     seen, out = set(), []
     for launch in launches:
@@ -300,12 +336,16 @@ def compile_decode_step(
     sms: int = 132,
     specialise: bool = True,
     only: str | None = None,
+    quant: tuple[str, ...] = (),
 ) -> list[dict]:
-    """Every distinct kernel of the model's fused decode step, compiled for sm_`arch` (`only`:
-    the kernels whose name starts so)."""
+    """Every distinct kernel of the model's fused decode step, then of its quantized products
+    in the `quant` formats, compiled for sm_`arch` (`only`: the kernels whose name starts so)."""
     pdl = arch >= 90
-    launches = distinct(record_decode_step(model_ref, max_len, sms, pdl,
-                                           arch=arch if specialise else None))  # fmt: skip
+    spec = arch if specialise else None
+    launches = record_decode_step(model_ref, max_len, sms, pdl, arch=spec)
+    if quant:
+        launches += record_quant_products(model_ref, list(quant), sms, pdl, arch=spec)
+    launches = distinct(launches)
     launches = [la for la in launches if only is None or la.name.startswith(only)]
     with tempfile.TemporaryDirectory() as tmp:
         return [compile_launch(launch, arch, Path(tmp), sms) for launch in launches]
@@ -327,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compile without the JIT's alignment specialisation (not what runs)",
     )
+    ap.add_argument("--quant", nargs="+", default=[], metavar="FORMAT",
+                    help="also the quantized products (kernels/qgemv.py) in these --quantization "
+                         "formats (int8 int4 ...), 1 and 8 tokens")  # fmt: skip
     ap.add_argument("--json", action="store_true", help="only the JSON line")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -339,13 +382,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--arch {args.arch}: expected a compute capability x10 >= 80")
         if args.sms < 1:
             raise ConfigError(f"--sms {args.sms}: expected the GPU's SM count (>= 1)")
+        for name in args.quant:
+            gpu_format(name)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     greedy = len(record_decode_step(args.model, args.max_len, args.sms, True, logits=False,
                                     arch=None))  # fmt: skip
     rows = compile_decode_step(args.model, args.arch, args.max_len, args.sms,
-                               not args.unspecialised, args.kernel)  # fmt: skip
+                               not args.unspecialised, args.kernel, tuple(args.quant))  # fmt: skip
     if not args.json:
         print(f"{'kernel':54} {'grid':>10} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
               f"{'blk/SM':>6} {'waves':>5} pdl  global loads (bits x count)")  # fmt: skip

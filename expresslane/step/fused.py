@@ -24,8 +24,9 @@ MAX_OVERRUN = 64
 
 
 def supports(model: Laneformer) -> bool:
-    """The kernels cover everything but attention biases (qwen2)."""
-    return not model.cfg.attention_bias
+    """The kernels cover everything but attention biases (qwen2) and quantized projections
+    (kernels/qlinear.py: those decode through the graph of the model's forward)."""
+    return not model.cfg.attention_bias and getattr(model, "gpu_quantization", None) is None
 
 
 class FusedDecoder:

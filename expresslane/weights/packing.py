@@ -30,6 +30,7 @@ from ..checkpoint import resolve_device
 from ..errors import ConfigError
 from ..gguf import find_gguf
 from ..model import Laneformer, lane_linear
+from .gpu_pack import GPU_QUANTIZATIONS
 from .quant import (
     FLOAT_FORMATS,
     GGUF_FORMATS,
@@ -60,16 +61,22 @@ def load_plan(
     On a CPU the decode step computes in fp32 whatever the weights: `--dtype bfloat16|float16`
     and `--quantization int8` load fp32 and pack the weights in that format, and a GGUF file
     (dtype auto) keeps its own quantized blocks ("gguf", pack_gguf). Elsewhere `dtype` is the
-    model's own and there is no weight-only quantization (the GPU step reads floats).
+    model's own; a GPU's `--quantization` (gpu_pack.GPU_QUANTIZATIONS) loads the floats, which
+    Engine.from_pretrained then quantizes (kernels/qlinear.py): no packed format here.
     """
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ConfigError(
-            f"--quantization {quantization!r}: expected one of {', '.join(QUANTIZATIONS)}"
-        )
+    names = {**QUANTIZATIONS, **GPU_QUANTIZATIONS}
+    if quantization is not None and quantization not in names:
+        raise ConfigError(f"--quantization {quantization!r}: expected one of {', '.join(names)}")
     cpu = resolve_device(device).type == "cpu"
     if quantization is not None:
+        if not cpu and quantization not in GPU_QUANTIZATIONS:
+            raise ConfigError(f"--quantization {quantization}: runs on a CPU; on a GPU: "
+                              f"{', '.join(GPU_QUANTIZATIONS)}")  # fmt: skip
         if not cpu:
-            raise ConfigError(f"--quantization {quantization}: weight-only formats run on a CPU")
+            return dtype, None
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization {quantization}: the GPU products' format (the CPU "
+                              f"packed step has {', '.join(QUANTIZATIONS)})")  # fmt: skip
         return "float32", packed_format(quantization)
     if cpu and dtype in ("bfloat16", "float16"):
         return "float32", dtype
