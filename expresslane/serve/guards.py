@@ -15,11 +15,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from starlette.requests import Request
-from starlette.routing import Match
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, RequestError
+
+if TYPE_CHECKING:  # starlette only where a request is served: `serve --help` and the GPU
+    from starlette.requests import Request  # stages import ServeLimits without it
 
 MiB = 1 << 20
 DRAIN_LIMIT = 64 * MiB  # beyond this a refused body is not read to its end: the connection closes
@@ -94,6 +95,8 @@ def _too_large(size: str, limit: int) -> Refusal:
 
 def allowed_methods(app, scope: dict) -> str:
     """The methods some route of `app` accepts at the request's path, for a 405's Allow."""
+    from starlette.routing import Match
+
     methods: set[str] = set()
     for route in app.router.routes:
         match, _ = route.matches(scope)  # a wrong method is a partial match, a wrong path none
