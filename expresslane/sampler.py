@@ -100,4 +100,6 @@ def logprobs_of(logits: torch.Tensor, token: torch.Tensor, top_n: int):
     tensors: `take`, not `lp[token]`, which reads a 0-dim index on the host (a sync)."""
     lp = logits.float().log_softmax(-1)
     top = torch.topk(lp, top_n) if top_n > 0 else None
-    return (lp.take(token), None if top is None else top.indices, None if top is None else top.values)
+    if top is None:
+        return lp.take(token), None, None
+    return lp.take(token), top.indices, top.values

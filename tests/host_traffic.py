@@ -5,9 +5,9 @@ shapes and dtypes, and a device that is not the host. `NoHostTraffic` then raise
 aten op that would move data between the host and the device or wait for the device:
 
 - `_local_scalar_dense`: `.item()`, `int()`, `bool()`, a 0-dim tensor used as an index (a sync);
-- `lift_fresh`, or a copy from a `scalar_tensor`: a tensor made from host data, `torch.tensor(...)` or a Python scalar written
-  through indexing (`x[..., 0] = False`: on CUDA a 0-dim CPU tensor copied to the device, the
-  first GPU run's top_p crash);
+- `lift_fresh`, or a copy from a `scalar_tensor`: a tensor made from host data,
+  `torch.tensor(...)` or a Python scalar written through indexing (`x[..., 0] = False`: on
+  CUDA a 0-dim CPU tensor copied to the device, the first GPU run's top_p crash);
 - a copy to or from another device (`.cpu()`, `.to("cpu")`, `.tolist()` and `.numpy()` fail on
   `meta` before dispatch: they have no data to read);
 - an op that mixes a CPU tensor (0-dim included: a host value frozen into the graph) with
@@ -50,8 +50,8 @@ class NoHostTraffic(TorchDispatchMode):
             raise HostTraffic(f"{func}: reads a device value on the host (.item(), int(), "
                               "bool() or a 0-dim tensor as an index): a sync")  # fmt: skip
         if func in HOST_DATA:
-            raise HostTraffic(f"{func}: a tensor made from host data (torch.tensor or a Python "
-                              "scalar written through indexing): a host-to-device copy")  # fmt: skip
+            raise HostTraffic(f"{func}: a tensor made from host data (torch.tensor or a "
+                              "Python scalar through indexing): a host-to-device copy")  # fmt: skip
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         devices = {t.device.type for t in tensors}
         target = kwargs.get("device")

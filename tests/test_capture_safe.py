@@ -30,6 +30,7 @@ SAMPLERS = {
     "all": SamplingParams(temperature=0.7, top_k=7, top_p=0.8, min_p=0.02, seed=3),
 }
 V = 64
+HOST_VECTOR = torch.ones(V)  # made outside the step, on the host
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_the_mode_catches_the_top_p_crash():
         (lambda x: x.sum().item(), "sync"),
         (lambda x: x[torch.zeros((), dtype=torch.long, device="meta")], "sync"),
         (lambda x: x * torch.tensor(2.0), "host data"),
-        (lambda x, y=torch.ones(V): x + y, "host tensors mixed"),
+        (lambda x: x + HOST_VECTOR, "host tensors mixed"),
         (lambda x: x.cpu(), "host tensors mixed"),
         (lambda x: torch.arange(V) + x, "made on the host"),
     ],
