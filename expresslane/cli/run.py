@@ -148,13 +148,14 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
         return launch.load_lead_engine(args)
     path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
     quantization = getattr(args, "quantization", None)
-    set_cpu_threads(path, args.device, args.dtype, quantization, getattr(args, "threads", None))
+    device = resolve_device(args.device, load_config(resolve_model_dir(path)))  # auto: by size
+    set_cpu_threads(path, str(device), args.dtype, quantization, getattr(args, "threads", None))
     engine = Engine.from_pretrained(
         path,
-        device=args.device,
+        device=str(device),
         dtype=args.dtype,
         max_model_len=args.max_model_len,
-        decode=default_decode(resolve_device(args.device)),
+        decode=default_decode(device),
         compile=getattr(args, "compile", False),
         prefix_reuse=not getattr(args, "no_prefix_reuse", False),
         speculative=speculative_from_args(args),
