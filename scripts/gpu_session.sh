@@ -27,6 +27,10 @@ for s in "$@"; do
   case " ${STAGES[*]} " in *" $s "*) ;; *) echo "unknown stage '$s' (${STAGES[*]})" >&2; exit 2;; esac
 done
 mkdir -p "$OUT"
+# Every test module with a `gpu` test (tests/test_gpu_session.py checks that none is missing);
+# test_kernels.py stays last: the dry run leaves it out.
+GPU_TESTS=(tests/test_graph.py tests/test_parallel.py tests/test_prefix.py tests/test_speculative.py
+           tests/test_capture_safe.py tests/test_prefill.py tests/test_kernels.py)
 
 # stage_command NAME: sets LIMIT (seconds) and CMD (the command line) for a stage.
 stage_command() {
@@ -52,8 +56,7 @@ stage_command() {
            "${peers[@]}" --peer-compile-backend eager) ;;
     tests)  # the GPU tests only (a marker: -k would match module names, every CPU test too)
       LIMIT=420
-      CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider tests/test_graph.py tests/test_parallel.py
-           tests/test_prefix.py tests/test_speculative.py tests/test_kernels.py)
+      CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider "${GPU_TESTS[@]}")
       ((DRY)) && unset 'CMD[${#CMD[@]}-1]' ;;  # the kernel tests take a minute in the interpreter
     kernels)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.kernels --context 1024)

@@ -98,3 +98,72 @@ def test_the_mode_catches_the_top_p_crash():
 def test_the_mode_catches_each_kind_of_host_traffic(leak, match):
     with NoHostTraffic(), pytest.raises(HostTraffic, match=match):
         leak(torch.empty(V, device="meta"))
+
+
+# --- on a GPU (the session's tests stage): the same samplers captured for real ---------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("fused", [False, True], ids=["forward", "fused"])
+def test_every_sampler_is_captured_and_replayed_on_the_gpu(name, fused):
+    """Capture, then 20 replays of 2 steps with CUDA's sync debug mode on 'error'; the tokens
+    come from the vocabulary. The embedded model's shapes (random weights): the fused kernels
+    run at them in `run --device cuda`."""
+    from expresslane.assets import default_model_dir
+    from expresslane.checkpoint import load_config
+    from expresslane.engine import Engine
+    from expresslane.model import Laneformer, init_weights
+
+    cfg = load_config(default_model_dir())
+    m = init_weights(Laneformer(cfg).to("cuda")).eval()
+    eng = Engine(m, max_model_len=300, decode="graph")
+    eng.prefill([1, 7, 9, 30, 11])
+    decoder = FusedDecoder(m, eng.cache) if fused else None
+    g = graph_mod.DecodeGraph(m, eng.cache, SAMPLERS[name], steps=2, decoder=decoder)
+    g.load(torch.tensor(5, device="cuda"), position=5)
+    g.run()  # capture (synchronises, by design)
+    assert g.graph is not None
+    host = torch.empty(2, dtype=torch.long, pin_memory=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            g.load(torch.tensor(5, device="cuda"), position=5)
+            host.copy_(g.run(), non_blocking=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    assert ((host >= 0) & (host < cfg.vocab_size)).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_logprobs_are_captured_on_the_gpu():
+    """logprobs_of inside a CUDA graph equals it eagerly."""
+    logits = torch.randn(V, device="cuda")
+    token = torch.tensor(3, device="cuda")
+    eager = logprobs_of(logits, token, 4)
+    for _ in range(2):  # warm-up on a side stream, as capture wants
+        logprobs_of(logits, token, 4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = logprobs_of(logits, token, 4)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, eager, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_run_samples_with_top_p_on_the_gpu(capsys):
+    """The first GPU run's crash: `run --device cuda --temperature 0.8 --top-p 0.9`."""
+    from expresslane.__main__ import main
+
+    argv = ["run", "--device", "cuda", "--prompt", "def f(", "--max-tokens", "8", "--json",
+            "--temperature", "0.8", "--top-p", "0.9", "--min-p", "0.01",
+            "--top-k", "40"]  # fmt: skip
+    assert main(argv) == 0
+    assert '"completion_tokens": 8' in capsys.readouterr().out
