@@ -95,14 +95,44 @@ class Attention(nn.Module):
         # cold prefill (T == S), a chunk after cached ones or a reused prefix, training.
         static = cache is not None and cache.static
         causal = S > 16 and not static and (self.window is None or self.window >= T)
-        visible = None
-        if not causal:
-            visible = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] >= 0)  # (S, T)
-            if self.window is not None:
-                visible &= kpos[None, :] > positions[:, None] - self.window
-        o = attend(q, k, v, visible)  # (B, H, S, hd)
+        if causal:
+            o = attend(q, k, v, None)  # (B, H, S, hd)
+        elif self.window is not None and S > max(16, self.window) and not static:
+            o = windowed_attention(q, k, v, positions, kpos, self.window)
+        else:
+            o = attend(q, k, v, visible_mask(positions, kpos, self.window))
         o = o.transpose(1, 2).reshape(B, S, L, cfg.lane_q_dim)  # each lane gets its own heads
         return self.wo(o)
+
+
+def visible_mask(positions: torch.Tensor, kpos: torch.Tensor, window: int | None):
+    """(S, T) bool: query at positions[i] sees key at kpos[j] (-1: an empty slot)."""
+    visible = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] >= 0)
+    if window is not None:
+        visible &= kpos[None, :] > positions[:, None] - window
+    return visible
+
+
+def windowed_attention(q, k, v, positions, kpos, window: int) -> torch.Tensor:
+    """A chunk longer than its window, in blocks of `window` queries: each block reads the
+    chunk's own keys from one window before it (and the older keys only while they can be
+    visible), so the masked scores are S x 2W instead of S x T.
+
+    q (B, S, H, hd), positions (S,) consecutive; k/v (B, T, H_kv, hd) and kpos (T,): the older
+    keys first (a ring or a cached prefix, T - S of them, any order), then the chunk's own S
+    in order, as the cache returns them. -> (B, H, S, hd)."""
+    S, T = q.shape[1], k.shape[1]
+    old = T - S
+    out = []
+    for a in range(0, S, window):
+        b = min(S, a + window)
+        own = slice(old + max(0, a - window + 1), old + b)  # from the first query's window
+        kb, vb, pb = k[:, own], v[:, own], kpos[own]
+        if a < window - 1 and old:  # older keys are within the first queries' window
+            kb, vb = torch.cat((k[:, :old], kb), 1), torch.cat((v[:, :old], vb), 1)
+            pb = torch.cat((kpos[:old], pb))
+        out.append(attend(q[:, a:b], kb, vb, visible_mask(positions[a:b], pb, window)))
+    return torch.cat(out, dim=2)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None):

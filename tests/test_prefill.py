@@ -17,7 +17,7 @@ import torch
 
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
-from expresslane.model import attend, causal_attention
+from expresslane.model import attend, causal_attention, visible_mask, windowed_attention
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -79,6 +79,26 @@ def test_causal_attention_from_bf16_accumulates_in_fp32(shape):
     out = causal_attention(q, k, v)
     assert out.dtype == torch.bfloat16
     assert (out.double() - ref).abs().max() < bf16_bound(ref)
+
+
+@pytest.mark.parametrize(
+    "S, old, window, H, Hkv",
+    [(40, 0, 9, 6, 2), (57, 16, 16, 4, 4), (33, 13, 13, 8, 2), (70, 21, 20, 5, 1)],
+)
+def test_windowed_attention_equals_the_full_mask(S, old, window, H, Hkv):
+    """Blocks of `window` queries over a ring of older keys (shuffled, some slots empty) then
+    the chunk's own keys: the same as one attention under the whole (S, T) mask."""
+    g = torch.Generator().manual_seed(S)
+    start = 3 * old + 5  # positions before the chunk
+    ring = torch.arange(start - old, start)[torch.randperm(old, generator=g)]
+    if old:
+        ring[0] = -1  # an empty slot
+    positions = torch.arange(start, start + S)
+    kpos = torch.cat((ring, positions))
+    q, k, v = qkv(1, S, old, H, Hkv, 24, seed=S)
+    ref = attend(q, k, v, visible_mask(positions, kpos, window))
+    got = windowed_attention(q, k, v, positions, kpos, window)
+    assert (got - ref).abs().max() < 1e-5
 
 
 @pytest.fixture(scope="module")
