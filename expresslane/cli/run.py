@@ -37,7 +37,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="checkpoint folder, .gguf file, or org/name (HF cache, else downloaded); "
         "default: the embedded model",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a GPU if there is one, but the CPU for a model of at most 16 M weights), "
+        "cpu, cuda, cuda:N",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument(
         "--max-model-len",
