@@ -97,9 +97,11 @@ def sample(
 
 def logprobs_of(logits: torch.Tensor, token: torch.Tensor, top_n: int):
     """(chosen token's logprob, top-n ids, top-n logprobs) from raw logits (V,), as device
-    tensors: `take`, not `lp[token]`, which reads a 0-dim index on the host (a sync)."""
+    tensors; `token` an int or a device tensor, read with `take`: `lp[token]` would read a
+    0-dim tensor index on the host (a sync)."""
     lp = logits.float().log_softmax(-1)
-    top = torch.topk(lp, top_n) if top_n > 0 else None
-    if top is None:
-        return lp.take(token), None, None
-    return lp.take(token), top.indices, top.values
+    chosen = lp[token] if isinstance(token, int) else lp.take(token)
+    if top_n <= 0:
+        return chosen, None, None
+    top = torch.topk(lp, top_n)
+    return chosen, top.indices, top.values
