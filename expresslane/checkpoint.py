@@ -220,7 +220,7 @@ def load_model(
 ) -> Laneformer:
     """Read a checkpoint folder into a Laneformer on `device` in `dtype`."""
     folder, cfg, handles, where = open_checkpoint(name, overrides)
-    dev = resolve_device(device)
+    dev = resolve_device(device, cfg)
     dt = resolve_dtype(dtype, cfg, dev)
     with torch.device("meta"), NoInit():
         model = Laneformer(cfg)
@@ -284,9 +284,27 @@ def read_tensor(
     return from_hf_tensor(cfg, ours, t)
 
 
-def resolve_device(device: str = "auto") -> torch.device:
+# `--device auto` keeps a model of at most this many weights on the CPU where a GPU exists
+# (docs/architecture.md, "The device `auto` picks"): the embedded model (5.6 M) decoded at 154
+# tok/s on the first GPU machine's CPU and 36 on its H200, whose first request pays Triton
+# compiles and graph captures that a CPU step never has; a 135 M model goes to the GPU.
+AUTO_CPU_MAX_PARAMETERS = 16_000_000
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """The model's weights, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"), NoInit():
+        return sum(p.numel() for p in Laneformer(cfg).parameters())
+
+
+def resolve_device(device: str = "auto", cfg: ModelConfig | None = None) -> torch.device:
+    """The device a flag names; `auto`: a GPU when there is one, unless `cfg` is a model small
+    enough to be faster on the CPU (AUTO_CPU_MAX_PARAMETERS)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        small = cfg is not None and parameter_count(cfg) <= AUTO_CPU_MAX_PARAMETERS
+        return torch.device("cpu" if small else "cuda")
     try:
         dev = torch.device(device)
     except RuntimeError:

@@ -70,7 +70,7 @@ class Engine:
         self,
         model: Laneformer,
         max_model_len: int | None = None,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 2048,  # a whole prompt up to here: one pass over the weights
         decode: str = "auto",
         steps_per_replay: int = 1,
         kernels: str = "auto",

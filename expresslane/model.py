@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .cache import KVCache
 from .config import ModelConfig
@@ -87,38 +88,69 @@ class Attention(nn.Module):
             k, v, kpos = cache.update(self.layer, k[0], v[0], positions)
             k, v = k[None], v[None]  # (1, T, H_kv, hd)
         T = k.shape[1]
-        # Keys that are exactly these queries' own (consecutive) positions, none out of the
-        # window: a first prefill chunk or a training batch. Then the mask is plain causal and
-        # SDPA takes its causal kernels (flash on GPUs) instead of a materialised mask.
-        causal = S > 16 and T == S and (self.window is None or self.window >= S)
-        visible = None
-        if not causal:
-            visible = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] >= 0)  # (S, T)
-            if self.window is not None:
-                visible &= kpos[None, :] > positions[:, None] - self.window
-        o = attend(q, k, v, visible)  # (B, H, S, hd)
+        # A long chunk outside decode whose keys all lie in the window: the cache returns keys
+        # exactly at positions 0..T-1 (slot == position; a ring past its window fails the
+        # test, T > window), the queries are the last S of them. Then the mask is causal aligned
+        # bottom-right and SDPA runs it as flash attention instead of a materialised mask: a
+        # cold prefill (T == S), a chunk after cached ones or a reused prefix, training.
+        static = cache is not None and cache.static
+        causal = S > 16 and not static and (self.window is None or self.window >= T)
+        if causal:
+            o = attend(q, k, v, None)  # (B, H, S, hd)
+        elif self.window is not None and S > max(16, self.window) and not static:
+            o = windowed_attention(q, k, v, positions, kpos, self.window)
+        else:
+            o = attend(q, k, v, visible_mask(positions, kpos, self.window))
         o = o.transpose(1, 2).reshape(B, S, L, cfg.lane_q_dim)  # each lane gets its own heads
         return self.wo(o)
 
 
+def visible_mask(positions: torch.Tensor, kpos: torch.Tensor, window: int | None):
+    """(S, T) bool: query at positions[i] sees key at kpos[j] (-1: an empty slot)."""
+    visible = (kpos[None, :] <= positions[:, None]) & (kpos[None, :] >= 0)
+    if window is not None:
+        visible &= kpos[None, :] > positions[:, None] - window
+    return visible
+
+
+def windowed_attention(q, k, v, positions, kpos, window: int) -> torch.Tensor:
+    """A chunk longer than its window, in blocks of `window` queries: each block reads the
+    chunk's own keys from one window before it (and the older keys only while they can be
+    visible), so the masked scores are S x 2W instead of S x T.
+
+    q (B, S, H, hd), positions (S,) consecutive; k/v (B, T, H_kv, hd) and kpos (T,): the older
+    keys first (a ring or a cached prefix, T - S of them, any order), then the chunk's own S
+    in order, as the cache returns them. -> (B, H, S, hd)."""
+    S, T = q.shape[1], k.shape[1]
+    old = T - S
+    out = []
+    for a in range(0, S, window):
+        b = min(S, a + window)
+        own = slice(old + max(0, a - window + 1), old + b)  # from the first query's window
+        kb, vb, pb = k[:, own], v[:, own], kpos[own]
+        if a < window - 1 and old:  # older keys are within the first queries' window
+            kb, vb = torch.cat((k[:, :old], kb), 1), torch.cat((v[:, :old], vb), 1)
+            pb = torch.cat((kpos[:old], pb))
+        out.append(attend(q[:, a:b], kb, vb, visible_mask(positions[a:b], pb, window)))
+    return torch.cat(out, dim=2)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None):
-    """q (B, S, H, hd), k/v (B, T, H_kv, hd), visible (S, T) or None (causal, T == S)
-    -> (B, H, S, hd).
+    """q (B, S, H, hd), k/v (B, T, H_kv, hd), visible (S, T) or None (causal, the queries the
+    last S of the T keys) -> (B, H, S, hd).
 
     Few queries (decode, small chunks): grouped matmuls with no KV repetition, softmax in fp32
     (laneformer.md 4.3); CPU SDPA with a mask and GQA is an order of magnitude slower there. Long
-    prefills and training: SDPA.
+    prefills and training: SDPA (fp32 accumulation in its fused kernels), causal when it can.
     """
     B, S, H, hd = q.shape
     Hkv = k.shape[2]
     if S > 16:
+        if visible is None:
+            return causal_attention(q, k, v)
+        q, k, v = q.transpose(1, 2), *_heads_for_sdpa(q, k, v, grouped_ok=False)
         return F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=visible,
-            is_causal=visible is None,
-            enable_gqa=H != Hkv,
+            q, k, v, attn_mask=visible, enable_gqa=H != k.shape[1]
         )
     rep = H // Hkv
     qg = q.reshape(B, S, Hkv, rep, hd).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep * S, hd)
@@ -126,6 +158,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     scores = scores.masked_fill(~visible.repeat(rep, 1), float("-inf"))
     o = scores.softmax(-1).to(v.dtype) @ v.transpose(1, 2)  # (B, H_kv, rep*S, hd)
     return o.reshape(B, Hkv, rep, S, hd).reshape(B, H, S, hd)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Query i (of S) sees keys 0..T-S+i (of T >= S): q (B, S, H, hd), k/v (B, T, H_kv, hd)
+    -> (B, H, S, hd). T == S is SDPA's own causal mask; T > S (queries after a cached prefix)
+    its bottom-right causal bias, flash attention on a GPU, a materialised mask elsewhere."""
+    S, T, H = q.shape[1], k.shape[1], q.shape[2]
+    q, k, v = q.transpose(1, 2), *_heads_for_sdpa(q, k, v, grouped_ok=T == S)  # (B, H., S|T, hd)
+    gqa = H != k.shape[1]
+    if T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    bias = causal_lower_right(S, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
+
+
+def _heads_for_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grouped_ok: bool):
+    """k, v (B, T, H_kv, hd) as (B, H_kv, T, hd); on CUDA repeated to q's H heads unless the
+    call takes grouped heads in a fused kernel (`grouped_ok`: plain causal, flash): a mask or the
+    bottom-right bias with grouped heads falls back to the unfused math kernel (S x T scores in
+    memory), and one copy of K and V costs far less."""
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    rep = q.shape[2] // k.shape[1]
+    if q.is_cuda and rep > 1 and not grouped_ok:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return k, v
 
 
 class FeedForward(nn.Module):

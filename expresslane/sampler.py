@@ -69,9 +69,11 @@ def filter_logits(
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = sorted_x.softmax(-1)
         # drop a token once the mass before it already reaches top_p; the first always stays,
-        # also when a tiny top_p rounds to 0 in fp32 (everything masked would sample NaN)
+        # also when a tiny top_p rounds to 0 in fp32 (everything masked would sample NaN).
+        # fill_, not `drop[..., 0] = False`: on CUDA that assignment copies a host scalar, which
+        # a graph capture refuses (tests/test_capture_safe.py)
         drop = (probs.cumsum(-1) - probs) >= top_p
-        drop[..., 0] = False
+        drop[..., 0].fill_(False)
         x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     if params.min_p > 0.0:
         probs = x.softmax(-1)
@@ -94,7 +96,12 @@ def sample(
 
 
 def logprobs_of(logits: torch.Tensor, token: torch.Tensor, top_n: int):
-    """(chosen token's logprob, top-n ids, top-n logprobs) from raw logits (V,)."""
+    """(chosen token's logprob, top-n ids, top-n logprobs) from raw logits (V,), as device
+    tensors; `token` an int or a device tensor, read with `take`: `lp[token]` would read a
+    0-dim tensor index on the host (a sync)."""
     lp = logits.float().log_softmax(-1)
-    top = torch.topk(lp, top_n) if top_n > 0 else None
-    return (lp[token], None if top is None else top.indices, None if top is None else top.values)
+    chosen = lp[token] if isinstance(token, int) else lp.take(token)
+    if top_n <= 0:
+        return chosen, None, None
+    top = torch.topk(lp, top_n)
+    return chosen, top.indices, top.values

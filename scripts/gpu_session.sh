@@ -28,6 +28,10 @@ for s in "$@"; do
   case " ${STAGES[*]} " in *" $s "*) ;; *) echo "unknown stage '$s' (${STAGES[*]})" >&2; exit 2;; esac
 done
 mkdir -p "$OUT"
+# Every test module with a `gpu` test (tests/test_gpu_session.py checks that none is missing);
+# test_kernels.py stays last: the dry run leaves it out.
+GPU_TESTS=(tests/test_graph.py tests/test_parallel.py tests/test_prefix.py tests/test_speculative.py
+           tests/test_capture_safe.py tests/test_prefill.py tests/test_qgemv.py tests/test_kernels.py)
 
 # stage_command NAME: sets LIMIT (seconds) and CMD (the command line) for a stage.
 stage_command() {
@@ -53,9 +57,8 @@ stage_command() {
            "${peers[@]}" --peer-compile-backend eager) ;;
     tests)  # the GPU tests only (a marker: -k would match module names, every CPU test too)
       LIMIT=420
-      CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider tests/test_graph.py tests/test_parallel.py
-           tests/test_prefix.py tests/test_speculative.py tests/test_qgemv.py tests/test_kernels.py)
-      # the kernel tests take minutes in the interpreter
+      CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider "${GPU_TESTS[@]}")
+      # the quantized-product and kernel tests (the last two) take minutes in the interpreter
       ((DRY)) && unset "CMD[$((${#CMD[@]} - 1))]" "CMD[$((${#CMD[@]} - 2))]" ;;
     kernels)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.kernels --context 1024)

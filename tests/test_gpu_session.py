@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -72,6 +73,17 @@ def test_dry_run_of_every_stage(tmp_path):
     kernels = results["kernels"]["result"]["kernels"]
     assert "decode layer" in kernels and all("error" not in k for k in kernels.values())
     assert results["profile"]["result"]["total"]["us_per_step"] > 0
+
+
+def test_the_tests_stage_runs_every_module_with_a_gpu_test():
+    """A GPU test outside the stage's list would never run on a GPU; test_kernels.py is last
+    (the dry run leaves it out)."""
+    script = SCRIPT.read_text()
+    listed = re.search(r"^GPU_TESTS=\(([^)]*)\)", script, re.M).group(1).split()
+    marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                    if re.search(r"pytest\.mark\.gpu\b", p.read_text()))  # fmt: skip
+    assert sorted(listed) == marked
+    assert listed[-1] == "tests/test_kernels.py"
 
 
 def test_stage_arguments_are_checked(tmp_path):

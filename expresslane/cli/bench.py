@@ -147,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
     name = args.preset or str(checkpoint)
     if args.devices != 1 or launch.torchrun_env():
         return _main_parallel(args, model_cfg, checkpoint, name)
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, model_cfg)
     if device.type == "cpu":  # the same thread count for our engine and the peer
         torch.set_num_threads(_threads(args, model_cfg, 1))
     cfg = _bench_config(args, str(device), peer=not args.no_peer)
@@ -254,7 +254,7 @@ def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path
                           "folder with a tokenizer instead of --preset")  # fmt: skip
     if args.repeats < 1:
         raise ConfigError(f"--repeats {args.repeats}: must be at least 1")
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, model_cfg)
     if device.type == "cpu":
         torch.set_num_threads(_threads(args, model_cfg, 1))
     # both engines as `run` builds them here: on a CPU the packed step (and the packed verify)

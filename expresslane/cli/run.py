@@ -37,7 +37,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="checkpoint folder, .gguf file, or org/name (HF cache, else downloaded); "
         "default: the embedded model",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a GPU if there is one, but the CPU for a model of at most 16 M weights), "
+        "cpu, cuda, cuda:N",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument(
         "--max-model-len",
@@ -150,13 +155,14 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
         return launch.load_lead_engine(args)
     path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
     quantization = getattr(args, "quantization", None)
-    set_cpu_threads(path, args.device, args.dtype, quantization, getattr(args, "threads", None))
+    device = resolve_device(args.device, load_config(resolve_model_dir(path)))  # auto: by size
+    set_cpu_threads(path, str(device), args.dtype, quantization, getattr(args, "threads", None))
     engine = Engine.from_pretrained(
         path,
-        device=args.device,
+        device=str(device),
         dtype=args.dtype,
         max_model_len=args.max_model_len,
-        decode=default_decode(resolve_device(args.device)),
+        decode=default_decode(device),
         compile=getattr(args, "compile", False),
         prefix_reuse=not getattr(args, "no_prefix_reuse", False),
         speculative=speculative_from_args(args),

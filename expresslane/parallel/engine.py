@@ -52,7 +52,7 @@ class ParallelEngine(Engine):
         self,
         model: ParallelLaneformer,
         max_model_len: int | None = None,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 2048,
         role: str = "spmd",
         prefix_reuse: bool = True,
     ):

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-
-from fastapi import Depends
-from starlette.requests import Request
-from starlette.routing import Match
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, RequestError
+
+if TYPE_CHECKING:  # starlette only where a request is served: `serve --help` and the GPU
+    from starlette.requests import Request  # stages import ServeLimits without it
 
 MiB = 1 << 20
 DRAIN_LIMIT = 64 * MiB  # beyond this a refused body is not read to its end: the connection closes
@@ -102,6 +102,8 @@ def allowed_methods(app, scope: dict) -> str:
 
 
 def _methods(routes, scope: dict) -> set[str]:
+    from starlette.routing import Match
+
     methods: set[str] = set()
     for route in routes:
         inner = getattr(getattr(route, "original_router", None), "routes", None)
@@ -116,6 +118,8 @@ def _methods(routes, scope: dict) -> set[str]:
 
 def key_check(svc):
     """The dependency that guards a route with `svc.api_key` (when the server has one): 401."""
+    from fastapi import Depends
+    from starlette.requests import Request
 
     async def require_key(request: Request) -> None:
         if svc.api_key is None:
@@ -131,4 +135,8 @@ def key_check(svc):
                 {"WWW-Authenticate": challenge},
             )
 
+    # FastAPI reads the parameter's type from the annotation; under postponed annotations that is
+    # the string "Request", which this module's globals cannot resolve (starlette is imported
+    # lazily, so that GPU stages import ServeLimits without it): give it the class itself.
+    require_key.__annotations__["request"] = Request
     return Depends(require_key)

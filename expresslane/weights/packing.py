@@ -90,8 +90,10 @@ def load_packed(
     progress: bool = True,
 ) -> Laneformer:  # fmt: skip
     """A checkpoint loaded and packed as the flags say (load_plan): what `run` decodes with."""
-    from ..checkpoint import load_model
+    from ..checkpoint import load_config, load_model, resolve_model_dir
 
+    if device == "auto":  # once, by the model's size: the plan and the load must agree
+        device = str(resolve_device(device, load_config(resolve_model_dir(path))))
     load_dtype, fmt = load_plan(device, dtype, quantization, path)
     model = load_model(path, device=device, dtype=load_dtype, progress=progress)
     if fmt == "gguf":  # the file's quantized blocks, kept as they are where a kernel reads them
