@@ -381,5 +381,5 @@ def test_engine_with_fused_kernels_equals_reference_generate(monkeypatch):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = reference_generate(model, prompt, params, stop_ids=set())
     engine = Engine(model, max_model_len=16, decode="graph", kernels="on", steps_per_replay=2)
-    assert engine.decoder is not None and engine.decoder.kernels
+    assert engine.step_name == "fused kernels" and engine.step.kernels
     assert list(engine.generate(prompt, params)) == expected
