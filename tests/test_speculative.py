@@ -113,6 +113,25 @@ def test_static_verify_step_equals_plain_greedy(lane, k, steps):
     assert not flips, flips
 
 
+@pytest.mark.parametrize("kernels", ["on", "off"])  # the fused step (its references), forward
+def test_greedy_speculation_is_the_plain_step_bit_for_bit(lane, kernels):
+    """The verify runs the engine's own step over k + 1 rows (DecodeGraph(step, width=k + 1)),
+    so greedy speculation is plain greedy decoding of that step exactly: for the fused GPU step
+    (here its reference kernels, the wiring a GPU runs) and for the model's forward."""
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    drafted = 0
+    for prompt in prompts(2, seed=3):
+        plain = Engine(lane, max_model_len=128, decode="graph", kernels=kernels)
+        want = list(plain.generate(prompt, params))
+        for k in (2, 5):
+            eng = Engine(lane, max_model_len=128, decode="graph", kernels=kernels,
+                         speculative=spec(k))  # fmt: skip
+            assert type(eng.step) is type(plain.step)
+            assert list(eng.generate(prompt, params)) == want, (prompt, k)
+            drafted += eng.stats.extra["speculative"]["draft_tokens"]
+    assert drafted > 0
+
+
 def test_verify_step_is_the_forward_and_the_acceptance_rule(lane):
     """One verify of the same drafts through DecodeGraph(step, width=k + 1): the tokens of
     `accept` on the model's forward over the k + 1 rows, the same sampled draw, and a cache

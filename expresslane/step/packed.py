@@ -237,7 +237,12 @@ class PackedDecoder:
     ) -> torch.Tensor:
         """The token after the last of `tokens`, 0-d (greedy: the logits' argmax, in the head)."""
         tokens = tokens.view(-1)
-        if self.step is None and params.greedy and tokens.shape[0] == 1:
+        if tokens.shape[0] == 1 and self.step is not None:  # the C head's own argmax
+            at = int(position)
+            h = self.step.hidden_tokens(tokens, at, max(self._live(), at + 1))
+            best, logits = self.step.head(h[0])  # logits: the step's buffer, not copied
+            return torch.tensor(best) if params.greedy else sample(logits, params, generator, knobs)
+        if tokens.shape[0] == 1 and params.greedy:
             return self._run_head(self.hidden(tokens, position), greedy=True)
         logits = self.forward(tokens, position)[-1]
         return logits.argmax() if params.greedy else sample(logits, params, generator, knobs)
