@@ -30,16 +30,13 @@ from .speculative.decoder import SpeculativeDecoder
 from .speculative.drafting import SpeculativeConfig
 from .step.choose import choose_step
 from .step.fused import MAX_OVERRUN
-from .step.graph import DecodeGraph, all_buckets, committed_tokens
+from .step.graph import DecodeGraph, committed_tokens
 from .weights.packing import load_packed
 
 # The sampler structures captured at load on a GPU: greedy, plain sampling and top-p (what chat
 # UIs send). Others (top-k, min-p) run uncaptured until the engine is idle (`capture_pending`).
-PREPARED = (
-    SamplingParams(),
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=1.0, top_p=0.9),
-)
+PREPARED = (SamplingParams(), SamplingParams(temperature=1.0),
+            SamplingParams(temperature=1.0, top_p=0.9))  # fmt: skip
 
 
 @dataclass
@@ -103,10 +100,8 @@ class Engine:
         self.prefix = PrefixReuse(self.cache, enabled=prefix_reuse)
         self.stats = Stats()
         if not 1 <= steps_per_replay <= MAX_OVERRUN:
-            raise RequestError(
-                f"steps_per_replay={steps_per_replay}: expected 1..{MAX_OVERRUN}",
-                "steps_per_replay",
-            )
+            why = f"steps_per_replay={steps_per_replay}: expected 1..{MAX_OVERRUN}"
+            raise RequestError(why, "steps_per_replay")
         self.steps_per_replay = steps_per_replay
         # the step (step/choose.py): eager forward, packed CPU (C layers) or fused GPU kernels
         choice = choose_step(model, self.cache, decode, kernels, compile)
@@ -134,12 +129,9 @@ class Engine:
         if key not in self._graphs:
             t = time.perf_counter()
             self._graphs[key] = DecodeGraph(
-                self.step,
-                params,
-                steps=self.steps_per_replay,
-                capture=self.capture,
+                self.step, params, steps=self.steps_per_replay, capture=self.capture,
                 compile=self._compile_graph,
-            )
+            )  # fmt: skip
             if self.compile:  # compile now (the graph or the step's layer), before the clock
                 self._graphs[key].warm_up(runs=1)
                 self.compile_s += time.perf_counter() - t
@@ -162,19 +154,14 @@ class Engine:
         return spent
 
     def _pending(self) -> list[tuple[DecodeGraph, int]]:
-        graphs = list(self._graphs.values())
-        if self.speculator is not None:
-            graphs += list(self.speculator.graphs.values())
-        return [(g, live) for g in graphs if g.capture and g.missing
-                for live in all_buckets(self.cache.max_len) if live not in g.graphs]  # fmt: skip
+        spec = self.speculator.graphs.values() if self.speculator is not None else ()
+        return [(g, b) for g in (*self._graphs.values(), *spec) for b in g.pending()]
 
     def capture_pending(self, limit: int | None = 1) -> float:
-        """Capture up to `limit` graphs (buckets) that requests ran uncaptured (a sampler
-        structure not prepared at load; all of that structure's buckets follow): for an idle
-        engine, so that a request arriving meanwhile waits for one capture at most."""
-        spent = 0.0
-        for graph, live in self._pending()[:limit]:
-            spent += graph.capture_buckets([live])
+        """Capture up to `limit` buckets that requests ran uncaptured (a sampler structure not
+        prepared at load: all its buckets follow), for an idle engine: a request arriving
+        meanwhile waits for one capture at most."""
+        spent = sum(g.capture_buckets([b]) for g, b in self._pending()[:limit])
         self.capture_s += spent
         return spent
 

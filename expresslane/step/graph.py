@@ -242,6 +242,13 @@ class DecodeGraph:
         self._restore(snap)  # capture records the work; nothing may look advanced
         self.graphs[live] = graph
 
+    def pending(self) -> list[int]:
+        """The buckets still to capture once a replay ran uncaptured (`missing`): all of them,
+        as the request that ran one will likely reach the next."""
+        if not (self.capture and self.missing):
+            return []
+        return [b for b in all_buckets(self.cache.max_len) if b not in self.graphs]
+
     def capture_buckets(self, buckets: list[int] | None = None) -> float:
         """Capture the graphs of `buckets` (default: every bucket of the cache) that are not
         captured yet; off the request path (at load, between requests). Returns the seconds."""
