@@ -8,7 +8,7 @@ the `cancel` event or simply stop iterating. `generate_steps` is the one generat
 parallel engine changes it through small hooks (request start, go on?, token pick, early end).
 `reference_generate` beside it recomputes the whole sequence at every step with no cache: the
 slow path every fast path is compared with. With a `SpeculativeConfig` the tokens after the first
-come from spec_decode.py (prompt-lookup drafts verified in one call), through the same loop.
+come from speculative/decoder.py (prompt-lookup drafts verified in one call), through the same loop.
 """
 
 from __future__ import annotations
@@ -23,16 +23,20 @@ import torch
 from .cache import KVCache
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
-from .kernels import use_triton
 from .model import Laneformer
 from .prefix import PrefixReuse
 from .sampler import logprobs_of, make_generator, sample, structure_key
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.drafting import SpeculativeConfig
-from .step.fused import MAX_OVERRUN, FusedDecoder, supports
+from .step.choose import choose_step
+from .step.fused import MAX_OVERRUN
 from .step.graph import DecodeGraph, committed_tokens
-from .step.packed import PackedDecoder
 from .weights.packing import load_packed
+
+# The sampler structures captured at load on a GPU: greedy, plain sampling and top-p (what chat
+# UIs send). Others (top-k, min-p) run uncaptured until the engine is idle (`capture_pending`).
+PREPARED = (SamplingParams(), SamplingParams(temperature=1.0),
+            SamplingParams(temperature=1.0, top_p=0.9))  # fmt: skip
 
 
 @dataclass
@@ -77,7 +81,9 @@ class Engine:
         compile: bool = False,
         prefix_reuse: bool = True,
         speculative: SpeculativeConfig | None = None,
+        capture: bool | None = None,
     ):
+        """`capture`: CUDA graphs for the static step (default: on CUDA), all captured at load."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.max_len = max_model_len or self.cfg.max_position_embeddings
@@ -88,71 +94,84 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # Speculation writes k draft positions ahead: rings get k slots of headroom (verify.py)
+        # Speculation writes k draft positions ahead: rings get k slots of headroom (cache.py)
         headroom = speculative.num_speculative_tokens if speculative else 0
         self.cache = KVCache(self.cfg, self.max_len, self.device, self.dtype, headroom=headroom)
         self.prefix = PrefixReuse(self.cache, enabled=prefix_reuse)
-        self.speculator = SpeculativeDecoder(self, speculative) if speculative else None
         self.stats = Stats()
-        # "graph": decode from static buffers (captured on CUDA, eager elsewhere); "eager": the
-        # plain loop. auto = graph on CUDA or with quantized packed weights, else eager on a CPU
-        # (the CLI asks for graph there: the packed step, packed_step.py).
-        if decode not in ("auto", "graph", "eager"):
-            raise RequestError(f"decode={decode!r}: expected auto, graph or eager", "decode")
-        packed = getattr(model, "packed", None)  # quantized weights: the packed step reads them
-        quantized = packed is not None and packed.formats != {"float32"}
-        if (compile or kernels == "on" or quantized) and decode == "auto":
-            decode = "graph"  # compilation, the fused and the packed steps need the static step
-        self.compile = compile
-        self.decode = (
-            ("graph" if self.device.type == "cuda" else "eager") if decode == "auto" else decode
-        )
         if not 1 <= steps_per_replay <= MAX_OVERRUN:
-            raise RequestError(
-                f"steps_per_replay={steps_per_replay}: expected 1..{MAX_OVERRUN}",
-                "steps_per_replay",
-            )
+            why = f"steps_per_replay={steps_per_replay}: expected 1..{MAX_OVERRUN}"
+            raise RequestError(why, "steps_per_replay")
         self.steps_per_replay = steps_per_replay
+        # the step (step/choose.py): eager forward, packed CPU (C layers) or fused GPU kernels
+        choice = choose_step(model, self.cache, decode, kernels, compile)
+        self.step, self.decode, self.step_name = choice.step, choice.decode, choice.name
+        self._compile_graph = choice.compile_graph
+        self.compile = compile
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.speculator = None
+        if speculative:
+            capture_verify = self.capture and self.decode == "graph"
+            self.speculator = SpeculativeDecoder(self.step, self.cache, speculative,
+                                                 capture=capture_verify)  # fmt: skip
         self._graphs: dict[tuple, DecodeGraph] = {}
-        # The fused-kernel step replaces the model's forward inside the decode graph: auto = on
-        # where the Triton kernels run (CUDA), "on" forces it (their references elsewhere).
-        if kernels not in ("auto", "on", "off"):
-            raise RequestError(f"kernels={kernels!r}: expected auto, on or off", "kernels")
-        if kernels == "on" and (self.decode != "graph" or not supports(model)):
-            why = "decode='eager'" if self.decode != "graph" else "attention biases (qwen2)"
-            raise RequestError(f"kernels='on': the fused decode step cannot run with {why}",
-                               "kernels")  # fmt: skip
-        want = kernels == "on" or (kernels == "auto" and use_triton(p) and supports(model))
-        self.decoder = FusedDecoder(model, self.cache) if want and self.decode == "graph" else None
-        gpu_quantized = getattr(model, "gpu_quantization", None) is not None  # kernels/qlinear.py
-        if (self.decoder is None and kernels == "auto" and self.decode == "graph" and not want
-                and not gpu_quantized):  # fmt: skip
-            # off CUDA: the step on packed weights (one Q/K/V and one gate/up product per layer),
-            # which compiles its own layer and head (one graph each, not the whole step)
-            self.decoder = PackedDecoder(model, self.cache, compile=compile)
         self.compile_s = 0.0  # seconds spent compiling decode steps: at load, not in requests
-        if compile:
+        self.capture_s = 0.0  # seconds spent capturing graphs: at load or between requests
+        if compile and self.decode == "graph":
             self._graph_for(SamplingParams())  # the greedy step; other samplers at first use
+        if self.capture and self.decode == "graph":
+            self.capture_graphs(PREPARED)
 
     def _graph_for(self, params: SamplingParams) -> DecodeGraph:
-        """One captured graph per sampler structure; values and seed are loaded per request."""
+        """One graph per sampler structure; values and seed are loaded per request. Making
+        one captures nothing (`capture_graphs` does, off the request path)."""
         key = structure_key(params)
         if key not in self._graphs:
             t = time.perf_counter()
             self._graphs[key] = DecodeGraph(
-                self.model,
-                self.cache,
-                params,
-                steps=self.steps_per_replay,
-                decoder=self.decoder,
-                compile=self.compile and not isinstance(self.decoder, PackedDecoder),
-            )
-            if self.compile:  # compile now, before the request's clock starts
+                self.step, params, steps=self.steps_per_replay, capture=self.capture,
+                compile=self._compile_graph,
+            )  # fmt: skip
+            if self.compile:  # compile now (the graph or the step's layer), before the clock
                 self._graphs[key].warm_up(runs=1)
                 self.compile_s += time.perf_counter() - t
         graph = self._graphs[key]
         graph.set_params(params)
         return graph
+
+    def capture_graphs(self, structures=PREPARED) -> float:
+        """Capture every live bucket of the decode (and verify) graphs of these sampler
+        structures; at load (`PREPARED`) and whenever the engine is idle (`capture_pending`),
+        never inside a request. Returns the seconds spent (also added to `capture_s`)."""
+        spent = 0.0
+        for params in structures:
+            graph = self._graph_for(params)
+            spent += graph.capture_buckets()
+            if self.speculator is not None:
+                vg = self.speculator.verify_graph(params, graph.generator, capture=True)
+                spent += vg.capture_buckets()
+        self.capture_s += spent
+        return spent
+
+    def _pending(self) -> list[tuple[DecodeGraph, int]]:
+        spec = self.speculator.graphs.values() if self.speculator is not None else ()
+        return [(g, b) for g in (*self._graphs.values(), *spec) for b in g.pending()]
+
+    def capture_pending(self, limit: int | None = 1) -> float:
+        """Capture up to `limit` buckets that requests ran uncaptured (a sampler structure not
+        prepared at load: all its buckets follow), for an idle engine: a request arriving
+        meanwhile waits for one capture at most."""
+        spent = sum(g.capture_buckets([b]) for g, b in self._pending()[:limit])
+        self.capture_s += spent
+        return spent
+
+    # the server's engine thread calls idle() every idle_interval seconds while it has no job
+    @property
+    def idle_interval(self) -> float | None:
+        return 0.01 if self._pending() else None
+
+    def idle(self) -> None:
+        self.capture_pending()
 
     @classmethod
     def from_pretrained(

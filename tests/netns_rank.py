@@ -21,10 +21,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from expresslane.cli.launch import init_distributed
 from expresslane.config import SamplingParams
 from expresslane.parallel import ParallelEngine, load_shard
 from expresslane.parallel.exchange import gather_vocab
+from expresslane.parallel.launch import init_distributed
 from expresslane.parallel.rendezvous import GroupLostError, Rendezvous, parse_endpoint
 
 PROMPT = [1, 17, 40, 5, 88, 23, 9, 61]

@@ -77,7 +77,7 @@ def test_threads_split_rows_and_change_nothing():
 )
 def test_c_layers_equal_the_python_layers(fmt, head_dim):
     """NativeStep (one C call per layer) against the same packed weights run by the Python
-    layer (decode_layer), token by token over a ring that wraps: logits and the cache."""
+    layer (packed.layer), token by token over a ring that wraps: logits and the cache."""
     from test_packed_step import PROMPT, llama
 
     from expresslane.cache import KVCache
@@ -96,9 +96,9 @@ def test_c_layers_equal_the_python_layers(fmt, head_dim):
         dec = PackedDecoder(model, cache, native=native)
         assert (dec.step is not None) == native
         with torch.no_grad():
-            logits = [dec.logits(torch.tensor([[t]]), torch.tensor([i])) for i, t in
+            logits = [dec.forward(torch.tensor([t]), torch.tensor([i])) for i, t in
                       enumerate(PROMPT + PROMPT)]  # fmt: skip
-        out[native] = torch.stack(logits), cache
+        out[native] = torch.cat(logits), cache
     (a, ca), (b, cb) = out[True], out[False]
     # fp32 / fp16: summation order; bf16: x to 16 bits; integer formats: x to 16-bit fixed point
     scale = b.abs().max().item()

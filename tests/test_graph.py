@@ -10,6 +10,8 @@ import torch
 
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine, reference_generate
+from expresslane.step.fused import FusedDecoder
+from expresslane.step.protocol import EagerStep
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_fused_step_with_reference_kernels_equals_forward(extra):
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     ref = reference_generate(m, PROMPT, params, stop_ids=set())
     eng = Engine(m, max_model_len=80, decode="graph", kernels="on", steps_per_replay=2)
-    assert eng.decoder is not None and not eng.decoder.kernels
+    assert isinstance(eng.step, FusedDecoder) and not eng.step.kernels
     assert list(eng.generate(PROMPT, params)) == ref
     sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=4, ignore_eos=True)
     eager = list(Engine(m, max_model_len=80, decode="eager").generate(PROMPT, sampled))
@@ -203,7 +205,7 @@ def test_graph_sampling_follows_the_filtered_distribution(model, device):
         ref = m(torch.tensor([[5]], device=device), cache=eng.cache)[0, -1]
     eng.prefill(PROMPT)  # the reference step above advanced the cache: start over
     probs = filter_logits(ref.cpu().double(), params).softmax(-1)
-    graph = DecodeGraph(m, eng.cache, params, steps=1)
+    graph = DecodeGraph(EagerStep(m, eng.cache), params, steps=1)
     n = 4000 if device == "cuda" else 2000
     counts = torch.zeros(probs.shape[0], dtype=torch.float64)
     for _ in range(n):
@@ -227,9 +229,9 @@ def test_no_host_synchronisation_inside_the_replay_loop(model):
         params = SamplingParams(temperature=0.9, top_p=0.9, seed=2)
         eng = Engine(m, max_model_len=300, decode="graph")
         eng.prefill(PROMPT)
-        graph = DecodeGraph(m, eng.cache, params, steps=4)
+        graph = DecodeGraph(EagerStep(m, eng.cache), params, steps=4)
         graph.load(torch.tensor(5, device="cuda"), position=len(PROMPT))
-        graph.run()  # capture (synchronises, by design)
+        graph.capture_buckets([graph.live()])  # synchronises, by design: never in a request
         host = torch.empty(4, dtype=torch.long, pin_memory=True)
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -381,5 +381,26 @@ def test_engine_with_fused_kernels_equals_reference_generate(monkeypatch):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = reference_generate(model, prompt, params, stop_ids=set())
     engine = Engine(model, max_model_len=16, decode="graph", kernels="on", steps_per_replay=2)
-    assert engine.decoder is not None and engine.decoder.kernels
+    assert engine.step_name == "fused kernels" and engine.step.kernels
     assert list(engine.generate(prompt, params)) == expected
+
+
+def test_speculation_on_the_fused_kernels_is_the_plain_fused_step(monkeypatch):
+    """The verify runs the fused step over k + 1 rows (kernels interpreted here): greedy output
+    is the plain fused step's, token for token (the GPU's test_speculative asserts it there)."""
+    import tiny
+
+    from expresslane.config import SamplingParams
+    from expresslane.engine import Engine
+    from expresslane.speculative.drafting import SpeculativeConfig
+
+    monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
+    model = tiny.laneformer(seed=2, sliding_window=4, max_position_embeddings=64).to(DEVICE)
+    prompt = [1, 5, 9, 1, 5, 9, 1]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = Engine(model, max_model_len=24, decode="graph", kernels="on")
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1)
+    engine = Engine(model, max_model_len=24, decode="graph", kernels="on", speculative=spec)
+    assert engine.step.kernels
+    assert list(engine.generate(prompt, params)) == list(plain.generate(prompt, params))
+    assert engine.stats.extra["speculative"]["verify_steps"] > 0

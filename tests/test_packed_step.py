@@ -15,6 +15,7 @@ from expresslane.engine import Engine, reference_generate
 from expresslane.model import Laneformer, init_weights
 from expresslane.step.graph import MIN_BUCKET, DecodeGraph, live_bucket
 from expresslane.step.packed import PackedDecoder
+from expresslane.step.protocol import EagerStep
 from expresslane.weights.packing import load_plan, pack_model
 from expresslane.weights.quant import FORMATS
 
@@ -48,8 +49,8 @@ def _step_logits(model: Laneformer, fmt: str | None) -> tuple[torch.Tensor, torc
         cache = KVCache(model.cfg, max_len=32)
         cache.static = True
         dec = PackedDecoder(model, cache)
-        steps = [dec.logits(tokens[:, i : i + 1], torch.tensor([i])) for i in range(len(PROMPT))]
-    return full, torch.stack(steps)
+        steps = [dec.forward(tokens[0, i : i + 1], torch.tensor([i])) for i in range(len(PROMPT))]
+    return full, torch.cat(steps)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -104,9 +105,11 @@ def test_quantized_model_is_the_model_with_dequantized_weights(fmt):
 
 def test_engine_on_a_cpu_takes_the_packed_step_and_kernels_off_the_models_own():
     model = tiny.laneformer(seed=3)
-    assert isinstance(Engine(model, max_model_len=32, decode="graph").decoder, PackedDecoder)
-    assert Engine(model, max_model_len=32, decode="graph", kernels="off").decoder is None
-    assert Engine(model, max_model_len=32).decoder is None  # eager decode: the forward
+    assert isinstance(Engine(model, max_model_len=32, decode="graph").step, PackedDecoder)
+    off = Engine(model, max_model_len=32, decode="graph", kernels="off")
+    assert isinstance(off.step, EagerStep) and off.decode == "graph"
+    eager = Engine(model, max_model_len=32)  # eager decode: the forward
+    assert isinstance(eager.step, EagerStep) and eager.decode == "eager"
 
 
 def _poisoned(engine: Engine, written: int) -> Engine:
@@ -140,8 +143,8 @@ def test_compiled_step_equals_forward_without_the_c_kernels():
         cache.static = True
         dec = PackedDecoder(model, cache, compile=True, native=False)
         assert dec.compiled and dec.step is None
-        steps = [dec.logits(tokens[:, i : i + 1], torch.tensor([i])) for i in range(len(PROMPT))]
-    torch.testing.assert_close(torch.stack(steps), full, rtol=1e-4, atol=1e-4)
+        steps = [dec.forward(tokens[0, i : i + 1], torch.tensor([i])) for i in range(len(PROMPT))]
+    torch.testing.assert_close(torch.cat(steps), full, rtol=1e-4, atol=1e-4)
 
 
 def test_engine_int8_step_equals_reference_and_reads_only_live_slots():
@@ -165,10 +168,10 @@ def test_captured_graphs_bucket_the_live_bound():
     assert live_bucket(5000, 8192) == 8192 and live_bucket(5000, 6000) == 6000
     model = tiny.laneformer(seed=3)
     cache = KVCache(model.cfg, max_len=1000)
-    graph = DecodeGraph(model, cache, SamplingParams(), steps=4, capture=True)
+    graph = DecodeGraph(EagerStep(model, cache), SamplingParams(), steps=4, capture=True)
     graph.load(torch.tensor(5), position=300)
     assert graph.live() == 512  # positions 300..303 in the 512 bucket
-    eager = DecodeGraph(model, cache, SamplingParams(), steps=4, capture=False)
+    eager = DecodeGraph(EagerStep(model, cache), SamplingParams(), steps=4, capture=False)
     eager.load(torch.tensor(5), position=300)
     assert eager.live() == 304
 

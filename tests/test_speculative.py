@@ -100,7 +100,7 @@ def test_greedy_identity_over_prompts_and_k(which, request):
 def test_static_verify_step_equals_plain_greedy(lane, k, steps):
     """The graph-capable verify (static buffers, acceptance on the device), run eagerly, with
     plain steps from the decode graph (`steps` per replay). kernels="off": the model's forward
-    as the step (on a CPU the packed step would verify with packed_verify instead)."""
+    as the step (on a CPU kernels="auto" is the packed step, test_packed_verify.py)."""
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     flips = []
     for prompt in prompts(3, seed=k):
@@ -113,9 +113,32 @@ def test_static_verify_step_equals_plain_greedy(lane, k, steps):
     assert not flips, flips
 
 
-def test_static_and_eager_verify_agree_on_one_step(lane):
-    """One verify of the same drafts: same tokens, same visible cache, same sampled draw."""
-    from expresslane.speculative.verify import VerifyGraph, verify_eager
+@pytest.mark.parametrize("kernels", ["on", "off"])  # the fused step (its references), forward
+def test_greedy_speculation_is_the_plain_step_bit_for_bit(lane, kernels):
+    """The verify runs the engine's own step over k + 1 rows (DecodeGraph(step, width=k + 1)),
+    so greedy speculation is plain greedy decoding of that step exactly: for the fused GPU step
+    (here its reference kernels, the wiring a GPU runs) and for the model's forward."""
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    drafted = 0
+    for prompt in prompts(2, seed=3):
+        plain = Engine(lane, max_model_len=128, decode="graph", kernels=kernels)
+        want = list(plain.generate(prompt, params))
+        for k in (2, 5):
+            eng = Engine(lane, max_model_len=128, decode="graph", kernels=kernels,
+                         speculative=spec(k))  # fmt: skip
+            assert type(eng.step) is type(plain.step)
+            assert list(eng.generate(prompt, params)) == want, (prompt, k)
+            drafted += eng.stats.extra["speculative"]["draft_tokens"]
+    assert drafted > 0
+
+
+def test_verify_step_is_the_forward_and_the_acceptance_rule(lane):
+    """One verify of the same drafts through DecodeGraph(step, width=k + 1): the tokens of
+    `accept` on the model's forward over the k + 1 rows, the same sampled draw, and a cache
+    that holds the kept drafts only (the rejected slots emptied)."""
+    from expresslane.speculative.drafting import accept
+    from expresslane.step.graph import DecodeGraph
+    from expresslane.step.protocol import EagerStep
 
     prompt = prompts(1)[0]
     drafts = [9, 30, 11, 5]
@@ -123,16 +146,21 @@ def test_static_and_eager_verify_agree_on_one_step(lane):
         a = Engine(lane, max_model_len=64, speculative=spec(4))
         a.prefill(prompt)
         g = None if params.greedy else torch.Generator().manual_seed(7)
-        got_eager, _ = verify_eager(lane, a.cache, 7, drafts, params, g)
+        with torch.no_grad():
+            logits = lane(torch.tensor([[7, *drafts]]), cache=a.cache)[0].float()
+        kept, tokens = accept(logits, torch.tensor(drafts), params, g)
+        want = tokens[: int(kept) + 1].tolist()
         b = Engine(lane, max_model_len=64, speculative=spec(4))
         b.prefill(prompt)
         g = None if params.greedy else torch.Generator().manual_seed(7)
-        vg = VerifyGraph(lane, b.cache, params, 4, g)
+        vg = DecodeGraph(EagerStep(lane, b.cache), params, width=5, generator=g)
         vg.load_drafts(7, drafts, position=len(prompt))
-        out = vg.verify()
-        assert out[1 : out[0] + 2] == got_eager
+        out = vg.run().tolist()
+        assert out[1 : out[0] + 2] == want
+        torch.testing.assert_close(vg.rows, logits, rtol=1e-5, atol=1e-5)
         for pa, pb in zip(a.cache.pos, b.cache.pos, strict=True):
-            assert torch.equal(pa, pb)
+            kept_upto = len(prompt) + int(kept) + 1
+            assert torch.equal(pa.masked_fill(pa >= kept_upto, -1), pb)
 
 
 # --- sampling -------------------------------------------------------------------------------
@@ -300,20 +328,23 @@ def test_cuda_captured_verify_equals_eager_decoding(lane):
     m = copy.deepcopy(lane).to("cuda")
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     flips = []
+    step = Engine(m, max_model_len=128, decode="graph")  # the fused step where triton runs
     for prompt in prompts(4, seed=9):
         plain = list(Engine(m, max_model_len=128, decode="eager").generate(prompt, params))
         eng = Engine(m, max_model_len=128, decode="graph", speculative=spec(5))
-        assert_identical(m, prompt, plain, list(eng.generate(prompt, params)), flips)
-        assert all(g.graph is not None for g in eng.speculator.graphs.values())  # captured
+        got = list(eng.generate(prompt, params))
+        assert got == list(step.generate(prompt, params))  # the same step: bit for bit
+        assert_identical(m, prompt, plain, got, flips)  # the forward: a near tie may flip
+        assert all(g.graphs and not g.missing for g in eng.speculator.graphs.values())
         assert eng.stats.extra["speculative"]["verify_steps"] > 0
-    print(f"\ncuda: {len(flips)} near-tie flips {flips}")
+    print(f"\ncuda: {len(flips)} near-tie flips against the forward {flips}")
 
 
 @pytest.mark.gpu
 @cuda
 def test_cuda_captured_and_eager_verify_draw_the_same_tokens(lane):
     """One sampled verify step, captured and not, from the same state and seed."""
-    from expresslane.speculative.verify import VerifyGraph
+    from expresslane.step.graph import DecodeGraph
 
     m = copy.deepcopy(lane).to("cuda")
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=1)
@@ -323,11 +354,13 @@ def test_cuda_captured_and_eager_verify_draw_the_same_tokens(lane):
         eng = Engine(m, max_model_len=64, speculative=spec(4))
         eng.prefill(prompt)
         gen = torch.Generator("cuda").manual_seed(3)
-        vg = VerifyGraph(m, eng.cache, params, 4, gen, capture=capture)
+        vg = DecodeGraph(eng.step, params, width=5, capture=capture, generator=gen)
+        vg.load_drafts(5, [6, 7, 8, 9], len(prompt))
+        vg.capture_buckets([vg.live()])
         got = []
         for _ in range(6):  # same inputs each step (the cache is rewritten alike)
             vg.load_drafts(5, [6, 7, 8, 9], len(prompt))
-            got.append(vg.verify())
+            got.append(vg.run().tolist())
         outs.append(got)
     assert outs[0] == outs[1]
 
@@ -335,16 +368,17 @@ def test_cuda_captured_and_eager_verify_draw_the_same_tokens(lane):
 @pytest.mark.gpu
 @cuda
 def test_cuda_verify_replays_do_not_synchronise(lane):
-    from expresslane.speculative.verify import VerifyGraph
+    from expresslane.step.graph import DecodeGraph
 
     m = copy.deepcopy(lane).to("cuda")
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=2)
     eng = Engine(m, max_model_len=64, speculative=spec(4))
     prompt = prompts(1)[0]
     eng.prefill(prompt)
-    vg = VerifyGraph(m, eng.cache, params, 4, torch.Generator("cuda").manual_seed(2))
+    gen = torch.Generator("cuda").manual_seed(2)
+    vg = DecodeGraph(eng.step, params, width=5, generator=gen)
     vg.load_drafts(5, [6, 7, 8, 9], len(prompt))
-    vg.run()  # capture (synchronises, by design)
+    vg.capture_buckets([vg.live()])  # synchronises, by design: never in a request
     host = torch.empty(6, dtype=torch.long, pin_memory=True)
     torch.cuda.set_sync_debug_mode("error")
     try:

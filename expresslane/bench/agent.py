@@ -36,10 +36,10 @@ import torch
 
 from ..assets import default_model_dir
 from ..checkpoint import load_model
-from ..cli.launch import free_port
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError, ExpressLaneError
+from ..parallel.launch import free_port
 from ..textgen import generate_text
 from ..tokenizer import Tokenizer
 

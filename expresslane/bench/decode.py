@@ -35,8 +35,7 @@ import torch
 from ..checkpoint import load_model, resolve_device, resolve_dtype
 from ..config import ModelConfig, SamplingParams
 from ..engine import Engine
-from ..step.native import default_decode
-from ..step.packed import PackedDecoder
+from ..step.choose import default_decode
 from .ceiling import bytes_per_token
 from .peers import PeerSetup, Timer, make_peer, prompt_ids
 
@@ -136,14 +135,16 @@ class EngineRunner:
 
     def flags(self) -> dict:
         """What this variant really ran: a captured CUDA graph, Triton kernels, PDL."""
-        dec = self.engine.decoder
-        graph = any(g.graph is not None for g in self.engine._graphs.values())
-        if isinstance(dec, PackedDecoder):  # a CPU
-            step = "packed, C layers" if dec.step is not None else "packed"
-            return {"cuda_graph": graph, "fused_kernels": False, "pdl": False, "step": step}
-        fused = dec is not None and dec.kernels
+        eng = self.engine
+        graph = any(g.graphs for g in eng._graphs.values())
+        if eng.step_name.startswith("packed"):  # a CPU
+            return {"cuda_graph": graph, "fused_kernels": False, "pdl": False,
+                    "step": eng.step_name}  # fmt: skip
+        fused = eng.step_name == "fused kernels" and eng.step.kernels
         pdl = fused and self._pdl_now()
-        step = "forward" if dec is None else "fused" if fused else "fused (reference twins)"
+        step = "fused" if fused else eng.step_name
+        if eng.step_name == "fused kernels" and not fused:
+            step = "fused (reference twins)"
         return {"cuda_graph": graph, "fused_kernels": fused, "pdl": pdl, "step": step}
 
     def close(self) -> None:

@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import save_model
-from ..cli.launch import spawn
 from ..config import ModelConfig
 from ..model import Laneformer, init_weights
 from ..parallel import ParallelEngine, load_shard, rendezvous
 from ..parallel.exchange import sample_sharded
+from ..parallel.launch import spawn
 
 PROMPT = [1, 17, 40, 5, 88, 23, 9, 61, 3, 14, 15, 92, 65, 35, 89, 79]
 MODES = ("tp", "dtp")

@@ -63,10 +63,11 @@ def eager_step_kernels(model_ref: str, max_len: int = 4096) -> dict[str, int]:
     from ..cache import KVCache
     from ..config import SamplingParams
     from ..step.graph import DecodeGraph
+    from ..step.protocol import EagerStep
 
     cfg, model = _meta_model(model_ref)
     cache = KVCache(cfg, max_len, "meta", torch.bfloat16)
-    graph = DecodeGraph(model, cache, SamplingParams(temperature=0.0), capture=False)
+    graph = DecodeGraph(EagerStep(model, cache), SamplingParams(temperature=0.0), capture=False)
     counter = _KernelCount()
     with counter:
         graph.run()  # capture=False: the step itself, eagerly, in the cache's static mode

@@ -116,9 +116,10 @@ def profile_step(model, engine, context: int, steps: int, capture: bool):
     g = torch.Generator().manual_seed(context)
     prompt = torch.randint(3, model.cfg.vocab_size, (context,), generator=g).tolist()
     logits = engine.prefill(prompt)
-    graph = DecodeGraph(model, engine.cache, params, decoder=engine.decoder, capture=capture)
+    graph = DecodeGraph(engine.step, params, capture=capture)
     graph.load(logits.argmax(), position=context)
-    graph.run()  # capture (or a warm run); replays below start one position on
+    graph.capture_buckets([graph.live()])
+    graph.run()  # a warm run; replays below start one position on
     graph.load(logits.argmax(), position=context)
     cuda = engine.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU]
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(cfg, dev, dt)
     engine = Engine(model, max_model_len=args.context + 2 * args.steps + 8, kernels=args.kernels)
     cuda = dev.type == "cuda"
-    fused = engine.decoder is not None and engine.decoder.kernels
+    fused = engine.step_name == "fused kernels" and engine.step.kernels
     mode = "graph replay" if cuda else "eager (CPU)"
     prof = profile_step(model, engine, args.context, args.steps, capture=cuda)
     evs = _events(prof, cuda)

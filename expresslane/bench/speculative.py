@@ -29,7 +29,6 @@ from ..config import SamplingParams
 from ..engine import Engine
 from ..model import Laneformer
 from ..speculative.drafting import SpeculativeConfig
-from ..step.packed import PackedDecoder
 from .spec_workloads import KINDS, WORKLOADS, Workload
 
 
@@ -103,16 +102,17 @@ def bench_workload(plain: Engine, spec: Engine, ids: list[int], w: Workload, rep
 @torch.inference_mode()
 def verify_cost(engine: Engine, ids: list[int], k: int, repeats: int = 7) -> dict:
     """What a verify step over S = 1 .. k + 1 rows costs, in plain decode steps, on the paths
-    this engine takes (the packed step and the packed verify on a CPU, else the model's
-    forward for both), each the minimum of `repeats` timings after a warm-up, the cache put
-    back after each. `per_extra_row` is the least-squares slope over S: spec_decode.DRAFT_COST.
+    this engine takes (its step for both: the packed step on a CPU, the fused one on a GPU,
+    else the model's forward), each the minimum of `repeats` timings after a warm-up, the cache
+    put back after each. `per_extra_row` is the least-squares slope over S: the decoder's
+    DRAFT_COST (speculative/decoder.py).
     """
-    cache, spec = engine.cache, engine.speculator
+    cache = engine.cache
     engine.prefill(ids)
     pos = len(ids)
     graph = engine._graph_for(SamplingParams()) if engine.decode == "graph" else None
-    packed = spec._packed(graph) if spec is not None else None
     tokens = (ids * (k + 1))[: k + 1]
+    at = torch.tensor([pos], device=engine.device)
 
     def plain():
         if graph is not None:
@@ -122,10 +122,11 @@ def verify_cost(engine: Engine, ids: list[int], k: int, repeats: int = 7) -> dic
             engine.model(torch.tensor([ids[-1:]], device=engine.device), cache=cache)
 
     def verify(S: int):
-        if packed is not None:
-            packed.logits(tokens[:S], pos).argmax(-1)
-        else:
-            engine.model(torch.tensor([tokens[:S]], device=engine.device), cache=cache)
+        cache.live = pos + S  # what a verify graph bounds the scan to
+        try:
+            engine.step.forward(torch.tensor(tokens[:S], device=engine.device), at).argmax(-1)
+        finally:
+            cache.live = None
 
     def best(fn) -> float:
         times = []
@@ -145,14 +146,8 @@ def verify_cost(engine: Engine, ids: list[int], k: int, repeats: int = 7) -> dic
     slope = sum((s - mean_s) * (r - mean_r) for s, r in zip(rows, rel, strict=True)) / sum(
         (s - mean_s) ** 2 for s in rows
     )
-    stepper = getattr(graph, "decoder", None)
-    step_path = "packed step" if isinstance(stepper, PackedDecoder) else "model forward"
-    if packed is not None:
-        verify_path = "packed verify (C)" if packed.decoder.step else "packed verify (Python)"
-    else:
-        verify_path = "model forward"
     return {
-        "path": f"{step_path}, {verify_path}",
+        "path": f"{engine.step_name} step, the same for S rows",
         "plain_step_ms": round(step * 1e3, 3),
         "rows": rows,
         "relative": [round(r, 3) for r in rel],

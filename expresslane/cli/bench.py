@@ -5,10 +5,11 @@ checkpoint. Each row is printed as soon as it is measured (its table line, then 
 so a run that is killed keeps what it measured; then the whole table with the ratios, and one
 JSON line last.
 
-`--devices N` (or a torchrun launch) benchmarks the parallel engine: N ranks through cli/launch.py
-(gloo on CPUs, NCCL with one GPU per rank), every rank running the same generations; rank 0
-reports. A preset's random weights are written once to a temporary checkpoint that every rank
-loads its slices from. The transformers peer is single-device only: skipped there, with a note.
+`--devices N` (or a torchrun launch) benchmarks the parallel engine: N ranks through
+parallel/launch.py (gloo on CPUs, NCCL with one GPU per rank), every rank running the same
+generations; rank 0 reports. A preset's random weights are written once to a temporary
+checkpoint that every rank loads its slices from. The transformers peer is single-device only:
+skipped there, with a note.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from ..bench.weights import random_checkpoint
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import ModelConfig
 from ..errors import ConfigError
+from ..parallel import launch
 from ..presets import get_preset, preset_names
 from ..speculative.drafting import SpeculativeConfig
 from ..step.threads import choose_threads
-from . import launch
 from .run import add_speculative_argument, speculative_from_args
 
 HELP = "benchmark time to first token, prefill and batch-1 decode speed (with a peer baseline)"
@@ -245,7 +246,7 @@ def _machine(device: torch.device) -> dict:
 # --- --speculative-config: plain vs speculative decoding on the shipped workloads -----------------
 def _main_speculative(args, spec: SpeculativeConfig, model_cfg, checkpoint: Path | None) -> int:
     from ..bench.speculative import run_speculative_bench, spec_table
-    from ..step.native import default_decode
+    from ..step.choose import default_decode
     from ..tokenizer import Tokenizer
     from ..weights.packing import load_packed
 

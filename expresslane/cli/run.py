@@ -17,13 +17,12 @@ from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
-from ..parallel import rendezvous
+from ..parallel import launch, rendezvous
 from ..speculative.drafting import SpeculativeConfig
-from ..step.native import default_decode
+from ..step.choose import default_decode
 from ..step.threads import set_threads
 from ..textgen import generate_text
 from ..tokenizer import Tokenizer
-from . import launch
 
 HELP = "generate from one prompt (or one chat message) and stream the text"
 
@@ -196,9 +195,15 @@ def main(args: argparse.Namespace) -> int:
     if launch.parallel_requested(args):  # --devices 0 is refused there
         return launch.run_parallel(args, generate_on_rank)
     engine, tok = load_engine(args)
-    # compilation happens at load, outside the time to first token: reported on its own
-    extra = {"compile_s": round(engine.compile_s, 2)} if getattr(engine, "compile_s", 0) else None
-    return generate_and_print(args, engine, tok, params, extra)
+    return generate_and_print(args, engine, tok, params, load_report(engine))
+
+
+def load_report(engine) -> dict | None:
+    """Compilation and graph capture happen at load, outside the time to first token: each is
+    reported on its own (`--json`), in seconds."""
+    out = {name: round(getattr(engine, name), 2) for name in ("compile_s", "capture_s")
+           if getattr(engine, name, 0)}  # fmt: skip
+    return out or None
 
 
 def generate_on_rank(args: argparse.Namespace, engine, tok: Tokenizer, extra: dict) -> int:

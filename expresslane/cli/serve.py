@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from . import launch
+from ..parallel import launch
 from .run import add_model_arguments, add_prefix_argument, load_engine, speculative_from_args
 
 HELP = "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) and playground"

@@ -7,7 +7,7 @@
 - model.py: ParallelLaneformer, the forward over local lanes with the DTP wiring.
 - engine.py: ParallelEngine, the Engine every rank runs in lockstep.
 
-Processes are started by expresslane/cli/launch.py (`--devices N`, or torchrun).
+Processes are started by launch.py (`--devices N`, or torchrun).
 """
 
 from .engine import ParallelEngine

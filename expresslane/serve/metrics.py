@@ -83,6 +83,12 @@ class Metrics:
         self.waiting = Gauge(
             PREFIX + "num_requests_waiting", "Requests waiting in the queue.", label, registry=r
         ).labels(model_name)
+        self.capture_seconds = Gauge(
+            PREFIX + "graph_capture_seconds",
+            "Seconds spent capturing CUDA graphs, at load and between requests (never in one).",
+            label,
+            registry=r,
+        ).labels(model_name)
         self.preparing = Gauge(
             PREFIX + "num_requests_preparing",
             "Requests being parsed, templated and tokenized (they count toward --max-queue).",

@@ -169,6 +169,7 @@ class Worker:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._seq = itertools.count()
         self.mean_job_s = 1.0  # moving average of a job's time on the engine (Retry-After)
+        self.metrics.capture_seconds.set(getattr(engine, "capture_s", 0.0))
         self._thread = threading.Thread(target=self._loop, name="expresslane-engine", daemon=True)
         self._thread.start()
 
@@ -194,9 +195,10 @@ class Worker:
                 return self._queue.get(timeout=getattr(self.engine, "idle_interval", None))
             except queue.Empty:
                 try:
-                    self.engine.idle()
+                    self.engine.idle()  # keeps ranks in touch; captures what requests missed
                 except ExpressLaneError as e:  # the group is lost: later jobs get the error
                     log.error("%s", e)
+                self.metrics.capture_seconds.set(getattr(self.engine, "capture_s", 0.0))
 
     def _loop(self) -> None:
         while (job := self._next()) is not None:

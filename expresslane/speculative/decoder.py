@@ -1,15 +1,21 @@
 """The speculative decode loop: draft by prompt lookup, verify in one call, stream what is kept.
 
-`SpeculativeDecoder.steps` produces a request's tokens after the first (which the engine picks
-from the prefill logits), one at a time, so the engine's loop applies stop tokens, stop strings,
-`max_tokens` and cancellation between any two of them, inside an accepted run too. Each round:
-draft up to k tokens (fewer near `max_tokens` or the end of the context; none during a back-off
+`SpeculativeDecoder(step, cache, cfg)` verifies on the engine's own step (step/protocol.py):
+the verify is `DecodeGraph(step, width=k + 1)` (step/graph.py), the same step the plain tokens
+come from, so each verified row has the bits of a decode step and greedy speculation is plain
+greedy decoding exactly, on every device (captured on a GPU, eager on a CPU).
+
+`steps` produces a request's tokens after the first (which the engine picks from the prefill
+logits), one at a time, so the engine's loop applies stop tokens, stop strings, `max_tokens`
+and cancellation between any two of them, inside an accepted run too. Each round: draft up to k
+tokens (fewer near `max_tokens` or the end of the context, padded to k; none during a back-off
 pause, unless the match is full-length), then either one verify step or, without a draft, one
-plain decode step. The eager path serves the eager engine and logprob requests. With the
-engine's decode graph the plain steps replay it, and a back-off pause runs as one stream of
-them, one replay ahead as plain decoding runs; the verify step is then, where that graph's step
-is the packed one (a CPU), the packed step over the k + 1 rows (`verify_packed`, any k up to
-the configured one), else (GPU) a captured `VerifyGraph` for the configured k.
+plain decode step. With the engine's decode graph the plain steps replay it, and a back-off
+pause runs as one stream of them, one replay ahead as plain decoding runs; without one (the
+eager engine, logprob requests) they are single forwards of the step.
+
+The one commit rule (`_verify`): the last token and the kept drafts are committed to the cache;
+the rejected drafts' slots were emptied inside the step (`graph.forget`).
 
 Figures (verify steps, drafted, kept) go live into the engine's `Stats.extra["speculative"]`.
 """
@@ -20,13 +26,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ..cache import KVCache
 from ..config import SamplingParams
 from ..sampler import sample, structure_key
 from ..step.graph import DecodeGraph, committed_tokens
-from ..step.packed import PackedDecoder
-from ..step.packed_verify import PackedVerifier
+from ..step.protocol import Step
 from .drafting import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
-from .verify import VerifyGraph, verify_eager, verify_packed
 
 # What each draft adds to a verify step, in decode steps (BackOff's break-even). On a CPU the
 # packed verify computes every row on weights it reads once; its cost per extra row relative to
@@ -41,11 +46,13 @@ DRAFT_COST_DEFAULT = 0.02
 
 
 class SpeculativeDecoder:
-    def __init__(self, engine, cfg: SpeculativeConfig):
-        """`engine`: the Engine that owns the model and cache (model, cache, max_len, device)."""
-        self.engine, self.cfg = engine, cfg
-        self.graphs: dict[tuple, VerifyGraph] = {}
-        self.packed: PackedVerifier | None = None
+    def __init__(self, step: Step, cache: KVCache, cfg: SpeculativeConfig,
+                 capture: bool = False):  # fmt: skip
+        """`capture`: the verify graphs are captured (a GPU), like the decode graphs."""
+        self.step, self.cache, self.cfg = step, cache, cfg
+        self.capture = capture
+        self.device = cache.k[0].device
+        self.graphs: dict[tuple, DecodeGraph] = {}  # by (structure, captured)
         self.stats = SpecStats()
         self._extra: dict = {}
 
@@ -55,15 +62,15 @@ class SpeculativeDecoder:
         self._extra = extra
         extra["speculative"] = self.stats.as_dict()
 
-    def _verify_graph(self, params: SamplingParams, generator) -> VerifyGraph:
-        key = structure_key(params)
+    def verify_graph(self, params: SamplingParams, generator, capture: bool) -> DecodeGraph:
+        """The verify step for this sampler structure (made once; captured by the engine)."""
+        key = (structure_key(params), capture)
         if key not in self.graphs:
-            eng = self.engine
             # not torch.compile'd (with --compile only the plain steps are): compiling it
             # costs minutes on a CPU, more than the requests that would repay it
-            self.graphs[key] = VerifyGraph(
-                eng.model, eng.cache, params, self.cfg.num_speculative_tokens, generator
-            )
+            width = self.cfg.num_speculative_tokens + 1
+            self.graphs[key] = DecodeGraph(self.step, params, width=width, capture=capture,
+                                           generator=generator)  # fmt: skip
         vg = self.graphs[key]
         vg.generator = generator  # the decode graph's: the same object for a captured graph
         vg.set_params(params)
@@ -83,14 +90,11 @@ class SpeculativeDecoder:
 
         `graph`: the engine's decode graph for this request (static path), or None (eager).
         """
-        eng, cfg = self.engine, self.cfg
+        cfg = self.cfg
         want_lp = params.logprobs is not None
         drafter = NgramDrafter(cfg, [*prompt_ids, first])
-        packed = self._packed(graph)
-        backoff = BackOff(DRAFT_COST.get(eng.device.type, DRAFT_COST_DEFAULT))
-        vgraph = None
-        if graph is not None and packed is None:
-            vgraph = self._verify_graph(params, generator)
+        backoff = BackOff(DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT))
+        vgraph = self.verify_graph(params, generator, graph is not None and graph.capture)
         last, pos, left = first, len(prompt_ids), budget  # `last` sits at `pos`, not yet cached
         while left > 0:
             paused = not backoff.ready()
@@ -102,11 +106,11 @@ class SpeculativeDecoder:
                     last, pos, left = tok, pos + 1, left - 1
                 backoff.plain(n)
                 continue
-            drafts = self._draft(drafter, vgraph, pos, left)
+            drafts = self._draft(drafter, pos, left)
             if paused and not drafter.strong:  # a full-length match is kept ~90% of the time
                 drafts = []
             if drafts:
-                new, rows = self._verify(vgraph, packed, last, drafts, pos, params, generator)
+                new, rows = self._verify(vgraph, last, drafts, pos)
                 kept = min(len(new) - 1, len(drafts))
                 self.stats.add(len(drafts), kept)
                 backoff.verified(len(drafts), kept)
@@ -123,45 +127,31 @@ class SpeculativeDecoder:
             if not drafts:
                 backoff.plain(len(new))
 
-    def _draft(self, drafter: NgramDrafter, vgraph: VerifyGraph | None, pos: int, left: int):
-        """Drafts for positions pos + 1 .. pos + k: fewer near max_tokens and the context end."""
-        room = self.engine.max_len - 1 - pos
-        if vgraph is not None and room < vgraph.k:
-            return []  # the fixed-k step would write past the context
-        return drafter.propose(min(self.cfg.num_speculative_tokens, left - 1, room))
+    def _draft(self, drafter: NgramDrafter, pos: int, left: int) -> list[int]:
+        """Drafts for positions pos + 1 .. pos + k: fewer near max_tokens; none where the k + 1
+        rows would be written past the context."""
+        k = self.cfg.num_speculative_tokens
+        if self.cache.max_len - 1 - pos < k:
+            return []
+        return drafter.propose(min(k, left - 1))
 
-    def _packed(self, graph: DecodeGraph | None) -> PackedVerifier | None:
-        """The packed verify step where the decode graph's step is the packed one (CPU)."""
-        dec = None if graph is None else graph.decoder
-        if not isinstance(dec, PackedDecoder):
-            return None
-        if self.packed is None or self.packed.decoder is not dec:
-            self.packed = PackedVerifier(dec)
-        return self.packed
-
-    def _verify(self, vgraph, packed, last, drafts, pos, params, generator):
-        """One verify step -> (new tokens, their logits rows or None)."""
-        eng = self.engine
-        if packed is not None and packed.fits(len(drafts) + 1):
-            return verify_packed(packed, eng.cache, last, drafts, params, generator)
-        if vgraph is None:
-            return verify_eager(eng.model, eng.cache, last, drafts, params, generator)
+    def _verify(self, vgraph: DecodeGraph, last: int, drafts: list[int], pos: int):
+        """One verify step -> (new tokens, their logits rows, or None when captured)."""
         vgraph.load_drafts(last, drafts, pos)
-        out = vgraph.verify()
+        out = vgraph.run().tolist()  # the one host copy: [n kept, tokens]
         new = out[1 : out[0] + 2]
-        self.engine.cache.commit([last, *new[:-1]])  # the rejected: emptied inside the step
-        return new, None
+        self.cache.commit([last, *new[:-1]])  # the rejected: emptied inside the step
+        return new, vgraph.rows
 
     def _plain(self, graph, last, pos, params, generator, n: int):
         """`n` decode steps without drafts -> (token, logits or None) each."""
-        eng = self.engine
         if graph is not None:
-            graph.load(torch.tensor(last, device=eng.device), position=pos)
-            yield from ((t, None) for t in committed_tokens(graph, eng.cache, last, n))
+            graph.load(torch.tensor(last, device=self.device), position=pos)
+            yield from ((t, None) for t in committed_tokens(graph, self.cache, last, n))
             return
         for _ in range(n):
-            ids = torch.tensor([[last]], device=eng.device)
-            logits = eng.model(ids, cache=eng.cache)[0, -1]
-            eng.cache.commit([last])
-            last = int(sample(logits, params, generator))
+            ids = torch.tensor([last], device=self.device)
+            logits = self.step.forward(ids, torch.tensor([pos], device=self.device))[-1]
+            self.cache.commit([last])
+            last, pos = int(sample(logits, params, generator)), pos + 1
             yield last, logits

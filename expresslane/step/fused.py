@@ -119,6 +119,13 @@ class FusedDecoder:
         """fp32 logits (V,) for the token at `position`."""
         return self._head("lm_head_logits", self.hidden(token, position))
 
+    def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The `Step` (step/protocol.py): tokens (S,) from position (1,) -> fp32 logits (S, V).
+        Row by row through the one-token kernels, so each row is the bits of a decode step."""
+        tokens = tokens.view(-1)
+        rows = [self.logits(tokens[j : j + 1], position + j) for j in range(tokens.shape[0])]
+        return torch.stack(rows)
+
     def next_token(
         self,
         token: torch.Tensor,
@@ -127,8 +134,13 @@ class FusedDecoder:
         generator: torch.Generator | None,
         knobs: SamplerKnobs | None = None,
     ) -> torch.Tensor:
-        """The sampled next token (a 0-d device tensor); greedy never materialises logits."""
-        h = self.hidden(token, position)
+        """The token after the last of `token` (S,), a 0-d device tensor; greedy never
+        materialises logits."""
+        token, S = token.view(-1), token.numel()
+        if S > 1:
+            self.forward(token[:-1], position)  # the earlier rows' keys and values
+            position = position + (S - 1)
+        h = self.hidden(token[-1:], position)
         if params.greedy:
             return self._head("lm_head_argmax", h).view(())
         return sample(self._head("lm_head_logits", h), params, generator, knobs)

@@ -56,12 +56,6 @@ def native_step_built() -> bool:
     return available("float32")
 
 
-def default_decode(device: torch.device) -> str:
-    """The decode mode of `run`, `serve` and `bench`: the packed step ("graph") on a CPU where
-    the C step is built, as it needs no compilation; else the engine's own choice ("auto")."""
-    return "graph" if device.type == "cpu" and native_step_built() else "auto"
-
-
 def available(fmt: str) -> bool:
     """True when the C kernels for `fmt` are built and this CPU has their instructions."""
     return fmt in NEEDS and FEATURES & NEEDS[fmt] == NEEDS[fmt]

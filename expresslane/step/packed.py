@@ -1,22 +1,32 @@
-"""The decode step on packed weights: one token through every layer and the head, in fp32.
+"""The packed CPU step: S >= 1 tokens through every layer and the head on packed weights, fp32.
 
-The CPU twin of the fused GPU step (fused.py), with the same interface (`next_token`, `logits`)
-so that DecodeGraph runs either. Per layer (`decode_layer`): RMSNorm, one Q/K/V product, RoPE,
-the KV-cache write, attention over the live cache slots only, one output product and the DTP
-reduce, RMSNorm, one gate/up product, SiLU(gate) * up, one down product and the reduce
-(packing.py builds the weights, quant.py computes the products). Activations, RoPE, softmax
-and reduces are fp32 whatever the weights' format; the cache keeps its own dtype.
+One layer, one attention and one head with a token axis serve decode (S = 1) and the verify
+step of speculative decoding (S = k + 1). Per layer (`layer`): RMSNorm, one Q/K/V product,
+RoPE, every new key and value written to the cache, attention over the live cache slots, one
+output product and the DTP reduce, RMSNorm, one gate/up product, SiLU(gate) * up, one down
+product and the reduce (packing.py builds the weights, quant.py computes the products).
+Activations, RoPE, softmax and reduces are fp32 whatever the weights' format.
 
-Compiled (`compile=True`), `decode_layer` and `head` are each compiled once by inductor and
-called for every layer: the layers differ only in their tensors, which are arguments, so a
-30-layer model compiles one layer's graph (plus one per sliding-window or reduce variant), not
-30. Inductor fuses each product with the conversion of its weights and the small ops around it
-into a few C++ loops. Run eagerly it is the same arithmetic; the model's own forward on the same
-packed storage is its reference.
+Rows are independent of S: products go row by row (`quant.matvec`) or through the C kernels,
+whose S-token product gives each row the bits of the one-token product (csrc/cpu_matmul.c);
+each query attends alone; the rest is elementwise or reduces within a row. So a verify's rows
+are the bits of S decode steps, and greedy speculation is plain greedy decoding exactly.
 
-Live slots: the cache's `live` bound (set by DecodeGraph from the host's position count) limits
-every layer's scan to min(live, cap) slots, passed as the length of a (live,) tensor whose size
-is a dynamic dimension (one compilation for every context length); `pos` masks the rest.
+Backends, chosen at construction:
+- one-lane (Llama-family) models with the C extension: `NativeStep` (native.py), one C call per
+  layer and one for the head, S tokens per call (up to MAX_TOKENS, longer inputs in chunks);
+- otherwise this file's Python layer, with the C products where built (lanes), else
+  quant.matvec. Compiled (`compile=True`), the one-token layer and head are each compiled once
+  by inductor and called for every layer (the layers differ only in their tensors, which are
+  arguments); a verify then runs its rows as single compiled steps, one after another (exact,
+  as each is a decode step; S > 1 would need its own compilation).
+
+Each query sees the slots of positions up to its own (masked by position, so causal among the
+new tokens). On a ring that is right only while the slots written hold no key the first query
+still sees: rings get k slots of headroom from the engine (cache.py). Live slots: the cache's
+`live` bound (set by DecodeGraph from the host's position count) limits every scan to
+min(live, cap) slots, passed as the length of a (live,) tensor whose size is a dynamic dimension
+when compiled (one compilation for every context length).
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from ..sampler import SamplerKnobs, sample
 from ..weights.packing import pack_model
 from ..weights.quant import QTensor, matvec
 from .fused import MAX_OVERRUN
-from .native import NativeStep, available, native_matvec
+from .native import MAX_TOKENS, NativeStep, available, native_matmul, native_matvec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -44,8 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def reduce(y: torch.Tensor, mode: str, past: torch.Tensor | None) -> torch.Tensor:
-    """What a module adds to each lane's residual (laneformer-spec 6.2); y, past (..., L, D)
-    fp32 (a verify step puts a token axis in front)."""
+    """What a module adds to each lane's residual (laneformer-spec 6.2); y, past (S, L, D)."""
     if mode == "present":
         return y.sum(-2, keepdim=True).expand_as(y)
     if mode == "no_reduce":
@@ -55,8 +64,16 @@ def reduce(y: torch.Tensor, mode: str, past: torch.Tensor | None) -> torch.Tenso
     return y + (past.sum(-2, keepdim=True) - past)
 
 
-def attend_live(q, k_cache, v_cache, pos_cache, position, n, window: int | None):
-    """q (Hq, hd) fp32 over the first n slots of the cache -> (Hq, hd) fp32 (GQA)."""
+def product(w: QTensor, x: torch.Tensor, native: bool) -> torch.Tensor:
+    """W @ x for S tokens in fp32, x (S, ..., K) -> (S, ..., N), each row as if alone: the C
+    kernels (one read of each weight row for all S), else quant.matvec row by row."""
+    if native:
+        return native_matvec(w, x[0])[None] if x.shape[0] == 1 else native_matmul(w, x)
+    return torch.stack([matvec(w, row) for row in x])
+
+
+def attend(q, k_cache, v_cache, pos_cache, position, n, window: int | None):
+    """One query q (Hq, hd) fp32 at `position` (0-d or (1,)) over the first n slots -> (Hq, hd)."""
     n_kv, hd = k_cache.shape[1], k_cache.shape[2]
     k, v, pos = k_cache[:n].float(), v_cache[:n].float(), pos_cache[:n]  # (n, Hkv, hd), (n,)
     valid = (pos >= 0) & (pos <= position)  # empty slots and the future
@@ -68,52 +85,48 @@ def attend_live(q, k_cache, v_cache, pos_cache, position, n, window: int | None)
     return torch.einsum("hgn,nhd->hgd", probs, v).reshape(-1, hd)
 
 
-def product(w: QTensor, x: torch.Tensor, native: bool) -> torch.Tensor:
-    """W @ x in fp32: the AVX-512 kernel (cpu_matvec.py) or quant.matvec (inductor / eager)."""
-    return native_matvec(w, x) if native else matvec(w, x)
-
-
-def decode_layer(
-    h, w, kc, vc, pc, position, cos, sin, span, past_a, past_m,
+def layer(
+    h, w, kc, vc, pc, positions, cos, sin, span, past_a, past_m,
     *, native, heads, kv_heads, head_dim, eps, rope_style, window, mode,
 ):  # fmt: skip
-    """One layer for one token: h (L, D) fp32 -> (h, attention partials a, MLP partials m).
+    """One layer for S tokens: h (S, L, D) fp32 -> (h, attention partials a, MLP partials m).
 
     `w` is the layer's tensors (`PackedDecoder.layer_tensors`: norms, biases and each matrix's
-    QTensor fields, its format first); kc/vc/pc its cache; span (live,) bounds the slots read.
-    Keyword arguments are constants (one compilation per distinct set).
+    QTensor fields, its format first); kc/vc/pc its cache; positions (S,); span (live,) bounds
+    the slots read. Keyword arguments are constants (one compilation per distinct set).
     """
     attention_norm, qkv, bqkv, wo, ffn_norm, w13, w2 = w
-    L = h.shape[0]
-    xn = rms_norm(h, attention_norm, eps)
-    qkv = product(QTensor(*qkv), xn, native)  # (L, (Hq + 2 Hkv) hd / L)
+    S, L = h.shape[0], h.shape[1]
+    qkv = product(QTensor(*qkv), rms_norm(h, attention_norm, eps), native)  # (S, L, n_qkv/L)
     if bqkv is not None:
         qkv = qkv + bqkv
     lq, lkv = heads * head_dim // L, kv_heads * head_dim // L
-    q = qkv[:, :lq].reshape(1, heads, head_dim)  # lane l owns heads l*Hq/L ...
-    k = qkv[:, lq : lq + lkv].reshape(1, kv_heads, head_dim)
-    v = qkv[:, lq + lkv :].reshape(1, kv_heads, head_dim)
+    q = qkv[..., :lq].reshape(S, heads, head_dim)  # lane l owns heads l*Hq/L ...
+    k = qkv[..., lq : lq + lkv].reshape(S, kv_heads, head_dim)
+    v = qkv[..., lq + lkv :].reshape(S, kv_heads, head_dim)
     q, k = apply_rope(q, cos, sin, rope_style), apply_rope(k, cos, sin, rope_style)
-    slot = position % kc.shape[0]  # ring layers wrap
-    kc.index_copy_(0, slot, k.to(kc.dtype))
-    vc.index_copy_(0, slot, v.to(vc.dtype))
-    pc.index_copy_(0, slot, position)
+    slots = positions % kc.shape[0]  # ring layers wrap
+    kc.index_copy_(0, slots, k.to(kc.dtype))  # every key and value before any query attends
+    vc.index_copy_(0, slots, v.to(vc.dtype))
+    pc.index_copy_(0, slots, positions)
     n = min(span.shape[0], kc.shape[0])
-    o = attend_live(q[0], kc, vc, pc, position, n, window)  # (Hq, hd)
-    a = product(QTensor(*wo), o.reshape(L, -1), native)  # (L, D)
+    o = torch.stack([attend(q[s], kc, vc, pc, positions[s], n, window) for s in range(S)])
+    a = product(QTensor(*wo), o.reshape(S, L, -1), native)  # (S, L, D)
     h = h + reduce(a, mode, past_a)
-    gu = product(QTensor(*w13), rms_norm(h, ffn_norm, eps), native)  # (L, 2F/L)
+    gu = product(QTensor(*w13), rms_norm(h, ffn_norm, eps), native)  # (S, L, 2F/L)
     f = gu.shape[-1] // 2
-    m = product(QTensor(*w2), F.silu(gu[:, :f]) * gu[:, f:], native)  # (L, D)
+    m = product(QTensor(*w2), F.silu(gu[..., :f]) * gu[..., f:], native)  # (S, L, D)
     h = h + reduce(m, mode, past_m)
     return h, a, m
 
 
 def head(h, norm, w, *, native, head_type, eps, pre_norm_lane_agg, greedy):
-    """Final norm and LM head: fp32 logits (V,), or with `greedy` their argmax (0-d)."""
-    x = _head_input(h, norm.float(), head_type, eps, pre_norm_lane_agg)
-    logits = product(QTensor(*w), x, native).reshape(-1)  # vocab_parallel: lane order
-    return torch.argmax(logits) if greedy else logits
+    """Final norm and LM head for S tokens, h (S, L, D): fp32 logits (S, V), or with `greedy`
+    the last row's argmax (0-d)."""
+    x = torch.stack([_head_input(row, norm.float(), head_type, eps, pre_norm_lane_agg)
+                     for row in h])  # fmt: skip
+    logits = product(QTensor(*w), x, native).reshape(h.shape[0], -1)  # vocab_parallel: lanes
+    return torch.argmax(logits[-1]) if greedy else logits
 
 
 def _parts(q: QTensor) -> tuple:
@@ -121,6 +134,8 @@ def _parts(q: QTensor) -> tuple:
 
 
 class PackedDecoder:
+    """The packed CPU step (module docstring): a `Step` (protocol.py)."""
+
     def __init__(
         self,
         model: Laneformer,
@@ -146,7 +161,7 @@ class PackedDecoder:
             for w in self.weights.layers
         ]  # fmt: skip
         self.compiled = compile and self.step is None
-        self._layer = torch.compile(decode_layer, dynamic=False) if self.compiled else decode_layer
+        self._layer = torch.compile(layer, dynamic=False) if self.compiled else layer
         self._head = torch.compile(head, dynamic=False) if self.compiled else head
         self._span = torch.arange(cache.max_len, device=cache.k[0].device)
         self._marked = False
@@ -159,13 +174,17 @@ class PackedDecoder:
             self._marked = True
         return span
 
-    def hidden(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """token (1, 1), position (1,) -> final residual stream (L, D) fp32; writes the KV."""
-        if self.step is not None:
-            return self.step.hidden(token, int(position)).view(1, -1)
+    def _live(self) -> int:
+        return self.cache.live if self.cache.live is not None else self.cache.max_len
+
+    def hidden(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """tokens (S,) from position (1,) -> final residual streams (S, L, D) fp32; writes the
+        S keys and values (the Python layer)."""
         cfg, cache = self.cfg, self.cache
-        h = self.weights.embed.lookup(token.view(1)).expand(cfg.num_lanes, -1)  # (L, D)
-        cos, sin = cos_sin(self.inv_freq, position)  # (1, hd/2), as the model computes them
+        S = tokens.shape[0]
+        positions = position.view(1) + torch.arange(S)  # (S,)
+        h = self.weights.embed.lookup(tokens)[:, None, :].expand(S, cfg.num_lanes, -1)
+        cos, sin = cos_sin(self.inv_freq, positions)  # (S, hd/2), as the model computes them
         span = self._live_span()
         past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
         past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
@@ -173,7 +192,7 @@ class PackedDecoder:
             src = cfg.past_source(i)
             pa, pm = (None, None) if src is None else (past_a[src], past_m[src])
             h, a, m = self._layer(
-                h, w, cache.k[i], cache.v[i], cache.pos[i], position, cos, sin, span, pa, pm,
+                h, w, cache.k[i], cache.v[i], cache.pos[i], positions, cos, sin, span, pa, pm,
                 native=self.native, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, eps=cfg.norm_eps, rope_style=cfg.rope_style,
                 window=cfg.window(i), mode=cfg.reduce_mode(i),
@@ -190,26 +209,40 @@ class PackedDecoder:
             pre_norm_lane_agg=cfg.pre_norm_lane_agg, greedy=greedy,
         )  # fmt: skip
 
-    def logits(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (V,) for the token at `position`."""
-        h = self.hidden(token, position)
+    def _native_logits(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        rows, live = [], self._live()
+        for at in range(0, tokens.shape[0], MAX_TOKENS):
+            chunk = tokens[at : at + MAX_TOKENS]
+            h = self.step.hidden_tokens(chunk, position + at, max(live, position + at + len(chunk)))
+            rows.append(self.step.head_tokens(h))
+        return torch.cat(rows) if len(rows) > 1 else rows[0]
+
+    def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (S, V): row j for tokens[j] at position + j. Writes the S keys/values."""
+        tokens = tokens.view(-1)
         if self.step is not None:
-            return self.step.head(h[0])[1].clone()
-        return self._run_head(h, greedy=False)
+            return self._native_logits(tokens, int(position))
+        if self.compiled and tokens.shape[0] > 1:  # rows as compiled single steps (docstring)
+            return torch.cat([self.forward(tokens[j : j + 1], position + j)
+                              for j in range(tokens.shape[0])])  # fmt: skip
+        return self._run_head(self.hidden(tokens, position), greedy=False)
 
     def next_token(
         self,
-        token: torch.Tensor,
+        tokens: torch.Tensor,
         position: torch.Tensor,
         params: SamplingParams,
         generator: torch.Generator | None,
         knobs: SamplerKnobs | None = None,
     ) -> torch.Tensor:
-        """The sampled next token, a 0-d tensor (greedy: the logits' argmax, in the head)."""
-        h = self.hidden(token, position)
-        if self.step is not None:
-            best, logits = self.step.head(h[0])
+        """The token after the last of `tokens`, 0-d (greedy: the logits' argmax, in the head)."""
+        tokens = tokens.view(-1)
+        if tokens.shape[0] == 1 and self.step is not None:  # the C head's own argmax
+            at = int(position)
+            h = self.step.hidden_tokens(tokens, at, max(self._live(), at + 1))
+            best, logits = self.step.head(h[0])  # logits: the step's buffer, not copied
             return torch.tensor(best) if params.greedy else sample(logits, params, generator, knobs)
-        if params.greedy:
-            return self._run_head(h, greedy=True)
-        return sample(self._run_head(h, greedy=False), params, generator, knobs)
+        if tokens.shape[0] == 1 and params.greedy:
+            return self._run_head(self.hidden(tokens, position), greedy=True)
+        logits = self.forward(tokens, position)[-1]
+        return logits.argmax() if params.greedy else sample(logits, params, generator, knobs)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import ConfigError, ExpressLaneError
-from ..parallel import rendezvous
+from . import rendezvous
 
 _ROLE = {"role": "spmd"}  # the role load_engine gives this process's engine
 
@@ -85,7 +85,7 @@ def init_distributed(
 
 def check_devices(devices: int, cfg, device: str = "auto") -> None:
     """Raise ConfigError, naming the flag, for a world the model or the machine cannot take."""
-    from ..parallel.placement import Placement
+    from .placement import Placement
 
     if devices < 1:
         raise ConfigError(f"--devices {devices}: must be >= 1")
@@ -181,8 +181,8 @@ def load_engine(args: argparse.Namespace, device: str | None = None):
     """(ParallelEngine, Tokenizer) for this rank: its slices only."""
     from ..assets import default_model_dir
     from ..checkpoint import resolve_model_dir
-    from ..parallel import ParallelEngine
     from ..tokenizer import Tokenizer
+    from . import ParallelEngine
 
     path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
     engine = ParallelEngine.from_pretrained(

@@ -1,0 +1,78 @@
+"""Which step decodes: one function from the model, its cache and the options.
+
+The policy that used to live in the engine's constructor and in the C binding: `decode` "graph"
+runs a step on static buffers (graph.py: captured on CUDA, eager elsewhere), "eager" the plain
+loop over the model's forward, "auto" graph on CUDA and eager on a CPU, unless compilation, the
+fused kernels or quantized packed weights need the static step. `kernels` "auto" puts the fused
+Triton step where triton runs (CUDA), "on" forces it (their references elsewhere), "off" keeps
+the model's forward. On a CPU the static step is the packed one (packed.py). The CLI's default
+(`default_decode`) asks for the packed step on a CPU where the C layers are built, as it needs
+no compilation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import KVCache
+from ..errors import RequestError
+from ..kernels import use_triton
+from ..model import Laneformer
+from .fused import FusedDecoder, supports
+from .native import native_step_built
+from .packed import PackedDecoder
+from .protocol import EagerStep, Step
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The step, the decode mode ("graph" or "eager") and whether the graph compiles it."""
+
+    step: Step
+    decode: str
+    compile_graph: bool
+    name: str  # for reports: "forward", "fused kernels", "packed", "packed, C layers"
+
+
+def default_decode(device: torch.device) -> str:
+    """The decode mode of `run`, `serve` and `bench`: the packed step ("graph") on a CPU where
+    the C step is built, as it needs no compilation; else the engine's own choice ("auto")."""
+    return "graph" if device.type == "cpu" and native_step_built() else "auto"
+
+
+def _decode_mode(model: Laneformer, device: torch.device, decode: str, kernels: str,
+                 compile: bool) -> str:  # fmt: skip
+    if decode not in ("auto", "graph", "eager"):
+        raise RequestError(f"decode={decode!r}: expected auto, graph or eager", "decode")
+    if kernels not in ("auto", "on", "off"):
+        raise RequestError(f"kernels={kernels!r}: expected auto, on or off", "kernels")
+    packed = getattr(model, "packed", None)  # quantized weights: the packed step reads them
+    quantized = packed is not None and packed.formats != {"float32"}
+    if decode == "auto" and (compile or kernels == "on" or quantized):
+        return "graph"  # compilation, the fused and the packed steps need the static step
+    if decode == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    return decode
+
+
+def choose_step(model: Laneformer, cache: KVCache, decode: str = "auto", kernels: str = "auto",
+                compile: bool = False) -> Choice:  # fmt: skip
+    """The step for this model and cache under the options (module docstring)."""
+    p = next(model.parameters())
+    mode = _decode_mode(model, p.device, decode, kernels, compile)
+    if kernels == "on" and (mode != "graph" or not supports(model)):
+        why = "decode='eager'" if mode != "graph" else "attention biases (qwen2)"
+        raise RequestError(f"kernels='on': the fused decode step cannot run with {why}",
+                           "kernels")  # fmt: skip
+    fused = kernels == "on" or (kernels == "auto" and use_triton(p) and supports(model))
+    if mode == "graph" and fused:
+        return Choice(FusedDecoder(model, cache), mode, compile, "fused kernels")
+    gpu_quantized = getattr(model, "gpu_quantization", None) is not None  # kernels/qlinear.py
+    if mode == "graph" and kernels == "auto" and not gpu_quantized:
+        # off CUDA: the step on packed weights (one Q/K/V and one gate/up product per layer),
+        # which compiles its own layer and head (one graph each, not the whole step)
+        step = PackedDecoder(model, cache, compile=compile)
+        return Choice(step, mode, False, "packed, C layers" if step.step else "packed")
+    return Choice(EagerStep(model, cache), mode, compile, "forward")
