@@ -20,6 +20,7 @@ from expresslane.config import SamplingParams
 from expresslane.sampler import SamplerKnobs, logprobs_of, sample
 from expresslane.step import graph as graph_mod
 from expresslane.step.fused import FusedDecoder
+from expresslane.step.protocol import EagerStep
 
 SAMPLERS = {
     "greedy": SamplingParams(),
@@ -60,20 +61,22 @@ def test_logprobs_have_no_host_traffic(top_n):
         assert ids.shape == vals.shape == (top_n,)
 
 
+@pytest.mark.parametrize("width", [1, 4], ids=["decode", "verify"])
 @pytest.mark.parametrize("fused", [False, True], ids=["forward", "fused-reference"])
 @pytest.mark.parametrize("name", SAMPLERS)
-def test_decode_step_has_no_host_traffic(meta_model, monkeypatch, name, fused):
-    """The body a CUDA graph captures (DecodeGraph's eager twin), two steps a replay."""
+def test_decode_step_has_no_host_traffic(meta_model, monkeypatch, name, fused, width):
+    """The body a CUDA graph captures (DecodeGraph's eager twin): two decode steps a replay,
+    or one verify of the last token and 3 drafts (acceptance on the device)."""
     monkeypatch.setattr(graph_mod, "make_generator", lambda params, dev: None)
     cache = KVCache(meta_model.cfg, 64, device="meta")
     cache.static = True
-    decoder = FusedDecoder(meta_model, cache, kernels=False) if fused else None
-    g = graph_mod.DecodeGraph(meta_model, cache, SAMPLERS[name], steps=2, capture=False,
-                              decoder=decoder)  # fmt: skip
-    g.load(torch.zeros((), dtype=torch.long, device="meta"), position=20)  # past the window
+    step = FusedDecoder(meta_model, cache, kernels=False) if fused else EagerStep(meta_model, cache)
+    steps = 2 if width == 1 else 1
+    g = graph_mod.DecodeGraph(step, SAMPLERS[name], width=width, steps=steps, capture=False)
+    g.load(torch.zeros((width,), dtype=torch.long, device="meta"), position=20)  # past the window
     with NoHostTraffic():
         g._body()
-    assert g.out.device.type == "meta" and g.out.shape == (2,)
+    assert g.out.device.type == "meta" and g.out.shape == ((2,) if width == 1 else (width + 1,))
 
 
 def test_the_mode_catches_the_top_p_crash():
