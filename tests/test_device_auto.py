@@ -66,7 +66,7 @@ def test_run_with_auto_builds_the_cpu_engine(gpu_present):
     """`run`/`serve` resolve `auto` once: the CPU's packed step (decode "graph" where the C
     step is built), not the GPU's choices on CPU weights."""
     from expresslane.cli.run import add_model_arguments, load_engine
-    from expresslane.step.native import default_decode
+    from expresslane.step.choose import default_decode
 
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
