@@ -42,9 +42,11 @@ def reference_dequant(raw: np.ndarray, type_name: str, shape) -> np.ndarray:
     return gguf.quants.dequantize(raw, qtype).reshape(shape)
 
 
-def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict) -> Path:
-    """tensors: name -> (stored bytes (rows, bytes/row) uint8 or an fp32 array, type name)."""
-    w = gguf.GGUFWriter(str(path), arch)
+def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict, split: int = 0) -> Path:
+    """tensors: name -> (stored bytes (rows, bytes/row) uint8 or an fp32 array, type name).
+    split > 0 writes parts of at most `split` tensors, as llama.cpp's gguf-split names them
+    (`m-00001-of-00003.gguf`, ...), and returns the first part."""
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split)
     for key, value in metadata.items():
         _add(w, key, value)
     for name, (data, type_name) in tensors.items():
@@ -56,7 +58,7 @@ def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(Path(path))[0]
 
 
 def _add(w: gguf.GGUFWriter, key: str, value) -> None:
@@ -109,7 +111,12 @@ def gguf_name(key: str) -> str:
 
 
 def hf_to_gguf(
-    model, path: Path, weight_type: str = "F32", extra: dict | None = None, rope_freqs=None
+    model,
+    path: Path,
+    weight_type: str = "F32",
+    extra: dict | None = None,
+    rope_freqs=None,
+    split: int = 0,
 ) -> Path:
     """A transformers Llama/Qwen2 model written as llama.cpp would (2-D weights in
     `weight_type`, norms and biases F32); `extra` adds or overrides metadata keys, `rope_freqs`
@@ -146,7 +153,7 @@ def hf_to_gguf(
         "tokenizer.ggml.eos_token_id": 2,
         **(extra or {}),
     }
-    return write_gguf(path, arch, meta, tensors)
+    return write_gguf(path, arch, meta, tensors, split)
 
 
 def random_raw_from(w: np.ndarray, type_name: str) -> np.ndarray:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
 from .config import ROPE_FREQS, hf_config_dict
 from .quants import check_supported, raw_to_float
 from .reader import read_header
@@ -66,16 +65,12 @@ class RawTensor:
 
 
 class GGUFCheckpoint:
-    """The tensors of one GGUF file, by checkpoint key, checked before anything is read."""
+    """The tensors of one GGUF model (one file, or a split model's parts), by checkpoint key,
+    checked before anything is read."""
 
     def __init__(self, path: str | Path):
         self.header = read_header(path)
         self.path = self.header.path
-        if (self.header.get("split.count") or 1) > 1:
-            raise CheckpointError(
-                f"{self.path}: one part of a split GGUF; merge the parts first "
-                "(llama.cpp's `llama-gguf-split --merge`)"
-            )
         cfg = hf_config_dict(self.header)
         self._heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
         self._permuted = self.header.architecture in PERMUTED_ARCHS
