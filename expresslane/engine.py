@@ -32,6 +32,7 @@ from .speculative.drafting import SpeculativeConfig
 from .step.fused import MAX_OVERRUN, FusedDecoder, supports
 from .step.graph import DecodeGraph, committed_tokens
 from .step.packed import PackedDecoder
+from .step.packed import supports as packed_supports
 from .weights.packing import load_packed
 
 
@@ -119,14 +120,20 @@ class Engine:
         if kernels not in ("auto", "on", "off"):
             raise RequestError(f"kernels={kernels!r}: expected auto, on or off", "kernels")
         if kernels == "on" and (self.decode != "graph" or not supports(model)):
-            why = "decode='eager'" if self.decode != "graph" else "attention biases (qwen2)"
+            why = (
+                "decode='eager'"
+                if self.decode != "graph"
+                else "attention biases (qwen2) or q/k norms (qwen3)"
+            )
             raise RequestError(f"kernels='on': the fused decode step cannot run with {why}",
                                "kernels")  # fmt: skip
         want = kernels == "on" or (kernels == "auto" and use_triton(p) and supports(model))
         self.decoder = FusedDecoder(model, self.cache) if want and self.decode == "graph" else None
-        if self.decoder is None and kernels == "auto" and self.decode == "graph" and not want:
-            # off CUDA: the step on packed weights (one Q/K/V and one gate/up product per layer),
-            # which compiles its own layer and head (one graph each, not the whole step)
+        # off CUDA: the step on packed weights (one Q/K/V and one gate/up product per layer),
+        # which compiles its own layer and head (one graph each, not the whole step); a model it
+        # does not cover (q/k norms) decodes through its own forward on the same weights
+        packed = packed_supports(model.cfg) and kernels == "auto" and self.decode == "graph"
+        if self.decoder is None and packed and not want:
             self.decoder = PackedDecoder(model, self.cache, compile=compile)
         self.compile_s = 0.0  # seconds spent compiling decode steps: at load, not in requests
         if compile:

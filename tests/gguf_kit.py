@@ -1,9 +1,10 @@
 """Small GGUF files for the tests, written with the `gguf` package's own GGUFWriter.
 
-`random_raw` makes a tensor's stored bytes for any type we read: the gguf package quantizes
-random weights where it can (F16, BF16, Q8_0, Q4_0..Q5_1), and for the K types, which it can only
-dequantize, random blocks with sane f16 scales. `hf_to_gguf` turns a transformers Llama or Qwen2
-state dict into a GGUF the way llama.cpp's converter does (names, Q/K row permutation, metadata).
+`random_raw` makes a tensor's stored bytes for any type we read: the gguf package quantizes random
+weights where it can (F16, BF16, Q8_0, Q4_0..Q5_1), and for the K types, which it can only
+dequantize, random blocks with sane f16 scales. `hf_to_gguf` turns a transformers Llama, Mistral,
+Qwen2 or Qwen3 state dict into a GGUF the way llama.cpp's converter does (names, Q/K row
+permutation, metadata).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ _LAYER = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -118,12 +121,13 @@ def hf_to_gguf(
     rope_freqs=None,
     split: int = 0,
 ) -> Path:
-    """A transformers Llama/Qwen2 model written as llama.cpp would (2-D weights in
+    """A transformers Llama/Mistral/Qwen2/Qwen3 model written as llama.cpp would (2-D weights in
     `weight_type`, norms and biases F32); `extra` adds or overrides metadata keys, `rope_freqs`
     is written as llama.cpp's `rope_freqs.weight` tensor."""
     cfg = model.config
-    arch = "qwen2" if cfg.model_type == "qwen2" else "llama"
+    arch = cfg.model_type if cfg.model_type in ("qwen2", "qwen3") else "llama"
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     tensors = {}
     for key, t in model.state_dict().items():
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -146,14 +150,23 @@ def hf_to_gguf(
         f"{arch}.block_count": cfg.num_hidden_layers,
         f"{arch}.attention.head_count": heads,
         f"{arch}.attention.head_count_kv": kv,
+        f"{arch}.attention.key_length": head_dim,
+        f"{arch}.attention.value_length": head_dim,
         f"{arch}.rope.freq_base": float(theta),
         f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
         f"{arch}.vocab_size": cfg.vocab_size,
+        **_window(cfg, arch),
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
         **(extra or {}),
     }
     return write_gguf(path, arch, meta, tensors, split)
+
+
+def _window(cfg, arch: str) -> dict:
+    """Mistral's sliding window (llama.cpp files Mistral 7B as llama, with this key)."""
+    window = getattr(cfg, "sliding_window", None)
+    return {f"{arch}.attention.sliding_window": window} if cfg.model_type == "mistral" else {}
 
 
 def random_raw_from(w: np.ndarray, type_name: str) -> np.ndarray:

@@ -29,12 +29,14 @@ LAYER = {  # inside blk.{i}. -> inside model.layers.{i}.
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-PERMUTED_ARCHS = ("llama",)  # qwen2 files keep transformers' row order
+PERMUTED_ARCHS = ("llama",)  # qwen2 and qwen3 files keep transformers' row order
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 

@@ -24,14 +24,14 @@ MAX_OVERRUN = 64
 
 
 def supports(model: Laneformer) -> bool:
-    """The kernels cover everything but attention biases (qwen2)."""
-    return not model.cfg.attention_bias
+    """The kernels cover everything but attention biases (qwen2) and q/k norms (qwen3)."""
+    return not model.cfg.attention_bias and not model.cfg.qk_norm
 
 
 class FusedDecoder:
     def __init__(self, model: Laneformer, cache: KVCache, kernels: bool | None = None):
         if not supports(model):
-            raise ValueError("the fused decode step does not cover attention biases")
+            raise ValueError("the fused decode step does not cover attention biases or q/k norms")
         cfg = model.cfg
         self.cfg, self.cache = cfg, cache
         w0 = model.model.tok_embeddings.weight
