@@ -21,10 +21,11 @@ import torch
 from ..config import ModelConfig, RopeScaling
 from ..errors import CheckpointError, ConfigError
 from ..rope import inv_frequencies
+from . import laneformer
 from .quants import raw_to_float
 from .reader import GGUFHeader
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", laneformer.ARCH)
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -40,6 +41,8 @@ def hf_config_dict(header: GGUFHeader) -> dict[str, Any]:
             f"{header.path}: GGUF architecture {arch!r} is not supported; ExpressLane reads "
             f"{', '.join(ARCHITECTURES)} (Mistral 7B files are 'llama')"
         )
+    if arch == laneformer.ARCH:
+        return laneformer.hf_config_dict(header, _dtype(header))
 
     def need(key: str) -> Any:
         full = f"{arch}.{key}"
@@ -108,7 +111,7 @@ def _vocab_size(header: GGUFHeader, arch: str) -> int:
 
 def _dtype(header: GGUFHeader) -> str:
     """The dtype a GPU loads in by default: the file's, or bfloat16 for quantized files."""
-    wq = header.tensors.get("blk.0.attn_q.weight")
+    wq = header.tensors.get("blk.0.attn_q.weight") or header.tensors.get("token_embd.weight")
     kind = wq.type_name if wq is not None else "BF16"
     return {"F32": "float32", "F16": "float16"}.get(kind, "bfloat16")
 

@@ -12,12 +12,14 @@ a tensor with the same row order, for kernels that keep weights quantized.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import laneformer
 from .config import ROPE_FREQS, hf_config_dict
 from .quants import check_supported, raw_to_float
 from .reader import read_header
@@ -74,10 +76,15 @@ class GGUFCheckpoint:
         self.header = read_header(path)
         self.path = self.header.path
         cfg = hf_config_dict(self.header)
-        self._heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+        heads = cfg["num_attention_heads"]
+        self._heads = {"q_proj": heads, "k_proj": cfg.get("num_key_value_heads") or heads}
         self._permuted = self.header.architecture in PERMUTED_ARCHS
         names = [n for n in self.header.tensors if n != ROPE_FREQS]
-        self._names = {hf_key(n): n for n in names}
+        if self.header.architecture == laneformer.ARCH:  # our own keys, not transformers'
+            head = cfg["lm_head_type"]
+            self._names = {laneformer.checkpoint_key(n, head): n for n in names}
+        else:
+            self._names = {hf_key(n): n for n in names}
         for n in names:  # refuse before reading anything
             check_supported(self.header, n)
 
@@ -104,15 +111,17 @@ class GGUFCheckpoint:
         return unpermute_rows(t, heads) if heads else t
 
     def raw(self, key: str) -> RawTensor:
-        """The stored blocks (not dequantized), rows in transformers' order."""
+        """The stored blocks (not dequantized), rows in transformers' order. A tensor of more
+        than two dimensions (a Laneformer's (L, out, in)) comes as its (L * out, in) rows."""
         info = self.header.tensors[self._names[key]]
         whole = len(info.shape) > 1 or info.type_name in ("F32", "F16", "BF16")
-        rows = info.shape[0] if whole else 1  # a quantized 1-D tensor is one row of blocks
+        shape = (math.prod(info.shape[:-1]), info.shape[-1]) if len(info.shape) > 2 else info.shape
+        rows = shape[0] if whole else 1  # a quantized 1-D tensor is one row of blocks
         data = torch.from_numpy(self.header.raw_bytes(info.name)).reshape(rows, -1)
         heads = self._row_heads(key)
         if heads and whole:
             data = unpermute_rows(data, heads)
-        return RawTensor(info.type_name, info.shape, data)
+        return RawTensor(info.type_name, shape, data)
 
 
 class _Slice:
