@@ -18,6 +18,7 @@ Files live beside the model in the cache, written to a temporary name then renam
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import tempfile
@@ -102,7 +103,9 @@ def _quantize(src: Path, out: Path, type_name: str) -> Path:
     params.ftype = FTYPES[type_name]
     params.nthread = os.cpu_count() or 1
     with _atomic(out) as tmp:
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+        rc = llama_cpp.llama_model_quantize(
+            str(src).encode(), str(tmp).encode(), ctypes.byref(params)
+        )
         if rc != 0:
             raise CheckpointError(f"llama_model_quantize({src.name} -> {type_name}) failed: {rc}")
     return out
