@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from expresslane.checkpoint import load_model
 from expresslane.config import SamplingParams
@@ -39,9 +40,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: shared-core w
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 GREEDY = 24
 TRANSFORMERS_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")  # the issue's speed targets
-# llama.cpp's matrix products quantize the activations (to Q8_0/Q8_K blocks) and we do not, so
-# logits agree to a fraction of their spread, not bit for bit; measured max |diff| / max |logit|:
-LOGIT_RTOL = 0.05
+# Our logits against llama.cpp's, as max |diff| over the std of llama.cpp's logits at a position.
+# Float files agree closely (measured: F32 0.008, F16 0.011, BF16 0.16: llama.cpp rounds the
+# activations to the weights' type). With quantized weights llama.cpp also quantizes the
+# activations, to Q8_0 blocks of 32 (legacy types) or Q8_K blocks of 256 (K types), which SmolLM2's
+# outlier activations make coarse; we keep them fp32, as transformers does. Measured 0.42-1.25
+# (Q6_K worst, cosine 0.951 at its worst position); emulating llama.cpp's Q8_K rounding of the
+# inputs in our model brings Q6_K's cosine to 0.998, so that gap is llama.cpp's. The bounds below
+# leave room for that and still catch a wrong dequantization (cosine ~0 on random weights).
+FLOAT_BOUND = {"F32": 0.05, "F16": 0.05, "BF16": 0.3}
+QUANT_BOUND, QUANT_COSINE = 2.0, 0.9
 
 
 def _file(type_name: str, smollm2_gguf):
@@ -70,7 +78,8 @@ def test_every_type_in_the_file_dequantizes_like_gguf_py(type_name, smollm2_gguf
             info = header.tensors[name]
             ours = raw_to_float(header, name).numpy()
             raw = header.raw_bytes(name)
-            ref = raw.view(np.float32) if kind == "F32" else gguf.quants.dequantize(raw, kind)
+            qtype = gguf.GGMLQuantizationType[kind]
+            ref = raw.view(np.float32) if kind == "F32" else gguf.quants.dequantize(raw, qtype)
             assert np.array_equal(ours, ref.reshape(info.shape)), (kind, name)
 
 
@@ -91,7 +100,7 @@ def _prompt_ids(path) -> list[int]:
     return Tokenizer.from_dir(path).encode(PROMPT)
 
 
-@pytest.mark.parametrize("type_name", variants.TYPES)
+@pytest.mark.parametrize("type_name", ("F32", *variants.TYPES))
 def test_logits_match_llama_cpp_on_the_same_file(type_name, smollm2_gguf):
     _need_llama_cpp()
     import llama_cpp
@@ -101,12 +110,16 @@ def test_logits_match_llama_cpp_on_the_same_file(type_name, smollm2_gguf):
     llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
     llm.eval(ids)
     theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))  # (S, V)
+    llm.close()  # now, not in a finalizer at interpreter exit (llama_cpp's raises there)
     with torch.no_grad():
         ours = _ours(path)(torch.tensor([ids]))[0]  # (S, V)
-    spread = theirs.abs().max().item()
-    assert (ours - theirs).abs().max().item() <= LOGIT_RTOL * spread
-    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, agree
+    rel = ((ours - theirs).abs().amax(-1) / theirs.std(-1)).max().item()
+    assert rel <= FLOAT_BOUND.get(type_name, QUANT_BOUND), rel
+    if type_name not in FLOAT_BOUND:
+        assert F.cosine_similarity(ours, theirs, dim=-1).min().item() >= QUANT_COSINE
+    top5 = theirs.topk(5, dim=-1).indices  # (S, 5): our top token is among llama.cpp's five
+    assert (top5 == ours.argmax(-1, keepdim=True)).any(-1).all()
+    assert ours[-1].argmax() == theirs[-1].argmax()  # the next token of the chat prompt
 
 
 def _transformers_greedy(path, ids: list[int]) -> list[int]:

@@ -8,6 +8,7 @@ of `TYPES` by `llama_cpp.llama_model_quantize` (llama-cpp-python), so the files 
 llama.cpp's `llama-quantize` writes, mixes included (Q4_K_M: Q4_K and Q6_K, with Q5_0/Q8_0 for
 SmolLM2's 576-wide rows, which are not a multiple of 256).
 
+Q4_1 is the fetched file itself: llama.cpp's quantizer wrote it too, from the original weights.
 Files live beside the model in the cache, written to a temporary name then renamed:
 
     path("Q4_K_M")   # -> $EXPRESSLANE_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_K_M.gguf
@@ -42,7 +43,8 @@ def path(type_name: str, cache: Path | None = None) -> Path:
     """Where the SmolLM2 GGUF of `type_name` ("Q4_K_M", ..., or "F32") is cached."""
     if type_name not in FTYPES:
         raise CheckpointError(f"no SmolLM2 variant {type_name!r}; known: {', '.join(FTYPES)}")
-    return smollm2_path(cache).parent / f"{STEM}.{type_name}.gguf"
+    fetched = smollm2_path(cache)
+    return fetched if type_name == "Q4_1" else fetched.parent / f"{STEM}.{type_name}.gguf"
 
 
 def have_llama_cpp() -> bool:
@@ -55,6 +57,8 @@ def have_llama_cpp() -> bool:
 
 def ensure(type_name: str, cache: Path | None = None) -> Path:
     """The cached file of `type_name`, made (from the F32 file, made from Q4_1) if missing."""
+    if type_name == "Q4_1":
+        return fetch_smollm2(cache)
     out = path(type_name, cache)
     if out.is_file():
         return out
