@@ -36,6 +36,8 @@ LLAMA_KEYS = {  # ours -> transformers' (inside model.layers.{i}.)
     "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",  # qwen3: per-head norms (head_dim,)
+    "attention.k_norm": "self_attn.k_norm",
     "feed_forward.w1": "mlp.gate_proj",
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",

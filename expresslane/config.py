@@ -1,7 +1,7 @@
 """Configuration: ModelConfig (read from a checkpoint's config.json) and SamplingParams.
 
 One frozen ModelConfig describes both families. A Llama-family checkpoint (llama, mistral,
-qwen2) is the 1-lane case of the Laneformer decoder with "half" RoPE; a Laneformer checkpoint
+qwen2, qwen3) is the 1-lane case of the Laneformer decoder with "half" RoPE; a Laneformer checkpoint
 (model_type laneformer or laneformer_tp) carries lanes, the DTP delay and its head type
 (docs/laneformer.md). Every rule is checked here so that the model code can trust its config; a
 broken rule raises ConfigError naming the field. hf_config.py translates config.json names and
@@ -64,6 +64,7 @@ class ModelConfig:
     sliding_window_n_layers: int = 0
     unclamped_layers: tuple[int, ...] = ()
     attention_bias: bool = False
+    qk_norm: bool = False  # qwen3: RMSNorm over each query and key head (head_dim,) before RoPE
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
@@ -186,6 +187,8 @@ class ModelConfig:
             )
         if self.dtp_variant not in ("A", "B"):
             raise ConfigError(f"config field dtp_variant={self.dtp_variant!r}: must be 'A' or 'B'")
+        if self.qk_norm and self.family != "llama":
+            raise ConfigError("qk_norm=true: only Llama-family checkpoints (qwen3) have q/k norms")
         if self.rope_style not in ("interleaved", "half"):
             raise ConfigError(f"rope_style={self.rope_style!r}: must be 'interleaved' or 'half'")
         if len(self.layer_types) != self.num_layers:
@@ -288,6 +291,7 @@ class ModelConfig:
                 "llama": "LlamaForCausalLM",
                 "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM",
             }[self.model_type]
             d.update(
                 model_type=self.model_type,

@@ -6,7 +6,7 @@ the dependency runs one way: config.py -> hf_config.py.
 
 Laneformer (model_type laneformer / laneformer_tp) uses the public reference implementation's
 defaults and its sliding-window layer rule (docs/laneformer.md, "Configuration"); the Llama
-family (llama, mistral, qwen2) follows transformers, RoPE given either as rope_theta /
+family (llama, mistral, qwen2, qwen3) follows transformers, RoPE given either as rope_theta /
 rope_scaling (transformers 4) or rope_parameters (transformers 5). A field of the wrong type is
 a ConfigError naming it; an unknown model type is refused, never guessed.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from .errors import ConfigError
 
 LANEFORMER_TYPES = ("laneformer", "laneformer_tp")
-LLAMA_TYPES = ("llama", "mistral", "qwen2")
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -237,7 +237,7 @@ def _llama_from_dict(raw: dict) -> dict[str, Any]:
     if types is None:
         if mt == "mistral" and window is not None:
             types = ("sliding_attention",) * n
-        elif mt == "qwen2" and raw.get("use_sliding_window") and window is not None:
+        elif mt in ("qwen2", "qwen3") and raw.get("use_sliding_window") and window is not None:
             first = _int(raw, "max_window_layers", n)
             types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
         else:
@@ -269,6 +269,7 @@ def _llama_from_dict(raw: dict) -> dict[str, Any]:
         sliding_window=window,
         layer_types=types,
         attention_bias=bias,
+        qk_norm=mt == "qwen3",
         tie_word_embeddings=_bool(raw, "tie_word_embeddings", False),
         bos_token_id=_int(raw, "bos_token_id", 1),
         eos_token_ids=_eos(raw, 2),

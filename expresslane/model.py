@@ -75,6 +75,9 @@ class Attention(nn.Module):
         self.wk = _Proj((L, cfg.lane_kv_dim, D), cfg.attention_bias)
         self.wv = _Proj((L, cfg.lane_kv_dim, D), cfg.attention_bias)
         self.wo = _Proj((L, D, cfg.lane_q_dim), False)
+        if cfg.qk_norm:  # qwen3: one (head_dim,) scale shared by every head, as transformers'
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, None, round_before_scale=True)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, None, round_before_scale=True)
 
     def forward(self, x, cos, sin, positions, cache: KVCache | None) -> torch.Tensor:
         cfg = self.cfg
@@ -82,6 +85,8 @@ class Attention(nn.Module):
         q = self.wq(x).reshape(B, S, cfg.num_heads, cfg.head_dim)  # lanes then heads
         k = self.wk(x).reshape(B, S, cfg.num_kv_heads, cfg.head_dim)
         v = self.wv(x).reshape(B, S, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin, cfg.rope_style), apply_rope(k, cos, sin, cfg.rope_style)
         kpos = positions
         if cache is not None:

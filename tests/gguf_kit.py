@@ -1,9 +1,10 @@
 """Small GGUF files for the tests, written with the `gguf` package's own GGUFWriter.
 
-`random_raw` makes a tensor's stored bytes for any type we read: the gguf package quantizes
-random weights where it can (F16, BF16, Q8_0, Q4_0..Q5_1), and for the K types, which it can only
-dequantize, random blocks with sane f16 scales. `hf_to_gguf` turns a transformers Llama or Qwen2
-state dict into a GGUF the way llama.cpp's converter does (names, Q/K row permutation, metadata).
+`random_raw` makes a tensor's stored bytes for any type we read: the gguf package quantizes random
+weights where it can (F16, BF16, Q8_0, Q4_0..Q5_1), and for the K types, which it can only
+dequantize, random blocks with sane f16 scales. `hf_to_gguf` turns a transformers Llama, Mistral,
+Qwen2 or Qwen3 state dict into a GGUF the way llama.cpp's converter does (names, Q/K row
+permutation, metadata).
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ def reference_dequant(raw: np.ndarray, type_name: str, shape) -> np.ndarray:
     return gguf.quants.dequantize(raw, qtype).reshape(shape)
 
 
-def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict) -> Path:
-    """tensors: name -> (stored bytes (rows, bytes/row) uint8 or an fp32 array, type name)."""
-    w = gguf.GGUFWriter(str(path), arch)
+def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict, split: int = 0) -> Path:
+    """tensors: name -> (stored bytes (rows, bytes/row) uint8 or an fp32 array, type name).
+    split > 0 writes parts of at most `split` tensors, as llama.cpp's gguf-split names them
+    (`m-00001-of-00003.gguf`, ...), and returns the first part."""
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split)
     for key, value in metadata.items():
         _add(w, key, value)
     for name, (data, type_name) in tensors.items():
@@ -56,7 +59,7 @@ def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return w.format_shard_names(Path(path))[0]
 
 
 def _add(w: gguf.GGUFWriter, key: str, value) -> None:
@@ -92,6 +95,8 @@ _LAYER = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -109,14 +114,20 @@ def gguf_name(key: str) -> str:
 
 
 def hf_to_gguf(
-    model, path: Path, weight_type: str = "F32", extra: dict | None = None, rope_freqs=None
+    model,
+    path: Path,
+    weight_type: str = "F32",
+    extra: dict | None = None,
+    rope_freqs=None,
+    split: int = 0,
 ) -> Path:
-    """A transformers Llama/Qwen2 model written as llama.cpp would (2-D weights in
+    """A transformers Llama/Mistral/Qwen2/Qwen3 model written as llama.cpp would (2-D weights in
     `weight_type`, norms and biases F32); `extra` adds or overrides metadata keys, `rope_freqs`
     is written as llama.cpp's `rope_freqs.weight` tensor."""
     cfg = model.config
-    arch = "qwen2" if cfg.model_type == "qwen2" else "llama"
+    arch = cfg.model_type if cfg.model_type in ("qwen2", "qwen3") else "llama"
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     tensors = {}
     for key, t in model.state_dict().items():
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -139,14 +150,23 @@ def hf_to_gguf(
         f"{arch}.block_count": cfg.num_hidden_layers,
         f"{arch}.attention.head_count": heads,
         f"{arch}.attention.head_count_kv": kv,
+        f"{arch}.attention.key_length": head_dim,
+        f"{arch}.attention.value_length": head_dim,
         f"{arch}.rope.freq_base": float(theta),
         f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
         f"{arch}.vocab_size": cfg.vocab_size,
+        **_window(cfg, arch),
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
         **(extra or {}),
     }
-    return write_gguf(path, arch, meta, tensors)
+    return write_gguf(path, arch, meta, tensors, split)
+
+
+def _window(cfg, arch: str) -> dict:
+    """Mistral's sliding window (llama.cpp files Mistral 7B as llama, with this key)."""
+    window = getattr(cfg, "sliding_window", None)
+    return {f"{arch}.attention.sliding_window": window} if cfg.model_type == "mistral" else {}
 
 
 def random_raw_from(w: np.ndarray, type_name: str) -> np.ndarray:

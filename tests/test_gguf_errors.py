@@ -106,3 +106,28 @@ def test_a_folder_with_two_ggufs_is_ambiguous(tmp_path, capsys):
 def test_a_file_that_is_no_checkpoint(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hello")
     _fails(capsys, tmp_path / "notes.txt", "is a file", ".gguf")
+
+
+def _split(tmp_path):
+    """The good model in three parts: m-00001-of-00003.gguf ... (4 tensors per part at most)."""
+    return write_gguf(tmp_path / "m.gguf", "llama", _meta(), _tensors(), split=4)
+
+
+def test_a_split_model_with_a_missing_part(tmp_path, capsys):
+    first = _split(tmp_path)
+    assert first.name == "m-00001-of-00003.gguf"
+    (tmp_path / "m-00002-of-00003.gguf").unlink()
+    _fails(capsys, first, "part 2 of 3 is missing", "m-00002-of-00003.gguf")
+
+
+def test_a_split_part_renamed_so_its_siblings_cannot_be_found(tmp_path, capsys):
+    first = _split(tmp_path)
+    renamed = first.rename(tmp_path / "model.gguf")
+    _fails(capsys, renamed, "split into 3 files", "-NNNNN-of-00003.gguf")
+
+
+def test_a_split_part_swapped_for_another(tmp_path, capsys):
+    first = _split(tmp_path)
+    third = tmp_path / "m-00003-of-00003.gguf"
+    third.write_bytes((tmp_path / "m-00002-of-00003.gguf").read_bytes())
+    _fails(capsys, first, "m-00003-of-00003.gguf", "says it is part 2 of 3")

@@ -1,5 +1,6 @@
-"""GGUF checkpoints of small random Llama and Qwen2 models: the engine's logits equal the
-original transformers model's, and transformers' own GGUF loading of the same file agrees."""
+"""GGUF checkpoints of small random Llama, Mistral, Qwen2 and Qwen3 models: the engine's logits
+equal the original transformers model's, and transformers' own GGUF loading of the same file
+agrees."""
 
 from __future__ import annotations
 
@@ -36,7 +37,13 @@ CASES = {
         dict(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=LLAMA3),
     ),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    # a window shorter than TOKENS, so that it masks; llama.cpp writes Mistral 7B as `llama`
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24)),
+    # q/k norms per head; head_dim wider than hidden / heads (128, Qwen3's: transformers' GGUF
+    # loader ignores qwen3.attention.key_length and assumes it)
+    "qwen3-qk-norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=128)),
 }
+HEAD_DIM = {"qwen3-qk-norm": 128}
 
 
 def _hf_model(name: str):
@@ -74,9 +81,13 @@ def test_logits_equal_the_original_model(case):
     name, hf, path = case
     ours = load_model(path, device="cpu", dtype="float32", progress=False)
     cfg = ours.cfg
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, HEAD_DIM.get(name, 16))
     assert cfg.tie_word_embeddings == hf.config.tie_word_embeddings
     assert cfg.attention_bias == (name == "qwen2-bias")
+    assert cfg.qk_norm == (name == "qwen3-qk-norm")
+    assert cfg.model_type == hf.config.model_type
+    if name == "mistral-window":
+        assert cfg.sliding_window == 24 and cfg.window(0) == 24
     if name == "llama-tied-llama3-rope":
         assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == pytest.approx(8.0)
     with torch.no_grad():
@@ -174,3 +185,31 @@ def test_every_end_marker_of_the_vocabulary_stops_generation(tmp_path):
     marked = Engine.from_pretrained(str(path), device="cpu", dtype="float32", progress=False)
     steps = list(marked.generate_steps(prompt, params))
     assert [s.token for s in steps] == [first] and steps[-1].finish_reason == "stop"
+
+
+def test_qwen3_runs_in_the_engine_on_its_stored_blocks(tmp_path):
+    """The CLI's path for a quantized qwen3 file: its Q8_0 blocks packed as stored, decoded in the
+    static step (the packed step has no q/k norms: the model's forward on the same weights) and
+    greedy tokens equal to transformers reading the same file."""
+    from expresslane.config import SamplingParams
+    from expresslane.engine import Engine
+    from expresslane.step.packed import PackedDecoder
+    from expresslane.step.protocol import EagerStep
+    from expresslane.weights.packing import load_packed
+
+    path = hf_to_gguf(_hf_model("qwen3-qk-norm"), tmp_path / "q8.gguf", weight_type="Q8_0")
+    model = load_packed(path, device="cpu", progress=False)
+    assert model.packed.formats == {"q8_0"}
+    engine = Engine(model, max_model_len=64)
+    assert engine.decode == "graph" and isinstance(engine.step, EagerStep)
+    with pytest.raises(ValueError, match="q/k norms"):
+        PackedDecoder(model, engine.cache)
+    prompt = TOKENS[0, :10].tolist()
+    got = list(engine.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True)))
+    tf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="q8.gguf", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        ref = tf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, min_new_tokens=16)  # fmt: skip
+    assert got == ref[0, 10:].tolist()

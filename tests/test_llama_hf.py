@@ -48,6 +48,7 @@ CASES = {
         dict(num_key_value_heads=2, sliding_window=24),
     ),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    "qwen3-qk-norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=32)),
 }
 
 

@@ -1,11 +1,13 @@
 """GGUF metadata -> a transformers-style config dict (then ModelConfig, as for config.json).
 
 Keys follow llama.cpp's names under the architecture prefix (`llama.block_count`,
-`llama.attention.head_count_kv`, `llama.rope.freq_base`, ...). Architectures read: `llama`
-(Llama 1-3 and Mistral, which llama.cpp files as llama; a sliding-window key makes it mistral)
-and `qwen2`. RoPE scaling: `linear` from `rope.scaling.*`, and Llama 3.1's llama3 scaling, which
-llama.cpp stores only as a `rope_freqs.weight` tensor of per-frequency divisors: its parameters
-are recovered from that tensor and checked to reproduce it.
+`llama.attention.head_count_kv`, `llama.rope.freq_base`, ...). Architectures read: `llama` (Llama
+1-3 and Mistral 7B: llama.cpp has no `mistral` architecture and files Mistral as llama; a
+sliding-window key makes it mistral here), `qwen2`, `qwen3` (q/k norms per head, head_dim from
+`attention.key_length`) and `laneformer` (expresslane/gguf/laneformer.py). RoPE scaling: `linear`
+from `rope.scaling.*`, and Llama 3.1's llama3 scaling, which llama.cpp stores only as a
+`rope_freqs.weight` tensor of per-frequency divisors: its parameters are recovered from that tensor
+and checked to reproduce it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import torch
 from ..config import ModelConfig, RopeScaling
 from ..errors import CheckpointError, ConfigError
 from ..rope import inv_frequencies
+from . import laneformer
 from .quants import raw_to_float
 from .reader import GGUFHeader
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", laneformer.ARCH)
 ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -36,8 +39,10 @@ def hf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     if arch not in ARCHITECTURES:
         raise CheckpointError(
             f"{header.path}: GGUF architecture {arch!r} is not supported; ExpressLane reads "
-            f"{', '.join(ARCHITECTURES)} (Mistral files are 'llama')"
+            f"{', '.join(ARCHITECTURES)} (Mistral 7B files are 'llama')"
         )
+    if arch == laneformer.ARCH:
+        return laneformer.hf_config_dict(header, _dtype(header))
 
     def need(key: str) -> Any:
         full = f"{arch}.{key}"
@@ -48,6 +53,12 @@ def hf_config_dict(header: GGUFHeader) -> dict[str, Any]:
     heads = need("attention.head_count")
     hidden = need("embedding_length")
     head_dim = header.get(f"{arch}.attention.key_length") or hidden // heads
+    v_dim = header.get(f"{arch}.attention.value_length") or head_dim
+    if v_dim != head_dim:
+        raise CheckpointError(
+            f"{header.path}: {arch}.attention.value_length={v_dim} differs from key_length="
+            f"{head_dim}; separate key and value head sizes are not supported"
+        )
     rot = header.get(f"{arch}.rope.dimension_count")
     if rot is not None and rot != head_dim:
         raise CheckpointError(
@@ -100,7 +111,7 @@ def _vocab_size(header: GGUFHeader, arch: str) -> int:
 
 def _dtype(header: GGUFHeader) -> str:
     """The dtype a GPU loads in by default: the file's, or bfloat16 for quantized files."""
-    wq = header.tensors.get("blk.0.attn_q.weight")
+    wq = header.tensors.get("blk.0.attn_q.weight") or header.tensors.get("token_embd.weight")
     kind = wq.type_name if wq is not None else "BF16"
     return {"F32": "float32", "F16": "float16"}.get(kind, "bfloat16")
 

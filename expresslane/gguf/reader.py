@@ -23,7 +23,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
 from ..errors import CheckpointError
-from . import MAGIC
+from . import MAGIC, SPLIT_NAME
 
 VERSIONS = (2, 3)
 _SCALARS = {  # value type -> struct format (little-endian)
@@ -49,8 +49,9 @@ class TensorInfo:
     name: str
     ggml_type: int
     shape: tuple[int, ...]
-    offset: int  # absolute, in bytes from the start of the file
+    offset: int  # absolute, in bytes from the start of its file
     nbytes: int
+    file: Path  # the part of a split model that holds it (else the one file)
 
     @property
     def type_name(self) -> str:
@@ -94,14 +95,21 @@ class GGUFHeader:
     def raw_bytes(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored (quantized blocks included), as a writable uint8 copy."""
         info = self.tensors[name]
-        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with open(info.file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             if info.offset + info.nbytes > len(mm):
-                raise CheckpointError(f"{self.path}: truncated inside tensor {name}")
+                raise CheckpointError(f"{info.file}: truncated inside tensor {name}")
             return np.frombuffer(mm, np.uint8, info.nbytes, info.offset).copy()
 
 
 def read_header(path: str | os.PathLike) -> GGUFHeader:
-    """Parse a GGUF file's header (cached per file, size and modification time)."""
+    """The header of a GGUF model: one file's, or a split model's parts read as one."""
+    header = read_file_header(path)
+    count = header.get(SPLIT_COUNT) or 1
+    return header if count <= 1 else _merge_parts(header, count)
+
+
+def read_file_header(path: str | os.PathLike) -> GGUFHeader:
+    """Parse one GGUF file's header (cached per file, size and modification time)."""
     p = Path(path).resolve()
     try:
         st = p.stat()
@@ -180,7 +188,7 @@ class _Parser:
         tensors = {}
         for name, ggml_type, shape, rel in infos:
             nbytes = _nbytes(self.path, name, ggml_type, shape)
-            info = TensorInfo(name, ggml_type, shape, data_offset + rel, nbytes)
+            info = TensorInfo(name, ggml_type, shape, data_offset + rel, nbytes, self.path)
             if info.offset + nbytes > len(self.buf):
                 raise CheckpointError(
                     f"{self.path}: truncated: tensor {name} ends at byte {info.offset + nbytes}, "
@@ -214,3 +222,44 @@ def _nbytes(path: Path, name: str, ggml_type: int, shape: tuple[int, ...]) -> in
             f"not a multiple of its block size {block}"
         )
     return n // block * type_size
+
+
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+
+
+def split_part_paths(path: Path, count: int) -> list[Path]:
+    """The file names of all `count` parts of the split model that `path` is one part of."""
+    m = SPLIT_NAME.fullmatch(path.name)
+    if m is None or int(m["count"]) != count:
+        raise CheckpointError(
+            f"{path}: one part of a GGUF split into {count} files, but its name does not end in "
+            f"-NNNNN-of-{count:05d}.gguf, so the other parts cannot be found"
+        )
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _merge_parts(given: GGUFHeader, count: int) -> GGUFHeader:
+    """One header for a split model: part 1's metadata, every part's tensors."""
+    paths = split_part_paths(given.path, count)
+    tensors: dict[str, TensorInfo] = {}
+    for no, p in enumerate(paths):
+        if not p.is_file():
+            raise CheckpointError(f"{given.path}: part {no + 1} of {count} is missing: {p}")
+        part = read_file_header(p)
+        if (part.get(SPLIT_NO), part.get(SPLIT_COUNT)) != (no, count):
+            raise CheckpointError(
+                f"{p}: says it is part {part.get(SPLIT_NO, 0) + 1} of {part.get(SPLIT_COUNT, 1)}, "
+                f"expected part {no + 1} of {count}"
+            )
+        for name, info in part.tensors.items():
+            if name in tensors:
+                raise CheckpointError(f"{p}: tensor {name} is also in {tensors[name].file.name}")
+            tensors[name] = info
+    first = read_file_header(paths[0])
+    expected = first.get(SPLIT_TENSORS)
+    if expected is not None and expected != len(tensors):
+        raise CheckpointError(
+            f"{first.path}: the {count} parts hold {len(tensors)} tensors; "
+            f"{SPLIT_TENSORS} says {expected}"
+        )
+    return GGUFHeader(first.path, first.version, first.metadata, tensors, first.data_offset)

@@ -12,13 +12,14 @@ a tensor with the same row order, for kernels that keep weights quantized.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from . import laneformer
 from .config import ROPE_FREQS, hf_config_dict
 from .quants import check_supported, raw_to_float
 from .reader import read_header
@@ -30,12 +31,14 @@ LAYER = {  # inside blk.{i}. -> inside model.layers.{i}.
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-PERMUTED_ARCHS = ("llama",)  # qwen2 files keep transformers' row order
+PERMUTED_ARCHS = ("llama",)  # qwen2 and qwen3 files keep transformers' row order
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -66,21 +69,22 @@ class RawTensor:
 
 
 class GGUFCheckpoint:
-    """The tensors of one GGUF file, by checkpoint key, checked before anything is read."""
+    """The tensors of one GGUF model (one file, or a split model's parts), by checkpoint key,
+    checked before anything is read."""
 
     def __init__(self, path: str | Path):
         self.header = read_header(path)
         self.path = self.header.path
-        if (self.header.get("split.count") or 1) > 1:
-            raise CheckpointError(
-                f"{self.path}: one part of a split GGUF; merge the parts first "
-                "(llama.cpp's `llama-gguf-split --merge`)"
-            )
         cfg = hf_config_dict(self.header)
-        self._heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+        heads = cfg["num_attention_heads"]
+        self._heads = {"q_proj": heads, "k_proj": cfg.get("num_key_value_heads") or heads}
         self._permuted = self.header.architecture in PERMUTED_ARCHS
         names = [n for n in self.header.tensors if n != ROPE_FREQS]
-        self._names = {hf_key(n): n for n in names}
+        if self.header.architecture == laneformer.ARCH:  # our own keys, not transformers'
+            head = cfg["lm_head_type"]
+            self._names = {laneformer.checkpoint_key(n, head): n for n in names}
+        else:
+            self._names = {hf_key(n): n for n in names}
         for n in names:  # refuse before reading anything
             check_supported(self.header, n)
 
@@ -107,15 +111,17 @@ class GGUFCheckpoint:
         return unpermute_rows(t, heads) if heads else t
 
     def raw(self, key: str) -> RawTensor:
-        """The stored blocks (not dequantized), rows in transformers' order."""
+        """The stored blocks (not dequantized), rows in transformers' order. A tensor of more
+        than two dimensions (a Laneformer's (L, out, in)) comes as its (L * out, in) rows."""
         info = self.header.tensors[self._names[key]]
         whole = len(info.shape) > 1 or info.type_name in ("F32", "F16", "BF16")
-        rows = info.shape[0] if whole else 1  # a quantized 1-D tensor is one row of blocks
+        shape = (math.prod(info.shape[:-1]), info.shape[-1]) if len(info.shape) > 2 else info.shape
+        rows = shape[0] if whole else 1  # a quantized 1-D tensor is one row of blocks
         data = torch.from_numpy(self.header.raw_bytes(info.name)).reshape(rows, -1)
         heads = self._row_heads(key)
         if heads and whole:
             data = unpermute_rows(data, heads)
-        return RawTensor(info.type_name, info.shape, data)
+        return RawTensor(info.type_name, shape, data)
 
 
 class _Slice:

@@ -23,6 +23,7 @@ from ..model import Laneformer
 from .fused import FusedDecoder, supports
 from .native import native_step_built
 from .packed import PackedDecoder
+from .packed import supports as packed_supports
 from .protocol import EagerStep, Step
 
 
@@ -63,16 +64,19 @@ def choose_step(model: Laneformer, cache: KVCache, decode: str = "auto", kernels
     p = next(model.parameters())
     mode = _decode_mode(model, p.device, decode, kernels, compile)
     if kernels == "on" and (mode != "graph" or not supports(model)):
-        why = "decode='eager'" if mode != "graph" else "attention biases (qwen2)"
+        why = (
+            "decode='eager'" if mode != "graph" else "attention biases (qwen2) or q/k norms (qwen3)"
+        )
         raise RequestError(f"kernels='on': the fused decode step cannot run with {why}",
                            "kernels")  # fmt: skip
     fused = kernels == "on" or (kernels == "auto" and use_triton(p) and supports(model))
     if mode == "graph" and fused:
         return Choice(FusedDecoder(model, cache), mode, compile, "fused kernels")
     gpu_quantized = getattr(model, "gpu_quantization", None) is not None  # kernels/qlinear.py
-    if mode == "graph" and kernels == "auto" and not gpu_quantized:
+    if mode == "graph" and kernels == "auto" and not gpu_quantized and packed_supports(model.cfg):
         # off CUDA: the step on packed weights (one Q/K/V and one gate/up product per layer),
-        # which compiles its own layer and head (one graph each, not the whole step)
+        # which compiles its own layer and head (one graph each, not the whole step); a model
+        # it does not cover (q/k norms) decodes through its own forward on the same weights
         step = PackedDecoder(model, cache, compile=compile)
         return Choice(step, mode, False, "packed, C layers" if step.step else "packed")
     return Choice(EagerStep(model, cache), mode, compile, "forward")

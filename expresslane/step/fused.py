@@ -24,15 +24,17 @@ MAX_OVERRUN = 64
 
 
 def supports(model: Laneformer) -> bool:
-    """The kernels cover everything but attention biases (qwen2) and quantized projections
-    (kernels/qlinear.py: those decode through the graph of the model's forward)."""
-    return not model.cfg.attention_bias and getattr(model, "gpu_quantization", None) is None
+    """The kernels cover everything but attention biases (qwen2), q/k norms (qwen3) and
+    quantized projections (kernels/qlinear.py: those decode through the graph of the model's
+    forward)."""
+    quantized = getattr(model, "gpu_quantization", None) is not None
+    return not (model.cfg.attention_bias or model.cfg.qk_norm or quantized)
 
 
 class FusedDecoder:
     def __init__(self, model: Laneformer, cache: KVCache, kernels: bool | None = None):
         if not supports(model):
-            raise ValueError("the fused decode step does not cover attention biases")
+            raise ValueError("the fused decode step does not cover attention biases or q/k norms")
         cfg = model.cfg
         self.cfg, self.cache = cfg, cache
         w0 = model.model.tok_embeddings.weight

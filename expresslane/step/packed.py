@@ -133,6 +133,12 @@ def _parts(q: QTensor) -> tuple:
     return (q.fmt, q.data, q.scale, q.rowsum, q.mins)
 
 
+def supports(cfg: ModelConfig) -> bool:
+    """The packed step covers every model but those with q/k norms (qwen3): the engine runs
+    those through the model's forward on the same packed weights."""
+    return not cfg.qk_norm
+
+
 class PackedDecoder:
     """The packed CPU step (module docstring): a `Step` (protocol.py)."""
 
@@ -143,6 +149,8 @@ class PackedDecoder:
         compile: bool = False,
         native: bool | None = None,
     ):
+        if not supports(model.cfg):
+            raise ValueError("the packed decode step does not cover q/k norms (qwen3)")
         self.cfg: ModelConfig = model.cfg
         self.cache = cache
         self.weights = pack_model(model)  # the model's own packing, or its dtype

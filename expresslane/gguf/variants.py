@@ -1,0 +1,151 @@
+"""SmolLM2 in every GGUF type, written by llama.cpp's own quantizer: the test files of issue 27.
+
+The source is an F32 GGUF of the real SmolLM2-135M-Instruct. No F32 file is published where the
+project fetches from, so it is made from the fetched Q4_1 file (expresslane/gguf/fetch.py): every
+tensor dequantized by our reader (bit for bit gguf-py's dequantization) and written back with
+gguf-py's GGUFWriter, metadata and tokenizer copied. That F32 file is then quantized into each type
+of `TYPES` by `llama_cpp.llama_model_quantize` (llama-cpp-python), so the files are what
+llama.cpp's `llama-quantize` writes, mixes included (Q4_K_M: Q4_K and Q6_K, with Q5_0/Q8_0 for
+SmolLM2's 576-wide rows, which are not a multiple of 256).
+
+Q4_1 is the fetched file itself: llama.cpp's quantizer wrote it too, from the original weights.
+Files live beside the model in the cache, written to a temporary name then renamed:
+
+    path("Q4_K_M")   # -> $EXPRESSLANE_CACHE/smollm2/SmolLM2-135M-Instruct.Q4_K_M.gguf
+    ensure("Q4_K_M") # that path, made first if missing (needs llama_cpp for all but F32)
+
+    python -m expresslane.gguf.variants [TYPE ...]   # makes them (all by default), prints paths
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CheckpointError
+from .fetch import fetch_smollm2, smollm2_path
+from .quants import raw_to_float
+from .reader import read_header
+
+# llama.cpp's llama_ftype numbers (include/llama.h): what `llama-quantize` names each mix.
+FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
+          "Q6_K": 18, "Q4_K_M": 15, "Q5_K_M": 17, "BF16": 32}  # fmt: skip
+TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16")
+STEM = "SmolLM2-135M-Instruct"
+
+
+def path(type_name: str, cache: Path | None = None) -> Path:
+    """Where the SmolLM2 GGUF of `type_name` ("Q4_K_M", ..., or "F32") is cached."""
+    if type_name not in FTYPES:
+        raise CheckpointError(f"no SmolLM2 variant {type_name!r}; known: {', '.join(FTYPES)}")
+    fetched = smollm2_path(cache)
+    return fetched if type_name == "Q4_1" else fetched.parent / f"{STEM}.{type_name}.gguf"
+
+
+def have_llama_cpp() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def ensure(type_name: str, cache: Path | None = None) -> Path:
+    """The cached file of `type_name`, made (from the F32 file, made from Q4_1) if missing."""
+    if type_name == "Q4_1":
+        return fetch_smollm2(cache)
+    out = path(type_name, cache)
+    if out.is_file():
+        return out
+    if type_name == "F32":
+        return _write_f32(fetch_smollm2(cache), out)
+    return _quantize(ensure("F32", cache), out, type_name)
+
+
+def _write_f32(src: Path, out: Path) -> Path:
+    """Every tensor of `src` dequantized to F32 (file row order kept), metadata copied."""
+    import gguf
+
+    header = read_header(src)
+    reader = gguf.GGUFReader(src)  # for the value types of the metadata, which ours drops
+    with _atomic(out) as tmp:
+        w = gguf.GGUFWriter(str(tmp), header.architecture)
+        for field in reader.fields.values():
+            if field.name.startswith("GGUF.") or field.name in _SKIPPED:
+                continue
+            main, sub = field.types[0], field.types[-1] if len(field.types) > 1 else None
+            w.add_key_value(field.name, field.contents(), main, sub)
+        w.add_file_type(FTYPES["F32"])
+        for name, info in header.tensors.items():
+            w.add_tensor_info(name, info.shape, np.dtype(np.float32), 4 * int(np.prod(info.shape)))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for name in header.tensors:  # one tensor in memory at a time
+            w.write_tensor_data(raw_to_float(header, name).numpy())
+        w.close()
+    return out
+
+
+_SKIPPED = ("general.architecture", "general.file_type", "general.alignment")
+
+
+def _quantize(src: Path, out: Path, type_name: str) -> Path:
+    try:
+        import llama_cpp
+    except ImportError:
+        raise CheckpointError(
+            f"making the {type_name} SmolLM2 needs llama.cpp's quantizer: "
+            "pip install llama-cpp-python"
+        ) from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[type_name]
+    params.nthread = os.cpu_count() or 1
+    with _atomic(out) as tmp:
+        rc = llama_cpp.llama_model_quantize(
+            str(src).encode(), str(tmp).encode(), ctypes.byref(params)
+        )
+        if rc != 0:
+            raise CheckpointError(f"llama_model_quantize({src.name} -> {type_name}) failed: {rc}")
+    return out
+
+
+class _atomic:
+    """A temporary name beside `out`, renamed to `out` on success, removed on failure."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def __enter__(self) -> Path:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=self.out.parent, prefix=f".{self.out.name}.")
+        os.close(fd)
+        self.tmp = Path(name)
+        return self.tmp
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            os.chmod(self.tmp, 0o644)  # mkstemp's 0600 would hide it from other users
+            os.replace(self.tmp, self.out)
+        else:
+            self.tmp.unlink(missing_ok=True)
+
+
+def main(argv: list[str]) -> int:
+    wanted = argv or ["F32", *TYPES]
+    try:
+        for t in wanted:
+            print(ensure(t))
+    except CheckpointError as e:
+        print(f"expresslane: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
