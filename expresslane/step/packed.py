@@ -117,7 +117,7 @@ def head(h, norm, w, *, native, head_type, eps, pre_norm_lane_agg, greedy):
 
 
 def _parts(q: QTensor) -> tuple:
-    return (q.fmt, q.data, q.scale, q.rowsum, q.mins)
+    return q.flat
 
 
 class PackedDecoder:
@@ -162,7 +162,7 @@ class PackedDecoder:
     def hidden(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token (1, 1), position (1,) -> final residual stream (L, D) fp32; writes the KV."""
         if self.step is not None:
-            return self.step.hidden(token, int(position)).view(1, -1)
+            return self.step.hidden(token.view(1), int(position))  # (1, D)
         cfg, cache = self.cfg, self.cache
         h = self.weights.embed.lookup(token.view(1)).expand(cfg.num_lanes, -1)  # (L, D)
         cos, sin = cos_sin(self.inv_freq, position)  # (1, hd/2), as the model computes them
@@ -194,7 +194,7 @@ class PackedDecoder:
         """fp32 logits (V,) for the token at `position`."""
         h = self.hidden(token, position)
         if self.step is not None:
-            return self.step.head(h[0])[1].clone()
+            return self.step.head(h)[1][0].clone()
         return self._run_head(h, greedy=False)
 
     def next_token(
@@ -208,8 +208,10 @@ class PackedDecoder:
         """The sampled next token, a 0-d tensor (greedy: the logits' argmax, in the head)."""
         h = self.hidden(token, position)
         if self.step is not None:
-            best, logits = self.step.head(h[0])
-            return torch.tensor(best) if params.greedy else sample(logits, params, generator, knobs)
+            best, logits = self.step.head(h)
+            if params.greedy:
+                return torch.tensor(best)
+            return sample(logits[0], params, generator, knobs)
         if params.greedy:
             return self._run_head(h, greedy=True)
         return sample(self._run_head(h, greedy=False), params, generator, knobs)

@@ -6,7 +6,7 @@ verifying with the model's own forward instead (oneDNN on dequantized weights) c
 the tokens it saved. This is the packed step for S tokens: each weight matrix is read once for
 all of them, so a verify costs about one decode step plus the arithmetic of the extra rows.
 
-- One-lane models with the C kernels: `NativeStep.hidden_tokens` / `head_tokens` (one C call
+- One-lane models with the C kernels: `NativeStep.hidden` / `head` for S tokens (one C call
   per layer, products in csrc/cpu_matmul.c). Each token's row is the bits the single-token step
   gives, so greedy speculation reproduces plain greedy decoding on this path exactly.
 - Otherwise (lanes, no C extension, an unsupported shape): `verify_layer`, decode_layer's
@@ -126,7 +126,7 @@ class PackedVerifier:
         dec, S = self.decoder, tokens.shape[0]
         live = position + S  # every slot a later position could hold stays unread
         if dec.step is not None:
-            return dec.step.head_tokens(dec.step.hidden_tokens(tokens, position, live))
+            return dec.step.head(dec.step.hidden(tokens, position, live))[1].clone()
         cfg, cache = self.cfg, self.cache
         positions = torch.arange(position, position + S)
         h = dec.weights.embed.lookup(tokens)[:, None, :].expand(S, cfg.num_lanes, -1)
