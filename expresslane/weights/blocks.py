@@ -84,13 +84,20 @@ def pack_masks(bit: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_masks(masks: torch.Tensor, K: int) -> torch.Tensor:
-    out, at = [], 0
-    for _, n in _groups(K):
-        lo = _unpack_bits(masks[..., at : at + 2 * n]).unflatten(-1, (n, 16))
-        hi = _unpack_bits(masks[..., at + 2 * n : at + 4 * n]).unflatten(-1, (n, 16))
-        out.append(torch.cat((lo, hi), dim=-1).flatten(-2))  # (..., 32 n)
-        at += 4 * n
-    return torch.cat(out, dim=-1)
+    """pack_masks' inverse: (..., K/8) -> (..., K) 0/1 (whole groups at once: a per-token
+    embedding lookup goes through here)."""
+    lead, nb = masks.shape[:-1], K // 32
+    G, n = nb // 4, nb % 4
+    out = []
+    if G:
+        bits = _unpack_bits(masks[..., : 16 * G].reshape(*lead, G, 2, 8))  # (..., G, 2, 64)
+        out.append(bits.reshape(*lead, G, 2, 4, 16).transpose(-3, -2).reshape(*lead, 128 * G))
+    if n:
+        tail = masks[..., 16 * G :]
+        lo = _unpack_bits(tail[..., : 2 * n]).reshape(*lead, n, 1, 16)
+        hi = _unpack_bits(tail[..., 2 * n :]).reshape(*lead, n, 1, 16)
+        out.append(torch.cat((lo, hi), dim=-2).reshape(*lead, 32 * n))
+    return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
 
 
 def pack_high(q: torch.Tensor, fmt: str) -> torch.Tensor | None:
