@@ -45,8 +45,8 @@
 /* ---- float32 and float16: one conversion of each weight vector for the block's tokens ------ */
 #define XF(c, t) _mm512_loadu_ps((const float *)AT(c, t, 0))
 
-/* el_matvec's row_f32 / row_f16 for T tokens: 4 accumulators each, the same chunks in each; x
-   past K is zero here where el_matvec masks it (the same products) */
+/* a row of fp32 / fp16 weights for T tokens: 4 accumulators each, the same chunks in each; x
+   past K is zero (packed so) and the weights past K masked */
 #define DEF_FMA_ROWS(NAME, LD, LDM)                                                          \
     T_F INLINE void NAME##_t(const void *w, const char *xp, int64_t K, float *out,           \
                              const int T) {                                                  \
@@ -151,9 +151,9 @@ T_VNNI INLINE __m512 q8_0_scales(__m128i d2) {
     const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(d2)));
 }
-/* c: 256 sum w 128 for the weight vector; t = 256 (sum w (a + 128)) - c + sum w b, the same
-   integer as el_matvec's 256 (sum w (a + 128) - sum w 128) + sum w b (mod 2^32: shifts
-   distribute), with the low-byte product accumulated onto it directly */
+/* c: 256 sum w 128 for the weight vector; t = 256 (sum w (a + 128)) - c + sum w b, which is
+   256 (sum w (a + 128) - sum w 128) + sum w b = sum w q exactly (mod 2^32: shifts distribute),
+   with the low-byte product accumulated onto it directly */
 T_VNNI INLINE __m512 q8_0_tok(__m512i wv, __m512i c, __m512 dv, __m512i xh, __m512i xl) {
     const __m512i z = _mm512_setzero_si512();
     __m512i hi = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, xh, wv), 8), c);
