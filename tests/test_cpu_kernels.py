@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from expresslane.step import native as cpu_kernels
-from expresslane.weights.quant import FORMATS, GGUF_FORMATS, quantize
+from expresslane.weights.quant import FORMATS, quantize
 
+GGUF_FORMATS = ("q8_0", "q4_1")  # those quantize() writes; the others: test_gguf_blocks.py
 ALL = (*FORMATS, *GGUF_FORMATS)
 needs = {
     fmt: pytest.mark.skipif(
@@ -43,7 +44,7 @@ CASES = [(f, s) for f in FORMATS for s in SHAPES] + [(f, s) for f in GGUF_FORMAT
 def test_product_equals_the_dequantized_reference(fmt, shape):
     w, x = _case(shape, len(shape) * 100 + shape[-1])
     q = quantize(w, fmt)
-    got = torch.ops.expresslane.cpu_matvec(q.data, q.scale, q.rowsum, q.mins, x, fmt)
+    got = torch.ops.expresslane.cpu_matvec(*q.parts, x, fmt)
     ref = (q.dequantize().double() @ x.double().unsqueeze(-1)).squeeze(-1)
     assert got.dtype == torch.float32 and got.shape == ref.shape
     err = (got.double() - ref).abs()
@@ -62,9 +63,9 @@ def test_threads_split_rows_and_change_nothing():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = torch.ops.expresslane.cpu_matvec(q.data, q.scale, q.rowsum, None, x, "int8")
+        one = torch.ops.expresslane.cpu_matvec(*q.parts, x, "int8")
         torch.set_num_threads(2)
-        two = torch.ops.expresslane.cpu_matvec(q.data, q.scale, q.rowsum, None, x, "int8")
+        two = torch.ops.expresslane.cpu_matvec(*q.parts, x, "int8")
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)  # each row is computed whole by one thread

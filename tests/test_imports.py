@@ -127,6 +127,7 @@ LAYERS = [
         "presets",
         "weights.quant",
         "weights.gpu_pack",
+        "weights.blocks",
         "step.threads",
         "step",
         "weights",

@@ -1,20 +1,38 @@
-/* Shared between cpu_matvec.c (the products) and cpu_layer.c (a decoder layer, the head, and
-   the Python module). See expresslane/cpu_kernels.py for how they are used. */
+/* The products of the CPU decode step, shared by the kernel files and cpu_layer.c (a decoder
+   layer, the head, and the Python module). See expresslane/step/native.py for their use.
+
+     cpu_activations.c  the CPU's features, and x in the form each format's kernels read
+     cpu_matmul.c       el_matmul: the float, int8 and Q8_0 kernels and the driver
+     cpu_nibble.c       the 4-, 5- and 6-bit GGUF formats (Q4_0 ... Q6_K)
+
+   There is one product, for S tokens; one token is its S = 1 case (the same kernels). */
 #ifndef EXPRESSLANE_CPU_KERNELS_H
 #define EXPRESSLANE_CPU_KERNELS_H
 #include <stdint.h>
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_F16 = 2, FMT_I8 = 3, FMT_Q8_0 = 4, FMT_Q4_1 = 5 };
+enum {
+    FMT_F32 = 0, FMT_BF16 = 1, FMT_F16 = 2, FMT_I8 = 3, FMT_Q8_0 = 4, FMT_Q4_1 = 5,
+    FMT_Q4_0 = 6, FMT_Q5_0 = 7, FMT_Q5_1 = 8, FMT_Q4_K = 9, FMT_Q5_K = 10, FMT_Q6_K = 11,
+    FMT_COUNT
+};
 enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
 
-/* A weight matrix (lanes, N, K) in one format (expresslane/quant.py's QTensor fields). Five
-   8-byte words, so a layer descriptor's five consecutive entries can be read as one. */
+/* The nibble formats: 4 low bits of every value as nibbles (in each 32-value block, byte j holds
+   value j low and value j + 16 high), 0-2 high bits as byte masks, and the block scales. */
+#define IS_NIBBLE(fmt) ((fmt) == FMT_Q4_1 || (fmt) >= FMT_Q4_0)
+
+/* A weight matrix (lanes, N, K) in one format (expresslane/weights/quant.py's QTensor fields).
+   Seven 8-byte words, so a layer descriptor's seven consecutive entries can be read as one. */
 typedef struct {
     int64_t fmt;
-    const void *data;   /* rows of K values; q4_1: K / 2 bytes of nibbles per row */
-    const void *scale;  /* int8: fp32 per row; q8_0, q4_1: f16 per block of 32 values */
+    const void *data;   /* rows of K values; nibble formats: K / 2 bytes of nibbles per row */
+    const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*: f16 per block of 32 values;
+                           K-quants: f16 d per 256 */
     const void *rowsum; /* int8: int32 per row, the sum of its values */
-    const void *mins;   /* q4_1: f16 per block of 32 values */
+    const void *mins;   /* q4_1, q5_1: f16 per block of 32; q4_K, q5_K: f16 dmin per 256 */
+    const void *high;   /* q5_*: K / 8 bytes per row, q6_K: K / 4 (quant.py: the bit masks) */
+    const void *sub;    /* q4_K, q5_K: per 256 eight 6-bit scales then eight mins, a byte each;
+                           q6_K: an int8 scale per 16 values */
 } qmat_t;
 
 /* bit mask of HAS_* for this CPU (0 off x86-64 or without AVX-512) */
@@ -23,32 +41,79 @@ int el_features(void);
 /* Does this CPU run format fmt? */
 int el_supports(int fmt);
 
-/* Bytes of scratch el_matvec needs for K inputs per lane and L lanes (activation parts). */
-int64_t el_matvec_scratch(int64_t L, int64_t K);
-
-/* Bytes of one weight row of K values in format fmt. */
+/* Bytes of one weight row's data (K values) in format fmt. */
 int64_t el_row_bytes(int fmt, int64_t K);
 
-/* x (V vectors of K) in the form the integer and bf16 row kernels read (bf16 hi / lo parts, or
-   16-bit fixed point as two bytes, q4_1 arranged per nibble group, with their scales), written
-   into `work` (el_matvec_scratch(V, K) bytes). fp32 and fp16 read x as it is (NULL parts). */
+/* x (V vectors of K) in the form the row kernels read (bf16 hi / lo parts, or 16-bit fixed
+   point as two bytes, for the nibble formats arranged per nibble group, with their scales),
+   written into `work`. fp32 and fp16 read x as it is (NULL parts). */
 typedef struct {
-    char *a, *b;    /* per vector 2 Kp bytes each: hi / lo parts (q4_1: a_lo a_hi / b_lo b_hi) */
-    float *xs, *sx; /* q4_1: per vector Kp / 32 block sums of x; integer formats: x's scale */
+    char *a, *b;    /* per vector 2 Kp bytes each: hi / lo parts (nibble: a_lo a_hi / b_lo b_hi) */
+    float *xs;      /* nibble formats: per vector Kp / 32 block sums of x, then Kp / 16 half-block sums */
+    float *sx;      /* integer formats: x's scale per vector */
     int64_t Kp;     /* K padded to a multiple of 128 */
 } xparts_t;
-int el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p);
+int64_t el_split_scratch(int64_t V, int64_t K);
+void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p);
 
-/* y[l, n] = sum_k W[l, n, k] x[l, k]. `work` is el_matvec_scratch(L, K) bytes, 64-aligned, or
-   NULL to allocate. Returns 0, or -1 when the CPU lacks the instructions. */
-int el_matvec(const qmat_t *w, const float *x, float *y, int64_t L, int64_t N, int64_t K,
-              int threads, void *work);
+/* The tokens of a block side by side (cpu_activations.c): chunk c of token t of the block at
+   (c T + t) chunk_bytes. The kernels address every token from one pointer. */
+int64_t el_chunk_bytes(int fmt);
+int64_t el_chunks(int fmt, int64_t K, int64_t Kp);
+void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const int64_t *v, int T,
+                   char *dst);
 
-/* The same product for S tokens at once: y[s, l, n] = sum_k W[l, n, k] x[s, l, k], every weight
-   row read from memory once for all S (cpu_matmul.c), each (row, token) computed exactly as
-   el_matvec computes it (the same bits). `work`: el_matmul_scratch(S, L, K) bytes or NULL. */
+#define TMAX 8 /* tokens of a block at most (the per-block arrays), and blocks of one call */
+
+/* One call's work for a block of T <= 5 tokens (tokens s0 .. s0 + T - 1): what a family of
+   kernels needs to run rows r0 .. r1 - 1 (el_span_nibble: cpu_nibble.c). */
+typedef struct {
+    const qmat_t *w;
+    const xparts_t *P;    /* the split x: vector s L + l is token s of lane l */
+    const float *x;       /* x itself (fp32, fp16) */
+    const char *pk;       /* the interleaved blocks: lane l's tokens from l S per_token on */
+    float *y;             /* y[(s L + l) ldy + n] */
+    int64_t S, L, N, K, ldy, per_token, s0;
+    int T;
+} span_t;
+
+/* for each row r of r0 .. r1 - 1: l its lane, wr its data, xp its tokens' chunks, v[t] their
+   vectors; BODY sets res[t], which goes to y */
+#define EL_ROWS(sp, r0, r1, rb, T, BODY)                                                    \
+    for (int64_t r = (r0); r < (r1); r++) {                                                \
+        const int64_t l = r / (sp)->N;                                                     \
+        const char *wr = (const char *)(sp)->w->data + r * (rb);                           \
+        const char *xp = (sp)->pk + (l * (sp)->S + (sp)->s0) * (sp)->per_token;            \
+        int64_t v[TMAX];                                                                   \
+        float res[TMAX];                                                                      \
+        for (int t = 0; t < (T); t++) v[t] = ((sp)->s0 + t) * (sp)->L + l;                 \
+        BODY;                                                                              \
+        for (int t = 0; t < (T); t++) (sp)->y[v[t] * (sp)->ldy + (r - l * (sp)->N)] = res[t]; \
+    }
+
+/* a switch over T = 1..5 calling CALL(T) with T a constant (the kernels' accumulators then
+   stay in registers) */
+#define BY_T(T, CALL)        \
+    switch (T) {             \
+    case 1: CALL(1); break;  \
+    case 2: CALL(2); break;  \
+    case 3: CALL(3); break;  \
+    case 4: CALL(4); break;  \
+    default: CALL(5); break; \
+    }
+
+void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1);
+
+/* y[s, l, n] = sum_k W[l, n, k] x[s, l, k] for S tokens: every weight row read from memory once
+   for all S, and each (row, token) computed by the same instructions in the same order whatever
+   S is (one token is S = 1), so a row's bits do not depend on S. `work`:
+   el_matmul_scratch(S, L, K) bytes, 64-aligned, or NULL to allocate. Returns 0, or -1 when
+   the CPU lacks the instructions. */
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K);
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
               int64_t K, int threads, void *work);
+/* the same for one lane, token s's outputs at y + s ldy (rows of a wider output) */
+int el_matmul_into(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t N,
+                   int64_t K, int threads, void *work);
 
 #endif

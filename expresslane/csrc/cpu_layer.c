@@ -1,13 +1,12 @@
-/* One decoder layer (and the head) of a one-lane model for one token or S, and the Python module.
+/* One decoder layer (and the head) of a one-lane model for S tokens (one: a decode step).
 
-   The same arithmetic as expresslane/packed_step.py's decode_layer for a Llama-family layer
+   The same arithmetic as expresslane/step/packed.py's decode_layer for a Llama-family layer
    (one lane, where every DTP reduce is the identity): RMSNorm, the Q/K/V product (+ biases),
    RoPE (rotate-half or interleaved pairs), the KV-cache write at slot position % cap, attention
    over the first min(live, cap) slots masked by their positions (and the sliding window), the
    output product, the residual, RMSNorm, the gate/up product, SiLU(gate) * up, the down product
-   and the residual, all fp32. Products are el_matvec (cpu_matvec.c), for S tokens el_matmul
-   (cpu_matmul.c: each weight read once for all of them, the verify step of speculative
-   decoding); everything else is here so that a layer is one call from Python: the step's cost
+   and the residual, all fp32. Products are el_matmul (cpu_matmul.c: each weight read once for all S
+   tokens, the verify step of speculative decoding); everything else is here so that a layer is one call from Python: the step's cost
    is the weights, not ~20 small ops.
 
    A layer is described once by an int64 array (`layer_fields()` names its entries: sizes and
@@ -15,23 +14,30 @@
    the RoPE angles, the position and the live bound change. `scratch` (layer_scratch bytes)
    holds every intermediate, so a step allocates nothing. */
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <math.h>
 #include <stdlib.h>
 
 #include "cpu_kernels.h"
+#include "cpu_layer.h"
+#include "simd.h"
 
-/* a matrix: its format, then the four addresses of a qmat_t */
-#define MAT(X, m) X(m##_fmt) X(m) X(m##_scale) X(m##_rowsum) X(m##_mins)
+/* a matrix: its format, then the six addresses of a qmat_t */
+#define MAT(X, m) X(m##_fmt) X(m) X(m##_scale) X(m##_rowsum) X(m##_mins) X(m##_high) X(m##_sub)
+/* a product: up to three row ranges, each a matrix in its own format (GGUF files mix them: Q
+   and K in Q5_0, V in Q8_0), with its rows (0: absent) */
+#define PARTS(X, m) MAT(X, m) X(m##_rows) MAT(X, m##_1) X(m##_1_rows) MAT(X, m##_2) X(m##_2_rows)
 #define FIELDS(X)                                                                              \
     X(dim) X(heads) X(kv_heads) X(head_dim) X(ffn) X(cap) X(window) X(rope_half)                \
     X(attention_norm) X(qkv_bias) X(ffn_norm) X(k_cache) X(v_cache) X(pos_cache)               \
-    MAT(X, qkv) MAT(X, wo) MAT(X, w13) MAT(X, w2)
+    PARTS(X, qkv) PARTS(X, wo) PARTS(X, w13) PARTS(X, w2)
 #define AS_ENUM(name) F_##name,
 enum { FIELDS(AS_ENUM) F_COUNT };
 #define AS_NAME(name) #name,
 static const char *field_names[] = {FIELDS(AS_NAME)};
+int el_layer_fields(const char *const **names) {
+    *names = field_names;
+    return F_COUNT;
+}
 
 #define PTR(d, f, T) ((T *)(uintptr_t)(d)[F_##f])
 
@@ -39,15 +45,13 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a
 
 /* floats of, per token: qkv, attention output, normed input, gate/up, product output; once:
    scores; then the products' activation parts (bytes) */
-static int64_t layer_scratch(int64_t D, int64_t Hq, int64_t Hkv, int64_t hd, int64_t F,
+int64_t el_layer_scratch(int64_t D, int64_t Hq, int64_t Hkv, int64_t hd, int64_t F,
                              int64_t slots, int64_t S) {
     int64_t per = (Hq + 2 * Hkv) * hd + Hq * hd + max3(D, F, Hq * hd) + 2 * F + D;
     return (S * per + Hq * slots) * 4 + 64 + el_matmul_scratch(S, 1, max3(D, F, Hq * hd));
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define T_F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#ifdef EL_X86
 
 T_F static float dot(const float *a, const float *b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
@@ -92,13 +96,6 @@ T_F static inline __m512 exp_neg(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     __m512 r = _mm512_scalef_ps(p, n);
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), r);
-}
-
-#define MASK(n, i) ((n) - (i) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ((n) - (i))) - 1))
-
-/* 16 floats from p, the last partial chunk masked (masked moves are slow on some cores) */
-T_F static inline __m512 load16(const float *p, int64_t n, int64_t i) {
-    return n - i >= 16 ? _mm512_loadu_ps(p + i) : _mm512_maskz_loadu_ps(MASK(n, i), p + i);
 }
 
 /* softmax(q k / sqrt(hd)) v for the G query heads of KV head g, over n slots: each key and value
@@ -179,9 +176,18 @@ static void attend(const int64_t *d, const float *q, int64_t position, int64_t n
                      sc + g * G * n, o + g * G * hd);
 }
 
-/* W x for S tokens: x (S, K) -> y (S, N); one token is el_matvec itself */
-#define PRODUCT(d, w, x, y, S, N, K, threads, work)                                             \
-    el_matmul((const qmat_t *)&(d)[F_##w##_fmt], (x), (y), (S), 1, (N), (K), (threads), (work))
+/* W x for S tokens: x (S, K) -> y (S, N), part by part (a part's rows into y's columns) */
+static int product(const int64_t *part, const float *x, float *y, int64_t S, int64_t N, int64_t K,
+                   int threads, void *work) {
+    const int64_t stride = F_qkv_1_fmt - F_qkv_fmt; /* one part's entries */
+    int rc = 0;
+    for (int64_t p = 0, at = 0; p < 3 && part[p * stride + 7] > 0; at += part[p * stride + 7], p++)
+        rc |= el_matmul_into((const qmat_t *)&part[p * stride], x, y + at, N, S,
+                             part[p * stride + 7], K, threads, work);
+    return rc;
+}
+#define PRODUCT(d, w, x, y, S, N, K, threads, work) \
+    product(&(d)[F_##w##_fmt], (x), (y), (S), (N), (K), (threads), (work))
 
 /* out = silu(gate) * up, silu(z) = z sigmoid(z), sigmoid from u = e^-|z| in (0, 1] */
 T_F static void silu_mul(const float *gate, const float *up, int64_t F, float *out) {
@@ -202,8 +208,8 @@ T_F static void silu_mul(const float *gate, const float *up, int64_t F, float *o
    written first, then each query attends over the first min(live, cap) slots masked by their
    positions: causal among the new tokens because a later token's position is masked for an
    earlier query. Per token the same calls in the same order as one token alone, and products
-   with el_matvec's bits: a token's result does not depend on S. */
-T_F static int layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
+   whose rows do not depend on S: a token's result does not depend on S. */
+T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
                      int64_t position, int64_t live, float eps, char *scratch, int threads) {
     const int64_t D = d[F_dim], Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim];
     const int64_t F = d[F_ffn], cap = d[F_cap], nq = (Hq + 2 * Hkv) * hd, half = hd / 2;
@@ -240,7 +246,7 @@ T_F static int layer(const int64_t *d, float *h, int64_t S, const float *c, cons
 
 /* final RMSNorm and the head for S tokens: logits (S, V); returns the first argmax of the last
    token's logits (or -1: unsupported) */
-static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t S, int64_t V,
+int64_t el_head(const qmat_t *w, const float *norm, const float *h, int64_t S, int64_t V,
                     int64_t D, float eps, float *logits, char *scratch, int threads) {
     float *xn = (float *)scratch;
     char *work = (char *)(((uintptr_t)(xn + S * D) + 63) & ~(uintptr_t)63);
@@ -253,13 +259,13 @@ static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t 
     return best;
 }
 #else
-static int layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
+int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
                  int64_t position, int64_t live, float eps, char *scratch, int threads) {
     (void)d, (void)h, (void)S, (void)c, (void)s, (void)position, (void)live, (void)eps;
     (void)scratch, (void)threads;
     return -1;
 }
-static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t S, int64_t V,
+int64_t el_head(const qmat_t *w, const float *norm, const float *h, int64_t S, int64_t V,
                     int64_t D, float eps, float *logits, char *scratch, int threads) {
     (void)w, (void)norm, (void)h, (void)S, (void)V, (void)D, (void)eps, (void)logits;
     (void)scratch, (void)threads;
@@ -267,114 +273,3 @@ static int64_t head(const qmat_t *w, const float *norm, const float *h, int64_t 
 }
 #endif
 
-/* ---- Python: addresses in, status out -------------------------------------------------------- */
-#define ADDR(p) ((void *)(uintptr_t)(p))
-
-/* matvec: S = 1 (el_matvec); matmul: S tokens, x (S, L, K) -> y (S, L, N) (el_matmul) */
-static PyObject *py_matmul(PyObject *self, PyObject *args) {
-    int fmt, threads;
-    unsigned long long w, scale, rowsum, mins, x, y;
-    long long S, L, N, K;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "iKKKKKKLLLLi", &fmt, &w, &scale, &rowsum, &mins, &x, &y, &S, &L,
-                          &N, &K, &threads))
-        return NULL;
-    qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins)};
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = el_matmul(&m, ADDR(x), ADDR(y), S, L, N, K, threads, NULL);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(rc);
-}
-
-static PyObject *py_matvec(PyObject *self, PyObject *args) {
-    int fmt, threads;
-    unsigned long long w, scale, rowsum, mins, x, y;
-    long long L, N, K;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "iKKKKKKLLLi", &fmt, &w, &scale, &rowsum, &mins, &x, &y, &L, &N,
-                          &K, &threads))
-        return NULL;
-    qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins)};
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = el_matvec(&m, ADDR(x), ADDR(y), L, N, K, threads, NULL);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(rc);
-}
-
-static PyObject *py_layer(PyObject *self, PyObject *args) {
-    unsigned long long d, h, c, s, scratch;
-    long long position, live, S = 1;
-    float eps;
-    int threads, rc;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "KKKKLLfKi|L", &d, &h, &c, &s, &position, &live, &eps, &scratch,
-                          &threads, &S))
-        return NULL;
-    if (S < 1) S = 1;
-    Py_BEGIN_ALLOW_THREADS
-    rc = layer(ADDR(d), ADDR(h), S, ADDR(c), ADDR(s), position, live, eps, ADDR(scratch), threads);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(rc);
-}
-
-static PyObject *py_head(PyObject *self, PyObject *args) {
-    int fmt, threads;
-    unsigned long long w, scale, rowsum, mins, norm, h, logits, scratch;
-    long long V, D, S = 1;
-    float eps;
-    long long best;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "iKKKKKKLLfKKi|L", &fmt, &w, &scale, &rowsum, &mins, &norm, &h,
-                          &V, &D, &eps, &logits, &scratch, &threads, &S))
-        return NULL;
-    if (S < 1) S = 1;
-    qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins)};
-    Py_BEGIN_ALLOW_THREADS
-    best = head(&m, ADDR(norm), ADDR(h), S, V, D, eps, ADDR(logits), ADDR(scratch), threads);
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLongLong(best);
-}
-
-static PyObject *py_features(PyObject *self, PyObject *noargs) {
-    (void)self, (void)noargs;
-    return PyLong_FromLong(el_features());
-}
-
-static PyObject *py_layer_fields(PyObject *self, PyObject *noargs) {
-    (void)self, (void)noargs;
-    PyObject *t = PyTuple_New(F_COUNT);
-    for (int i = 0; t && i < F_COUNT; i++) PyTuple_SET_ITEM(t, i, PyUnicode_FromString(field_names[i]));
-    return t;
-}
-
-static PyObject *py_layer_scratch(PyObject *self, PyObject *args) {
-    long long D, Hq, Hkv, hd, F, slots, S = 1;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "LLLLLL|L", &D, &Hq, &Hkv, &hd, &F, &slots, &S)) return NULL;
-    return PyLong_FromLongLong(layer_scratch(D, Hq, Hkv, hd, F, slots, S < 1 ? 1 : S));
-}
-
-static PyMethodDef methods[] = {
-    {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI"},
-    {"matvec", py_matvec, METH_VARARGS,
-     "matvec(fmt, w, scale, rowsum, mins, x, y, L, N, K, threads) -> status (0 = done)"},
-    {"matmul", py_matmul, METH_VARARGS,
-     "matmul(fmt, w, scale, rowsum, mins, x, y, S, L, N, K, threads) -> status: S tokens"},
-    {"layer_fields", py_layer_fields, METH_NOARGS, "names of a layer descriptor's int64 entries"},
-    {"layer_scratch", py_layer_scratch, METH_VARARGS,
-     "layer_scratch(D, Hq, Hkv, hd, F, slots[, S]) -> bytes of scratch a layer (or the head) "
-     "needs for S tokens"},
-    {"layer", py_layer, METH_VARARGS,
-     "layer(desc, h, cos, sin, position, live, eps, scratch, threads[, S]) -> status; h (S, D) "
-     "updated"},
-    {"head", py_head, METH_VARARGS,
-     "head(fmt, w, scale, rowsum, mins, norm, h, V, D, eps, logits, scratch, threads[, S]) -> "
-     "argmax of the last token's logits"},
-    {NULL, NULL, 0, NULL}};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels",
-                                    "AVX-512 decode step of one-lane models (csrc/)", -1, methods};
-
-PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }

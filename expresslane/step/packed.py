@@ -130,7 +130,7 @@ def head(h, norm, w, *, native, head_type, eps, pre_norm_lane_agg, greedy):
 
 
 def _parts(q: QTensor) -> tuple:
-    return (q.fmt, q.data, q.scale, q.rowsum, q.mins)
+    return q.flat
 
 
 def supports(cfg: ModelConfig) -> bool:
@@ -221,8 +221,8 @@ class PackedDecoder:
         rows, live = [], self._live()
         for at in range(0, tokens.shape[0], MAX_TOKENS):
             chunk = tokens[at : at + MAX_TOKENS]
-            h = self.step.hidden_tokens(chunk, position + at, max(live, position + at + len(chunk)))
-            rows.append(self.step.head_tokens(h))
+            h = self.step.hidden(chunk, position + at, max(live, position + at + len(chunk)))
+            rows.append(self.step.head(h)[1].clone())  # the head's buffer: copied
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -247,9 +247,11 @@ class PackedDecoder:
         tokens = tokens.view(-1)
         if tokens.shape[0] == 1 and self.step is not None:  # the C head's own argmax
             at = int(position)
-            h = self.step.hidden_tokens(tokens, at, max(self._live(), at + 1))
-            best, logits = self.step.head(h[0])  # logits: the step's buffer, not copied
-            return torch.tensor(best) if params.greedy else sample(logits, params, generator, knobs)
+            h = self.step.hidden(tokens, at, max(self._live(), at + 1))
+            best, logits = self.step.head(h)  # logits (1, V): the step's buffer, not copied
+            if params.greedy:
+                return torch.tensor(best)
+            return sample(logits[0], params, generator, knobs)
         if tokens.shape[0] == 1 and params.greedy:
             return self._run_head(self.hidden(tokens, position), greedy=True)
         logits = self.forward(tokens, position)[-1]

@@ -134,7 +134,7 @@ class PackedWeights:
 
     @property
     def formats(self) -> set[str]:
-        return {m.fmt for m in [*self.matrices, self.embed]}
+        return {p.fmt for m in [*self.matrices, self.embed] for p in m.pieces}
 
 
 def model_dtype_name(model: Laneformer) -> str:
@@ -150,7 +150,7 @@ def pack_model(model: Laneformer, fmt: str | None = None) -> PackedWeights:
             raise ValueError(f"the model is already packed as {have.fmt}, not {fmt}")
         return have
     fmt = fmt or model_dtype_name(model)
-    if fmt not in GGUF_FORMATS:  # those two also pack from floats (llama.cpp's rounding)
+    if fmt not in ("q8_0", "q4_1"):  # those two also pack from floats (llama.cpp's rounding)
         check_format(fmt)
     same = fmt in FLOAT_FORMATS and fmt == model_dtype_name(model)
     if not same and model_dtype_name(model) != "float32":
@@ -234,10 +234,9 @@ def pack_gguf(model: Laneformer, path) -> PackedWeights:
 
     def fused(paths: list[str], weights: list[torch.Tensor]) -> QTensor:
         parts = [stored(p) for p in paths]
-        if all(p is not None for p in parts) and len({p.fmt for p in parts}) == 1:
+        if all(p is not None for p in parts):  # formats may differ: a "mixed" stack
             q = stack_rows(parts)
-            return QTensor(q.fmt, *[None if t is None else t.unsqueeze(0) for t in  # one lane
-                                    (q.data, q.scale, q.rowsum, q.mins)])  # fmt: skip
+            return q.map(lambda t: t.unsqueeze(0))  # one lane
         return quantize(concat_rows(weights), "float32")
 
     with torch.no_grad():
@@ -306,10 +305,13 @@ class _Packed(nn.Module):
         self.register_buffer("qscale", q.scale)
         self.register_buffer("qrowsum", q.rowsum)
         self.register_buffer("qmins", q.mins)
+        self.register_buffer("qhigh", q.high)
+        self.register_buffer("qsub", q.sub)
 
     @property
     def q(self) -> QTensor:
-        return QTensor(self.fmt, self.qdata, self.qscale, self.qrowsum, self.qmins)
+        return QTensor(self.fmt, self.qdata, self.qscale, self.qrowsum, self.qmins, self.qhigh,
+                       self.qsub)  # fmt: skip
 
     @property
     def weight(self) -> torch.Tensor:

@@ -8,16 +8,20 @@ A `QTensor` is a weight (..., N, K) (leading lane axes allowed) in one storage f
                                  (..., N) int32, sum_k data, for kernels with integer inputs
     q8_0                         GGUF Q8_0 kept as it was stored, planar: data (..., N, K) int8,
                                  scale (..., N, K/32) f16: w = d_block * q
-    q4_1                         GGUF Q4_1, planar: data (..., N, K/2) uint8, two values a byte
-                                 in GGUF's order (in each block of 32, byte j holds value j in
-                                 its low nibble and value j + 16 in its high one), scale and
-                                 mins (..., N, K/32) f16: w = d_block * q + m_block
+    q4_0 q4_1 q5_0 q5_1          GGUF's 4- to 6-bit blocks kept as stored, re-laid planar
+    q4_k q5_k q6_k               (nibbles in `data`, higher bits in `high`, block scales in
+                                 `scale` / `mins`, K-quant sub-block scales in `sub`): see
+                                 blocks.py, which owns their layout and reference values
+
+A GGUF file may store the parts of one fused matrix in different formats (llama.cpp's Q4_K_M: Q
+and K in Q5_0, V in Q8_0); their stack is a QTensor of format "mixed" whose `stack` holds the
+parts, each a QTensor of its own rows (`stack_rows`), one product per part.
 
 The GGUF formats come from a GGUF file's blocks (`from_gguf`, the same bits re-laid per field)
-or from `quantize` (llama.cpp's reference rounding, for tests). Whatever the format, products
-are computed in fp32: `matvec(w, x)` upcasts the weights on the fly; compiled by inductor it is
-one multiply-reduce that converts each weight in registers, eagerly it dequantizes and uses
-F.linear. `dequantize()` is the reference every kernel is compared with.
+or, for q8_0 and q4_1, from `quantize` (llama.cpp's reference rounding, for tests). Whatever
+the format, products are computed in fp32: `matvec(w, x)` upcasts the weights on the fly;
+compiled by inductor it is one multiply-reduce that converts each weight in registers, eagerly
+it dequantizes and uses F.linear. `dequantize()` is the reference every kernel is compared with.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import blocks
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GGUF_FORMATS = ("q8_0", "q4_1")
+GGUF_FORMATS = ("q8_0", *blocks.NIBBLE)
 FORMATS = (*FLOAT_FORMATS, "int8")  # what a float matrix may be quantized to on the CLI
 BLOCK = 32  # values per GGUF block
 
@@ -50,17 +55,46 @@ class QTensor:
     scale: torch.Tensor | None = None
     rowsum: torch.Tensor | None = None
     mins: torch.Tensor | None = None
+    high: torch.Tensor | None = None
+    sub: torch.Tensor | None = None
+    stack: tuple[QTensor, ...] | None = None  # "mixed": the parts, row ranges in order
 
     @property
     def shape(self) -> torch.Size:
         """The logical (..., N, K)."""
-        if self.fmt == "q4_1":
+        if self.stack is not None:
+            first = self.stack[0].shape
+            return torch.Size((*first[:-2], sum(p.shape[-2] for p in self.stack), first[-1]))
+        if self.fmt in blocks.NIBBLE:
             return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1]))
         return self.data.shape
 
     @property
+    def parts(self) -> tuple[torch.Tensor | None, ...]:
+        """Every field in order, None where the format has none (what the C side takes)."""
+        return (self.data, self.scale, self.rowsum, self.mins, self.high, self.sub)
+
+    @property
+    def flat(self) -> tuple:
+        """(fmt, every field, stack): QTensor(*flat) is this tensor again."""
+        return (self.fmt, *self.parts, self.stack)
+
+    @property
+    def pieces(self) -> tuple[QTensor, ...]:
+        """The QTensors one product reads in turn: the parts of a stack, else itself."""
+        return self.stack if self.stack is not None else (self,)
+
+    @property
     def fields(self) -> list[torch.Tensor]:
-        return [t for t in (self.data, self.scale, self.rowsum, self.mins) if t is not None]
+        if self.stack is not None:
+            return [t for p in self.stack for t in p.fields]
+        return [t for t in self.parts if t is not None]
+
+    def map(self, fn) -> QTensor:
+        """Every tensor field (of every part) through fn."""
+        if self.stack is not None:
+            return QTensor(self.fmt, None, stack=tuple(p.map(fn) for p in self.stack))
+        return QTensor(self.fmt, *(None if t is None else fn(t) for t in self.parts))
 
     @property
     def nbytes(self) -> int:
@@ -69,28 +103,32 @@ class QTensor:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 matrix this format stands for (the reference of every kernel)."""
-        if self.fmt == "q4_1":
-            lead = self.data.shape[:-1]
-            b = self.data.reshape(*lead, -1, BLOCK // 2)  # (..., N, K/32, 16)
-            q = torch.cat((b & 0x0F, b >> 4), dim=-1).float()  # values 0-15, then 16-31
-            w = q * self.scale.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
-            return w.reshape(*lead, -1)
-        if self.fmt == "q8_0":
-            lead = self.data.shape[:-1]
-            q = self.data.reshape(*lead, -1, BLOCK).float()
-            return (q * self.scale.float().unsqueeze(-1)).reshape(*lead, -1)
+        if self.stack is not None:
+            return torch.cat([p.dequantize() for p in self.stack], dim=-2)
+        if self.fmt in GGUF_FORMATS:
+            return blocks.dequantize(self.fmt, self.data, self.scale, self.mins, self.high,
+                                     self.sub)  # fmt: skip
         w = self.data.float()
         return w if self.scale is None else w * self.scale.unsqueeze(-1)
 
     def rows(self, start: int, stop: int) -> QTensor:
         """Output rows [start, stop) as views of the same storage."""
+        if self.stack is not None:
+            got, at = [], 0
+            for p in self.stack:
+                n = p.shape[-2]
+                lo, hi = max(start, at) - at, min(stop, at + n) - at
+                if lo < hi:
+                    got.append(p.rows(lo, hi))
+                at += n
+            return got[0] if len(got) == 1 else QTensor(self.fmt, None, stack=tuple(got))
 
         def cut(t):
             if t is None:
                 return None
             return t[..., start:stop] if t.dim() == self.data.dim() - 1 else t[..., start:stop, :]
 
-        return QTensor(self.fmt, cut(self.data), cut(self.scale), cut(self.rowsum), cut(self.mins))
+        return QTensor(self.fmt, *(cut(t) for t in self.parts))
 
     def lookup(self, index: torch.Tensor) -> torch.Tensor:
         """fp32 rows `index` of a (N, K) matrix (an embedding table)."""
@@ -100,8 +138,7 @@ class QTensor:
         return w if self.scale is None else w * self.scale[index].unsqueeze(-1)
 
     def select(self, index: torch.Tensor) -> QTensor:
-        pick = [None if t is None else t[index] for t in (self.scale, self.rowsum, self.mins)]
-        return QTensor(self.fmt, self.data[index], *pick)
+        return QTensor(self.fmt, *(None if t is None else t[index] for t in self.parts))
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QTensor:
@@ -147,25 +184,15 @@ def _q4_1(w: torch.Tensor) -> QTensor:
 
 
 def from_gguf(ggml_type: str, data: torch.Tensor, shape: tuple[int, ...]) -> QTensor | None:
-    """GGUF blocks (rows, bytes per row) of a (N, K) matrix as a planar QTensor: F32/F16/BF16,
-    Q8_0 and Q4_1 (the formats with kernels); None for any other type."""
+    """GGUF blocks (rows, bytes per row) of a (N, K) matrix as a planar QTensor: F32/F16/BF16
+    and the block types of blocks.TYPES (the formats with kernels); None for any other type."""
     N, K = shape[0], shape[-1]
     if ggml_type in ("F32", "F16", "BF16"):
         dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[ggml_type]
         fmt = next(k for k, v in FLOAT_FORMATS.items() if v == dt)
         return QTensor(fmt, data.contiguous().view(dt).reshape(N, K))
-    if ggml_type == "Q8_0":  # block: d f16, 32 int8
-        b = data.reshape(N, K // BLOCK, 34)
-        d = b[..., :2].contiguous().view(torch.float16)[..., 0]
-        q = b[..., 2:].contiguous().view(torch.int8).reshape(N, K)
-        return QTensor("q8_0", q, d.contiguous())
-    if ggml_type == "Q4_1":  # block: d f16, m f16, 16 bytes of nibbles
-        b = data.reshape(N, K // BLOCK, 20)
-        d = b[..., 0:2].contiguous().view(torch.float16)[..., 0]
-        m = b[..., 2:4].contiguous().view(torch.float16)[..., 0]
-        q = b[..., 4:].reshape(N, K // 2).contiguous()
-        return QTensor("q4_1", q, d.contiguous(), None, m.contiguous())
-    return None
+    found = blocks.gguf_fields(ggml_type, data, N, K)
+    return None if found is None else QTensor(found[0], **found[1])
 
 
 def matvec(w: QTensor, x: torch.Tensor) -> torch.Tensor:
@@ -175,6 +202,8 @@ def matvec(w: QTensor, x: torch.Tensor) -> torch.Tensor:
     call (the weights converted in registers, never materialised in fp32). Eager, and for the
     GGUF block formats: dequantize and F.linear (or a batched matmul over lanes).
     """
+    if w.stack is not None:
+        return torch.cat([matvec(p, x) for p in w.stack], dim=-1)
     if torch.compiler.is_compiling() and w.fmt not in GGUF_FORMATS:
         x = materialize(x)
         y = (w.data.float() * x.unsqueeze(-2)).sum(-1)  # (..., N): inductor's reduction loop
@@ -202,13 +231,20 @@ def concat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def stack_rows(parts: list[QTensor]) -> QTensor:
-    """QTensors (..., N_i, K) of one format stacked along N, every field with its rows."""
+    """QTensors (..., N_i, K) stacked along N: one format, every field with its rows; else a
+    "mixed" stack of the parts (runs of one format merged)."""
+    parts = [q for p in parts for q in p.pieces]
     if len({p.fmt for p in parts}) != 1:
-        raise ValueError(f"cannot stack formats {sorted({p.fmt for p in parts})}")
+        runs: list[list[QTensor]] = []
+        for p in parts:
+            if runs and runs[-1][0].fmt == p.fmt:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return QTensor("mixed", None, stack=tuple(stack_rows(r) for r in runs))
     rank = parts[0].data.dim()
 
     def cat(ts):  # per-value / per-block fields stack on -2, per-row ones on -1
         return None if ts[0] is None else torch.cat(ts, dim=-2 if ts[0].dim() == rank else -1)
 
-    return QTensor(parts[0].fmt, cat([p.data for p in parts]), cat([p.scale for p in parts]),
-                   cat([p.rowsum for p in parts]), cat([p.mins for p in parts]))  # fmt: skip
+    return QTensor(parts[0].fmt, *(cat([p.parts[i] for p in parts]) for i in range(6)))

@@ -1,0 +1,169 @@
+/* The activations of a product in the form its kernels read, and what this CPU can run.
+
+     float32, float16  x as it is (F16C converts the weights).
+     bfloat16          x = x_hi + x_lo, two bf16 parts (x_hi = bf16(x), x_lo = bf16(x - x_hi)):
+                       16 significant bits, so vdpbf16ps gives the fp32 product to ~1e-5.
+     int8, q8_0        x in 16-bit fixed point per vector, q = round(x / sx), |q| <= 32767,
+                       as two bytes q = 256 a + b with a + 128 and b unsigned (vpdpbusd's
+                       unsigned operand; the weights are the signed one).
+     nibble formats    x in signed 16-bit fixed point q = 256 a + b, |q| <= 32639 so that
+                       |a|, |b| <= 128 fit in int8 (the nibbles are the unsigned operand),
+                       arranged per group of four 32-value blocks like the nibbles; and the
+                       fp32 sums of x per block and per half block (the blocks' offsets).
+
+   For S tokens the parts of a block of tokens are then interleaved chunk by chunk
+   (el_pack_block), the same bytes in another order. */
+
+#include <math.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+#include "simd.h"
+
+static int64_t padded(int64_t K) { return (K + 127) / 128 * 128; }
+
+/* bytes of a row's data: fp32 4K, bf16/fp16 2K, int8/q8_0 K, nibble formats K / 2 */
+int64_t el_row_bytes(int fmt, int64_t K) {
+    return fmt == FMT_F32 ? 4 * K : IS_NIBBLE(fmt) ? K / 2 : fmt >= FMT_I8 ? K : 2 * K;
+}
+
+int64_t el_split_scratch(int64_t V, int64_t K) {
+    /* x parts (4 bytes a value at most), block and half-block sums of x, the scales of x */
+    return (4 * V * padded(K) + 4 * V * (padded(K) / 32 + padded(K) / 16) + 4 * V + 127) / 64 * 64;
+}
+
+/* chunk: one token's parts side by side for one step of a kernel */
+int64_t el_chunk_bytes(int fmt) {
+    return fmt == FMT_F32 || fmt == FMT_F16 ? 64 : IS_NIBBLE(fmt) ? 256 : 128;
+}
+int64_t el_chunks(int fmt, int64_t K, int64_t Kp) { /* per token */
+    return fmt == FMT_F32 || fmt == FMT_F16 ? (K + 15) / 16 : fmt == FMT_BF16 ? Kp / 32
+           : IS_NIBBLE(fmt)                 ? Kp / 128
+                                            : Kp / 64;
+}
+
+void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const int64_t *v, int T,
+                   char *dst) {
+    const int64_t Kp = P->Kp, n = el_chunks(fmt, K, Kp), cb = el_chunk_bytes(fmt);
+    for (int64_t c = 0; c < n; c++)
+        for (int t = 0; t < T; t++) {
+            char *o = dst + (c * T + t) * cb;
+            if (fmt == FMT_F32 || fmt == FMT_F16) { /* 16 floats, zeros past K */
+                const int64_t m = K - c * 16 < 16 ? K - c * 16 : 16;
+                memcpy(o, x + v[t] * K + c * 16, (size_t)m * 4);
+                memset(o + m * 4, 0, (size_t)(16 - m) * 4);
+            } else if (IS_NIBBLE(fmt)) { /* group c: a_lo, a_hi, b_lo, b_hi, 64 bytes each */
+                const char *a = P->a + v[t] * Kp * 2, *b = P->b + v[t] * Kp * 2;
+                memcpy(o, a + c * 64, 64);
+                memcpy(o + 64, a + Kp / 2 + c * 64, 64);
+                memcpy(o + 128, b + c * 64, 64);
+                memcpy(o + 192, b + Kp / 2 + c * 64, 64);
+            } else { /* 64 bytes of the hi part, then of the lo part */
+                memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
+                memcpy(o + 64, P->b + v[t] * Kp * 2 + c * 64, 64);
+            }
+        }
+}
+
+#ifdef EL_X86
+int el_features(void) {
+    static int f = -1;
+    if (f >= 0) return f;
+    __builtin_cpu_init();
+    int g = 0;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        g |= HAS_AVX512;
+    if ((g & HAS_AVX512) && __builtin_cpu_supports("avx512bf16")) g |= HAS_BF16;
+    if ((g & HAS_AVX512) && __builtin_cpu_supports("avx512vnni")) g |= HAS_VNNI;
+    return f = g;
+}
+
+T_BF static void split_bf16(const float *x, int64_t K, int64_t Kp, uint16_t *hi, uint16_t *lo) {
+    for (int64_t k = 0; k < Kp; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? MASK16(K - k) : 0;
+        __m512 v = _mm512_maskz_loadu_ps(m, x + k);
+        __m256bh h = _mm512_cvtneps_pbh(v); /* round to nearest even */
+        __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+        __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)); /* v - hf is exact */
+        _mm256_storeu_si256((__m256i *)(hi + k), (__m256i)h);
+        _mm256_storeu_si256((__m256i *)(lo + k), (__m256i)l);
+    }
+}
+
+T_VNNI static float split_i16(const float *x, int64_t K, int64_t Kp, uint8_t *hi, uint8_t *lo) {
+    const float a = abs_max(x, K), sx = a > 0.0f ? a / 32767.0f : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / sx);
+    const __m512i lim = _mm512_set1_epi32(32767), neg = _mm512_set1_epi32(-32767);
+    for (int64_t k = 0; k < Kp; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? MASK16(K - k) : 0;
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv));
+        q = _mm512_max_epi32(_mm512_min_epi32(q, lim), neg);
+        __m512i hb = _mm512_add_epi32(_mm512_srai_epi32(q, 8), _mm512_set1_epi32(128));
+        __m512i lb = _mm512_and_si512(q, _mm512_set1_epi32(255)); /* q - 256 floor(q / 256) */
+        _mm_storeu_si128((__m128i *)(hi + k), _mm512_cvtepi32_epi8(hb));
+        _mm_storeu_si128((__m128i *)(lo + k), _mm512_cvtepi32_epi8(lb));
+    }
+    return sx;
+}
+
+/* per group of 4 blocks: [blocks' values 0-15 | values 16-31], like the nibbles; xs: the block
+   sums (Kp / 32), then the half-block sums (Kp / 16) */
+T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *a_lo,
+                                 int8_t *a_hi, int8_t *b_lo, int8_t *b_hi, float *xs) {
+    const float a = abs_max(x, K), sx = a > 0.0f ? a / 32639.0f : 1.0f, inv = 1.0f / sx;
+    for (int64_t k = 0; k < Kp; k++) {
+        int32_t q = k < K ? (int32_t)lrintf(x[k] * inv) : 0;
+        q = q > 32639 ? 32639 : q < -32639 ? -32639 : q;
+        int32_t ah = (q + 128) >> 8, bl = q - 256 * ah;
+        int64_t blk = k / 32, j = k % 32, at = (blk / 4) * 64 + (blk % 4) * 16 + (j % 16);
+        if (j < 16) a_lo[at] = (int8_t)ah, b_lo[at] = (int8_t)bl;
+        else a_hi[at] = (int8_t)ah, b_hi[at] = (int8_t)bl;
+    }
+    float *half = xs + Kp / 32;
+    for (int64_t b = 0; b < Kp / 32; b++) {
+        float s = 0.0f, h0 = 0.0f, h1 = 0.0f;
+        for (int64_t j = 0; j < 32 && b * 32 + j < K; j++) {
+            s += x[b * 32 + j];
+            if (j < 16) h0 += x[b * 32 + j];
+            else h1 += x[b * 32 + j];
+        }
+        xs[b] = s, half[2 * b] = h0, half[2 * b + 1] = h1;
+    }
+    return sx;
+}
+
+int el_supports(int fmt) {
+    int need = fmt == FMT_BF16 ? HAS_BF16 : fmt >= FMT_I8 ? HAS_VNNI : HAS_AVX512;
+    return fmt >= FMT_F32 && fmt < FMT_COUNT && (el_features() & need) == need;
+}
+
+void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p) {
+    const int64_t Kp = padded(K);
+    p->Kp = Kp;
+    p->a = p->b = NULL, p->xs = p->sx = NULL;
+    if (fmt == FMT_F32 || fmt == FMT_F16) return; /* x is read as it is */
+    p->a = (char *)work; /* per vector 2 Kp bytes (nibble formats: a_lo, a_hi), then 2 Kp more */
+    p->b = p->a + V * Kp * 2;
+    p->xs = (float *)(p->b + V * Kp * 2);
+    p->sx = p->xs + V * (Kp / 32 + Kp / 16);
+    for (int64_t v = 0; v < V; v++) {
+        const float *xv = x + v * K;
+        char *pa = p->a + v * Kp * 2, *pb = p->b + v * Kp * 2;
+        if (fmt == FMT_BF16)
+            split_bf16(xv, K, Kp, (uint16_t *)pa, (uint16_t *)pb);
+        else if (IS_NIBBLE(fmt))
+            p->sx[v] = split_nibble(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (int8_t *)pb,
+                                    (int8_t *)pb + Kp / 2, p->xs + v * (Kp / 32 + Kp / 16));
+        else
+            p->sx[v] = split_i16(xv, K, Kp, (uint8_t *)pa, (uint8_t *)pb);
+    }
+}
+#else
+int el_features(void) { return 0; }
+int el_supports(int fmt) { (void)fmt; return 0; }
+void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p) {
+    (void)fmt, (void)x, (void)V, (void)K, (void)work, (void)p;
+}
+#endif

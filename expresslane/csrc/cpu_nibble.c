@@ -1,0 +1,236 @@
+/* The products of GGUF's 4-, 5- and 6-bit formats, read as stored (re-laid at load by
+   expresslane/weights/quant.py for 64-byte loads; never dequantized): for a block of T tokens,
+   one weight row at a time, each group of 128 values (four 32-value blocks) split into its
+   values and scales once and used for every token of the block.
+
+   Every value is q = (4 low bits) + 16 (bit 4) + 32 (bit 5), unsigned, in a block with a scale
+   and an offset, w = d_b q + m_b:
+
+     q4_0   d f16, m = -8 d              q4_1   d, m f16
+     q5_0   d f16, m = -16 d             q5_1   d, m f16
+     q4_K   per 256: d, dmin f16, per 32 a 6-bit scale s and min m: w = (d s) q - (dmin m)
+     q5_K   as q4_K, one more bit
+     q6_K   per 256: d f16, per 16 an int8 scale s: w = (d s) (q - 32)
+
+   The nibbles are vpdpbusd's unsigned operand, x's two signed bytes (cpu_activations.c) the
+   other: per block sum q x = 256 sum q a + sum q b exactly in int32 (< 2^24, so exact in fp32
+   too), times d_b in fp32. The offsets are sum_b m_b sum_{k in b} x, from the fp32 block sums
+   of x. Q6_K's 16-value scales: the low and high half of a 32-value block (one byte's two
+   nibbles) are scaled apart. The high bits come as byte masks (vpmovm2b): for each group the
+   mask of its low-nibble values, then of its high-nibble ones (per bit). */
+
+#include <string.h>
+
+#include "cpu_kernels.h"
+#include "simd.h"
+
+#ifdef EL_X86
+
+/* per group: the values of its low and high nibbles (4 blocks x 16 bytes each), the scales of
+   the blocks (16 lanes, a block's on its quarter; Q6_K: dv for the low nibbles, dh the high) */
+typedef struct {
+    __m512i lo, hi;
+    __m512 dv, dh;
+} group_t;
+
+/* a group's masks of one high bit: 2 n bytes for the low nibbles, then for the high (n blocks) */
+INLINE void masks(const uint8_t *p, int64_t n, uint64_t *ml, uint64_t *mh) {
+    *ml = *mh = 0;
+    memcpy(ml, p, (size_t)(2 * n));
+    memcpy(mh, p + 2 * n, (size_t)(2 * n));
+}
+
+T_VNNI INLINE void add_bit(group_t *G, const uint8_t *p, int64_t n, char bit) {
+    uint64_t ml, mh;
+    masks(p, n, &ml, &mh);
+    const __m512i b = _mm512_set1_epi8(bit);
+    G->lo = _mm512_or_si512(G->lo, _mm512_maskz_mov_epi8(ml, b));
+    G->hi = _mm512_or_si512(G->hi, _mm512_maskz_mov_epi8(mh, b));
+}
+
+/* f16 d of the superblock times 4 (Q6_K: 8) byte scales, each on its quarter */
+T_VNNI INLINE __m512 k_scales(uint16_t d, __m128i s4, int sign) {
+    const __m512i pick = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m128i si = sign ? _mm_cvtepi8_epi32(s4) : _mm_cvtepu8_epi32(s4);
+    const __m128 ds = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(d)), _mm_cvtepi32_ps(si));
+    return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(ds));
+}
+
+/* group g of a row (n <= 4 blocks in it) */
+T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t *d,
+                                 const uint8_t *high, const int8_t *sub, int64_t g, int64_t n) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i v = n == 4 ? _mm512_loadu_si512(q + g * 64)
+                             : _mm512_maskz_loadu_epi8(((__mmask64)1 << (16 * n)) - 1, q + g * 64);
+    group_t G;
+    G.lo = _mm512_and_si512(v, low4);
+    G.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if (FMT == FMT_Q5_0 || FMT == FMT_Q5_1 || FMT == FMT_Q5_K) add_bit(&G, high + g * 16, n, 0x10);
+    if (FMT == FMT_Q6_K) {
+        add_bit(&G, high + g * 32, 4, 0x10);
+        add_bit(&G, high + g * 32 + 16, 4, 0x20);
+    }
+    if (FMT == FMT_Q4_K || FMT == FMT_Q5_K) { /* superblock g / 2, its scales 4 (g % 2) on */
+        int32_t s;
+        memcpy(&s, sub + (g / 2) * 16 + (g % 2) * 4, 4);
+        G.dv = k_scales(d[g / 2], _mm_cvtsi32_si128(s), 0);
+    } else if (FMT == FMT_Q6_K) { /* scales of 16 values: even ones the low nibbles' */
+        int64_t s8;
+        memcpy(&s8, sub + (g / 2) * 16 + (g % 2) * 8, 8);
+        const __m128i ev = _mm_set_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 6, 4, 2, 0);
+        const __m128i od = _mm_set_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 7, 5, 3, 1);
+        const __m128i s = _mm_cvtsi64_si128(s8);
+        G.dv = k_scales(d[g / 2], _mm_shuffle_epi8(s, ev), 1);
+        G.dh = k_scales(d[g / 2], _mm_shuffle_epi8(s, od), 1);
+    } else {
+        int64_t dd = 0;
+        memcpy(&dd, d + g * 4, (size_t)(2 * n));
+        G.dv = quarter_scales(_mm_cvtsi64_si128(dd));
+    }
+    return G;
+}
+
+/* one token's part of a group: p its chunk a_lo a_hi b_lo b_hi */
+T_VNNI INLINE __m512 group_tok(const int FMT, const group_t *G, const char *p) {
+    const __m512i z = _mm512_setzero_si512();
+    const __m512i al = _mm512_loadu_si512(p), ah = _mm512_loadu_si512(p + 64);
+    const __m512i bl = _mm512_loadu_si512(p + 128), bh = _mm512_loadu_si512(p + 192);
+    if (FMT == FMT_Q6_K) {
+        __m512i tl = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, G->lo, al), 8),
+                                      _mm512_dpbusd_epi32(z, G->lo, bl));
+        __m512i th = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, G->hi, ah), 8),
+                                      _mm512_dpbusd_epi32(z, G->hi, bh));
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(th), G->dh,
+                               _mm512_mul_ps(_mm512_cvtepi32_ps(tl), G->dv));
+    }
+    __m512i A = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, G->lo, al), G->hi, ah);
+    __m512i B = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, G->lo, bl), G->hi, bh);
+    __m512i t = _mm512_add_epi32(_mm512_slli_epi32(A, 8), B);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(t), G->dv);
+}
+
+/* sum_b m_b (sum of x over block b), xs: the token's block sums then half-block sums */
+T_VNNI INLINE float offsets(const int FMT, const uint16_t *d, const uint16_t *mn,
+                            const int8_t *sub, const float *xs, int64_t nb, int64_t Kp) {
+    __m512 acc = _mm512_setzero_ps();
+    float m = 0.0f;
+    if (FMT == FMT_Q4_K || FMT == FMT_Q5_K) { /* - dmin m_j per superblock of 8 blocks */
+        __m256 a8 = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nb / 8; sb++) {
+            int64_t m8;
+            memcpy(&m8, sub + sb * 16 + 8, 8);
+            __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(m8)));
+            __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(mn[sb])), mf);
+            a8 = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs + sb * 8), a8);
+        }
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
+        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        return -_mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    }
+    if (FMT == FMT_Q6_K) { /* - 32 d s_j per 16 values */
+        const float *half = xs + Kp / 32;
+        for (int64_t sb = 0; sb < nb / 8; sb++) {
+            __m512 sf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(sub + sb * 16))));
+            __m512 ds = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[sb])), sf);
+            acc = _mm512_fmadd_ps(ds, _mm512_loadu_ps(half + sb * 16), acc);
+        }
+        return -32.0f * _mm512_reduce_add_ps(acc);
+    }
+    const uint16_t *src = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 ? mn : d;
+    const float k = FMT == FMT_Q4_0 ? -8.0f : FMT == FMT_Q5_0 ? -16.0f : 1.0f;
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + b)));
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(k)), _mm512_loadu_ps(xs + b), acc);
+    }
+    m = _mm512_reduce_add_ps(acc);
+    for (; b < nb; b++) m += _cvtsh_ss(src[b]) * k * xs[b];
+    return m;
+}
+
+/* one row for T tokens: dot[t] (in units of x's scale) and the offsets' sum mdot[t] */
+T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
+                          const uint8_t *high, const int8_t *sub, const char *xp,
+                          const float *const *xs, int64_t K, int64_t Kp, float *dot, float *mdot,
+                          const int T) {
+    const int64_t CB = 256, nb = K / 32;
+    __m512 acc0[TMAX], acc1[TMAX];
+    for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; (g + 2) * 4 <= nb; g += 2) {
+        const group_t G0 = load_group(FMT, q, d, high, sub, g, 4);
+        const group_t G1 = load_group(FMT, q, d, high, sub, g + 1, 4);
+        for (int t = 0; t < T; t++) {
+            acc0[t] = _mm512_add_ps(acc0[t], group_tok(FMT, &G0, xp + (g * T + t) * CB));
+            acc1[t] = _mm512_add_ps(acc1[t], group_tok(FMT, &G1, xp + ((g + 1) * T + t) * CB));
+        }
+    }
+    for (; g * 4 < nb; g++) { /* the last 1-4 blocks (legacy formats: K % 256 may be nonzero) */
+        const group_t G = load_group(FMT, q, d, high, sub, g, nb - g * 4 >= 4 ? 4 : nb - g * 4);
+        for (int t = 0; t < T; t++)
+            acc0[t] = _mm512_add_ps(acc0[t], group_tok(FMT, &G, xp + (g * T + t) * CB));
+    }
+    for (int t = 0; t < T; t++) {
+        mdot[t] = offsets(FMT, d, mn, sub, xs[t], nb, Kp);
+        dot[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
+    }
+}
+
+/* one row for the T tokens of a span */
+T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char *wr,
+                         const char *xp, const int64_t *v, float *res, const int T) {
+    const qmat_t *w = sp->w;
+    const int64_t K = sp->K, Kp = sp->P->Kp;
+    const int64_t per = FMT == FMT_Q4_K || FMT == FMT_Q5_K || FMT == FMT_Q6_K ? K / 256 : K / 32;
+    const uint16_t *d = (const uint16_t *)w->scale + r * per;
+    const uint16_t *mn = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 || FMT == FMT_Q4_K || FMT == FMT_Q5_K
+                             ? (const uint16_t *)w->mins + r * per
+                             : NULL;
+    const uint8_t *high = FMT == FMT_Q4_0 || FMT == FMT_Q4_1 || FMT == FMT_Q4_K ? NULL
+                          : (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8));
+    const int8_t *sub = FMT == FMT_Q4_K || FMT == FMT_Q5_K || FMT == FMT_Q6_K
+                            ? (const int8_t *)w->sub + r * (K / 16)
+                            : NULL;
+    const float *bsum[TMAX];
+    float dot[TMAX], mdot[TMAX];
+    for (int t = 0; t < T; t++) bsum[t] = sp->P->xs + v[t] * (Kp / 32 + Kp / 16);
+    rows_t(FMT, (const uint8_t *)wr, d, mn, high, sub, xp, bsum, K, Kp, dot, mdot, T);
+    for (int t = 0; t < T; t++) res[t] = sp->P->sx[v[t]] * dot[t] + mdot[t];
+}
+
+#define SPAN(F)                                                                  \
+    T_VNNI static void span_##F(const span_t *sp, int64_t r0, int64_t r1) {      \
+        const int64_t rb = sp->K / 2;                                            \
+        BY_T(sp->T, ROW_##F)                                                     \
+    }
+#define ROWS(F, n) EL_ROWS(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, res, n))
+#define ROW_Q4_0(n) ROWS(Q4_0, n)
+#define ROW_Q4_1(n) ROWS(Q4_1, n)
+#define ROW_Q5_0(n) ROWS(Q5_0, n)
+#define ROW_Q5_1(n) ROWS(Q5_1, n)
+#define ROW_Q4_K(n) ROWS(Q4_K, n)
+#define ROW_Q5_K(n) ROWS(Q5_K, n)
+#define ROW_Q6_K(n) ROWS(Q6_K, n)
+SPAN(Q4_0)
+SPAN(Q4_1)
+SPAN(Q5_0)
+SPAN(Q5_1)
+SPAN(Q4_K)
+SPAN(Q5_K)
+SPAN(Q6_K)
+
+void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
+    switch ((int)sp->w->fmt) {
+    case FMT_Q4_0: span_Q4_0(sp, r0, r1); break;
+    case FMT_Q4_1: span_Q4_1(sp, r0, r1); break;
+    case FMT_Q5_0: span_Q5_0(sp, r0, r1); break;
+    case FMT_Q5_1: span_Q5_1(sp, r0, r1); break;
+    case FMT_Q4_K: span_Q4_K(sp, r0, r1); break;
+    case FMT_Q5_K: span_Q5_K(sp, r0, r1); break;
+    default: span_Q6_K(sp, r0, r1); break;
+    }
+}
+#else
+void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) { (void)sp, (void)r0, (void)r1; }
+#endif

@@ -1,0 +1,56 @@
+/* The SIMD helpers every kernel file shares: target attributes, masks and loaders.
+
+   Each kernel is compiled for its instruction set with a target attribute (the rest of the
+   extension stays baseline x86-64) and runs only where el_features() says the CPU has it.
+   Every set includes T_F's (AVX-512 with FMA and F16C), so the helpers below inline anywhere. */
+#ifndef EXPRESSLANE_SIMD_H
+#define EXPRESSLANE_SIMD_H
+#if defined(__x86_64__) && defined(__GNUC__)
+#define EL_X86 1
+#include <immintrin.h>
+#include <stdint.h>
+
+#define T_F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define T_BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")))
+#define T_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512vnni")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* the first n (< 16) lanes */
+#define MASK16(n) ((__mmask16)((1u << (n)) - 1))
+/* the lanes of 16 starting at i that are below n */
+#define MASK(n, i) ((n) - (i) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ((n) - (i))) - 1))
+/* 32 bf16 values */
+#define BF(p) ((__m512bh)_mm512_loadu_si512(p))
+
+/* 16 weights from a row of fp32 / fp16 values, at k (masked: the lanes of m) */
+T_F INLINE __m512 ld_f32(const void *w, int64_t k) { return _mm512_loadu_ps((const float *)w + k); }
+T_F INLINE __m512 ldm_f32(const void *w, int64_t k, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, (const float *)w + k);
+}
+T_F INLINE __m512 ld_f16(const void *w, int64_t k) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
+}
+T_F INLINE __m512 ldm_f16(const void *w, int64_t k, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)w + k));
+}
+
+/* 16 floats from p at i, the last partial chunk masked (masked moves are slow on some cores) */
+T_F INLINE __m512 load16(const float *p, int64_t n, int64_t i) {
+    return n - i >= 16 ? _mm512_loadu_ps(p + i) : _mm512_maskz_loadu_ps(MASK(n, i), p + i);
+}
+
+/* max |x[k]| over k < K */
+T_F INLINE float abs_max(const float *x, int64_t K) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, K, k)));
+    return _mm512_reduce_max_ps(amax);
+}
+
+/* four f16 scales (one per 32-value block of a 128-value group) as 16 fp32 lanes, each block's
+   scale on the four lanes of its 128-bit quarter */
+T_VNNI INLINE __m512 quarter_scales(__m128i d4) {
+    const __m512i pick = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(d4)));
+}
+#endif
+#endif

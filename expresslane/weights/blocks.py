@@ -1,0 +1,203 @@
+"""GGUF's quantized blocks as the CPU kernels read them, and the values they stand for.
+
+Each GGUF type keeps its own bits: `gguf_fields` only re-lays them at load (planar fields, 64-byte
+groups for wide loads; csrc/cpu_nibble.c reads them), and `dequantize` is the fp32 reference, with
+gguf-py's order of operations, so the two agree bit for bit (tests/test_gguf_blocks.py).
+
+    q8_0   data (N, K) int8, scale (N, K/32) f16                     w = d q
+    q4_0   data (N, K/2) nibbles, scale f16 per 32                   w = d (q - 8)
+    q4_1   ... and mins f16 per 32                                   w = d q + m
+    q5_0   nibbles, high (N, K/8) bit masks, scale f16 per 32        w = d (q - 16)
+    q5_1   ... and mins f16 per 32                                   w = d q + m
+    q4_k   nibbles, scale d and mins dmin f16 per 256, sub (N, K/16) uint8: per 256 eight
+           6-bit scales s then eight mins m, one per 32 values       w = (d s) q - (dmin m)
+    q5_k   as q4_k, and high (N, K/8)
+    q6_k   nibbles, high (N, K/4) (two bits), scale d f16 per 256, sub (N, K/16) int8: a scale
+           per 16 values                                             w = (d s) (q - 32)
+
+Nibbles: in each block of 32 values, byte j holds value j in its low nibble and value j + 16 in
+its high one (GGUF's Q4_0 / Q4_1 order; the K-quants are re-laid to it). High bits: per group of
+four blocks (n <= 4 in the last), the mask of the values in the low nibbles (2n bytes: block b's
+value j is bit 16 b + j), then of those in the high nibbles (value 16 + j); Q6_K has bit 4's two
+masks, then bit 5's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QK = 256  # values of a K-quant superblock
+# GGUF type -> (our format, values a block, bytes a block)
+TYPES = {
+    "Q8_0": ("q8_0", 32, 34), "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1", 32, 20),
+    "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", QK, 144),
+    "Q5_K": ("q5_k", QK, 176), "Q6_K": ("q6_k", QK, 210),
+}  # fmt: skip
+NIBBLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+BITS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6}
+
+
+def block_values(fmt: str) -> int:
+    """K must be a multiple of this for `fmt`."""
+    return QK if fmt in K_QUANTS else 32
+
+
+# --- nibbles and bit masks ----------------------------------------------------------------------
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q (..., K) values -> (..., K/2) uint8: their low 4 bits, two a byte (block order)."""
+    b = (q & 0x0F).reshape(*q.shape[:-1], -1, 32)  # (..., K/32, 32)
+    return (b[..., :16] | (b[..., 16:] << 4)).reshape(*q.shape[:-1], -1)
+
+
+def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    b = data.reshape(*data.shape[:-1], -1, 16)  # (..., K/32, 16)
+    return torch.cat((b & 0x0F, b >> 4), dim=-1).reshape(*data.shape[:-1], -1)
+
+
+_POW = 1 << torch.arange(8, dtype=torch.int32)
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:  # (..., 8m) 0/1 -> (..., m), LSB first
+    b = bits.reshape(*bits.shape[:-1], -1, 8).to(torch.int32)
+    return (b * _POW).sum(-1).to(torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:  # (..., m) -> (..., 8m) 0/1
+    return ((packed.to(torch.int32).unsqueeze(-1) & _POW) != 0).to(torch.uint8).flatten(-2)
+
+
+def _groups(K: int) -> list[tuple[int, int]]:
+    """(first block, blocks) of each group of four blocks of 32."""
+    nb = K // 32
+    return [(b, min(4, nb - b)) for b in range(0, nb, 4)]
+
+
+def pack_masks(bit: torch.Tensor) -> torch.Tensor:
+    """bit (..., K) 0/1 -> (..., K/8) uint8 masks, per group: low nibbles' mask, high's."""
+    b = bit.reshape(*bit.shape[:-1], -1, 32)  # (..., K/32, 32)
+    out = []
+    for b0, n in _groups(bit.shape[-1]):
+        g = b[..., b0 : b0 + n, :]  # (..., n, 32)
+        out += [_pack_bits(g[..., :16].flatten(-2)), _pack_bits(g[..., 16:].flatten(-2))]
+    return torch.cat(out, dim=-1)
+
+
+def unpack_masks(masks: torch.Tensor, K: int) -> torch.Tensor:
+    """pack_masks' inverse: (..., K/8) -> (..., K) 0/1 (whole groups at once: a per-token
+    embedding lookup goes through here)."""
+    lead, nb = masks.shape[:-1], K // 32
+    G, n = nb // 4, nb % 4
+    out = []
+    if G:
+        bits = _unpack_bits(masks[..., : 16 * G].reshape(*lead, G, 2, 8))  # (..., G, 2, 64)
+        out.append(bits.reshape(*lead, G, 2, 4, 16).transpose(-3, -2).reshape(*lead, 128 * G))
+    if n:
+        tail = masks[..., 16 * G :]
+        lo = _unpack_bits(tail[..., : 2 * n]).reshape(*lead, n, 1, 16)
+        hi = _unpack_bits(tail[..., 2 * n :]).reshape(*lead, n, 1, 16)
+        out.append(torch.cat((lo, hi), dim=-2).reshape(*lead, 32 * n))
+    return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
+
+
+def pack_high(q: torch.Tensor, fmt: str) -> torch.Tensor | None:
+    """The bits above the nibble of q (..., K) as masks: None (4 bits), K/8 or K/4 bytes."""
+    if BITS[fmt] == 4:
+        return None
+    m4 = pack_masks((q >> 4) & 1)
+    if BITS[fmt] == 5:
+        return m4
+    m5 = pack_masks((q >> 5) & 1)  # K % 256 == 0: whole groups of 16 bytes
+    lead = q.shape[:-1]
+    return torch.cat((m4.reshape(*lead, -1, 16), m5.reshape(*lead, -1, 16)), -1).flatten(-2)
+
+
+def values(fmt: str, data: torch.Tensor, high: torch.Tensor | None) -> torch.Tensor:
+    """The unsigned values q (..., K) uint8 of a nibble format."""
+    q = unpack_nibbles(data)
+    K = q.shape[-1]
+    if BITS[fmt] == 5:
+        q = q | (unpack_masks(high, K) << 4)
+    elif BITS[fmt] == 6:
+        h = high.reshape(*high.shape[:-1], -1, 2, 16)  # (..., K/128, bit, 16)
+        q = q | (unpack_masks(h[..., 0, :].flatten(-2), K) << 4)
+        q = q | (unpack_masks(h[..., 1, :].flatten(-2), K) << 5)
+    return q
+
+
+# --- the reference --------------------------------------------------------------------------------
+def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor:
+    """The fp32 matrix (..., N, K) the fields of a GGUF block format stand for."""
+    lead = data.shape[:-1]
+    if fmt == "q8_0":
+        return (data.reshape(*lead, -1, 32).float() * scale.float().unsqueeze(-1)).flatten(-2)
+    q = values(fmt, data, high).float()
+    if fmt in K_QUANTS:
+        d = scale.float().unsqueeze(-1)  # (..., K/256, 1)
+        s = sub.reshape(*lead, -1, 16)
+        if fmt == "q6_k":
+            ds = (d * s.view(torch.int8).float()).unsqueeze(-1)  # (..., K/256, 16, 1)
+            return (ds * (q.reshape(*lead, -1, 16, 16) - 32.0)).reshape(*lead, -1)
+        ds = (d * s[..., :8].float()).unsqueeze(-1)  # (..., K/256, 8, 1)
+        dm = (mins.float().unsqueeze(-1) * s[..., 8:].float()).unsqueeze(-1)
+        return (ds * q.reshape(*lead, -1, 8, 32) - dm).reshape(*lead, -1)
+    d = scale.float().unsqueeze(-1)  # (..., K/32, 1)
+    qb = q.reshape(*lead, -1, 32)
+    if fmt in ("q4_0", "q5_0"):
+        return (d * (qb - (8.0 if fmt == "q4_0" else 16.0))).reshape(*lead, -1)
+    return (d * qb + mins.float().unsqueeze(-1)).reshape(*lead, -1)
+
+
+# --- from a GGUF file's bytes -------------------------------------------------------------------
+def _f16(b: torch.Tensor) -> torch.Tensor:  # (..., 2) bytes -> (...) f16
+    return b.contiguous().view(torch.float16)[..., 0].contiguous()
+
+
+def _k_scales(s: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins (..., 12) -> (..., 16): 8 s, then 8 m."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), -1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), -1)
+    return torch.cat((sc, mn), -1)
+
+
+def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str, dict] | None:
+    """A GGUF block type's bytes (N rows) as (format, fields of a QTensor), or None."""
+    if ggml_type not in TYPES:
+        return None
+    fmt, bv, bb = TYPES[ggml_type]
+    b = data.reshape(N, K // bv, bb)
+    if fmt == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(N, K)
+        return fmt, dict(data=q, scale=_f16(b[..., :2]))
+    if fmt in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        at = 4 if fmt.endswith("_1") else 2
+        f = dict(scale=_f16(b[..., :2]), mins=_f16(b[..., 2:4]) if at == 4 else None)
+        nib = b[..., -16:].reshape(N, K // 2).contiguous()  # already in our order
+        if fmt.startswith("q4"):
+            return fmt, dict(f, data=nib)
+        qh = b[..., at : at + 4].contiguous().view(torch.int32)  # (N, K/32, 1) bit j: value j
+        bit = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # (N, K/32, 32)
+        return fmt, dict(f, data=nib, high=pack_masks(bit.reshape(N, K).to(torch.uint8)))
+    if fmt == "q6_k":
+        ql = (
+            b[..., :128].reshape(N, -1, 2, 1, 64)
+            >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]
+        )  # (N, K/256, half, shift, 64): value 128 half + 64 shift + i
+        qh = (
+            b[..., 128:192].reshape(N, -1, 2, 1, 32)
+            >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        )  # (N, K/256, half, 4, 32): value 128 half + 32 j + i
+        q = (ql & 0x0F).reshape(N, K) | ((qh & 0x03).reshape(N, K) << 4)
+        sub = b[..., 192:208].reshape(N, -1).contiguous()  # int8 scales, as bytes
+        return fmt, dict(data=pack_nibbles(q), high=pack_high(q, fmt), scale=_f16(b[..., 208:]),
+                         sub=sub)  # fmt: skip
+    # q4_k, q5_k: d, dmin, 12 bytes of scales, (q5_k: 32 bytes of high bits,) 128 of nibbles
+    qs = b[..., -128:].reshape(N, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]
+    q = (qs & 0x0F).reshape(N, K)  # (N, K/256, pair, nibble, 32): value 64 pair + 32 nibble + i
+    if fmt == "q5_k":
+        qh = b[..., 16:48].reshape(N, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+        q = q | ((qh & 1).reshape(N, K) << 4)  # (N, K/256, 8, 32): bit c of byte i, value 32c+i
+    sub = _k_scales(b[..., 4:16]).reshape(N, -1).contiguous()
+    return fmt, dict(data=pack_nibbles(q), high=pack_high(q, fmt), scale=_f16(b[..., 0:2]),
+                     mins=_f16(b[..., 2:4]), sub=sub)  # fmt: skip

@@ -1,0 +1,171 @@
+"""GGUF's 4- to 8-bit block types kept as stored (weights/blocks.py) and their C products
+(csrc/cpu_nibble.c): random valid blocks of every type on irregular shapes, against gguf-py's
+dequantization bit for bit, the product against that reference, and S tokens against S single
+tokens bit for bit per row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expresslane.step import native
+from expresslane.weights.blocks import TYPES
+from expresslane.weights.quant import from_gguf
+
+gguf = pytest.importorskip("gguf")
+
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# (N, K): K a multiple of 32 (legacy: partial last groups of 1-3 blocks) or of 256
+SHAPES = {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY} | {
+    t: [(37, 256), (11, 768), (130, 512)] for t in KQUANTS
+}
+F16_AT = {  # byte offsets of a block's f16 fields (d, and m / dmin)
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
+
+
+def random_blocks(ggml_type: str, N: int, K: int, seed: int) -> torch.Tensor:
+    """Random bytes for every block, with finite f16 scales of varied size."""
+    g = torch.Generator().manual_seed(seed)
+    _, bv, bb = TYPES[ggml_type]
+    raw = torch.randint(0, 256, (N, K // bv, bb), generator=g, dtype=torch.uint8)
+    for at in F16_AT[ggml_type]:
+        d = (torch.rand(N, K // bv, generator=g) * 0.02 + 1e-4).half()
+        raw[..., at : at + 2] = d.unsqueeze(-1).view(torch.uint8)
+    return raw.reshape(N, -1)
+
+
+def gguf_reference(ggml_type: str, raw: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    out = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[ggml_type])
+    return torch.from_numpy(out.reshape(N, K).copy())
+
+
+CASES = [(t, s) for t in (*LEGACY, *KQUANTS) for s in SHAPES[t]]
+
+
+@pytest.mark.parametrize("ggml_type, shape", CASES, ids=[f"{t}-{s}" for t, s in CASES])
+def test_blocks_dequantize_as_gguf_py_does(ggml_type, shape):
+    N, K = shape
+    raw = random_blocks(ggml_type, N, K, N + K)
+    q = from_gguf(ggml_type, raw, shape)
+    assert q.fmt == ggml_type.lower() and q.shape == shape
+    assert torch.equal(q.dequantize(), gguf_reference(ggml_type, raw, N, K))
+    assert torch.equal(q.rows(2, 5).dequantize(), q.dequantize()[2:5])
+
+
+def _needs(t):
+    fmt = t.lower()
+    return pytest.mark.skipif(not native.available(fmt), reason=f"no C kernels for {fmt} here")
+
+
+@pytest.mark.parametrize(
+    "ggml_type, shape", [pytest.param(t, s, marks=_needs(t)) for t, s in CASES],
+    ids=[f"{t}-{s}" for t, s in CASES],
+)  # fmt: skip
+def test_product_equals_the_dequantized_reference(ggml_type, shape):
+    N, K = shape
+    q = from_gguf(ggml_type, random_blocks(ggml_type, N, K, 7 * N + K), shape)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(3, K, generator=g)
+    x[:, 0] = 25.0  # an outlier: x's 16-bit fixed point scales to it
+    got = native.native_matmul(q, x)  # (3, N)
+    w = q.dequantize().double()
+    ref = x.double() @ w.T
+    # x in 16-bit fixed point: each element off by at most half a step of max|x| / 32639
+    step = x.abs().amax(-1, keepdim=True).double() / 32639
+    bound = 0.5 * step * w.abs().sum(-1) + 1e-5 * ref.abs() + 1e-6
+    assert ((got.double() - ref).abs() <= bound).all()
+    one = native.native_matvec(q, x[1])
+    assert torch.equal(one, got[1])
+
+
+@pytest.mark.parametrize("ggml_type", [pytest.param(t, marks=_needs(t)) for t in TYPES])
+def test_s_token_rows_are_the_single_token_bits(ggml_type):
+    N, K = (19, 512) if ggml_type in KQUANTS else (19, 352)
+    q = from_gguf(ggml_type, random_blocks(ggml_type, N, K, 5), (N, K))
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(9))
+    single = torch.stack([native.native_matvec(q, x[s]) for s in range(9)])
+    for S in range(1, 10):
+        assert torch.equal(native.native_matmul(q, x[:S]), single[:S]), S
+
+
+# --- whole GGUF files through the packed step ------------------------------------------------
+MIXES = {  # tensor kind -> GGUF type, as llama.cpp's quantizer mixes them
+    **{t: dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down", "embd"), t) for t in TYPES},
+    "Q4_K_M": dict(q="Q4_K", k="Q4_K", v="Q6_K", o="Q4_K", gate="Q4_K", up="Q4_K", down="Q6_K",
+                   embd="Q6_K"),
+    # rows not a multiple of 256 fall back to legacy types: Q/K and V, gate and up differ
+    "fallbacks": dict(q="Q5_0", k="Q5_0", v="Q8_0", o="Q5_1", gate="Q5_1", up="Q4_0",
+                      down="Q4_K", embd="Q8_0"),
+}  # fmt: skip
+KIND = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate",
+        "ffn_up": "up", "ffn_down": "down", "token_embd": "embd"}  # fmt: skip
+
+
+def retyped(src, dst, mix: dict[str, str]):
+    """The GGUF file src with every matrix stored as `mix` says: gguf-py's quantizer where it
+    has one, else random blocks (K types)."""
+    import numpy as np
+    from gguf_kit import random_raw, random_raw_from
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), "llama")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0],
+                        sub_type=f.types[1] if len(f.types) > 1 else None)  # fmt: skip
+    for i, t in enumerate(r.tensors):
+        a = np.array(t.data, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
+        kind = t.name.split(".")[-2]
+        if a.ndim == 1 or KIND.get(kind) is None:
+            w.add_tensor(t.name, a)
+            continue
+        ty = mix[KIND[kind]]
+        qt = gguf.GGMLQuantizationType[ty]
+        raw = random_raw(ty, *a.shape, seed=i) if ty.endswith("_K") else random_raw_from(a, ty)
+        w.add_tensor(t.name, raw, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_gguf_files_run_as_stored_through_the_packed_step(tmp_path, mix):
+    """Every matrix packed in its file's own type (no fp32), fused products of mixed types kept
+    part by part; the C step's logits, token by token, are the forward's on the file
+    dequantized (to x's 16-bit fixed point: random K blocks make logits in the hundreds)."""
+    from test_packed_step import PROMPT, llama
+
+    from expresslane.bench.llamacpp import write_gguf
+    from expresslane.cache import KVCache
+    from expresslane.checkpoint import load_model
+    from expresslane.step.packed import PackedDecoder
+    from expresslane.weights.packing import pack_gguf
+
+    formats = {t.lower() for t in MIXES[mix].values()}
+    if not all(native.available(f) for f in formats):
+        pytest.skip("no C kernels for these formats here")
+    src = llama(seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=512, vocab_size=96)  # fmt: skip
+    f32 = write_gguf(src, None, tmp_path / "f32.gguf", "F32")
+    path = retyped(f32, tmp_path / f"{mix}.gguf", MIXES[mix])
+    model, reference = load_model(path, progress=False), load_model(path, progress=False)
+    packed = pack_gguf(model, path)
+    assert packed.formats == formats
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = reference(tokens)[0]
+        for c_step in (True, False):  # one C call per layer; the Python layer on the C products
+            cache = KVCache(model.cfg, max_len=32)
+            cache.static = True
+            dec = PackedDecoder(model, cache)
+            if not c_step:
+                dec.step = None
+            got = torch.stack([dec.logits(tokens[:, i : i + 1], torch.tensor([i]))
+                               for i in range(len(PROMPT))])  # fmt: skip
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-3 * want.abs().max().item())
