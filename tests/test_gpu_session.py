@@ -231,7 +231,7 @@ out = {}
 for ctx in (100, 1000):
     b = bytes_by_kernel("laneformer-2b", ctx, 132, True)
     want = bytes_per_token(get_preset("laneformer-2b"), ctx + 1, dtype_bytes=2)["total"]
-    out[ctx] = [sum(b.values()), want, b["attn_partial_kernel"]]
+    out[ctx] = [sum(b.values()), want, b["attention_kernel"]]
 print(json.dumps(out))
 """
 
