@@ -80,7 +80,9 @@ else:
     POSITION = 29  # ring of 15 slots wrapped once
 # The interpreter's time goes with programs x launches: the costly tests run each shape in one
 # dtype (both dtypes across the shapes); compiled on a GPU every pair runs.
-PAIRS = [(s, dt) for s in SHAPES for dt in DTYPES] if GPU else list(zip(SHAPES, DTYPES))
+PAIRS = [(s, dt) for s in SHAPES for dt in DTYPES]
+if not GPU:
+    PAIRS = list(zip(SHAPES, DTYPES, strict=True))
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +151,7 @@ def at(p: int) -> torch.Tensor:
     return torch.tensor([p], dtype=torch.int64, device=DEVICE)
 
 
-# --- each kernel: S tokens against the reference, and row by row against lone launches ------------
+# --- each kernel: S tokens against the reference, and row by row against lone launches --------
 @pytest.mark.parametrize("s,dtype", PAIRS, ids=str)
 def test_norm_qkv_tokens(s, dtype):
     w = weights(s, dtype)
@@ -266,7 +268,7 @@ def test_lm_head_tokens(head_type, pre_agg, dtype):
     assert tokens.shape == (S,) and torch.equal(tokens, logits.argmax(-1))
 
 
-# --- a whole layer, and the fused step --------------------------------------------------------------
+# --- a whole layer, and the fused step ------------------------------------------------------------
 @pytest.mark.parametrize("s,dtype", PAIRS, ids=str)
 def test_layer_rows_equal_lone_steps(s, dtype):
     """A sliding layer in "past" mode: S tokens at once against S single-token steps, bitwise,
