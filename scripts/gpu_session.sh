@@ -3,7 +3,7 @@
 # preinstalled; nothing is installed here). Plan and timings: docs/gpu-session.md.
 #
 #   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] scripts/gpu_session.sh [--dry-run] STAGE...
-#   stages: smoke bench-2b bench-1b tests kernels profile   (at most 4 per call: 8 files)
+#   stages: smoke bench-2b bench-1b tests kernels profile sweep   (at most 4 per call: 8 files)
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
 # (rows kept as measured, test verdicts, rc, seconds) goes to $OUT/STAGE.json. A stage that fails
@@ -18,7 +18,7 @@ OUT=${OUT:-out}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-STAGES=(smoke bench-2b bench-1b tests kernels profile)
+STAGES=(smoke bench-2b bench-1b tests kernels profile sweep)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -62,6 +62,10 @@ stage_command() {
       LIMIT=120; CMD=("$PY" -m expresslane.bench.profile --model laneformer-2b --context 1024
                       --steps 20)
       ((DRY)) && CMD+=(--dry-run) ;;
+    sweep)  # every kernel variant checked, then timed; the winners as a tuning table in $OUT
+      LIMIT=480; CMD=("$PY" -m expresslane.bench.sweep --model laneformer-2b llama-3.2-1b
+                      --context 1024 --tokens 1 4 --table "$OUT/tuning.json")
+      ((DRY)) && CMD+=(--dry-run --tokens 2) ;;
   esac
 }
 

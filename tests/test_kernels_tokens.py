@@ -11,6 +11,7 @@ run compiled (the staged `tests` stage), which is where the layouts' reduction o
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -327,3 +328,35 @@ def test_fused_decoder_forward_rows_equal_decode_steps():
     close(logits["verify"], full.float(), torch.float32, "fused forward vs model forward")
     with pytest.raises(ValueError, match="at most 8"):
         dec.forward(torch.zeros(9, dtype=torch.long, device=DEVICE), at(0))
+
+
+def test_tuning_table_is_read_at_load(tmp_path, monkeypatch):
+    """A GPU's table (kernels/tuning/<gpu>.json, the sweep's winners) replaces the default
+    configuration of the kernel and shape it names; another GPU or shape keeps the default;
+    a forced variant goes over both. The chosen tiles give the same bits here."""
+    from expresslane.kernels import gemv
+
+    s = SHAPES[0]
+    key = tuning.shape_key(L=s.lanes, O=s.ffn // s.lanes, K=s.dim)
+    doc = {"gpu": "NVIDIA H200", "kernels": {"norm_swiglu": {key: {"BLOCK_O": 4}}}}
+    (tmp_path / "nvidia-h200.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(tuning, "TABLES", tmp_path)
+    tuning.table.cache_clear()
+    default = {"BLOCK_O": 8, "PREFETCH": 0}
+    x = rand(2, s.lanes, s.dim, dtype=torch.float32)
+    nw = torch.ones(s.dim, device=DEVICE)
+    w1 = rand(s.lanes, s.ffn // s.lanes, s.dim, dtype=torch.float32)
+    plain = norm_swiglu(x, nw, w1, w1)
+    try:
+        monkeypatch.setitem(gemv.PLANNED_GPU, "name", "NVIDIA H200")
+        assert tuning.choose("norm_swiglu", x, key, default) == {"BLOCK_O": 4, "PREFETCH": 0}
+        assert tuning.choose("norm_swiglu", x, "L9-O9-K9", default) == default
+        with tuning.watching() as seen:
+            tabled = norm_swiglu(x, nw, w1, w1)
+        assert ("norm_swiglu", key) in seen and torch.equal(tabled, plain)
+        with tuning.forcing("norm_swiglu", {"BLOCK_O": 16}):
+            assert tuning.choose("norm_swiglu", x, key, default)["BLOCK_O"] == 16
+        monkeypatch.setitem(gemv.PLANNED_GPU, "name", "NVIDIA A100")  # no table: defaults
+        assert tuning.choose("norm_swiglu", x, key, default) == default
+    finally:
+        tuning.table.cache_clear()

@@ -179,8 +179,10 @@ def recording(sms: int = 132, pdl: bool = True, arch: int | None = 90):
 
 
 def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits: bool = True,
-                       arch: int | None = 90, dtype: torch.dtype = torch.bfloat16):  # fmt: skip
-    """The launches of one greedy decode step of the model, then (`logits`) of its logits path."""
+                       arch: int | None = 90, dtype: torch.dtype = torch.bfloat16,
+                       tokens: int = 1):  # fmt: skip
+    """The launches of one greedy decode step of the model, then (`logits`) of its logits path;
+    tokens > 1: of a step of that many tokens (a speculative verify's width)."""
     from ..cache import KVCache
     from ..config import SamplingParams
     from ..model import Laneformer
@@ -190,7 +192,7 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
     with torch.device("meta"):
         model = Laneformer(cfg).to(device="meta", dtype=dtype)
     cache = KVCache(cfg, max_len, "meta", dtype)
-    token = torch.zeros((1, 1), dtype=torch.long, device="meta")
+    token = torch.zeros((tokens,), dtype=torch.long, device="meta")
     position = torch.zeros((1,), dtype=torch.long, device="meta")
     with recording(sms, pdl, arch) as launches:
         decoder = FusedDecoder(model, cache, kernels=True)
@@ -300,12 +302,14 @@ def compile_decode_step(
     sms: int = 132,
     specialise: bool = True,
     only: str | None = None,
+    tokens: int = 1,
 ) -> list[dict]:
     """Every distinct kernel of the model's fused decode step, compiled for sm_`arch` (`only`:
     the kernels whose name starts so)."""
     pdl = arch >= 90
     launches = distinct(record_decode_step(model_ref, max_len, sms, pdl,
-                                           arch=arch if specialise else None))  # fmt: skip
+                                           arch=arch if specialise else None,
+                                           tokens=tokens))  # fmt: skip
     launches = [la for la in launches if only is None or la.name.startswith(only)]
     with tempfile.TemporaryDirectory() as tmp:
         return [compile_launch(launch, arch, Path(tmp), sms) for launch in launches]
@@ -321,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100)")
     ap.add_argument("--sms", type=int, default=132, help="SM count the launch plan assumes")
     ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=1,
+                    help="tokens per step (a verify of k drafts: k + 1, at most 8)")  # fmt: skip
     ap.add_argument("--kernel", default=None, help="only the kernels whose name starts so")
     ap.add_argument(
         "--unspecialised",
@@ -339,13 +345,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--arch {args.arch}: expected a compute capability x10 >= 80")
         if args.sms < 1:
             raise ConfigError(f"--sms {args.sms}: expected the GPU's SM count (>= 1)")
+        if not 1 <= args.tokens <= 8:
+            raise ConfigError(f"--tokens {args.tokens}: expected 1 to 8")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     greedy = len(record_decode_step(args.model, args.max_len, args.sms, True, logits=False,
                                     arch=None))  # fmt: skip
     rows = compile_decode_step(args.model, args.arch, args.max_len, args.sms,
-                               not args.unspecialised, args.kernel)  # fmt: skip
+                               not args.unspecialised, args.kernel, args.tokens)  # fmt: skip
     if not args.json:
         print(f"{'kernel':54} {'grid':>10} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
               f"{'blk/SM':>6} {'waves':>5} pdl  global loads (bits x count)")  # fmt: skip

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .gemv import (
     assert_norm_weight,
     block_s,
@@ -217,14 +218,22 @@ def _prepare(h, norm_weight, w, head_type, pre_norm_lane_agg):
 
 
 def _blocks(h: torch.Tensor, vl: int, lanes: int) -> tuple[int, int]:
+    """(BLOCK_V, BLOCK_K): the default below, or the GPU's tuning table (one choice for the
+    logits and the argmax kernels, so greedy and sampling see the same bits)."""
+    D = h.shape[-1]
     if num_sms(h) == 0:
-        return min(triton.next_power_of_2(vl), 64), min(triton.next_power_of_2(h.shape[-1]), 512)
-    block_v = 32  # shrink until ~4 programs per SM
-    while block_v > 8 and lanes * triton.cdiv(vl, block_v) < 4 * num_sms(h):
-        block_v //= 2
-    # (BLOCK_V, BLOCK_K) fp32 accumulator <= 4096 elements (see gemv.tile_sizes): an sm_90 build
-    # of a 32 x 256 tile needs 153-158 registers (3 CTAs per SM) where 32 x 128 needs 80-91 (5-6).
-    return block_v, min(triton.next_power_of_2(h.shape[-1]), 4096 // block_v)
+        default = {"BLOCK_V": min(triton.next_power_of_2(vl), 64),
+                   "BLOCK_K": min(triton.next_power_of_2(D), 512)}  # fmt: skip
+    else:
+        block_v = 32  # shrink until ~4 programs per SM
+        while block_v > 8 and lanes * triton.cdiv(vl, block_v) < 4 * num_sms(h):
+            block_v //= 2
+        # (BLOCK_V, BLOCK_K) fp32 accumulator <= 4096 elements (see gemv.tile_sizes): an sm_90
+        # build of a 32 x 256 tile needs 153-158 registers (3 CTAs per SM) where 32 x 128 needs
+        # 80-91 (5-6).
+        default = {"BLOCK_V": block_v, "BLOCK_K": min(triton.next_power_of_2(D), 4096 // block_v)}
+    cfg = tuning.choose("lm_head", h, tuning.shape_key(L=lanes, V=vl, D=D), default)
+    return cfg["BLOCK_V"], cfg["BLOCK_K"]
 
 
 def lm_head_logits(

@@ -24,6 +24,8 @@ import torch
 TABLES = Path(__file__).parent / "tuning"
 OPTIONS = ("num_warps", "num_stages")  # launch options; the rest are constexprs
 _FORCED: dict[str, dict] = {}
+SEEN: list[tuple[str, str]] = []  # (kernel, key) of every choice, while `watching`
+_WATCH = [False]
 
 
 def slug(gpu: str) -> str:
@@ -58,6 +60,8 @@ def shape_key(**dims: int) -> str:
 
 def choose(kernel: str, t: torch.Tensor, key: str, default: dict) -> dict:
     """default, then the table's entry for (t's GPU, kernel, key), then any forced variant."""
+    if _WATCH[0]:
+        SEEN.append((kernel, key))
     cfg = dict(default)
     gpu = gpu_name(t)
     if gpu is not None:
@@ -84,3 +88,14 @@ def forcing(kernel: str, cfg: dict):
             _FORCED.pop(kernel, None)
         else:
             _FORCED[kernel] = old
+
+
+@contextlib.contextmanager
+def watching():
+    """Within: SEEN lists the (kernel, key) of every choice made (the sweep's table keys)."""
+    SEEN.clear()
+    _WATCH[0] = True
+    try:
+        yield SEEN
+    finally:
+        _WATCH[0] = False
