@@ -1,7 +1,8 @@
 """Sweep of the fused kernels' launch variants at a model's real shapes: the tuning table.
 
     python -m expresslane.bench.sweep [--model laneformer-2b llama-3.2-1b] [--context 1024]
-        [--tokens 1 4] [--reps 30] [--trials 10] [--table OUT.json] [--dry-run]
+        [--attention-contexts 128 1024 4000] [--tokens 1 4] [--reps 30] [--trials 10]
+        [--table OUT.json] [--dry-run]
     python -m expresslane.bench.sweep --install OUT/sweep.json   (after a GPU session)
 
 For each model and each kernel of its fused step (norm_qkv, attention full / sliding, the wo
@@ -13,11 +14,14 @@ forced through kernels/tuning.forcing) is first checked, then timed:
   a variant that fails either, or that the shape rejects, is reported and never wins;
 - timed at S = 1 and S = k + 1 tokens (`--tokens`) as bench/kernels.py times (CUDA graph of
   `reps` calls on independent weights, median of `trials` replays).
-The winner of each kernel and shape is the checked variant fastest at S = 1 (the plain step)
-among those within 3% of the default at the widest S. The winners, keyed as the kernels look
-them up (tuning.shape_key), are the JSON line's "table" (and `--table` FILE) in the format of
-kernels/tuning/<gpu>.json; `--install` writes the stage's table there: commit it, and the
-kernels read it at load, so the next run starts from it.
+Attention is timed at several contexts (`--attention-contexts`, 128 1024 4000): its splits are
+fixed chunks of the cache, so one configuration must serve short and long contexts alike. The
+winner of each kernel and shape (the cases sharing a key scored by their total) is the checked
+variant fastest at S = 1 (the plain step) among those within 3% of the default at the widest S.
+The winners, keyed as the kernels look them up (tuning.shape_key), are the JSON line's
+"table" (and `--table` FILE) in the format of kernels/tuning/<gpu>.json; `--install` writes
+the stage's table there: commit it, and the kernels read it at load, so the next run starts
+from it.
 
 `--dry-run`: small shapes on the CPU, the kernels in the Triton interpreter, every variant
 checked (the plumbing and the variants' correctness, not their speed): what CI runs.
@@ -105,9 +109,38 @@ class Case:
     ref: Callable[[dict, int], torch.Tensor]  # (copy, S) -> kernels/ref.py's output
 
 
-def cases(d: Dims, context: int, dtype: torch.dtype, dev: str, s_max: int) -> list[Case]:
-    """One case per kernel of the step at the context; inputs for up to s_max tokens."""
+def _attention_case(d: Dims, name: str, cap: int, win: int | None, ctx: int, q: torch.Tensor,
+                    dtype: torch.dtype, dev: str, s_max: int) -> Case:  # fmt: skip
+    """Attention of s_max new tokens after ctx - 1 cached positions, on a cache of cap slots."""
     from ..kernels import decode_attention as da
+    from ..kernels import ref
+
+    pos0 = ctx - 1
+    at = torch.tensor([pos0], dtype=torch.int64, device=dev)
+
+    def kv():
+        k = torch.randn(cap, d.HKV, d.HD, device=dev).to(dtype)
+        held = torch.arange(max(0, pos0 + s_max - cap), pos0 + s_max, device=dev)
+        pos = torch.full((cap,), -1, dtype=torch.int64, device=dev)
+        pos[held % cap] = held
+        return k, k.clone(), pos
+
+    def lone(p, j):
+        k, v, pos = p["kv"]
+        pos = torch.where(pos > pos0 + j, -1, pos)  # later tokens not yet written
+        return da.decode_attention(q[j], k, v, pos, at + j, window=win)
+
+    e = torch.empty((), dtype=dtype).element_size()
+    return Case("attention", f"{name} ctx {ctx} Hq{d.HQ}/Hkv{d.HKV} hd{d.HD}",
+                2 * min(ctx, cap) * d.HKV * d.HD * e, lambda: {"kv": kv()},
+                lambda p, n: da.decode_attention(q[:n], *p["kv"], at, window=win), lone,
+                lambda p, n: ref.decode_attention(q[:n], *p["kv"], at, window=win))  # fmt: skip
+
+
+def cases(d: Dims, context: int, dtype: torch.dtype, dev: str, s_max: int,
+          attn_contexts: list[int]) -> list[Case]:  # fmt: skip
+    """One case per kernel of the step at the context (attention at each of attn_contexts);
+    inputs for up to s_max tokens."""
     from ..kernels import gemv_reduce as gr
     from ..kernels import lm_head, norm_qkv, ref, swiglu
 
@@ -153,22 +186,10 @@ def cases(d: Dims, context: int, dtype: torch.dtype, dev: str, s_max: int) -> li
                              "kv": kv(ring or d.MAX_LEN)},
                     lambda p, n: qkv(p, x[:n], at(pos0))[0],
                     lambda p, j: qkv(p, x[j], at(pos0 + j))[0], qkv_ref))  # fmt: skip
-    for name, cap, win in (("full", d.MAX_LEN, None), ("sliding", ring, d.WINDOW)):
-        if cap is None:
-            continue
-
-        def lone_attn(p, j, win=win):
-            k, v, pos = p["kv"]
-            pos = torch.where(pos > pos0 + j, -1, pos)  # later tokens not yet written
-            return da.decode_attention(q[j], k, v, pos, at(pos0 + j), window=win)
-
-        out.append(Case("attention", f"{name} ctx {context} Hq{d.HQ}/Hkv{d.HKV} hd{hd}",
-                        2 * min(context, cap) * d.HKV * hd * e, lambda cap=cap: {"kv": kv(cap)},
-                        lambda p, n, win=win: da.decode_attention(q[:n], *p["kv"], at(pos0),
-                                                                  window=win),
-                        lone_attn,
-                        lambda p, n, win=win: ref.decode_attention(q[:n], *p["kv"], at(pos0),
-                                                                   window=win)))  # fmt: skip
+    for ctx in attn_contexts:  # splits are fixed cache chunks: time short and long contexts
+        for name, cap, win in (("full", d.MAX_LEN, None), ("sliding", ring, d.WINDOW)):
+            if cap is not None:
+                out.append(_attention_case(d, name, cap, win, ctx, q, dtype, dev, s_max))
     r = torch.randn(s_max, L, D, device=dev).to(dtype)
     past = r.flip(0).contiguous() if d.mode == "past" else None
     for name, k_in in (("wo", QL), ("w2", FL)):
@@ -250,22 +271,28 @@ def sweep_case(case: Case, args, dtype, dev: str) -> list[dict]:
 
 
 def winners(rows: list[dict], tokens: list[int]) -> dict[str, dict[str, dict]]:
-    """{kernel: {key: variant}}: fastest at S = tokens[0] among the exact variants that stay
-    within SLACK of the default at the widest S; no entry where the default wins."""
+    """{kernel: {key: variant}}. The cases sharing a kernel and key (attention at several
+    contexts) are scored together: the exact variant with the least total time at S =
+    tokens[0] among those within SLACK of the default's total at the widest S, and that ran
+    every case; no entry where the default wins."""
     lo, hi = f"us_s{tokens[0]}", f"us_s{tokens[-1]}"
-    table: dict[str, dict[str, dict]] = {}
-    by_case: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str], dict[str, list[dict]]] = {}
     for r in rows:
-        by_case.setdefault((r["kernel"], r["case"]), []).append(r)
-    for (kernel, _), group in by_case.items():
-        ok = [r for r in group if "error" not in r and r["exact"]]
-        default = next((r for r in ok if not r["variant"]), None)
-        if default is None:
+        if "key" in r:
+            var = json.dumps(r["variant"], sort_keys=True)
+            groups.setdefault((r["kernel"], r["key"]), {}).setdefault(var, []).append(r)
+    table: dict[str, dict[str, dict]] = {}
+    for (kernel, key), by_var in groups.items():
+        n_cases = max(len(v) for v in by_var.values())
+        ok = {v: rs for v, rs in by_var.items() if len(rs) == n_cases
+              and all("error" not in r and r["exact"] for r in rs)}  # fmt: skip
+        if "{}" not in ok:
             continue
-        fit = [r for r in ok if r[hi] <= SLACK * default[hi]]
-        best = min(fit, key=lambda r: r[lo])
-        if best["variant"]:
-            table.setdefault(kernel, {})[best["key"]] = best["variant"]
+        total = {v: (sum(r[lo] for r in rs), sum(r[hi] for r in rs)) for v, rs in ok.items()}
+        fit = [v for v in ok if total[v][1] <= SLACK * total["{}"][1]]
+        best = min(fit, key=lambda v: total[v][0])
+        if best != "{}":
+            table.setdefault(kernel, {})[key] = json.loads(best)
     return table
 
 
@@ -295,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n")[0])  # fmt: skip
     ap.add_argument("--model", nargs="+", default=["laneformer-2b", "llama-3.2-1b"])
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--attention-contexts", type=int, nargs="+", default=[128, 1024, 4000],
+                    help="contexts attention variants are timed at (scored together)")  # fmt: skip
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4],
                     help="token counts S to time (the first picks the winner)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=30)
@@ -312,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["EXPRESSLANE_FORCE_TRITON"] = "1"
         args.context, args.reps, args.trials = min(args.context, 20), 1, 1
+        args.attention_contexts = [20, 40]  # the ring of the dry shapes wraps at 40
     elif not torch.cuda.is_available():
         print("expresslane.bench.sweep needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
@@ -335,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sweep on {gpu}, context {args.context}, tokens {args.tokens}")
     print(f"{'model':<16}{'case':<34}{'variant':<30}{'exact':>6}{s_cols}")
     for d in dims:
-        for case in cases(d, args.context, dtype, dev, max(args.tokens)):
+        ctxs = [c for c in args.attention_contexts if c + max(args.tokens) <= d.MAX_LEN]
+        for case in cases(d, args.context, dtype, dev, max(args.tokens), ctxs):
             for r in sweep_case(case, args, dtype, dev):
                 r["model"] = d.name
                 rows.append(r)

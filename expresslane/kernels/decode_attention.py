@@ -1,25 +1,27 @@
 """Flash-decoding GQA attention for S <= 8 new tokens, masked by the cache's position buffer.
 
 Attention of S consecutive tokens (token s at position + s, its own key and those of tokens < s
-already in the cache, written by norm_qkv) reads the KV cache once for all of them: 2 * n *
-Hkv * hd elements for n scanned slots. With only Hkv (16 for Laneformer-2B) KV heads there are
-too few heads to occupy a GPU, so the slots are split as well (Flash-Decoding, Dao et al. 2023).
+already in the cache, written by norm_qkv) reads the scanned slots of the KV cache from HBM
+about once for all of them: 2 * n * Hkv * hd elements for n scanned slots. With only Hkv (16
+for Laneformer-2B) KV heads there are too few heads to occupy a GPU, so the slots are split as
+well (Flash-Decoding, Dao et al. 2023).
 
-One kernel, grid (Hkv, NUM_SPLITS): program (g, c) takes KV head g and the c-th chunk of
-CHUNK slots, for every token and all G = Hq/Hkv query heads that share g (BLOCK_S * BLOCK_G rows,
-so K/V tiles are loaded once for all of them). It runs the online softmax over its chunk and
-writes the partial (running max m, sum l, unnormalised acc) of each row. The program that
-finishes last for its KV head (an atomic counter per head, reset by that program) combines the
-partials: out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c. No second kernel, no launch.
+One kernel, grid (S, Hkv, NUM_SPLITS): program (s, g, c) takes token s, KV head g and the c-th
+split of the slots that token scans, for all G = Hq/Hkv query heads that share g (K/V are read
+once per group; the S programs of a split run side by side, so the later tokens' K/V reads hit
+L2). It runs the online softmax over its split and writes the partial (running max m, sum l,
+unnormalised acc) of each head. The program that finishes last for its (token, KV head) (an
+atomic count, reset by that program) combines the partials: out = sum_c 2^(m_c - M) acc_c /
+sum_c 2^(m_c - M) l_c. No second kernel, no launch.
 
-Chunks are fixed slices of the cache (CHUNK = cap / NUM_SPLITS rounded to BLOCK_N, NUM_SPLITS sized
-to the SM count), not slices of the scanned length: a row's tiles, splits and combine order
-then depend on the slots alone, so token s's output is the same bits whether it runs alone at
-position + s or among S tokens (masked tiles add exact zeros). Chunks past the scanned slots
-return at once. The grid is static (CUDA-graph friendly): the position is read on the device.
-Slots scanned: min(position + S, cap). A slot counts for token s iff 0 <= pos <= position + s
-and, on sliding layers, pos > position + s - window; -1 marks empty slots. Scores and softmax are
-fp32, in base 2 (the log2(e) factor is folded into the scale).
+A token's program does exactly what a lone step at its position does: it scans min(position +
+s + 1, cap) slots in the same splits and tiles (the splits spread the scanned slots, so short
+contexts use every split too), and the keys of later tokens, or of older positions a ring
+overwrote, are masked and add exact zeros. So token s's output has the bits of a lone step,
+by construction. The grid is static (CUDA-graph friendly): the position is read on the device.
+A slot counts for token s iff 0 <= pos <= position + s and, on sliding layers, pos > position
++ s - window; -1 marks empty slots. Scores and softmax are fp32, in base 2 (the log2(e) factor
+is folded into the scale).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tuning
-from .gemv import block_s, cast_as, launch_kwargs, num_sms, pdl_prologue
+from . import MAX_TOKENS, tuning
+from .gemv import cast_as, launch_kwargs, num_sms, pdl_prologue
 
 LOG2E = 1.4426950408889634
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
@@ -46,10 +48,9 @@ def attention_kernel(
     m_ptr,  # (S*Hq, NUM_SPLITS) fp32, running max (base 2)
     l_ptr,  # (S*Hq, NUM_SPLITS) fp32, softmax denominator
     acc_ptr,  # (S*Hq, NUM_SPLITS, hd) fp32, unnormalised output
-    count_ptr,  # (Hkv,) int32 arrivals per KV head, 0 between launches
+    count_ptr,  # (MAX_TOKENS*Hkv,) int32 arrivals per (token, KV head), 0 between launches
     out_ptr,  # (S, Hq, hd)
     # Sizes
-    S,
     cap,
     n_kv,
     window,  # sliding window W, ignored unless HAS_WINDOW
@@ -58,75 +59,72 @@ def attention_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    CHUNK: tl.constexpr,  # slots per split, a multiple of BLOCK_N
     HAS_WINDOW: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)
-    split = tl.program_id(1)
+    tok = tl.program_id(0)  # fastest grid axis: a chunk's tokens run together, K/V hit L2
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     pdl_prologue(USE_PDL)  # K/V and q come from the previous kernel: nothing to prefetch
-    pos0 = tl.load(position_ptr)
-    n_scan = tl.minimum(pos0 + S, cap)
-    n_busy = tl.cdiv(n_scan, CHUNK)  # chunks holding scanned slots
+    q_pos = tl.load(position_ptr) + tok
+    # Exactly what a lone step at q_pos scans: its own slots, chunks and tiles.
+    n_scan = tl.minimum(q_pos + 1, cap)
+    chunk = tl.cdiv(tl.cdiv(n_scan, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_busy = tl.cdiv(n_scan, chunk)  # chunks holding scanned slots
     if split < n_busy:
-        lo = split * CHUNK
-        hi = tl.minimum(lo + CHUNK, n_scan)
-        # Rows r = s * BLOCK_G + g: token s, query head kv_head * GROUP + g.
-        offs_r = tl.arange(0, BLOCK_S * BLOCK_G)
-        tok = offs_r // BLOCK_G
-        g = offs_r % BLOCK_G
-        mask_r = (tok < S) & (g < GROUP)
-        q_pos = pos0 + tok  # (R,)
-        head = kv_head * GROUP + g
-        part = tok * (n_kv * GROUP) + head  # row of (S*Hq, ...) partials
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, n_scan)
+        offs_g = tl.arange(0, BLOCK_G)
+        mask_g = offs_g < GROUP
+        part = tok * (n_kv * GROUP) + kv_head * GROUP + offs_g  # rows of (S*Hq, ...)
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
         q = tl.load(q_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # fmt: skip
 
-        m_i = tl.full([BLOCK_S * BLOCK_G], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_S * BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_S * BLOCK_G, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         row = n_kv * HEAD_DIM  # elements per cache slot
         for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < hi
             p_n = tl.load(pos_cache_ptr + offs_n, mask=mask_n, other=-1)
+            valid = mask_n & (p_n >= 0) & (p_n <= q_pos)  # later tokens' keys are masked
+            if HAS_WINDOW:
+                valid = valid & (p_n > q_pos - window)
             kv_offs = offs_n[:, None] * row + kv_head * HEAD_DIM + offs_d[None, :]  # (N, D)
-            kv_mask = (mask_n & (p_n >= 0))[:, None] & mask_d[None, :]
+            kv_mask = valid[:, None] & mask_d[None, :]
             k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            valid = (p_n[None, :] >= 0) & (p_n[None, :] <= q_pos[:, None])  # (R, N) causal
-            if HAS_WINDOW:
-                valid = valid & (p_n[None, :] > q_pos[:, None] - window)
-            # (R, BLOCK_N): R is 1 to 64 rows, FMAs (tl.dot needs 16 rows and pays padding).
+            # (BLOCK_G, BLOCK_N): G is 1 to 8, too small for tl.dot's 16-row minimum, so FMAs.
             s = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale
-            s = tl.where(valid, s, float("-inf"))
+            s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet
             alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])  # (R, BLOCK_N), 0 where masked
+            p = tl.exp2(s - m_safe[:, None])  # (BLOCK_G, BLOCK_N), 0 where masked
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
             m_i = m_new
 
         idx = part * NUM_SPLITS + split
-        tl.store(m_ptr + idx, m_i, mask=mask_r)
-        tl.store(l_ptr + idx, l_i, mask=mask_r)
+        tl.store(m_ptr + idx, m_i, mask=mask_g)
+        tl.store(l_ptr + idx, l_i, mask=mask_g)
         tl.store(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=mask_r[:, None] & mask_d[None, :])  # fmt: skip
+                 mask=mask_g[:, None] & mask_d[None, :])  # fmt: skip
         # Every thread's partials are written before one thread's release increments the count
         # (the pattern of a cooperative grid sync); the last of n_busy arrivals combines.
         tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + kv_head, 1, sem="acq_rel")
+        counter = count_ptr + tok * n_kv + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived == n_busy - 1:
-            tl.atomic_xchg(count_ptr + kv_head, 0)  # ready for the next launch / graph replay
-            _combine(m_ptr, l_ptr, acc_ptr, out_ptr, part, mask_r, offs_d, mask_d, n_busy,
-                     NUM_SPLITS, HEAD_DIM, BLOCK_S * BLOCK_G, BLOCK_D)  # fmt: skip
+            tl.atomic_xchg(counter, 0)  # ready for the next launch / graph replay
+            _combine(m_ptr, l_ptr, acc_ptr, out_ptr, part, mask_g, offs_d, mask_d, n_busy,
+                     NUM_SPLITS, HEAD_DIM, BLOCK_G, BLOCK_D)  # fmt: skip
 
 
 @triton.jit
@@ -161,30 +159,28 @@ def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, part, mask_r, offs_d, mask_d, n_bus
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 arrival count per KV head, shared by every launch on the device (the
-    launches of a step run one after another, and each leaves its counts at 0)."""
+    """A zeroed int32 arrival count per (token, KV head), shared by every launch on the device
+    (the launches of a step run one after another, and each leaves its counts at 0)."""
     key = (str(device), n)
     if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros((n,), device=device, dtype=torch.int32)
+        _COUNTERS[key] = torch.zeros((MAX_TOKENS * n,), device=device, dtype=torch.int32)
     return _COUNTERS[key]
 
 
 def pick_splits(q: torch.Tensor, n_kv: int, cap: int, block_n: int) -> int:
-    """Chunks of the cache: ~4 busy programs per SM over the whole cache, each >= 2 tiles."""
+    """Splits of the scanned slots per (token, KV head): ~2 programs per SM for one token."""
     sms = num_sms(q)
     if sms == 0:  # interpreter: a few splits exercise the combine without many programs
         return min(4, triton.cdiv(cap, block_n))
-    return max(1, min(triton.cdiv(4 * sms, n_kv), triton.cdiv(cap, 2 * block_n)))
+    return max(1, min(triton.cdiv(2 * sms, n_kv), triton.cdiv(cap, block_n)))
 
 
-def attention_blocks(n_tokens: int, group: int, hd: int) -> tuple[int, int, int, int]:
-    """(BLOCK_S, BLOCK_G, BLOCK_N, BLOCK_D). The (R, BLOCK_N, BLOCK_D) products live in
-    registers, so BLOCK_N shrinks as the rows grow; BLOCK_N depends on G and hd only (the tiles
-    of a row must not depend on S), floored at 16."""
+def attention_blocks(group: int, hd: int) -> tuple[int, int, int]:
+    """(BLOCK_G, BLOCK_N, BLOCK_D): the (G, BLOCK_N, BLOCK_D) products live in registers, so
+    BLOCK_N shrinks as the group grows (4096 elements: ~32 registers a thread), floored at 16."""
     block_g = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(hd)
-    block_n = max(16, min(64, 4096 // (block_g * block_d)))
-    return block_s(n_tokens), block_g, block_n, block_d
+    return block_g, max(16, min(64, 4096 // (block_g * block_d))), block_d
 
 
 def decode_attention(
@@ -207,6 +203,7 @@ def decode_attention(
         f"q: expected contiguous (Hq, {hd}) or (S, Hq, {hd}), got {tuple(q.shape)}"
     )
     S, n_q = qs.shape[:2]
+    assert S <= MAX_TOKENS, f"q: {S} tokens, at most {MAX_TOKENS}"
     assert n_q % n_kv == 0, f"Hq={n_q} must be a multiple of Hkv={n_kv}"
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         assert c.shape == (cap, n_kv, hd) and c.is_contiguous() and c.dtype == q.dtype, (
@@ -217,7 +214,7 @@ def decode_attention(
     assert window is None or window >= 1, f"window={window}"
 
     group = n_q // n_kv
-    bs, block_g, auto_n, block_d = attention_blocks(S, group, hd)
+    block_g, auto_n, block_d = attention_blocks(group, hd)
     default = {"BLOCK_N": auto_n, "NUM_SPLITS": pick_splits(q, n_kv, cap, auto_n)}
     key = tuning.shape_key(C=cap, H=n_kv, G=group, D=hd)
     cfg = tuning.choose("attention", q, key, default)
@@ -226,18 +223,15 @@ def decode_attention(
     if num_splits:
         cfg["NUM_SPLITS"] = num_splits
     consts, opts = tuning.split(cfg)
-    block_n = consts.pop("BLOCK_N")
-    chunk = triton.cdiv(triton.cdiv(cap, consts.pop("NUM_SPLITS")), block_n) * block_n
-    num_splits = triton.cdiv(cap, chunk)  # no split without slots
-    m = torch.empty((S * n_q, num_splits), device=q.device, dtype=torch.float32)
+    ns = consts["NUM_SPLITS"]
+    m = torch.empty((S * n_q, ns), device=q.device, dtype=torch.float32)
     l_s = torch.empty_like(m)
-    acc = torch.empty((S * n_q, num_splits, hd), device=q.device, dtype=torch.float32)
+    acc = torch.empty((S * n_q, ns, hd), device=q.device, dtype=torch.float32)
     out = torch.empty_like(qs)
-    attention_kernel[(n_kv, num_splits)](
+    attention_kernel[(S, n_kv, ns)](
         qs, k_cache, v_cache, pos_cache, position, m, l_s, acc, _counters(q.device, n_kv), out,
-        S, cap, n_kv, window or 0, hd**-0.5 * LOG2E,
-        GROUP=group, HEAD_DIM=hd, NUM_SPLITS=num_splits, CHUNK=chunk,
-        HAS_WINDOW=window is not None, BLOCK_S=bs, BLOCK_G=block_g, BLOCK_N=block_n,
+        cap, n_kv, window or 0, hd**-0.5 * LOG2E,
+        GROUP=group, HEAD_DIM=hd, HAS_WINDOW=window is not None, BLOCK_G=block_g,
         BLOCK_D=block_d, **consts, **opts, **launch_kwargs(q),
     )  # fmt: skip
     return out if axis else out[0]

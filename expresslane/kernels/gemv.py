@@ -383,16 +383,39 @@ def lane_gemv_kernel(
         tl.store(dst, y, mask=m)
 
 
+# fp32 accumulator elements a program may hold (all its accumulators, all its tokens): 64
+# registers a thread at 4 warps. The S = 1 defaults hold 4096; wider launches take fewer rows.
+ACC_BUDGET = 8192
+
+
+def fit_rows(t: torch.Tensor, block_rows: int, block_k: int, n_tokens: int,
+             accumulators: int = 1) -> int:  # fmt: skip
+    """block_rows halved until the (BLOCK_S, rows, BLOCK_K) accumulators fit ACC_BUDGET, on a
+    GPU (the interpreter has no registers to spill, and wants few programs).
+
+    Only the rows per program shrink, never BLOCK_K: a row's chunks, their order and the
+    reduction over K stay those of a one-token launch (rows are independent), so the launch
+    keeps every token's bits. An sm_90 build of S = 8 with the S = 1 tiles spilled 272-480
+    bytes at 255 registers (kernels/aot.py --tokens 8)."""
+    if num_sms(t) == 0:
+        return block_rows
+    while block_s(n_tokens) * block_rows * block_k * accumulators > ACC_BUDGET and block_rows > 1:
+        block_rows //= 2
+    return block_rows
+
+
 def gemv_config(t: torch.Tensor, kernel: str, rows: int, k: int, programs: int, lanes: int,
-                **limits) -> dict:  # fmt: skip
+                n_tokens: int, accumulators: int = 1, **limits) -> dict:  # fmt: skip
     """The launch configuration of a lane-major GEMV family kernel (tuning.choose): BLOCK_O,
     BLOCK_K, SPLIT_K from tile_sizes, PREFETCH 0, overridden by the GPU's table or a forced
-    variant."""
+    variant; then BLOCK_O fitted to the token count (fit_rows)."""
     from . import tuning
 
     block_o, block_k, split_k = tile_sizes(t, rows, k, programs, **limits)
     default = {"BLOCK_O": block_o, "BLOCK_K": block_k, "SPLIT_K": split_k, "PREFETCH": 0}
-    return tuning.choose(kernel, t, tuning.shape_key(L=lanes, O=rows, K=k), default)
+    cfg = tuning.choose(kernel, t, tuning.shape_key(L=lanes, O=rows, K=k), default)
+    cfg["BLOCK_O"] = fit_rows(t, cfg["BLOCK_O"], cfg["BLOCK_K"], n_tokens, accumulators)
+    return cfg
 
 
 def launch_lane_gemv(w, x, nw, stride_nwl, eps, out, cfg: dict):
@@ -426,7 +449,7 @@ def lane_gemv(
     if norm_weight is not None:
         stride_nwl = assert_norm_weight(norm_weight, L, K, "norm_weight")
     O = w.shape[1]
-    cfg = gemv_config(x, "lane_gemv", O, K, L, L)
+    cfg = gemv_config(x, "lane_gemv", O, K, L, L, S)
     if split_k:
         cfg["SPLIT_K"] = split_k
     if cfg["SPLIT_K"] == 1:

@@ -221,7 +221,7 @@ def gemv_reduce(
     y = torch.empty_like(residual)
     past_arg = past if has_past else residual  # never read without HAS_PAST
     programs = L if mode != "present" else 1
-    cfg = gemv_config(a, f"gemv_reduce_{mode}", D, K, programs, L)
+    cfg = gemv_config(a, f"gemv_reduce_{mode}", D, K, programs, L, S)
     if block_o:
         cfg["BLOCK_O"] = block_o
     if split_k:

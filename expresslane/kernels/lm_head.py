@@ -27,6 +27,7 @@ from . import tuning
 from .gemv import (
     assert_norm_weight,
     block_s,
+    fit_rows,
     launch_kwargs,
     normed_rows,
     num_sms,
@@ -233,7 +234,7 @@ def _blocks(h: torch.Tensor, vl: int, lanes: int) -> tuple[int, int]:
         # 80-91 (5-6).
         default = {"BLOCK_V": block_v, "BLOCK_K": min(triton.next_power_of_2(D), 4096 // block_v)}
     cfg = tuning.choose("lm_head", h, tuning.shape_key(L=lanes, V=vl, D=D), default)
-    return cfg["BLOCK_V"], cfg["BLOCK_K"]
+    return fit_rows(h, cfg["BLOCK_V"], cfg["BLOCK_K"], h.shape[0]), cfg["BLOCK_K"]
 
 
 def lm_head_logits(

@@ -30,6 +30,7 @@ from .gemv import (
     block_s,
     cast_as,
     first_tile,
+    fit_rows,
     launch_kwargs,
     num_sms,
     pdl_wait,
@@ -227,6 +228,7 @@ def norm_qkv(
     cfg = tuning.choose("norm_qkv", x, key, default)
     if block_p:
         cfg["BLOCK_P"] = block_p
+    cfg["BLOCK_P"] = fit_rows(x, cfg["BLOCK_P"], cfg["BLOCK_K"], S, 2)
     consts, opts = tuning.split(cfg)
     assert half % consts["BLOCK_P"] == 0, f"block_p={consts['BLOCK_P']} must divide hd/2={half}"
     q = torch.empty((S, hq_lane * L, hd), device=x.device, dtype=dt)

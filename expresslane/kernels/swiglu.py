@@ -114,7 +114,7 @@ def norm_swiglu(
     FL = w1.shape[1]
     # 8 rows of each matrix per program: the norm prologue re-reads x from L2 per program, and two
     # (BLOCK_O, BLOCK_K) accumulators must fit in registers. No split-K: SiLU needs full dots.
-    cfg = gemv_config(x, "norm_swiglu", FL, D, L, L, min_rows=8, max_rows=8)
+    cfg = gemv_config(x, "norm_swiglu", FL, D, L, L, S, 2, min_rows=8, max_rows=8)
     cfg.pop("SPLIT_K")
     if block_o:
         cfg["BLOCK_O"] = block_o

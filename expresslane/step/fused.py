@@ -122,8 +122,16 @@ class FusedDecoder:
     def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The `Step`: tokens (S,), S <= MAX_TOKENS, from position (1,) -> fp32 logits (S, V).
         One pass of every kernel for all S rows; row j equals a decode step of token j."""
-        if tokens.numel() > MAX_TOKENS:
-            raise ValueError(f"{tokens.numel()} tokens: the fused step takes at most {MAX_TOKENS}")
+        S = tokens.numel()
+        if S > MAX_TOKENS:
+            raise ValueError(f"{S} tokens: the fused step takes at most {MAX_TOKENS}")
+        for w, k in zip(self.cache.windows, self.cache.k, strict=True):
+            # a ring overwrites the slot of position p + j - cap while token 0 still needs it
+            if w and k.shape[0] < min(w + S - 1, self.cache.max_len):
+                raise ValueError(
+                    f"{S} tokens need a KV cache with headroom >= {S - 1} on its sliding "
+                    f"layers (ring of {k.shape[0]} slots, window {w})"
+                )
         return self._head("lm_head_logits", self.hidden(tokens, position))
 
     def pick(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
