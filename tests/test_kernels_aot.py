@@ -132,3 +132,28 @@ def test_blocks_per_sm_follows_cuda_occupancy_rules():
     }
     for (regs, warps, smem), want in cases.items():
         assert blocks_per_sm(regs, warps, smem, 90) == want, (regs, warps, smem)
+
+
+INVARIANCE = """
+import json
+from expresslane.kernels.aot import invariance_report
+report = invariance_report("laneformer-2b", (1, 8))
+print(json.dumps({k: [sorted(set(map(tuple, b))) for b in builds] for k, builds in report.items()}))
+"""
+
+
+def test_compiled_reductions_do_not_depend_on_the_token_count():
+    """Batch invariance of the sm_90 builds: every reduction of an 8-token build of each
+    kernel (rows per program fitted to S) is laid out along its reduced axis as in the 1-token
+    build (same values per thread, lanes, warps, order), so a row is summed in the same order.
+    An sm_90 build once put 4 warps along K for one token's RMS statistics and 1 warp for 8."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", INVARIANCE], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"norm_qkv", "norm_swiglu", "gemv_reduce", "head_logits"} <= {
+        k.split("_kernel")[0] for k in report
+    }
+    for kernel, (one, eight) in report.items():
+        assert one and one == eight, f"{kernel}: 1 token {one}, 8 tokens {eight}"

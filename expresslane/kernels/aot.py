@@ -191,7 +191,7 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
     cfg = load_model_config(model_ref)  # every layer: meta tensors cost nothing
     with torch.device("meta"):
         model = Laneformer(cfg).to(device="meta", dtype=dtype)
-    cache = KVCache(cfg, max_len, "meta", dtype)
+    cache = KVCache(cfg, max_len, "meta", dtype, headroom=tokens - 1)
     token = torch.zeros((tokens,), dtype=torch.long, device="meta")
     position = torch.zeros((1,), dtype=torch.long, device="meta")
     with recording(sms, pdl, arch) as launches:
@@ -313,6 +313,59 @@ def compile_decode_step(
     launches = [la for la in launches if only is None or la.name.startswith(only)]
     with tempfile.TemporaryDirectory() as tmp:
         return [compile_launch(launch, arch, Path(tmp), sms) for launch in launches]
+
+
+# S = 1 is specialised to a constant; the rows per program follow S
+_S_DEPENDENT = ("S", "BLOCK_S", "BLOCK_O", "BLOCK_P", "BLOCK_V")
+
+
+def reduce_layouts(launch: Launch, arch: int = 90) -> list[tuple]:
+    """Every reduction of the launch's sm_`arch` build, in program order, as (axis, the reduced
+    axis's sizePerThread, threadsPerWarp, warpsPerCTA, its rank in `order`): what fixes the
+    order in which a row's values are summed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {path: [list(a) for a in attr] for path, attr in launch.attrs}
+    src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs), attrs)
+    ttgir = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options=dict(launch.options)).asm["ttgir"]  # fmt: skip
+    layouts = {}
+    for name, body in re.findall(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M):
+        layouts[name] = {k: [int(v) for v in vals.split(",")]
+                         for k, vals in re.findall(r"(\w+) = \[([\d, ]+)\]", body)}  # fmt: skip
+    out = []
+    for axis, layout in re.findall(
+        r'"tt\.reduce".*?<\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<[^,]*, (#\w+)>', ttgir, re.S
+    ):
+        a, lay = int(axis), layouts.get(layout)
+        if lay is None:
+            out.append((a, layout))
+            continue
+        out.append((a, lay["sizePerThread"][a], lay["threadsPerWarp"][a], lay["warpsPerCTA"][a],
+                    lay["order"].index(a)))  # fmt: skip
+    return out
+
+
+def invariance_report(model_ref: str, tokens: tuple[int, int] = (1, 8), arch: int = 90,
+                      only: str | None = None) -> dict[str, list]:  # fmt: skip
+    """For each kernel of the step that a `tokens[1]`-token build compiles differently from a
+    `tokens[0]`-token one: both builds' reduction layouts (reduce_layouts). The same set in
+    both (a per-token loop repeats its reduction S times) means that a row is summed in the same
+    order whatever S is: the batch invariance of the compiled code, read without a GPU."""
+    builds = {}
+    for n in tokens:
+        for la in distinct(record_decode_step(model_ref, 4096, 132, True, arch=arch, tokens=n)):
+            if only is None or la.name.startswith(only):
+                key = (la.name, tuple(c for c in la.constexprs if c[0] not in _S_DEPENDENT))
+                builds.setdefault(key, {})[n] = la
+    report = {}
+    for by_n in builds.values():
+        if len(by_n) == 2 and by_n[tokens[0]].constexprs != by_n[tokens[1]].constexprs:
+            label = by_n[tokens[0]].label()
+            report[label] = [reduce_layouts(by_n[n], arch) for n in tokens]
+    return report
 
 
 def _widths(loads: dict[str, int]) -> str:

@@ -174,17 +174,16 @@ def rms_rstd_rows(x_ptr, row_stride, n_rows, K, eps, BLOCK_S: tl.constexpr,
                   BLOCK_K: tl.constexpr):  # fmt: skip
     """(BLOCK_S,) rsqrt(mean(x_s^2) + eps) of the rows x_ptr + s * row_stride, s < n_rows.
 
-    Each row's sum runs over the same BLOCK_K chunks in the same order whatever BLOCK_S is, so a
-    token's statistics do not depend on how many tokens share the launch (batch invariance)."""
+    One row at a time, each through rms_rstd's 1-D reduction: a 2-D (BLOCK_S, BLOCK_K) sum
+    would be laid out by BLOCK_S (an sm_90 build put 4 warps along K for one row and 1 for 8),
+    so a token's statistics would depend on how many tokens share the launch."""
     offs_s = tl.arange(0, BLOCK_S)
-    offs = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        m = (offs_s[:, None] < n_rows) & (k0 + offs[None, :] < K)
-        x = tl.load(x_ptr + offs_s[:, None] * row_stride + k0 + offs[None, :], mask=m, other=0.0)
-        x = x.to(tl.float32)
-        acc += x * x
-    return 1.0 / tl.sqrt(tl.sum(acc, 1) / K + eps)
+    out = tl.full([BLOCK_S], 1.0, dtype=tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        if s < n_rows:
+            r = rms_rstd(x_ptr + s * row_stride, K, eps, BLOCK_K)
+            out = tl.where(offs_s == s, r, out)
+    return out
 
 
 @triton.jit

@@ -55,14 +55,13 @@ def _lane_update(y, lane, offs_s, mask_s, offs_o, mask_o, r_ptr, past_ptr, h_ptr
     own = (offs_s[:, None] * L + lane) * D + offs_o[None, :]  # (BLOCK_S, BLOCK_O)
     if MODE == 0:
         if HAS_PAST:
-            offs_l = tl.arange(0, BLOCK_L)
-            every = (offs_s[:, None, None] * L + offs_l[None, :, None]) * D + offs_o[None, None, :]
-            past = tl.load(
-                past_ptr + every,
-                mask=m2[:, None, :] & (offs_l < L)[None, :, None],
-                other=0.0,
-            ).to(tl.float32)  # (BLOCK_S, BLOCK_L, BLOCK_O): every lane's partial of layer i-d
-            total = round_as(tl.sum(past, 1), h_ptr)  # S
+            # S = sum over lanes of layer i-d's partials, lane by lane in order: a tree over a
+            # (BLOCK_S, BLOCK_L, BLOCK_O) tile would be laid out by BLOCK_S.
+            total = tl.zeros_like(y)  # (BLOCK_S, BLOCK_O) fp32
+            for src in range(L):
+                at = (offs_s[:, None] * L + src) * D + offs_o[None, :]
+                total += tl.load(past_ptr + at, mask=m2, other=0.0).to(tl.float32)
+            total = round_as(total, h_ptr)  # S
             mine = tl.load(past_ptr + own, mask=m2, other=0.0).to(tl.float32)
             u = round_as(y + round_as(total - mine, h_ptr), h_ptr)  # U = y + T
         else:

@@ -41,33 +41,36 @@ HEAD_MODES = {"replicate": 0, "replicate_prenorm": 1, "lane": 2, "vocab_parallel
 
 
 @triton.jit
-def _lane_rstd(h_ptr, S, L, D, eps, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
-               BLOCK_K: tl.constexpr):  # fmt: skip
-    """(BLOCK_S, BLOCK_L) rsqrt(mean(h_sl^2) + eps) of every token and lane."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_l = tl.arange(0, BLOCK_L)
-    rows = (offs_s[:, None] * L + offs_l[None, :]) * D  # (BLOCK_S, BLOCK_L)
-    m_sl = (offs_s[:, None] < S) & (offs_l[None, :] < L)
-    acc = tl.zeros([BLOCK_S, BLOCK_L, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        m = m_sl[:, :, None] & (offs_k < D)[None, None, :]
-        x = tl.load(h_ptr + rows[:, :, None] + offs_k[None, None, :], mask=m, other=0.0)
-        x = x.to(tl.float32)
-        acc += x * x
-    return 1.0 / tl.sqrt(tl.sum(acc, 2) / D + eps)
+def _lane_sum_chunk(h_ptr, offs_s, offs_k, mask_k, S, L, D, BLOCK_S: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    """(BLOCK_S, BLOCK_K) sum_l h[s, l, offs_k], lane by lane (fp32), rounded like the reference.
+    Sums here run lane by lane or row by row, never as a tree over a tile with a token axis,
+    whose layout (and so whose order) would follow BLOCK_S."""
+    m = (offs_s[:, None] < S) & mask_k[None, :]
+    acc = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
+    for src in range(L):
+        x = tl.load(h_ptr + (offs_s[:, None] * L + src) * D + offs_k[None, :], mask=m, other=0.0)
+        acc += x.to(tl.float32)
+    return round_as(acc, h_ptr)
 
 
 @triton.jit
-def _lane_sum_chunk(h_ptr, offs_k, mask_k, S, L, D, BLOCK_S: tl.constexpr,
-                    BLOCK_L: tl.constexpr):  # fmt: skip
-    """(BLOCK_S, BLOCK_K) sum_l h[s, l, offs_k], fp32 accumulation, rounded like the reference."""
+def _prenorm_rstd(h_ptr, S, L, D, eps, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_S,) rsqrt(mean(sum_l h[s, l]^2) + eps), token by token (1-D reductions)."""
     offs_s = tl.arange(0, BLOCK_S)
-    offs_l = tl.arange(0, BLOCK_L)
-    rows = (offs_s[:, None] * L + offs_l[None, :]) * D
-    m = ((offs_s[:, None] < S) & (offs_l[None, :] < L))[:, :, None] & mask_k[None, None, :]
-    x = tl.load(h_ptr + rows[:, :, None] + offs_k[None, None, :], mask=m, other=0.0)
-    return round_as(tl.sum(x.to(tl.float32), 1), h_ptr)
+    offs1 = tl.arange(0, 1)
+    out = tl.full([BLOCK_S], 1.0, dtype=tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        if s < S:
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xs = _lane_sum_chunk(h_ptr + s * L * D, offs1, offs_k, offs_k < D, 1, L, D, 1,
+                                     BLOCK_K)  # fmt: skip
+                ss += tl.sum(xs * xs, 0)
+            r = 1.0 / tl.sqrt(tl.sum(ss, 0) / D + eps)
+            out = tl.where(offs_s == s, r, out)
+    return out
 
 
 @triton.jit
@@ -81,34 +84,27 @@ def head_logits(
     offs_s = tl.arange(0, BLOCK_S)
     acc = tl.zeros([BLOCK_S, BLOCK_V, BLOCK_K], dtype=tl.float32)
     if MODE == 0:  # replicate: mean over lanes of the normed lanes
-        offs_l = tl.arange(0, BLOCK_L)
-        rows = (offs_s[:, None] * L + offs_l[None, :]) * D  # (BLOCK_S, BLOCK_L)
-        m_sl = (offs_s[:, None] < S) & (offs_l[None, :] < L)
-        rstd = _lane_rstd(h_ptr, S, L, D, eps, BLOCK_S, BLOCK_L, BLOCK_K)  # (BLOCK_S, BLOCK_L)
+        mask_s = offs_s < S
         for k0 in range(0, D, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < D
-            m3 = m_sl[:, :, None] & mask_k[None, None, :]
-            x = tl.load(h_ptr + rows[:, :, None] + offs_k[None, None, :], mask=m3, other=0.0)
-            nw_offs = offs_l[:, None] * stride_nwl + offs_k[None, :]  # stride 0: shared weight
-            nw = tl.load(nw_ptr + nw_offs, mask=(offs_l < L)[:, None] & mask_k[None, :], other=0.0)
-            xn = round_as(x.to(tl.float32) * rstd[:, :, None] * nw.to(tl.float32)[None, :, :],
-                          h_ptr)  # fmt: skip
-            xm = round_as(tl.sum(xn, 1) / L, h_ptr)  # (BLOCK_S, BLOCK_K)
+            xsum = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
+            for src in range(L):  # lane by lane (see _lane_sum_chunk)
+                x_row = h_ptr + src * D  # token s: x_row + s * L * D
+                rstd = rms_rstd_rows(x_row, L * D, S, D, eps, BLOCK_S, BLOCK_K)
+                xsum += normed_rows(x_row, L * D, S, nw_ptr + src * stride_nwl, offs_k, mask_k,
+                                    rstd, True, BLOCK_S)  # fmt: skip
+            xm = round_as(xsum / L, h_ptr)  # (BLOCK_S, BLOCK_K)
+            xm = tl.where(mask_s[:, None], xm, 0.0)
             w = tl.load(w_ptr + offs_v[:, None] * D + offs_k[None, :],
                         mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
             acc += w.to(tl.float32)[None, :, :] * xm[:, None, :]
     elif MODE == 1:  # replicate, pre_norm_lane_agg: norm of the lane sum (shared weight)
-        ss = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xs = _lane_sum_chunk(h_ptr, offs_k, offs_k < D, S, L, D, BLOCK_S, BLOCK_L)
-            ss += xs * xs
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / D + eps)  # (BLOCK_S,)
+        rstd = _prenorm_rstd(h_ptr, S, L, D, eps, BLOCK_S, BLOCK_K)  # (BLOCK_S,)
         for k0 in range(0, D, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < D
-            xs = _lane_sum_chunk(h_ptr, offs_k, mask_k, S, L, D, BLOCK_S, BLOCK_L)
+            xs = _lane_sum_chunk(h_ptr, offs_s, offs_k, mask_k, S, L, D, BLOCK_S, BLOCK_K)
             nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             xn = round_as(xs * rstd[:, None] * nw[None, :], h_ptr)
             w = tl.load(w_ptr + offs_v[:, None] * D + offs_k[None, :],
