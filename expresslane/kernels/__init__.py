@@ -6,12 +6,13 @@ modules are imported by the caller only once `use_triton(t)` said yes, so a CPU-
 without triton works unchanged.
 
     norm_qkv.py          RMSNorm + Q/K/V projection + RoPE + KV-cache write    -> q (Hq, hd)
-    decode_attention.py  flash-decoding GQA attention over the cache            -> (Hq, hd)
+    decode_attention.py  flash-decoding GQA attention, combined by its last block -> (Hq, hd)
     gemv_reduce.py       wo / w2 projection + DTP reduce + residual add         -> h, partial
     swiglu.py            RMSNorm + w1/w3 projection + SiLU(gate) * up           -> (L, F/L)
     lm_head.py           final norm + LM head (3 head types) + greedy argmax / fp32 logits
     gemv.py              shared tile heuristics, PDL switch, norm helpers, lane-major GEMV
     decode_step.py       one decoder layer for S tokens, fused and reference twins
+    tuning.py            launch configurations: defaults, per-GPU tables (tuning/), forcing
 
 Every kernel takes a token axis: S <= MAX_TOKENS consecutive tokens of one sequence, each weight
 read once for all of them, each token's row computed in an order that does not depend on S

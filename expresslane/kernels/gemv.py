@@ -32,12 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import MAX_TOKENS
+from . import MAX_TOKENS, tuning
+from .tuning import PLANNED_GPU  # the GPU kernels/aot.py plans for (empty: ask the device)
 
 # --- launch configuration --------------------------------------------------------------------
-# A GPU to plan launches for when none is here: kernels/aot.py sets {"sms": 132, "pdl": True} to
-# record the launches an H100 would make and compile them ahead of time. Empty: ask the device.
-PLANNED_GPU: dict = {}
 
 
 @functools.cache
@@ -408,8 +406,6 @@ def gemv_config(t: torch.Tensor, kernel: str, rows: int, k: int, programs: int, 
     """The launch configuration of a lane-major GEMV family kernel (tuning.choose): BLOCK_O,
     BLOCK_K, SPLIT_K from tile_sizes, PREFETCH 0, overridden by the GPU's table or a forced
     variant; then BLOCK_O fitted to the token count (fit_rows)."""
-    from . import tuning
-
     block_o, block_k, split_k = tile_sizes(t, rows, k, programs, **limits)
     default = {"BLOCK_O": block_o, "BLOCK_K": block_k, "SPLIT_K": split_k, "PREFETCH": 0}
     cfg = tuning.choose(kernel, t, tuning.shape_key(L=lanes, O=rows, K=k), default)
@@ -420,8 +416,6 @@ def gemv_config(t: torch.Tensor, kernel: str, rows: int, k: int, programs: int, 
 def launch_lane_gemv(w, x, nw, stride_nwl, eps, out, cfg: dict):
     """Launch lane_gemv_kernel on x (S, L, K) with configuration cfg (gemv_config); `out` is
     (S, L, O) or the (SPLIT_K, S, L, O) fp32 workspace."""
-    from . import tuning
-
     consts, opts = tuning.split(cfg)
     S = x.shape[0]
     L, O, K = w.shape

@@ -22,6 +22,9 @@ from pathlib import Path
 import torch
 
 TABLES = Path(__file__).parent / "tuning"
+# A GPU to plan launches for when none is here: kernels/aot.py sets {"sms": 132, "pdl": True,
+# "name": ...} to record the launches that GPU would make. Empty: ask the device.
+PLANNED_GPU: dict = {}
 OPTIONS = ("num_warps", "num_stages")  # launch options; the rest are constexprs
 _FORCED: dict[str, dict] = {}
 SEEN: list[tuple[str, str]] = []  # (kernel, key) of every choice, while `watching`
@@ -35,8 +38,6 @@ def slug(gpu: str) -> str:
 
 def gpu_name(t: torch.Tensor) -> str | None:
     """The name of t's GPU (the planned one under kernels/aot.py); None off CUDA."""
-    from .gemv import PLANNED_GPU
-
     if "name" in PLANNED_GPU:
         return PLANNED_GPU["name"]
     if not t.is_cuda:
