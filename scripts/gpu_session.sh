@@ -3,7 +3,7 @@
 # preinstalled; nothing is installed here). Plan and timings: docs/gpu-session.md.
 #
 #   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] scripts/gpu_session.sh [--dry-run] STAGE...
-#   stages: smoke bench-2b bench-1b tests kernels profile quant-2b quant-1b
+#   stages: smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b
 #           (at most 4 per call: 8 files)
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
@@ -19,7 +19,7 @@ OUT=${OUT:-out}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-STAGES=(smoke bench-2b bench-1b tests kernels profile quant-2b quant-1b)
+STAGES=(smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -31,7 +31,8 @@ mkdir -p "$OUT"
 # Every test module with a `gpu` test (tests/test_gpu_session.py checks that none is missing);
 # test_kernels.py stays last: the dry run leaves it out.
 GPU_TESTS=(tests/test_graph.py tests/test_parallel.py tests/test_prefix.py tests/test_speculative.py
-           tests/test_capture_safe.py tests/test_prefill.py tests/test_qgemv.py tests/test_kernels.py)
+           tests/test_capture_safe.py tests/test_prefill.py tests/test_qgemv.py tests/test_kernels.py
+           tests/test_kernels_tokens.py)
 
 # stage_command NAME: sets LIMIT (seconds) and CMD (the command line) for a stage.
 stage_command() {
@@ -56,10 +57,10 @@ stage_command() {
            --decode-tokens 4 --device cpu --dtype float32 --kernels both --threads 1
            "${peers[@]}" --peer-compile-backend eager) ;;
     tests)  # the GPU tests only (a marker: -k would match module names, every CPU test too)
-      LIMIT=420
+      LIMIT=540
       CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider "${GPU_TESTS[@]}")
-      # the quantized-product and kernel tests (the last two) take minutes in the interpreter
-      ((DRY)) && unset "CMD[$((${#CMD[@]} - 1))]" "CMD[$((${#CMD[@]} - 2))]" ;;
+      # the quantized-product and kernel tests (the last three) take minutes in the interpreter
+      ((DRY)) && CMD=("${CMD[@]:0:${#CMD[@]}-3}") ;;
     kernels)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.kernels --context 1024)
       ((DRY)) && CMD+=(--dry-run --reps 1 --trials 1) ;;
@@ -73,6 +74,10 @@ stage_command() {
       LIMIT=120; CMD=("$PY" -m expresslane.bench.profile --model laneformer-2b --context 1024
                       --steps 20)
       ((DRY)) && CMD+=(--dry-run) ;;
+    sweep)  # every kernel variant checked, then timed; the winners: sweep.json's result.table
+      LIMIT=480; CMD=("$PY" -m expresslane.bench.sweep --model laneformer-2b llama-3.2-1b
+                      --context 1024 --tokens 1 4)
+      ((DRY)) && CMD+=(--dry-run --tokens 2) ;;
   esac
 }
 

@@ -36,7 +36,7 @@ def test_dry_run_of_every_stage(tmp_path):
     """Two calls (at most 4 stages a call: 8 files come back), run side by side: each stage
     leaves its whole log and a JSON result, the bench's rows stream before its table, and the
     summary line of each stage comes last."""
-    calls = [("smoke", "bench-2b", "bench-1b"), ("tests", "kernels", "profile")]
+    calls = [("smoke", "bench-2b", "bench-1b"), ("tests", "kernels", "profile", "sweep")]
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
     for stages, proc in zip(calls, procs, strict=True):
@@ -73,6 +73,31 @@ def test_dry_run_of_every_stage(tmp_path):
     kernels = results["kernels"]["result"]["kernels"]
     assert "decode layer" in kernels and all("error" not in k for k in kernels.values())
     assert results["profile"]["result"]["total"]["us_per_step"] > 0
+    sweep = results["sweep"]["result"]  # every variant of every kernel, checked in the interpreter
+    assert sweep["defaults_failed"] == 0 and sweep["inexact"] == 0
+    from expresslane.bench.sweep import VARIANTS
+
+    ran = {(r["kernel"], json.dumps(r["variant"], sort_keys=True)) for r in sweep["rows"]}
+    assert ran == {(k, json.dumps(v, sort_keys=True)) for k, vs in VARIANTS.items() for v in vs}
+    for r in sweep["rows"]:  # a variant either passed both checks or the shape refused it
+        assert r.get("exact") is True or "must divide" in r.get("error", ""), r
+    table = sweep["table"]
+    for kernel, entries in table["kernels"].items():  # winners: checked variants, by real keys
+        for key, v in entries.items():
+            assert any(r["kernel"] == kernel and r.get("key") == key and r["variant"] == v
+                       and r["exact"] for r in sweep["rows"]), (kernel, key, v)  # fmt: skip
+    from expresslane.bench import sweep as sweep_mod
+    from expresslane.kernels import tuning
+
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    old, tuning.TABLES = tuning.TABLES, tables
+    try:
+        assert sweep_mod.install(str(tmp_path / "tests" / "sweep.json")) == 0
+    finally:
+        tuning.TABLES = old
+    written = json.loads((tables / "cpu-triton-interpreter.json").read_text())
+    assert written["kernels"] == table["kernels"] and written["gpu"] == table["gpu"]
 
 
 def test_the_tests_stage_runs_every_module_with_a_gpu_test():
@@ -244,7 +269,7 @@ out = {}
 for ctx in (100, 1000):
     b = bytes_by_kernel("laneformer-2b", ctx, 132, True)
     want = bytes_per_token(get_preset("laneformer-2b"), ctx + 1, dtype_bytes=2)["total"]
-    out[ctx] = [sum(b.values()), want, b["attn_partial_kernel"]]
+    out[ctx] = [sum(b.values()), want, b["attention_kernel"]]
 print(json.dumps(out))
 """
 

@@ -83,6 +83,10 @@ def headline(res: dict) -> str:
         return _bench_line(res["rows"])
     if r.get("bench") == "quant_gpu":
         return _quant_line(r)
+    if r.get("bench") == "sweep":
+        won = sum(len(v) for v in r["table"]["kernels"].values())
+        return (f"{r['variants']} variants, {r['rejected']} rejected, {r['inexact']} not "
+                f"batch-invariant; {won} winners over the defaults")  # fmt: skip
     if r.get("kernels") and isinstance(r["kernels"], dict):  # bench.kernels
         return ", ".join(f"{k} {v['gb_s']:.0f} GB/s" for k, v in r["kernels"].items()
                          if "gb_s" in v)  # fmt: skip

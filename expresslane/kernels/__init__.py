@@ -6,12 +6,17 @@ modules are imported by the caller only once `use_triton(t)` said yes, so a CPU-
 without triton works unchanged.
 
     norm_qkv.py          RMSNorm + Q/K/V projection + RoPE + KV-cache write    -> q (Hq, hd)
-    decode_attention.py  flash-decoding GQA attention over the cache            -> (Hq, hd)
+    decode_attention.py  flash-decoding GQA attention, combined by its last block -> (Hq, hd)
     gemv_reduce.py       wo / w2 projection + DTP reduce + residual add         -> h, partial
     swiglu.py            RMSNorm + w1/w3 projection + SiLU(gate) * up           -> (L, F/L)
     lm_head.py           final norm + LM head (3 head types) + greedy argmax / fp32 logits
     gemv.py              shared tile heuristics, PDL switch, norm helpers, lane-major GEMV
-    decode_step.py       one decoder layer for one token, fused and reference twins
+    decode_step.py       one decoder layer for S tokens, fused and reference twins
+    tuning.py            launch configurations: defaults, per-GPU tables (tuning/), forcing
+
+Every kernel takes a token axis: S <= MAX_TOKENS consecutive tokens of one sequence, each weight
+read once for all of them, each token's row computed in an order that does not depend on S
+(batch-invariant), so the plain step is the S = 1 case of the verify step, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import torch
 # find_spec instead of `import triton`: importing triton costs ~0.5 s, and the CLI should not pay
 # that on a CPU-only machine. A broken triton install shows up at the first kernel import.
 HAS_TRITON: bool = importlib.util.find_spec("triton") is not None
+
+# The most tokens of one sequence a kernel takes at once: a decode step and up to 7 drafts.
+MAX_TOKENS = 8
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -40,4 +48,4 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-__all__ = ["HAS_TRITON", "use_triton"]
+__all__ = ["HAS_TRITON", "MAX_TOKENS", "use_triton"]

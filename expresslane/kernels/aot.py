@@ -184,8 +184,10 @@ def recording(sms: int = 132, pdl: bool = True, arch: int | None = 90):
 
 
 def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits: bool = True,
-                       arch: int | None = 90, dtype: torch.dtype = torch.bfloat16):  # fmt: skip
-    """The launches of one greedy decode step of the model, then (`logits`) of its logits path."""
+                       arch: int | None = 90, dtype: torch.dtype = torch.bfloat16,
+                       tokens: int = 1):  # fmt: skip
+    """The launches of one greedy decode step of the model, then (`logits`) of its logits path;
+    tokens > 1: of a step of that many tokens (a speculative verify's width)."""
     from ..cache import KVCache
     from ..config import SamplingParams
     from ..model import Laneformer
@@ -194,8 +196,8 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
     cfg = load_model_config(model_ref)  # every layer: meta tensors cost nothing
     with torch.device("meta"):
         model = Laneformer(cfg).to(device="meta", dtype=dtype)
-    cache = KVCache(cfg, max_len, "meta", dtype)
-    token = torch.zeros((1, 1), dtype=torch.long, device="meta")
+    cache = KVCache(cfg, max_len, "meta", dtype, headroom=tokens - 1)
+    token = torch.zeros((tokens,), dtype=torch.long, device="meta")
     position = torch.zeros((1,), dtype=torch.long, device="meta")
     with recording(sms, pdl, arch) as launches:
         decoder = FusedDecoder(model, cache, kernels=True)
@@ -337,18 +339,72 @@ def compile_decode_step(
     specialise: bool = True,
     only: str | None = None,
     quant: tuple[str, ...] = (),
+    tokens: int = 1,
 ) -> list[dict]:
     """Every distinct kernel of the model's fused decode step, then of its quantized products
     in the `quant` formats, compiled for sm_`arch` (`only`: the kernels whose name starts so)."""
     pdl = arch >= 90
     spec = arch if specialise else None
-    launches = record_decode_step(model_ref, max_len, sms, pdl, arch=spec)
+    launches = record_decode_step(model_ref, max_len, sms, pdl, arch=spec, tokens=tokens)
     if quant:
         launches += record_quant_products(model_ref, list(quant), sms, pdl, arch=spec)
     launches = distinct(launches)
     launches = [la for la in launches if only is None or la.name.startswith(only)]
     with tempfile.TemporaryDirectory() as tmp:
         return [compile_launch(launch, arch, Path(tmp), sms) for launch in launches]
+
+
+# S = 1 is specialised to a constant; the rows per program follow S
+_S_DEPENDENT = ("S", "BLOCK_S", "BLOCK_O", "BLOCK_P", "BLOCK_V")
+
+
+def reduce_layouts(launch: Launch, arch: int = 90) -> list[tuple]:
+    """Every reduction of the launch's sm_`arch` build, in program order, as (axis, the reduced
+    axis's sizePerThread, threadsPerWarp, warpsPerCTA, its rank in `order`): what fixes the
+    order in which a row's values are summed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {path: [list(a) for a in attr] for path, attr in launch.attrs}
+    src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs), attrs)
+    ttgir = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options=dict(launch.options)).asm["ttgir"]  # fmt: skip
+    layouts = {}
+    for name, body in re.findall(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M):
+        layouts[name] = {k: [int(v) for v in vals.split(",")]
+                         for k, vals in re.findall(r"(\w+) = \[([\d, ]+)\]", body)}  # fmt: skip
+    out = []
+    for axis, layout in re.findall(
+        r'"tt\.reduce".*?<\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<[^,]*, (#\w+)>', ttgir, re.S
+    ):
+        a, lay = int(axis), layouts.get(layout)
+        if lay is None:
+            out.append((a, layout))
+            continue
+        out.append((a, lay["sizePerThread"][a], lay["threadsPerWarp"][a], lay["warpsPerCTA"][a],
+                    lay["order"].index(a)))  # fmt: skip
+    return out
+
+
+def invariance_report(model_ref: str, tokens: tuple[int, int] = (1, 8), arch: int = 90,
+                      only: str | None = None) -> dict[str, list]:  # fmt: skip
+    """For each kernel of the step that a `tokens[1]`-token build compiles differently from a
+    `tokens[0]`-token one: both builds' reduction layouts (reduce_layouts). The same set in
+    both (a per-token loop repeats its reduction S times) means that a row is summed in the same
+    order whatever S is: the batch invariance of the compiled code, read without a GPU."""
+    builds = {}
+    for n in tokens:
+        for la in distinct(record_decode_step(model_ref, 4096, 132, True, arch=arch, tokens=n)):
+            if only is None or la.name.startswith(only):
+                key = (la.name, tuple(c for c in la.constexprs if c[0] not in _S_DEPENDENT))
+                builds.setdefault(key, {})[n] = la
+    report = {}
+    for by_n in builds.values():
+        if len(by_n) == 2 and by_n[tokens[0]].constexprs != by_n[tokens[1]].constexprs:
+            label = by_n[tokens[0]].label()
+            report[label] = [reduce_layouts(by_n[n], arch) for n in tokens]
+    return report
 
 
 def _widths(loads: dict[str, int]) -> str:
@@ -361,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100)")
     ap.add_argument("--sms", type=int, default=132, help="SM count the launch plan assumes")
     ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=1,
+                    help="tokens per step (a verify of k drafts: k + 1, at most 8)")  # fmt: skip
     ap.add_argument("--kernel", default=None, help="only the kernels whose name starts so")
     ap.add_argument(
         "--unspecialised",
@@ -384,13 +442,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--sms {args.sms}: expected the GPU's SM count (>= 1)")
         for name in args.quant:
             gpu_format(name)
+        if not 1 <= args.tokens <= 8:
+            raise ConfigError(f"--tokens {args.tokens}: expected 1 to 8")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     greedy = len(record_decode_step(args.model, args.max_len, args.sms, True, logits=False,
                                     arch=None))  # fmt: skip
     rows = compile_decode_step(args.model, args.arch, args.max_len, args.sms,
-                               not args.unspecialised, args.kernel, tuple(args.quant))  # fmt: skip
+                               not args.unspecialised, args.kernel, tuple(args.quant),
+                               args.tokens)  # fmt: skip
     if not args.json:
         print(f"{'kernel':54} {'grid':>10} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
               f"{'blk/SM':>6} {'waves':>5} pdl  global loads (bits x count)")  # fmt: skip

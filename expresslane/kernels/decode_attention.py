@@ -1,22 +1,27 @@
-"""Flash-decoding attention for one query token, GQA, masked by the cache's position buffer.
+"""Flash-decoding GQA attention for S <= 8 new tokens, masked by the cache's position buffer.
 
-One token's attention reads the whole KV cache once: 2 * n * Hkv * hd elements for n valid
-slots. With only Hkv (16 for Laneformer-2B) KV heads there are too few heads to occupy a GPU, so
-the KV length is split as well (Flash-Decoding, Dao et al. 2023):
+Attention of S consecutive tokens (token s at position + s, its own key and those of tokens < s
+already in the cache, written by norm_qkv) reads the scanned slots of the KV cache from HBM
+about once for all of them: 2 * n * Hkv * hd elements for n scanned slots. With only Hkv (16
+for Laneformer-2B) KV heads there are too few heads to occupy a GPU, so the slots are split as
+well (Flash-Decoding, Dao et al. 2023).
 
-1. `attn_partial_kernel`, grid (Hkv, NUM_SPLITS): program (g, s) takes KV head g and the s-th
-   chunk of the scanned slots, and all G = Hq/Hkv query heads that share g (so K/V are read once
-   per group, not once per query head). It runs the online softmax over its chunk and writes the
-   partial (running max m, sum l, unnormalised acc) per query head.
-2. `attn_combine_kernel`, grid (Hq,): rescales the NUM_SPLITS partials to the global max and
-   normalises: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+One kernel, grid (S, Hkv, NUM_SPLITS): program (s, g, c) takes token s, KV head g and the c-th
+split of the slots that token scans, for all G = Hq/Hkv query heads that share g (K/V are read
+once per group; the S programs of a split run side by side, so the later tokens' K/V reads hit
+L2). It runs the online softmax over its split and writes the partial (running max m, sum l,
+unnormalised acc) of each head. The program that finishes last for its (token, KV head) (an
+atomic count, reset by that program) combines the partials: out = sum_c 2^(m_c - M) acc_c /
+sum_c 2^(m_c - M) l_c. No second kernel, no launch.
 
-The grid is static (CUDA-graph friendly) while the context grows: the position is read on the
-device and every split takes ceil(n / NUM_SPLITS) slots (rounded to BLOCK_N), so short contexts
-are spread over all splits too. Slots scanned: min(position + 1, cap), i.e. [0, position] for a
-full layer (slot = position) and the whole ring once a sliding layer has wrapped. A slot counts
-iff 0 <= pos <= position and, on sliding layers, pos > position - window; the buffer's -1 marks
-empty slots. Scores and softmax are fp32, in base 2 (the log2(e) factor is folded into the scale).
+A token's program does exactly what a lone step at its position does: it scans min(position +
+s + 1, cap) slots in the same splits and tiles (the splits spread the scanned slots, so short
+contexts use every split too), and the keys of later tokens, or of older positions a ring
+overwrote, are masked and add exact zeros. So token s's output has the bits of a lone step,
+by construction. The grid is static (CUDA-graph friendly): the position is read on the device.
+A slot counts for token s iff 0 <= pos <= position + s and, on sliding layers, pos > position
++ s - window; -1 marks empty slots. Scores and softmax are fp32, in base 2 (the log2(e) factor
+is folded into the scale).
 """
 
 from __future__ import annotations
@@ -25,22 +30,26 @@ import torch
 import triton
 import triton.language as tl
 
+from . import MAX_TOKENS, tuning
 from .gemv import cast_as, launch_kwargs, num_sms, pdl_prologue
 
 LOG2E = 1.4426950408889634
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 @triton.jit
-def attn_partial_kernel(
+def attention_kernel(
     # Pointers
-    q_ptr,  # (Hq, hd)
+    q_ptr,  # (S, Hq, hd)
     k_cache_ptr,  # (cap, Hkv, hd)
     v_cache_ptr,  # (cap, Hkv, hd)
     pos_cache_ptr,  # (cap,) int64
-    position_ptr,  # (1,) int64
-    m_ptr,  # (Hq, NUM_SPLITS) fp32, running max (base 2)
-    l_ptr,  # (Hq, NUM_SPLITS) fp32, softmax denominator
-    acc_ptr,  # (Hq, NUM_SPLITS, hd) fp32, unnormalised output
+    position_ptr,  # (1,) int64, position of token 0
+    m_ptr,  # (S*Hq, NUM_SPLITS) fp32, running max (base 2)
+    l_ptr,  # (S*Hq, NUM_SPLITS) fp32, softmax denominator
+    acc_ptr,  # (S*Hq, NUM_SPLITS, hd) fp32, unnormalised output
+    count_ptr,  # (MAX_TOKENS*Hkv,) int32 arrivals per (token, KV head), 0 between launches
+    out_ptr,  # (S, Hq, hd)
     # Sizes
     cap,
     n_kv,
@@ -56,117 +65,145 @@ def attn_partial_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    kv_head = tl.program_id(0)
-    split = tl.program_id(1)
-    pdl_prologue(USE_PDL)
-    q_pos = tl.load(position_ptr)
+    tok = tl.program_id(0)  # fastest grid axis: a chunk's tokens run together, K/V hit L2
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    pdl_prologue(USE_PDL)  # K/V and q come from the previous kernel: nothing to prefetch
+    q_pos = tl.load(position_ptr) + tok
+    # Exactly what a lone step at q_pos scans: its own slots, chunks and tiles.
     n_scan = tl.minimum(q_pos + 1, cap)
     chunk = tl.cdiv(tl.cdiv(n_scan, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, n_scan)
+    n_busy = tl.cdiv(n_scan, chunk)  # chunks holding scanned slots
+    if split < n_busy:
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, n_scan)
+        offs_g = tl.arange(0, BLOCK_G)
+        mask_g = offs_g < GROUP
+        part = tok * (n_kv * GROUP) + kv_head * GROUP + offs_g  # rows of (S*Hq, ...)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=mask_g[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # fmt: skip
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < GROUP
-    mask_d = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g  # (BLOCK_G,) query heads of this group
-    q = tl.load(
-        q_ptr + heads[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=mask_g[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(tl.float32)  # (BLOCK_G, BLOCK_D)
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        row = n_kv * HEAD_DIM  # elements per cache slot
+        for n0 in range(lo, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            p_n = tl.load(pos_cache_ptr + offs_n, mask=mask_n, other=-1)
+            valid = mask_n & (p_n >= 0) & (p_n <= q_pos)  # later tokens' keys are masked
+            if HAS_WINDOW:
+                valid = valid & (p_n > q_pos - window)
+            kv_offs = offs_n[:, None] * row + kv_head * HEAD_DIM + offs_d[None, :]  # (N, D)
+            kv_mask = valid[:, None] & mask_d[None, :]
+            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            # (BLOCK_G, BLOCK_N): G is 1 to 8, too small for tl.dot's 16-row minimum, so FMAs.
+            s = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])  # (BLOCK_G, BLOCK_N), 0 where masked
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+            m_i = m_new
 
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    row = n_kv * HEAD_DIM  # elements per cache slot
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        p_n = tl.load(pos_cache_ptr + offs_n, mask=mask_n, other=-1)
-        valid = mask_n & (p_n >= 0) & (p_n <= q_pos)
-        if HAS_WINDOW:
-            valid = valid & (p_n > q_pos - window)
-        kv_offs = offs_n[:, None] * row + kv_head * HEAD_DIM + offs_d[None, :]  # (BLOCK_N, BLOCK_D)
-        kv_mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        # (BLOCK_G, BLOCK_N): G is 1 to 8, too small for tl.dot's 16-row minimum, so FMAs.
-        s = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: avoid inf-inf
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_G, BLOCK_N), 0 where masked
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
-        m_i = m_new
-
-    part = heads * NUM_SPLITS + split  # (BLOCK_G,) index into (Hq, NUM_SPLITS)
-    tl.store(m_ptr + part, m_i, mask=mask_g)
-    tl.store(l_ptr + part, l_i, mask=mask_g)
-    tl.store(
-        acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-        acc,
-        mask=mask_g[:, None] & mask_d[None, :],
-    )
+        idx = part * NUM_SPLITS + split
+        tl.store(m_ptr + idx, m_i, mask=mask_g)
+        tl.store(l_ptr + idx, l_i, mask=mask_g)
+        tl.store(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=mask_g[:, None] & mask_d[None, :])  # fmt: skip
+        # Every thread's partials are written before one thread's release increments the count
+        # (the pattern of a cooperative grid sync); the last of n_busy arrivals combines.
+        tl.debug_barrier()
+        counter = count_ptr + tok * n_kv + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == n_busy - 1:
+            tl.atomic_xchg(counter, 0)  # ready for the next launch / graph replay
+            _combine(m_ptr, l_ptr, acc_ptr, out_ptr, part, mask_g, offs_d, mask_d, n_busy,
+                     NUM_SPLITS, HEAD_DIM, BLOCK_G, BLOCK_D)  # fmt: skip
 
 
 @triton.jit
-def attn_combine_kernel(
-    m_ptr,  # (Hq, NUM_SPLITS) fp32
-    l_ptr,  # (Hq, NUM_SPLITS) fp32
-    acc_ptr,  # (Hq, NUM_SPLITS, hd) fp32
-    out_ptr,  # (Hq, hd)
-    NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    head = tl.program_id(0)
-    pdl_prologue(USE_PDL)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
-    mask_d = offs_d < HEAD_DIM
-    m = tl.load(m_ptr + head * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
-    l_s = tl.load(l_ptr + head * NUM_SPLITS + offs_s, mask=mask_s, other=0.0)
-    acc = tl.load(
-        acc_ptr + (head * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=mask_s[:, None] & mask_d[None, :],
-        other=0.0,
-    )  # (BLOCK_S, BLOCK_D)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: output 0
-    scale = tl.exp2(m - m_max)  # (BLOCK_S,), 0 for empty splits
-    denom = tl.sum(scale * l_s, 0)
-    out = tl.sum(scale[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + head * HEAD_DIM + offs_d, cast_as(out, out_ptr), mask=mask_d)
+def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, part, mask_r, offs_d, mask_d, n_busy,
+             NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, R: tl.constexpr,
+             BLOCK_D: tl.constexpr):  # fmt: skip
+    """out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c over chunks 0..n_busy-1, in chunk
+    order, one chunk at a time (few registers). A chunk where a row saw no valid key holds
+    (-inf, 0, 0) and adds exact zeros. Loads are .cg: other SMs wrote the partials, and this
+    SM's L1 may hold a previous launch's lines."""
+    m_max = tl.full([R], float("-inf"), dtype=tl.float32)
+    for c in range(0, n_busy):
+        m_c = tl.load(m_ptr + part * NUM_SPLITS + c, mask=mask_r, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        m_max = tl.maximum(m_max, m_c)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no valid key at all: output 0
+    denom = tl.zeros([R], dtype=tl.float32)
+    num = tl.zeros([R, BLOCK_D], dtype=tl.float32)
+    for c in range(0, n_busy):
+        idx = part * NUM_SPLITS + c
+        m_c = tl.load(m_ptr + idx, mask=mask_r, other=float("-inf"), cache_modifier=".cg")
+        l_c = tl.load(l_ptr + idx, mask=mask_r, other=0.0, cache_modifier=".cg")
+        a_c = tl.load(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=mask_r[:, None] & mask_d[None, :], other=0.0,
+                      cache_modifier=".cg")  # fmt: skip
+        scale = tl.exp2(m_c - m_max)  # 0 for a chunk without valid keys
+        denom += scale * l_c
+        num += scale[:, None] * a_c
+    out = num / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], cast_as(out, out_ptr),
+             mask=mask_r[:, None] & mask_d[None, :])  # fmt: skip
 
 
-def _pick_splits(q: torch.Tensor, n_kv: int, cap: int, block_n: int) -> int:
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 arrival count per (token, KV head), shared by every launch on the device
+    (the launches of a step run one after another, and each leaves its counts at 0)."""
+    key = (str(device), n)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros((MAX_TOKENS * n,), device=device, dtype=torch.int32)
+    return _COUNTERS[key]
+
+
+def pick_splits(q: torch.Tensor, n_kv: int, cap: int, block_n: int) -> int:
+    """Splits of the scanned slots per (token, KV head): ~2 programs per SM for one token."""
     sms = num_sms(q)
     if sms == 0:  # interpreter: a few splits exercise the combine without many programs
         return min(4, triton.cdiv(cap, block_n))
-    # ~2 programs per SM at full length; never more splits than BLOCK_N tiles in the cache.
     return max(1, min(triton.cdiv(2 * sms, n_kv), triton.cdiv(cap, block_n)))
 
 
+def attention_blocks(group: int, hd: int) -> tuple[int, int, int]:
+    """(BLOCK_G, BLOCK_N, BLOCK_D): the (G, BLOCK_N, BLOCK_D) products live in registers, so
+    BLOCK_N shrinks as the group grows (4096 elements: ~32 registers a thread), floored at 16."""
+    block_g = triton.next_power_of_2(group)
+    block_d = triton.next_power_of_2(hd)
+    return block_g, max(16, min(64, 4096 // (block_g * block_d))), block_d
+
+
 def decode_attention(
-    q: torch.Tensor,  # (Hq, hd), RoPE applied
+    q: torch.Tensor,  # (Hq, hd) or (S, Hq, hd), RoPE applied
     k_cache: torch.Tensor,  # (cap, Hkv, hd)
     v_cache: torch.Tensor,  # (cap, Hkv, hd)
     pos_cache: torch.Tensor,  # (cap,) int64
-    position: torch.Tensor,  # (1,) int64
+    position: torch.Tensor,  # (1,) int64, position of token 0
     *,
     window: int | None = None,
     num_splits: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hd)) v over the valid slots, GQA head h -> KV head h // (Hq/Hkv)."""
+    """softmax(q k^T / sqrt(hd)) v over each token's valid slots, GQA head h -> KV head
+    h // (Hq/Hkv); token s sees positions <= position + s."""
     cap, n_kv, hd = k_cache.shape
-    assert q.dim() == 2 and q.shape[1] == hd and q.is_contiguous(), f"q: (Hq, {hd}), {q.shape}"
-    n_q = q.shape[0]
+    axis = q.dim() == 3
+    qs = q if axis else q.unsqueeze(0)
+    assert qs.dim() == 3 and qs.shape[2] == hd and qs.is_contiguous(), (
+        f"q: expected contiguous (Hq, {hd}) or (S, Hq, {hd}), got {tuple(q.shape)}"
+    )
+    S, n_q = qs.shape[:2]
+    assert S <= MAX_TOKENS, f"q: {S} tokens, at most {MAX_TOKENS}"
     assert n_q % n_kv == 0, f"Hq={n_q} must be a multiple of Hkv={n_kv}"
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         assert c.shape == (cap, n_kv, hd) and c.is_contiguous() and c.dtype == q.dtype, (
@@ -177,26 +214,24 @@ def decode_attention(
     assert window is None or window >= 1, f"window={window}"
 
     group = n_q // n_kv
-    block_d = triton.next_power_of_2(hd)
-    # K and V tiles are (BLOCK_N, BLOCK_D) and the (G, BLOCK_N, BLOCK_D) products live in
-    # registers, so BLOCK_N shrinks as the group grows (4096 elements: ~32 registers a thread).
-    block_g = triton.next_power_of_2(group)
-    block_n = max(16, min(64, 4096 // (block_g * block_d)))
-    num_splits = num_splits or _pick_splits(q, n_kv, cap, block_n)
-    m = torch.empty((n_q, num_splits), device=q.device, dtype=torch.float32)
+    block_g, auto_n, block_d = attention_blocks(group, hd)
+    default = {"BLOCK_N": auto_n, "NUM_SPLITS": pick_splits(q, n_kv, cap, auto_n)}
+    key = tuning.shape_key(C=cap, H=n_kv, G=group, D=hd)
+    cfg = tuning.choose("attention", q, key, default)
+    if block_n:
+        cfg["BLOCK_N"] = block_n
+    if num_splits:
+        cfg["NUM_SPLITS"] = num_splits
+    consts, opts = tuning.split(cfg)
+    ns = consts["NUM_SPLITS"]
+    m = torch.empty((S * n_q, ns), device=q.device, dtype=torch.float32)
     l_s = torch.empty_like(m)
-    acc = torch.empty((n_q, num_splits, hd), device=q.device, dtype=torch.float32)
-    out = torch.empty_like(q)
-    opts = launch_kwargs(q)
-    attn_partial_kernel[(n_kv, num_splits)](
-        q, k_cache, v_cache, pos_cache, position, m, l_s, acc,
+    acc = torch.empty((S * n_q, ns, hd), device=q.device, dtype=torch.float32)
+    out = torch.empty_like(qs)
+    attention_kernel[(S, n_kv, ns)](
+        qs, k_cache, v_cache, pos_cache, position, m, l_s, acc, _counters(q.device, n_kv), out,
         cap, n_kv, window or 0, hd**-0.5 * LOG2E,
-        GROUP=group, HEAD_DIM=hd, NUM_SPLITS=num_splits, HAS_WINDOW=window is not None,
-        BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, **opts,
+        GROUP=group, HEAD_DIM=hd, HAS_WINDOW=window is not None, BLOCK_G=block_g,
+        BLOCK_D=block_d, **consts, **opts, **launch_kwargs(q),
     )  # fmt: skip
-    attn_combine_kernel[(n_q,)](
-        m, l_s, acc, out,
-        NUM_SPLITS=num_splits, HEAD_DIM=hd,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, **opts,
-    )  # fmt: skip
-    return out
+    return out if axis else out[0]

@@ -1,4 +1,8 @@
-"""One decoder layer for one token, as five fused kernels, and its reference twin.
+"""One decoder layer for S <= 8 tokens of one sequence, as five fused kernels, and its reference.
+
+h is (L, D) for one token or (S, L, D) for S consecutive tokens (token s at position + s; the
+plain decode step is S = 1, a speculative verify S = k + 1); every kernel reads its weights once
+for all S tokens and gives each token the bits it would get alone.
 
     q      = norm_qkv(h)               attention_norm, wq/wk/wv, RoPE, KV-cache write   (Hq, hd)
     o      = decode_attention(q)       over the layer's cache (ring on sliding layers)  (Hq, hd)
@@ -26,13 +30,14 @@ from . import ref
 def _decode_layer(ops, h, weights, k_cache, v_cache, pos_cache, position, cos, sin, *,
                   reduce_mode, past_attn, past_mlp, window, eps, rope_style):  # fmt: skip
     w = weights
-    n_lanes = h.shape[0]
+    n_lanes = h.shape[-2]
     q = ops.norm_qkv(
         h, w["attention_norm"], w["wq"], w["wk"], w["wv"], cos, sin, position,
         k_cache, v_cache, pos_cache, eps=eps, rope_style=rope_style,
     )  # fmt: skip
     o = ops.decode_attention(q, k_cache, v_cache, pos_cache, position, window=window)
-    o = o.view(n_lanes, -1)  # (L, Hq*hd/L): lane l owns query heads l*Hq/L .. (l+1)*Hq/L - 1
+    # (L, Hq*hd/L) or (S, L, Hq*hd/L): lane l owns query heads l*Hq/L .. (l+1)*Hq/L - 1
+    o = o.reshape(*h.shape[:-2], n_lanes, -1)
     h, attn_partial = ops.gemv_reduce(o, w["wo"], h, past_attn, mode=reduce_mode)
     g = ops.norm_swiglu(h, w["ffn_norm"], w["w1"], w["w3"], eps=eps)  # (L, F/L)
     h, mlp_partial = ops.gemv_reduce(g, w["w2"], h, past_mlp, mode=reduce_mode)
@@ -55,7 +60,7 @@ def _kernel_ops() -> SimpleNamespace:
 
 
 def fused_decode_layer(
-    h: torch.Tensor,  # (L, D) residual stream entering the layer
+    h: torch.Tensor,  # (L, D) or (S, L, D) residual stream entering the layer
     weights: dict[str, torch.Tensor],
     k_cache: torch.Tensor,  # (cap, Hkv, hd) this layer's keys (after RoPE)
     v_cache: torch.Tensor,  # (cap, Hkv, hd)
@@ -65,8 +70,8 @@ def fused_decode_layer(
     sin: torch.Tensor,  # (max_pos, hd/2) fp32
     *,
     reduce_mode: str,  # "past", "present" or "no_reduce"
-    past_attn: torch.Tensor | None = None,  # (L, D) attention partials of layer i - d
-    past_mlp: torch.Tensor | None = None,  # (L, D) MLP partials of layer i - d
+    past_attn: torch.Tensor | None = None,  # like h: attention partials of layer i - d
+    past_mlp: torch.Tensor | None = None,  # like h: MLP partials of layer i - d
     window: int | None = None,  # sliding window W, None on full-attention layers
     eps: float = 1e-5,
     rope_style: str = "interleaved",

@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import MAX_TOKENS, tuning
+from .tuning import PLANNED_GPU  # the GPU kernels/aot.py plans for (empty: ask the device)
+
 # --- launch configuration --------------------------------------------------------------------
-# A GPU to plan launches for when none is here: kernels/aot.py sets {"sms": 132, "pdl": True} to
-# record the launches an H100 would make and compile them ahead of time. Empty: ask the device.
-PLANNED_GPU: dict = {}
 
 
 @functools.cache
@@ -168,6 +168,38 @@ def pdl_prologue(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def rms_rstd_rows(x_ptr, row_stride, n_rows, K, eps, BLOCK_S: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
+    """(BLOCK_S,) rsqrt(mean(x_s^2) + eps) of the rows x_ptr + s * row_stride, s < n_rows.
+
+    One row at a time, each through rms_rstd's 1-D reduction: a 2-D (BLOCK_S, BLOCK_K) sum
+    would be laid out by BLOCK_S (an sm_90 build put 4 warps along K for one row and 1 for 8),
+    so a token's statistics would depend on how many tokens share the launch."""
+    offs_s = tl.arange(0, BLOCK_S)
+    out = tl.full([BLOCK_S], 1.0, dtype=tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        if s < n_rows:
+            r = rms_rstd(x_ptr + s * row_stride, K, eps, BLOCK_K)
+            out = tl.where(offs_s == s, r, out)
+    return out
+
+
+@triton.jit
+def normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, mask_k, rstd, HAS_NORM: tl.constexpr,
+                BLOCK_S: tl.constexpr):  # fmt: skip
+    """(BLOCK_S, BLOCK_K) chunk of the token rows (or their RMSNorm), fp32, rounded like the
+    reference; rstd (BLOCK_S,) from rms_rstd_rows."""
+    offs_s = tl.arange(0, BLOCK_S)
+    m = (offs_s[:, None] < n_rows) & mask_k[None, :]
+    x = tl.load(x_ptr + offs_s[:, None] * row_stride + offs_k[None, :], mask=m, other=0.0)
+    x = x.to(tl.float32)
+    if HAS_NORM:
+        w = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        x = round_as(x * rstd[:, None] * w[None, :], x_ptr)
+    return x
+
+
+@triton.jit
 def rms_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
     """rsqrt(mean(x^2) + eps) of the K-vector at x_ptr, in fp32."""
     offs = tl.arange(0, BLOCK_K)
@@ -188,15 +220,124 @@ def normed_chunk(x_ptr, nw_ptr, offs_k, mask_k, rstd, HAS_NORM: tl.constexpr):
     return x
 
 
+@triton.jit
+def first_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K: tl.constexpr):
+    """The (BLOCK_O, BLOCK_K) weight tile at k_lo: loaded before the PDL wait, since weights
+    never depend on the previous kernel (the stream starts while that kernel drains)."""
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + offs_k[None, :], mask=mask_o[:, None] & (offs_k < k_hi)[None, :],
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
+def stream_rows(w_rows, mask_o, w_first, x_ptr, row_stride, n_rows, nw_ptr, rstd, k_lo, k_hi,
+                HAS_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr,
+                BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """(BLOCK_S, BLOCK_O) fp32: rows w_rows (BLOCK_O, 1) of W times the n_rows token rows of x
+    (normed when HAS_NORM) over K in [k_lo, k_hi), one weight read for every token; w_first is
+    the tile at k_lo (loaded before the PDL wait).
+
+    PREFETCH: the next tile is loaded before the current one is used (two tiles in registers);
+    else each tile is loaded where it is used and triton's pipeliner (num_stages) may stage it.
+    Both add the same chunks in the same order, so they give the same bits: a tuning choice.
+    Every token row is reduced once at the end, whatever BLOCK_S is: a token's result does not
+    depend on how many tokens share the launch (batch invariance)."""
+    acc = tl.zeros([BLOCK_S, BLOCK_O, BLOCK_K], dtype=tl.float32)
+    if PREFETCH:
+        w = w_first
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w_next = first_tile(w_rows, mask_o, k0 + BLOCK_K, k_hi, BLOCK_K)
+            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
+                            HAS_NORM, BLOCK_S)  # fmt: skip
+            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+            w = w_next
+    else:
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
+                        HAS_NORM, BLOCK_S)  # fmt: skip
+        acc += w_first.to(tl.float32)[None, :, :] * x[:, None, :]
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = first_tile(w_rows, mask_o, k0, k_hi, BLOCK_K)
+            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
+                            HAS_NORM, BLOCK_S)  # fmt: skip
+            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+    return tl.sum(acc, 2)
+
+
+@triton.jit
+def stream_pair(a_rows, b_rows, mask_o, a_first, b_first, x_ptr, row_stride, n_rows, nw_ptr,
+                rstd, K, BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                PREFETCH: tl.constexpr):  # fmt: skip
+    """stream_rows for two row sets sharing the normed input (gate/up, the two rows of a RoPE
+    pair): ((BLOCK_S, BLOCK_O), (BLOCK_S, BLOCK_O)) fp32, K from 0, HAS_NORM."""
+    acc_a = tl.zeros([BLOCK_S, BLOCK_O, BLOCK_K], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_S, BLOCK_O, BLOCK_K], dtype=tl.float32)
+    if PREFETCH:
+        wa = a_first
+        wb = b_first
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            na = first_tile(a_rows, mask_o, k0 + BLOCK_K, K, BLOCK_K)
+            nb = first_tile(b_rows, mask_o, k0 + BLOCK_K, K, BLOCK_K)
+            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
+                            BLOCK_S)[:, None, :]  # fmt: skip
+            acc_a += wa.to(tl.float32)[None, :, :] * x
+            acc_b += wb.to(tl.float32)[None, :, :] * x
+            wa = na
+            wb = nb
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
+                        BLOCK_S)[:, None, :]  # fmt: skip
+        acc_a += a_first.to(tl.float32)[None, :, :] * x
+        acc_b += b_first.to(tl.float32)[None, :, :] * x
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            wa = first_tile(a_rows, mask_o, k0, K, BLOCK_K)
+            wb = first_tile(b_rows, mask_o, k0, K, BLOCK_K)
+            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
+                            BLOCK_S)[:, None, :]  # fmt: skip
+            acc_a += wa.to(tl.float32)[None, :, :] * x
+            acc_b += wb.to(tl.float32)[None, :, :] * x
+    return tl.sum(acc_a, 2), tl.sum(acc_b, 2)
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel's writes (after the weight prefetch), then let the next
+    kernel launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def tokens_of(x: torch.Tensor, name: str = "x") -> tuple[torch.Tensor, bool]:
+    """x (S, L, K) as is, or (L, K) as one token: (x (S, L, K), whether a token axis was given)."""
+    assert x.dim() in (2, 3) and x.is_contiguous(), (
+        f"{name}: expected contiguous (L, K) or (S, L, K), got {tuple(x.shape)}"
+    )
+    if x.dim() == 2:
+        return x.unsqueeze(0), False
+    assert 1 <= x.shape[0] <= MAX_TOKENS, f"{name}: {x.shape[0]} tokens, at most {MAX_TOKENS}"
+    return x, True
+
+
+def block_s(n_tokens: int) -> int:
+    return triton.next_power_of_2(n_tokens)
+
+
 # --- the lane-major GEMV kernel ----------------------------------------------------------------
 @triton.jit
 def lane_gemv_kernel(
     # Pointers
     w_ptr,  # (L, O, K) weights, contiguous
-    x_ptr,  # (L, K) inputs, contiguous
+    x_ptr,  # (S, L, K) inputs, contiguous
     nw_ptr,  # (K,) or (L, K) norm weight (unused without HAS_NORM)
-    y_ptr,  # (L, O) output, or (SPLIT_K, L, O) fp32 partials when SPLIT_K > 1
+    y_ptr,  # (S, L, O) output, or (SPLIT_K, S, L, O) fp32 partials when SPLIT_K > 1
     # Sizes
+    S,
     L,
     O,
     K,
@@ -205,18 +346,15 @@ def lane_gemv_kernel(
     # Meta-parameters
     HAS_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     lane = tl.program_id(0)
     pid_o = tl.program_id(1)
     pid_k = tl.program_id(2)
-    pdl_prologue(USE_PDL)
-    x_row = x_ptr + lane * K
-    rstd = 1.0
-    if HAS_NORM:
-        rstd = rms_rstd(x_row, K, eps, BLOCK_K)
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < O
     w_rows = w_ptr + lane * O * K + offs_o[:, None] * K  # (BLOCK_O, 1) row starts
@@ -224,53 +362,94 @@ def lane_gemv_kernel(
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_len
     k_hi = tl.minimum(k_lo + k_len, K)
-    acc = tl.zeros([BLOCK_O, BLOCK_K], dtype=tl.float32)  # reduced once, after the loop
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        x = normed_chunk(x_row, nw_ptr + lane * stride_nwl, offs_k, mask_k, rstd, HAS_NORM)
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_o[:, None] & mask_k[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, 1)  # (BLOCK_O,)
+    w_first = first_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K)
+    pdl_wait(USE_PDL)
+    x_row = x_ptr + lane * K  # token s's row is x_row + s * L * K
+    rstd = tl.full([BLOCK_S], 1.0, dtype=tl.float32)
+    if HAS_NORM:
+        rstd = rms_rstd_rows(x_row, L * K, S, K, eps, BLOCK_S, BLOCK_K)
+    y = stream_rows(w_rows, mask_o, w_first, x_row, L * K, S, nw_ptr + lane * stride_nwl, rstd,
+                    k_lo, k_hi, HAS_NORM, BLOCK_S, BLOCK_O, BLOCK_K, PREFETCH)  # fmt: skip
+    offs_s = tl.arange(0, BLOCK_S)
+    m = (offs_s[:, None] < S) & mask_o[None, :]
     if SPLIT_K == 1:
-        tl.store(y_ptr + lane * O + offs_o, cast_as(y, y_ptr), mask=mask_o)
+        dst = y_ptr + (offs_s[:, None] * L + lane) * O + offs_o[None, :]
+        tl.store(dst, cast_as(y, y_ptr), mask=m)
     else:
-        tl.store(y_ptr + (pid_k * L + lane) * O + offs_o, y, mask=mask_o)
+        dst = y_ptr + ((pid_k * S + offs_s[:, None]) * L + lane) * O + offs_o[None, :]
+        tl.store(dst, y, mask=m)
 
 
-def launch_lane_gemv(w, x, nw, stride_nwl, eps, out, block_o, block_k, split_k):
-    """Launch lane_gemv_kernel; `out` is (L, O) or the (split_k, L, O) fp32 workspace."""
+# fp32 accumulator elements a program may hold (all its accumulators, all its tokens): 64
+# registers a thread at 4 warps. The S = 1 defaults hold 4096; wider launches take fewer rows.
+ACC_BUDGET = 8192
+
+
+def fit_rows(t: torch.Tensor, block_rows: int, block_k: int, n_tokens: int,
+             accumulators: int = 1) -> int:  # fmt: skip
+    """block_rows halved until the (BLOCK_S, rows, BLOCK_K) accumulators fit ACC_BUDGET, on a
+    GPU (the interpreter has no registers to spill, and wants few programs).
+
+    Only the rows per program shrink, never BLOCK_K: a row's chunks, their order and the
+    reduction over K stay those of a one-token launch (rows are independent), so the launch
+    keeps every token's bits. An sm_90 build of S = 8 with the S = 1 tiles spilled 272-480
+    bytes at 255 registers (kernels/aot.py --tokens 8)."""
+    if num_sms(t) == 0:
+        return block_rows
+    while block_s(n_tokens) * block_rows * block_k * accumulators > ACC_BUDGET and block_rows > 1:
+        block_rows //= 2
+    return block_rows
+
+
+def gemv_config(t: torch.Tensor, kernel: str, rows: int, k: int, programs: int, lanes: int,
+                n_tokens: int, accumulators: int = 1, **limits) -> dict:  # fmt: skip
+    """The launch configuration of a lane-major GEMV family kernel (tuning.choose): BLOCK_O,
+    BLOCK_K, SPLIT_K from tile_sizes, PREFETCH 0, overridden by the GPU's table or a forced
+    variant; then BLOCK_O fitted to the token count (fit_rows)."""
+    block_o, block_k, split_k = tile_sizes(t, rows, k, programs, **limits)
+    default = {"BLOCK_O": block_o, "BLOCK_K": block_k, "SPLIT_K": split_k, "PREFETCH": 0}
+    cfg = tuning.choose(kernel, t, tuning.shape_key(L=lanes, O=rows, K=k), default)
+    cfg["BLOCK_O"] = fit_rows(t, cfg["BLOCK_O"], cfg["BLOCK_K"], n_tokens, accumulators)
+    return cfg
+
+
+def launch_lane_gemv(w, x, nw, stride_nwl, eps, out, cfg: dict):
+    """Launch lane_gemv_kernel on x (S, L, K) with configuration cfg (gemv_config); `out` is
+    (S, L, O) or the (SPLIT_K, S, L, O) fp32 workspace."""
+    consts, opts = tuning.split(cfg)
+    S = x.shape[0]
     L, O, K = w.shape
-    grid = (L, triton.cdiv(O, block_o), split_k)
+    grid = (L, triton.cdiv(O, consts["BLOCK_O"]), consts["SPLIT_K"])
     lane_gemv_kernel[grid](
-        w, x, nw if nw is not None else x, out, L, O, K, eps, stride_nwl,
-        HAS_NORM=nw is not None, SPLIT_K=split_k, BLOCK_O=block_o, BLOCK_K=block_k,
-        **launch_kwargs(x),
+        w, x, nw if nw is not None else x, out, S, L, O, K, eps, stride_nwl,
+        HAS_NORM=nw is not None, BLOCK_S=block_s(S), **consts, **opts, **launch_kwargs(x),
     )  # fmt: skip
 
 
 def lane_gemv(
     w: torch.Tensor,  # (L, O, K)
-    x: torch.Tensor,  # (L, K)
+    x: torch.Tensor,  # (L, K) or (S, L, K)
     *,
     norm_weight: torch.Tensor | None = None,  # (K,) or (L, K): RMSNorm x first
     eps: float = 1e-5,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """(L, O) = w[l] @ (norm(x[l]) or x[l]), fp32 accumulation, rounded once to x.dtype."""
-    assert x.dim() == 2 and x.is_contiguous(), f"x: expected contiguous (L, K), got {x.shape}"
-    L, K = x.shape
+    """(L, O) or (S, L, O) = w[l] @ (norm(x[s, l]) or x[s, l]), fp32 accumulation, rounded once."""
+    xs, axis = tokens_of(x)
+    S, L, K = xs.shape
     assert_lane_weight(w, L, K, x.dtype, "w")
     stride_nwl = 0
     if norm_weight is not None:
         stride_nwl = assert_norm_weight(norm_weight, L, K, "norm_weight")
     O = w.shape[1]
-    block_o, block_k, auto_split = tile_sizes(x, O, K, L)
-    split_k = split_k or auto_split
-    if split_k == 1:
-        y = torch.empty((L, O), device=x.device, dtype=x.dtype)
-        launch_lane_gemv(w, x, norm_weight, stride_nwl, eps, y, block_o, block_k, 1)
-        return y
-    ws = torch.empty((split_k, L, O), device=x.device, dtype=torch.float32)
-    launch_lane_gemv(w, x, norm_weight, stride_nwl, eps, ws, block_o, block_k, split_k)
-    return ws.sum(0).to(x.dtype)  # fixed order over splits: deterministic
+    cfg = gemv_config(x, "lane_gemv", O, K, L, L, S)
+    if split_k:
+        cfg["SPLIT_K"] = split_k
+    if cfg["SPLIT_K"] == 1:
+        y = torch.empty((S, L, O), device=x.device, dtype=x.dtype)
+        launch_lane_gemv(w, xs, norm_weight, stride_nwl, eps, y, cfg)
+    else:
+        ws = torch.empty((cfg["SPLIT_K"], S, L, O), device=x.device, dtype=torch.float32)
+        launch_lane_gemv(w, xs, norm_weight, stride_nwl, eps, ws, cfg)
+        y = ws.sum(0).to(x.dtype)  # fixed order over splits: deterministic
+    return y if axis else y[0]

@@ -1,5 +1,8 @@
 """Final norm + LM head, fused with greedy argmax, or producing fp32 logits for sampling.
 
+Every kernel takes S <= 8 tokens (h (S, L, D)), reading the head weights once for all of them;
+each token's logits are reduced in the same order whatever S is.
+
 Head types (laneformer.md 6), h (L, D) the final residual stream, n_l = final_norm(h_l):
     replicate          W (V, D)      on mean_l n_l, or on norm(sum_l h_l) with pre_norm_lane_agg
     lane               W (V, L*D)    on the lane-major concatenation [n_0, n_1, ...]
@@ -20,72 +23,93 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import assert_norm_weight, launch_kwargs, num_sms, pdl_prologue, rms_rstd, round_as
+from . import tuning
+from .gemv import (
+    assert_norm_weight,
+    block_s,
+    fit_rows,
+    launch_kwargs,
+    normed_rows,
+    num_sms,
+    pdl_prologue,
+    rms_rstd_rows,
+    round_as,
+    tokens_of,
+)
 
 HEAD_MODES = {"replicate": 0, "replicate_prenorm": 1, "lane": 2, "vocab_parallel": 3}
 
 
 @triton.jit
-def _lane_rstd(h_ptr, L, D, eps, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(BLOCK_L,) rsqrt(mean(h_l^2) + eps) of every lane."""
-    offs_l = tl.arange(0, BLOCK_L)
-    acc = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        m = (offs_l[:, None] < L) & (offs_k[None, :] < D)
-        x = tl.load(h_ptr + offs_l[:, None] * D + offs_k[None, :], mask=m, other=0.0)
-        x = x.to(tl.float32)
-        acc += x * x
-    return 1.0 / tl.sqrt(tl.sum(acc, 1) / D + eps)
+def _lane_sum_chunk(h_ptr, offs_s, offs_k, mask_k, S, L, D, BLOCK_S: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    """(BLOCK_S, BLOCK_K) sum_l h[s, l, offs_k], lane by lane (fp32), rounded like the reference.
+    Sums here run lane by lane or row by row, never as a tree over a tile with a token axis,
+    whose layout (and so whose order) would follow BLOCK_S."""
+    m = (offs_s[:, None] < S) & mask_k[None, :]
+    acc = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
+    for src in range(L):
+        x = tl.load(h_ptr + (offs_s[:, None] * L + src) * D + offs_k[None, :], mask=m, other=0.0)
+        acc += x.to(tl.float32)
+    return round_as(acc, h_ptr)
 
 
 @triton.jit
-def _lane_sum_chunk(h_ptr, offs_k, mask_k, L, D, BLOCK_L: tl.constexpr):
-    """sum_l h[l, offs_k], fp32 accumulation, rounded like the reference."""
-    offs_l = tl.arange(0, BLOCK_L)
-    m = (offs_l[:, None] < L) & mask_k[None, :]
-    x = tl.load(h_ptr + offs_l[:, None] * D + offs_k[None, :], mask=m, other=0.0)
-    return round_as(tl.sum(x.to(tl.float32), 0), h_ptr)
+def _prenorm_rstd(h_ptr, S, L, D, eps, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_S,) rsqrt(mean(sum_l h[s, l]^2) + eps), token by token (1-D reductions)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs1 = tl.arange(0, 1)
+    out = tl.full([BLOCK_S], 1.0, dtype=tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        if s < S:
+            ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xs = _lane_sum_chunk(h_ptr + s * L * D, offs1, offs_k, offs_k < D, 1, L, D, 1,
+                                     BLOCK_K)  # fmt: skip
+                ss += tl.sum(xs * xs, 0)
+            r = 1.0 / tl.sqrt(tl.sum(ss, 0) / D + eps)
+            out = tl.where(offs_s == s, r, out)
+    return out
 
 
 @triton.jit
 def head_logits(
-    h_ptr, nw_ptr, w_ptr, L, D, VL, eps, stride_nwl, lane, offs_v, mask_v,
-    MODE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    h_ptr, nw_ptr, w_ptr, S, L, D, VL, eps, stride_nwl, lane, offs_v, mask_v,
+    MODE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr,
 ):  # fmt: skip
-    """(BLOCK_V,) fp32 logits of rows offs_v (rows of lane `lane`'s slice for vocab_parallel)."""
-    acc = tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32)
+    """(BLOCK_S, BLOCK_V) fp32 logits of rows offs_v (rows of lane `lane`'s slice for
+    vocab_parallel) for every token, one read of those weight rows."""
+    offs_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_S, BLOCK_V, BLOCK_K], dtype=tl.float32)
     if MODE == 0:  # replicate: mean over lanes of the normed lanes
-        offs_l = tl.arange(0, BLOCK_L)
-        rstd = _lane_rstd(h_ptr, L, D, eps, BLOCK_L, BLOCK_K)  # (BLOCK_L,)
+        mask_s = offs_s < S
         for k0 in range(0, D, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < D
-            m2 = (offs_l[:, None] < L) & mask_k[None, :]
-            x = tl.load(h_ptr + offs_l[:, None] * D + offs_k[None, :], mask=m2, other=0.0)
-            nw_offs = offs_l[:, None] * stride_nwl + offs_k[None, :]  # stride 0: shared weight
-            nw = tl.load(nw_ptr + nw_offs, mask=m2, other=0.0)
-            xn = round_as(x.to(tl.float32) * rstd[:, None] * nw.to(tl.float32), h_ptr)
-            xm = round_as(tl.sum(xn, 0) / L, h_ptr)  # (BLOCK_K,)
+            xsum = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
+            for src in range(L):  # lane by lane (see _lane_sum_chunk)
+                x_row = h_ptr + src * D  # token s: x_row + s * L * D
+                rstd = rms_rstd_rows(x_row, L * D, S, D, eps, BLOCK_S, BLOCK_K)
+                xsum += normed_rows(x_row, L * D, S, nw_ptr + src * stride_nwl, offs_k, mask_k,
+                                    rstd, True, BLOCK_S)  # fmt: skip
+            xm = round_as(xsum / L, h_ptr)  # (BLOCK_S, BLOCK_K)
+            xm = tl.where(mask_s[:, None], xm, 0.0)
             w = tl.load(w_ptr + offs_v[:, None] * D + offs_k[None, :],
                         mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-            acc += w.to(tl.float32) * xm[None, :]
+            acc += w.to(tl.float32)[None, :, :] * xm[:, None, :]
     elif MODE == 1:  # replicate, pre_norm_lane_agg: norm of the lane sum (shared weight)
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xs = _lane_sum_chunk(h_ptr, offs_k, offs_k < D, L, D, BLOCK_L)
-            ss += xs * xs
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / D + eps)
+        rstd = _prenorm_rstd(h_ptr, S, L, D, eps, BLOCK_S, BLOCK_K)  # (BLOCK_S,)
         for k0 in range(0, D, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < D
-            xs = _lane_sum_chunk(h_ptr, offs_k, mask_k, L, D, BLOCK_L)
+            xs = _lane_sum_chunk(h_ptr, offs_s, offs_k, mask_k, S, L, D, BLOCK_S, BLOCK_K)
             nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            xn = round_as(xs * rstd * nw, h_ptr)
+            xn = round_as(xs * rstd[:, None] * nw[None, :], h_ptr)
             w = tl.load(w_ptr + offs_v[:, None] * D + offs_k[None, :],
                         mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-            acc += w.to(tl.float32) * xn[None, :]
+            acc += w.to(tl.float32)[None, :, :] * xn[:, None, :]
     else:  # lane (all lanes, W row = L*D wide) or vocab_parallel (one lane, its own W slice)
         if MODE == 2:
             lane_lo = 0
@@ -98,75 +122,79 @@ def head_logits(
             row_len = D
             w_base = w_ptr + lane * VL * D
         for src in range(lane_lo, lane_hi):
-            x_row = h_ptr + src * D
-            rstd = rms_rstd(x_row, D, eps, BLOCK_K)
+            x_row = h_ptr + src * D  # token s: x_row + s * L * D
+            rstd = rms_rstd_rows(x_row, L * D, S, D, eps, BLOCK_S, BLOCK_K)
             col0 = (src - lane_lo) * D  # this lane's columns inside the W row
             for k0 in range(0, D, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mask_k = offs_k < D
-                x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                nw = tl.load(nw_ptr + src * stride_nwl + offs_k, mask=mask_k, other=0.0)
-                xn = round_as(x * rstd * nw.to(tl.float32), h_ptr)
+                xn = normed_rows(x_row, L * D, S, nw_ptr + src * stride_nwl, offs_k, mask_k,
+                                 rstd, True, BLOCK_S)  # fmt: skip
                 w = tl.load(w_base + offs_v[:, None] * row_len + col0 + offs_k[None, :],
                             mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-                acc += w.to(tl.float32) * xn[None, :]
-    return tl.sum(acc, 1)
+                acc += w.to(tl.float32)[None, :, :] * xn[:, None, :]
+    return tl.sum(acc, 2)
 
 
 @triton.jit
 def head_logits_kernel(
-    h_ptr, nw_ptr, w_ptr, logits_ptr, L, D, VL, eps, stride_nwl,
-    MODE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    h_ptr, nw_ptr, w_ptr, logits_ptr, S, L, D, VL, V, eps, stride_nwl,
+    MODE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     lane = tl.program_id(0)  # vocab_parallel only; grid axis 0 is 1 otherwise
     pid_v = tl.program_id(1)
     pdl_prologue(USE_PDL)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < VL
-    logits = head_logits(h_ptr, nw_ptr, w_ptr, L, D, VL, eps, stride_nwl, lane, offs_v, mask_v,
-                         MODE, BLOCK_V, BLOCK_K, BLOCK_L)  # fmt: skip
-    tl.store(logits_ptr + lane * VL + offs_v, logits, mask=mask_v)
+    logits = head_logits(h_ptr, nw_ptr, w_ptr, S, L, D, VL, eps, stride_nwl, lane, offs_v,
+                         mask_v, MODE, BLOCK_S, BLOCK_V, BLOCK_K, BLOCK_L)  # fmt: skip
+    offs_s = tl.arange(0, BLOCK_S)
+    dst = logits_ptr + offs_s[:, None] * V + lane * VL + offs_v[None, :]
+    tl.store(dst, logits, mask=(offs_s[:, None] < S) & mask_v[None, :])
 
 
 @triton.jit
 def head_argmax_kernel(
-    h_ptr, nw_ptr, w_ptr, part_val_ptr, part_idx_ptr, L, D, VL, eps, stride_nwl,
-    MODE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    h_ptr, nw_ptr, w_ptr, part_val_ptr, part_idx_ptr, S, L, D, VL, eps, stride_nwl,
+    MODE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     lane = tl.program_id(0)
     pid_v = tl.program_id(1)
     pdl_prologue(USE_PDL)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < VL
-    logits = head_logits(h_ptr, nw_ptr, w_ptr, L, D, VL, eps, stride_nwl, lane, offs_v, mask_v,
-                         MODE, BLOCK_V, BLOCK_K, BLOCK_L)  # fmt: skip
-    logits = tl.where(mask_v, logits, float("-inf"))
-    best = tl.argmax(logits, 0, tie_break_left=True)  # first index of the block's max
-    part = lane * tl.num_programs(1) + pid_v
-    tl.store(part_val_ptr + part, tl.max(logits, 0))
-    tl.store(part_idx_ptr + part, lane * VL + pid_v * BLOCK_V + best)
+    logits = head_logits(h_ptr, nw_ptr, w_ptr, S, L, D, VL, eps, stride_nwl, lane, offs_v,
+                         mask_v, MODE, BLOCK_S, BLOCK_V, BLOCK_K, BLOCK_L)  # fmt: skip
+    logits = tl.where(mask_v[None, :], logits, float("-inf"))  # (BLOCK_S, BLOCK_V)
+    best = tl.argmax(logits, 1, tie_break_left=True)  # first index of each token's block max
+    n_parts = tl.num_programs(0) * tl.num_programs(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    part = offs_s * n_parts + lane * tl.num_programs(1) + pid_v  # (S, n_parts) partials
+    mask_s = offs_s < S
+    tl.store(part_val_ptr + part, tl.max(logits, 1), mask=mask_s)
+    tl.store(part_idx_ptr + part, lane * VL + pid_v * BLOCK_V + best, mask=mask_s)
 
 
 @triton.jit
 def argmax_combine_kernel(part_val_ptr, part_idx_ptr, token_ptr, n_parts, BLOCK: tl.constexpr,
                           USE_PDL: tl.constexpr):  # fmt: skip
+    tok = tl.program_id(0)
     pdl_prologue(USE_PDL)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_parts
-    val = tl.load(part_val_ptr + offs, mask=mask, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + offs, mask=mask, other=0)
+    val = tl.load(part_val_ptr + tok * n_parts + offs, mask=mask, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + tok * n_parts + offs, mask=mask, other=0)
     best = tl.max(val, 0)
     # Lowest global index among the blocks holding the max (blocks are not in index order).
     big = tl.full([BLOCK], 2**62, dtype=tl.int64)
-    tl.store(token_ptr, tl.min(tl.where(mask & (val == best), idx, big), 0))
+    tl.store(token_ptr + tok, tl.min(tl.where(mask & (val == best), idx, big), 0))
 
 
 def _prepare(h, norm_weight, w, head_type, pre_norm_lane_agg):
     """Checks shapes, returns (mode, lanes in grid, rows per lane VL, stride_nwl, V)."""
-    assert h.dim() == 2 and h.is_contiguous(), f"h: expected contiguous (L, D), got {h.shape}"
-    L, D = h.shape
+    L, D = h.shape[-2:]
     assert w.is_contiguous() and w.dtype == h.dtype, f"head weight: contiguous {h.dtype}"
     stride_nwl = assert_norm_weight(norm_weight, L, D, "norm_weight")
     if head_type == "replicate":
@@ -187,18 +215,26 @@ def _prepare(h, norm_weight, w, head_type, pre_norm_lane_agg):
 
 
 def _blocks(h: torch.Tensor, vl: int, lanes: int) -> tuple[int, int]:
+    """(BLOCK_V, BLOCK_K): the default below, or the GPU's tuning table (one choice for the
+    logits and the argmax kernels, so greedy and sampling see the same bits)."""
+    D = h.shape[-1]
     if num_sms(h) == 0:
-        return min(triton.next_power_of_2(vl), 64), min(triton.next_power_of_2(h.shape[1]), 512)
-    block_v = 32  # shrink until ~4 programs per SM
-    while block_v > 8 and lanes * triton.cdiv(vl, block_v) < 4 * num_sms(h):
-        block_v //= 2
-    # (BLOCK_V, BLOCK_K) fp32 accumulator <= 4096 elements (see gemv.tile_sizes): an sm_90 build
-    # of a 32 x 256 tile needs 153-158 registers (3 CTAs per SM) where 32 x 128 needs 80-91 (5-6).
-    return block_v, min(triton.next_power_of_2(h.shape[1]), 4096 // block_v)
+        default = {"BLOCK_V": min(triton.next_power_of_2(vl), 64),
+                   "BLOCK_K": min(triton.next_power_of_2(D), 512)}  # fmt: skip
+    else:
+        block_v = 32  # shrink until ~4 programs per SM
+        while block_v > 8 and lanes * triton.cdiv(vl, block_v) < 4 * num_sms(h):
+            block_v //= 2
+        # (BLOCK_V, BLOCK_K) fp32 accumulator <= 4096 elements (see gemv.tile_sizes): an sm_90
+        # build of a 32 x 256 tile needs 153-158 registers (3 CTAs per SM) where 32 x 128 needs
+        # 80-91 (5-6).
+        default = {"BLOCK_V": block_v, "BLOCK_K": min(triton.next_power_of_2(D), 4096 // block_v)}
+    cfg = tuning.choose("lm_head", h, tuning.shape_key(L=lanes, V=vl, D=D), default)
+    return fit_rows(h, cfg["BLOCK_V"], cfg["BLOCK_K"], h.shape[0]), cfg["BLOCK_K"]
 
 
 def lm_head_logits(
-    h: torch.Tensor,  # (L, D) final residual stream
+    h: torch.Tensor,  # (L, D) or (S, L, D) final residual stream
     norm_weight: torch.Tensor,  # (D,) or (L, D) final norm
     w: torch.Tensor,  # (V, D) replicate, (V, L*D) lane, (L, V/L, D) vocab_parallel
     *,
@@ -206,16 +242,18 @@ def lm_head_logits(
     eps: float = 1e-5,
     pre_norm_lane_agg: bool = False,
 ) -> torch.Tensor:
-    """fp32 logits (V,); vocab_parallel concatenates the lanes' slices in lane order."""
-    mode, lanes, vl, stride_nwl, V = _prepare(h, norm_weight, w, head_type, pre_norm_lane_agg)
-    block_v, block_k = _blocks(h, vl, lanes)
-    logits = torch.empty((V,), device=h.device, dtype=torch.float32)
+    """fp32 logits (V,) or (S, V); vocab_parallel concatenates the lanes' slices in lane order."""
+    hs, axis = tokens_of(h, "h")
+    S, L, D = hs.shape
+    mode, lanes, vl, stride_nwl, V = _prepare(hs, norm_weight, w, head_type, pre_norm_lane_agg)
+    block_v, block_k = _blocks(hs, vl, lanes)
+    logits = torch.empty((S, V), device=h.device, dtype=torch.float32)
     head_logits_kernel[(lanes, triton.cdiv(vl, block_v))](
-        h, norm_weight, w, logits, h.shape[0], h.shape[1], vl, eps, stride_nwl,
-        MODE=mode, BLOCK_V=block_v, BLOCK_K=block_k,
-        BLOCK_L=triton.next_power_of_2(h.shape[0]), **launch_kwargs(h),
+        hs, norm_weight, w, logits, S, L, D, vl, V, eps, stride_nwl,
+        MODE=mode, BLOCK_S=block_s(S), BLOCK_V=block_v, BLOCK_K=block_k,
+        BLOCK_L=triton.next_power_of_2(L), **launch_kwargs(h),
     )  # fmt: skip
-    return logits
+    return logits if axis else logits[0]
 
 
 def lm_head_argmax(
@@ -227,21 +265,24 @@ def lm_head_argmax(
     eps: float = 1e-5,
     pre_norm_lane_agg: bool = False,
 ) -> torch.Tensor:
-    """Greedy token (1,) int64; ties go to the lowest index (torch.argmax's rule)."""
-    mode, lanes, vl, stride_nwl, V = _prepare(h, norm_weight, w, head_type, pre_norm_lane_agg)
-    block_v, block_k = _blocks(h, vl, lanes)
+    """Greedy token of each row: (1,) int64 for h (L, D), (S,) for h (S, L, D); ties go to the
+    lowest index (torch.argmax's rule)."""
+    hs, _ = tokens_of(h, "h")
+    S, L, D = hs.shape
+    mode, lanes, vl, stride_nwl, V = _prepare(hs, norm_weight, w, head_type, pre_norm_lane_agg)
+    block_v, block_k = _blocks(hs, vl, lanes)
     grid = (lanes, triton.cdiv(vl, block_v))
     n_parts = grid[0] * grid[1]
-    part_val = torch.empty((n_parts,), device=h.device, dtype=torch.float32)
-    part_idx = torch.empty((n_parts,), device=h.device, dtype=torch.int64)
-    token = torch.empty((1,), device=h.device, dtype=torch.int64)
+    part_val = torch.empty((S, n_parts), device=h.device, dtype=torch.float32)
+    part_idx = torch.empty((S, n_parts), device=h.device, dtype=torch.int64)
+    token = torch.empty((S,), device=h.device, dtype=torch.int64)
     opts = launch_kwargs(h)
     head_argmax_kernel[grid](
-        h, norm_weight, w, part_val, part_idx, h.shape[0], h.shape[1], vl, eps, stride_nwl,
-        MODE=mode, BLOCK_V=block_v, BLOCK_K=block_k,
-        BLOCK_L=triton.next_power_of_2(h.shape[0]), **opts,
+        hs, norm_weight, w, part_val, part_idx, S, L, D, vl, eps, stride_nwl,
+        MODE=mode, BLOCK_S=block_s(S), BLOCK_V=block_v, BLOCK_K=block_k,
+        BLOCK_L=triton.next_power_of_2(L), **opts,
     )  # fmt: skip
-    argmax_combine_kernel[(1,)](
+    argmax_combine_kernel[(S,)](
         part_val, part_idx, token, n_parts, BLOCK=triton.next_power_of_2(n_parts), **opts
     )
     return token

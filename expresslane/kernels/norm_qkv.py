@@ -1,9 +1,11 @@
 """Attention prologue in one kernel: RMSNorm -> Q/K/V projection -> RoPE -> KV-cache write.
 
-For one token, lane l computes xn = attention_norm(h[l]) and q/k/v = wq/wk/wv[l] @ xn, rotates
-q and k by the position's RoPE angles, and appends k and v to the cache. Unfused that is a norm
-kernel, three GEMVs, two RoPE kernels and two cache copies; here it is one pass over wq, wk, wv
-(the only bytes that matter: L*(Hq + 2*Hkv)*hd*D weights) with a tiny prologue.
+For S <= 8 consecutive tokens of one sequence (token s at position + s), lane l computes
+xn = attention_norm(h[l]) and q/k/v = wq/wk/wv[l] @ xn, rotates q and k by the position's RoPE
+angles, and appends k and v to the cache. Each weight tile is read once for all S tokens, and
+each token's row is accumulated in the same order whatever S is (batch invariance). Unfused that
+is a norm kernel, three GEMVs, two RoPE kernels and two cache copies; here it is one pass over
+wq, wk, wv (the only bytes that matter: L*(Hq + 2*Hkv)*hd*D weights) with a tiny prologue.
 
 Work split. RoPE rotates pairs of rows of the same head: interleaved (Laneformer, Meta) pairs
 (2i, 2i+1), half (Llama, HF) pairs (i, i + hd/2). A program therefore owns BLOCK_P pairs of one
@@ -21,35 +23,42 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .gemv import (
     assert_lane_weight,
     assert_norm_weight,
+    block_s,
     cast_as,
+    first_tile,
+    fit_rows,
     launch_kwargs,
-    normed_chunk,
     num_sms,
-    pdl_prologue,
-    rms_rstd,
+    pdl_wait,
+    rms_rstd_rows,
     round_as,
+    stream_pair,
+    tokens_of,
 )
 
 
 @triton.jit
 def norm_qkv_kernel(
     # Pointers
-    x_ptr,  # (L, D) hidden state
+    x_ptr,  # (S, L, D) hidden states of S consecutive tokens
     nw_ptr,  # (D,) or (L, D) attention_norm weight
     wq_ptr,  # (L, QL, D), QL = Hq*hd/L
     wk_ptr,  # (L, KL, D), KL = Hkv*hd/L
     wv_ptr,  # (L, KL, D)
     cos_ptr,  # (max_pos, hd/2) fp32
     sin_ptr,  # (max_pos, hd/2) fp32
-    position_ptr,  # (1,) int64
-    q_ptr,  # (Hq, hd) output
+    position_ptr,  # (1,) int64, position of token 0; token s is at position + s
+    q_ptr,  # (S, Hq, hd) output
     k_cache_ptr,  # (cap, Hkv, hd)
     v_cache_ptr,  # (cap, Hkv, hd)
     pos_cache_ptr,  # (cap,) int64
     # Sizes
+    S,
+    L,
     D,
     cap,
     eps,
@@ -60,8 +69,10 @@ def norm_qkv_kernel(
     # Meta-parameters
     HEAD_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     lane = tl.program_id(0)
@@ -70,23 +81,17 @@ def norm_qkv_kernel(
     BLOCKS_PER_HEAD: tl.constexpr = HALF // BLOCK_P
     n_q = HQ_LANE * BLOCKS_PER_HEAD  # pair blocks of q in this lane
     n_k = HKV_LANE * BLOCKS_PER_HEAD  # ... of k, and as many of v
-    pdl_prologue(USE_PDL)
-    pos = tl.load(position_ptr)
-    slot = pos % cap  # full layers: cap = max_len so slot = pos; sliding layers: a ring
 
-    # Which projection this program computes, and where its result goes.
+    # Which projection this program computes (its weights need nothing from earlier kernels).
     if blk < n_q:
         hb = blk
         w_lane = wq_ptr + lane * HQ_LANE * HEAD_DIM * D
-        out_base = q_ptr + lane * HQ_LANE * HEAD_DIM  # (Hq, hd): lane l owns heads l*Hq/L ...
     elif blk < n_q + n_k:
         hb = blk - n_q
         w_lane = wk_ptr + lane * HKV_LANE * HEAD_DIM * D
-        out_base = k_cache_ptr + slot * N_KV * HEAD_DIM + lane * HKV_LANE * HEAD_DIM
     else:
         hb = blk - n_q - n_k
         w_lane = wv_ptr + lane * HKV_LANE * HEAD_DIM * D
-        out_base = v_cache_ptr + slot * N_KV * HEAD_DIM + lane * HKV_LANE * HEAD_DIM
     head = hb // BLOCKS_PER_HEAD
     offs_i = (hb % BLOCKS_PER_HEAD) * BLOCK_P + tl.arange(0, BLOCK_P)  # pair index in the head
     if INTERLEAVED:
@@ -97,35 +102,59 @@ def norm_qkv_kernel(
         r1 = offs_i + HALF
     w0_rows = w_lane + (head * HEAD_DIM + r0)[:, None] * D  # (BLOCK_P, 1)
     w1_rows = w_lane + (head * HEAD_DIM + r1)[:, None] * D
+    all_p = offs_i >= 0
+    w0 = first_tile(w0_rows, all_p, 0, D, BLOCK_K)
+    w1 = first_tile(w1_rows, all_p, 0, D, BLOCK_K)
+    pdl_wait(USE_PDL)
 
-    x_row = x_ptr + lane * D
-    rstd = rms_rstd(x_row, D, eps, BLOCK_K)
-    acc0 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < D
-        xn = normed_chunk(x_row, nw_ptr + lane * stride_nwl, offs_k, mask_k, rstd, True)
-        w0 = tl.load(w0_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
-        w1 = tl.load(w1_rows + offs_k[None, :], mask=mask_k[None, :], other=0.0)
-        acc0 += w0.to(tl.float32) * xn[None, :]
-        acc1 += w1.to(tl.float32) * xn[None, :]
-    a0 = round_as(tl.sum(acc0, 1), x_ptr)  # the projection output, rounded like the reference
-    a1 = round_as(tl.sum(acc1, 1), x_ptr)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < S
+    pos0 = tl.load(position_ptr)
+    pos = pos0 + offs_s  # (BLOCK_S,) token positions
+    slot = pos % cap  # full layers: cap = max_len so slot = pos; sliding layers: a ring
+    x_row = x_ptr + lane * D  # token s: x_row + s * L * D
+    nw = nw_ptr + lane * stride_nwl
+    rstd = rms_rstd_rows(x_row, L * D, S, D, eps, BLOCK_S, BLOCK_K)
+    a0, a1 = stream_pair(
+        w0_rows,
+        w1_rows,
+        all_p,
+        w0,
+        w1,
+        x_row,
+        L * D,
+        S,
+        nw,
+        rstd,
+        D,
+        BLOCK_S,
+        BLOCK_P,
+        BLOCK_K,
+        PREFETCH,
+    )  # one weight read for every token
+    a0 = round_as(a0, x_ptr)  # (BLOCK_S, BLOCK_P), rounded like the reference
+    a1 = round_as(a1, x_ptr)
 
     # RoPE in fp32; v programs rotate by angle 0 (cos 1, sin 0) instead of branching.
     rotate = blk < n_q + n_k
-    c = tl.load(cos_ptr + pos * HALF + offs_i)
-    s = tl.load(sin_ptr + pos * HALF + offs_i)
+    angle = pos[:, None] * HALF + offs_i[None, :]  # (BLOCK_S, BLOCK_P)
+    c = tl.load(cos_ptr + angle, mask=mask_s[:, None], other=1.0)
+    s = tl.load(sin_ptr + angle, mask=mask_s[:, None], other=0.0)
     c = tl.where(rotate, c, 1.0)
     s = tl.where(rotate, s, 0.0)
     o0 = a0 * c - a1 * s
     o1 = a0 * s + a1 * c
-    dst = out_base + head * HEAD_DIM
-    tl.store(dst + r0, cast_as(o0, dst))
-    tl.store(dst + r1, cast_as(o1, dst))
-    if (lane == 0) & (blk == n_q):  # exactly one program records the slot's position
-        tl.store(pos_cache_ptr + slot, pos)
+    if blk < n_q:  # (S, Hq, hd): lane l owns heads l*Hq/L ...
+        row = q_ptr + offs_s * (HQ_LANE * L * HEAD_DIM) + lane * HQ_LANE * HEAD_DIM
+    elif blk < n_q + n_k:
+        row = k_cache_ptr + slot * N_KV * HEAD_DIM + lane * HKV_LANE * HEAD_DIM
+    else:
+        row = v_cache_ptr + slot * N_KV * HEAD_DIM + lane * HKV_LANE * HEAD_DIM
+    dst = row[:, None] + head * HEAD_DIM  # (BLOCK_S, 1)
+    tl.store(dst + r0[None, :], cast_as(o0, q_ptr), mask=mask_s[:, None])
+    tl.store(dst + r1[None, :], cast_as(o1, q_ptr), mask=mask_s[:, None])
+    if (lane == 0) & (blk == n_q):  # exactly one program records the slots' positions
+        tl.store(pos_cache_ptr + slot, pos, mask=mask_s)
 
 
 def _pick_block_p(x: torch.Tensor, half: int) -> int:
@@ -142,14 +171,14 @@ def _pick_block_p(x: torch.Tensor, half: int) -> int:
 
 
 def norm_qkv(
-    x: torch.Tensor,  # (L, D) residual stream, before attention_norm
+    x: torch.Tensor,  # (L, D) or (S, L, D) residual stream, before attention_norm
     norm_weight: torch.Tensor,  # (D,) or (L, D)
     wq: torch.Tensor,  # (L, Hq*hd/L, D)
     wk: torch.Tensor,  # (L, Hkv*hd/L, D)
     wv: torch.Tensor,  # (L, Hkv*hd/L, D)
     cos: torch.Tensor,  # (max_pos, hd/2) fp32
     sin: torch.Tensor,  # (max_pos, hd/2) fp32
-    position: torch.Tensor,  # (1,) int64, absolute position of this token
+    position: torch.Tensor,  # (1,) int64, absolute position of token 0 (token s: position + s)
     k_cache: torch.Tensor,  # (cap, Hkv, hd), written at slot position % cap
     v_cache: torch.Tensor,  # (cap, Hkv, hd)
     pos_cache: torch.Tensor,  # (cap,) int64, absolute position held by each slot, -1 = empty
@@ -158,13 +187,14 @@ def norm_qkv(
     rope_style: str = "interleaved",
     block_p: int | None = None,
 ) -> torch.Tensor:
-    """Returns q (Hq, hd) after RoPE; writes k (after RoPE), v and the position into the cache.
+    """Returns q (Hq, hd) or (S, Hq, hd) after RoPE; writes k (after RoPE), v and the positions
+    of the S tokens into the cache.
 
     The position stays on the device (no sync, CUDA-graph safe), so two things are not checked:
-    position < cos.shape[0], and, on a full-attention layer, position < cap.
+    position + S <= cos.shape[0], and, on a full-attention layer, position + S <= cap.
     """
-    assert x.dim() == 2 and x.is_contiguous(), f"x: expected contiguous (L, D), got {x.shape}"
-    L, D = x.shape
+    xs, axis = tokens_of(x)
+    S, L, D = xs.shape
     dt = x.dtype
     cap, n_kv, hd = k_cache.shape
     assert hd % 2 == 0, f"head_dim={hd} must be even for RoPE"
@@ -189,15 +219,24 @@ def norm_qkv(
         assert t.dtype == torch.float32 and t.is_contiguous(), f"{name}: contiguous fp32"
 
     half = hd // 2
-    block_p = block_p or _pick_block_p(x, half)
-    assert half % block_p == 0, f"block_p={block_p} must divide head_dim/2={half}"
-    block_k = min(triton.next_power_of_2(D), 256 if num_sms(x) else 512)
-    q = torch.empty((hq_lane * L, hd), device=x.device, dtype=dt)
-    grid = (L, (hq_lane + 2 * hkv_lane) * (half // block_p))
+    default = {
+        "BLOCK_P": _pick_block_p(x, half),
+        "BLOCK_K": min(triton.next_power_of_2(D), 256 if num_sms(x) else 512),
+        "PREFETCH": 0,
+    }
+    key = tuning.shape_key(L=L, Q=hq_lane, K=hkv_lane, HD=hd, D=D)
+    cfg = tuning.choose("norm_qkv", x, key, default)
+    if block_p:
+        cfg["BLOCK_P"] = block_p
+    cfg["BLOCK_P"] = fit_rows(x, cfg["BLOCK_P"], cfg["BLOCK_K"], S, 2)
+    consts, opts = tuning.split(cfg)
+    assert half % consts["BLOCK_P"] == 0, f"block_p={consts['BLOCK_P']} must divide hd/2={half}"
+    q = torch.empty((S, hq_lane * L, hd), device=x.device, dtype=dt)
+    grid = (L, (hq_lane + 2 * hkv_lane) * (half // consts["BLOCK_P"]))
     norm_qkv_kernel[grid](
-        x, norm_weight, wq, wk, wv, cos, sin, position, q, k_cache, v_cache, pos_cache,
-        D, cap, eps, stride_nwl, hq_lane, hkv_lane, n_kv,
-        HEAD_DIM=hd, INTERLEAVED=rope_style == "interleaved", BLOCK_P=block_p, BLOCK_K=block_k,
-        **launch_kwargs(x),
+        xs, norm_weight, wq, wk, wv, cos, sin, position, q, k_cache, v_cache, pos_cache,
+        S, L, D, cap, eps, stride_nwl, hq_lane, hkv_lane, n_kv,
+        HEAD_DIM=hd, INTERLEAVED=rope_style == "interleaved", BLOCK_S=block_s(S), **consts,
+        **opts, **launch_kwargs(x),
     )  # fmt: skip
-    return q
+    return q if axis else q[0]

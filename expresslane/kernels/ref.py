@@ -2,7 +2,10 @@
 
 Each function here is the oracle its Triton twin is tested against, and the path the engine
 takes off CUDA (see `use_triton`). Shapes are for batch 1 and one decode token:
-L lanes, D hidden, hd head_dim, Hq / Hkv query / KV heads, cap cache slots, V vocab.
+L lanes, D hidden, hd head_dim, Hq / Hkv query / KV heads, cap cache slots, V vocab. Every
+function also takes S consecutive tokens of one sequence (a leading token axis, token s at
+position + s) and then is, by definition, the one-token function applied token by token in
+order: the kernels must give each token's row the same bits as a launch of that token alone.
 
 Numerics (what the kernels reproduce, rounding point for rounding point):
 - RMSNorm in fp32: y = x * rsqrt(mean(x^2) + eps) * w, rounded once to x.dtype. (The HF
@@ -72,7 +75,14 @@ def norm_qkv(
     rope_style: str = "interleaved",
     block_p: int | None = None,
 ) -> torch.Tensor:
-    """Returns q (Hq, hd) after RoPE; writes k (after RoPE), v and the position into the cache."""
+    """Returns q (Hq, hd) after RoPE; writes k (after RoPE), v and the position into the cache.
+    x (S, L, D): token s at position + s, q (S, Hq, hd)."""
+    if x.dim() == 3:
+        return torch.stack([
+            norm_qkv(x[s], norm_weight, wq, wk, wv, cos, sin, position + s, k_cache, v_cache,
+                     pos_cache, eps=eps, rope_style=rope_style)
+            for s in range(x.shape[0])
+        ])  # fmt: skip
     hd = k_cache.shape[2]
     xn = rms_norm(x, norm_weight, eps)  # (L, D)
     q = lane_matmul(wq, xn).reshape(-1, hd)  # (Hq, hd): lane l owns heads l*Hq/L ...
@@ -99,7 +109,13 @@ def decode_attention(
     window: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hd)) v over the valid slots, GQA head h -> KV head h // (Hq/Hkv)."""
+    """softmax(q k^T / sqrt(hd)) v over the valid slots, GQA head h -> KV head h // (Hq/Hkv).
+    q (S, Hq, hd): token s at position + s sees the slots of positions <= position + s."""
+    if q.dim() == 3:
+        return torch.stack([
+            decode_attention(q[s], k_cache, v_cache, pos_cache, position + s, window=window)
+            for s in range(q.shape[0])
+        ])  # fmt: skip
     cap, n_kv, hd = k_cache.shape
     n_q = q.shape[0]
     valid = (pos_cache >= 0) & (pos_cache <= position)  # (cap,) empty slots and the future
@@ -123,7 +139,12 @@ def gemv_reduce(
     mode: str,
     split_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (new h (L, D), fresh partial y (L, D)), y_l = w[l] @ a[l] (laneformer.md 5.2)."""
+    """Returns (new h (L, D), fresh partial y (L, D)), y_l = w[l] @ a[l] (laneformer.md 5.2).
+    With a token axis every argument but w is (S, ...), and so are both results."""
+    if a.dim() == 3:
+        outs = [gemv_reduce(a[s], w, residual[s], None if past is None else past[s], mode=mode)
+                for s in range(a.shape[0])]  # fmt: skip
+        return torch.stack([h for h, _ in outs]), torch.stack([y for _, y in outs])
     dt = residual.dtype
     y = lane_matmul(w, a)  # (L, D), read L*D*K
     n_lanes = y.shape[0]
@@ -153,7 +174,9 @@ def norm_swiglu(
     *,
     eps: float = 1e-5,
 ) -> torch.Tensor:
-    """silu(w1[l] @ norm(x)[l]) * (w3[l] @ norm(x)[l]) -> (L, F/L)."""
+    """silu(w1[l] @ norm(x)[l]) * (w3[l] @ norm(x)[l]) -> (L, F/L), or (S, L, F/L)."""
+    if x.dim() == 3:
+        return torch.stack([norm_swiglu(xs, norm_weight, w1, w3, eps=eps) for xs in x])
     xn = rms_norm(x, norm_weight, eps)
     return F.silu(lane_matmul(w1, xn)) * lane_matmul(w3, xn)  # read 2*L*(F/L)*D
 
@@ -189,7 +212,14 @@ def lm_head_logits(
     eps: float = 1e-5,
     pre_norm_lane_agg: bool = False,
 ) -> torch.Tensor:
-    """fp32 logits (V,); vocab_parallel concatenates the lanes' slices in lane order."""
+    """fp32 logits (V,), or (S, V) for h (S, L, D); vocab_parallel concatenates the lanes'
+    slices in lane order."""
+    if h.dim() == 3:
+        return torch.stack([
+            lm_head_logits(hs, norm_weight, w, head_type=head_type, eps=eps,
+                           pre_norm_lane_agg=pre_norm_lane_agg)
+            for hs in h
+        ])  # fmt: skip
     x = _head_input(h, norm_weight, head_type, eps, pre_norm_lane_agg)
     if head_type == "vocab_parallel":
         return torch.cat([_matvec_fp32(w[lane], x[lane]) for lane in range(w.shape[0])])
@@ -205,11 +235,12 @@ def lm_head_argmax(
     eps: float = 1e-5,
     pre_norm_lane_agg: bool = False,
 ) -> torch.Tensor:
-    """Greedy token (1,) int64; ties go to the lowest index (torch.argmax's rule)."""
+    """Greedy token (1,) int64, or (S,) for h (S, L, D); ties go to the lowest index
+    (torch.argmax's rule)."""
     logits = lm_head_logits(
         h, norm_weight, w, head_type=head_type, eps=eps, pre_norm_lane_agg=pre_norm_lane_agg
     )
-    return torch.argmax(logits).reshape(1)
+    return torch.argmax(logits, -1).reshape(-1)
 
 
 # --- 6. plain lane-major GEMV -----------------------------------------------------------------
@@ -221,7 +252,7 @@ def lane_gemv(
     eps: float = 1e-5,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """(L, O) = w[l] @ (norm(x[l]) or x[l])."""
+    """(L, O) = w[l] @ (norm(x[l]) or x[l]); x (S, L, K) -> (S, L, O)."""
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     return lane_matmul(w, x)

@@ -1,7 +1,8 @@
 """MLP prologue in one kernel: RMSNorm -> gate (w1) and up (w3) projections -> SiLU(gate) * up.
 
-Per lane l and one token: xn = ffn_norm(h[l]), out[l] = silu(w1[l] @ xn) * (w3[l] @ xn), an
-(L, F/L) activation that feeds the down projection (gemv_reduce.py). w1 and w3 are 2/3 of the MLP
+Per lane l and each of S <= 8 tokens (one weight read for all of them, each token's row reduced
+in the same order whatever S is): xn = ffn_norm(h[l]), out[l] = silu(w1[l] @ xn) * (w3[l] @ xn),
+an (L, F/L) activation that feeds the down projection (gemv_reduce.py). w1 and w3 are 2/3 of the MLP
 bytes, half of all weights of Laneformer-2B, so this is the kernel that most needs to stream at
 full bandwidth.
 
@@ -18,73 +19,94 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .gemv import (
     assert_lane_weight,
     assert_norm_weight,
+    block_s,
     cast_as,
+    first_tile,
+    gemv_config,
     launch_kwargs,
-    normed_chunk,
-    pdl_prologue,
-    rms_rstd,
+    pdl_wait,
+    rms_rstd_rows,
     round_as,
-    tile_sizes,
+    stream_pair,
+    tokens_of,
 )
 
 
 @triton.jit
 def norm_swiglu_kernel(
     # Pointers
-    x_ptr,  # (L, D) hidden state
+    x_ptr,  # (S, L, D) hidden states
     nw_ptr,  # (D,) or (L, D) ffn_norm weight
     w1_ptr,  # (L, FL, D) gate
     w3_ptr,  # (L, FL, D) up
-    out_ptr,  # (L, FL)
+    out_ptr,  # (S, L, FL)
     # Sizes
+    S,
+    L,
     D,
     FL,
     eps,
     stride_nwl,
     # Meta-parameters
+    BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     lane = tl.program_id(0)
     pid_o = tl.program_id(1)
-    pdl_prologue(USE_PDL)
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < FL
-    rows = lane * FL * D + offs_o[:, None] * D  # (BLOCK_O, 1) element offsets of the rows
-    x_row = x_ptr + lane * D
-    rstd = rms_rstd(x_row, D, eps, BLOCK_K)
-    acc_g = tl.zeros([BLOCK_O, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_O, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < D
-        xn = normed_chunk(x_row, nw_ptr + lane * stride_nwl, offs_k, mask_k, rstd, True)
-        m = mask_o[:, None] & mask_k[None, :]
-        g = tl.load(w1_ptr + rows + offs_k[None, :], mask=m, other=0.0)
-        u = tl.load(w3_ptr + rows + offs_k[None, :], mask=m, other=0.0)
-        acc_g += g.to(tl.float32) * xn[None, :]
-        acc_u += u.to(tl.float32) * xn[None, :]
-    gate = round_as(tl.sum(acc_g, 1), out_ptr)
-    up = round_as(tl.sum(acc_u, 1), out_ptr)
+    g_rows = w1_ptr + lane * FL * D + offs_o[:, None] * D  # (BLOCK_O, 1) row starts
+    u_rows = w3_ptr + lane * FL * D + offs_o[:, None] * D
+    g = first_tile(g_rows, mask_o, 0, D, BLOCK_K)  # before the wait: weights are ready
+    u = first_tile(u_rows, mask_o, 0, D, BLOCK_K)
+    pdl_wait(USE_PDL)
+    x_row = x_ptr + lane * D  # token s: x_row + s * L * D
+    nw = nw_ptr + lane * stride_nwl
+    rstd = rms_rstd_rows(x_row, L * D, S, D, eps, BLOCK_S, BLOCK_K)
+    gate, up = stream_pair(
+        g_rows,
+        u_rows,
+        mask_o,
+        g,
+        u,
+        x_row,
+        L * D,
+        S,
+        nw,
+        rstd,
+        D,
+        BLOCK_S,
+        BLOCK_O,
+        BLOCK_K,
+        PREFETCH,
+    )  # one weight read for every token
+    gate = round_as(gate, out_ptr)  # (BLOCK_S, BLOCK_O)
+    up = round_as(up, out_ptr)
     act = round_as(gate * tl.sigmoid(gate), out_ptr)  # silu
-    tl.store(out_ptr + lane * FL + offs_o, cast_as(act * up, out_ptr), mask=mask_o)
+    offs_s = tl.arange(0, BLOCK_S)
+    dst = out_ptr + (offs_s[:, None] * L + lane) * FL + offs_o[None, :]
+    tl.store(dst, cast_as(act * up, out_ptr), mask=(offs_s[:, None] < S) & mask_o[None, :])
 
 
 def norm_swiglu(
-    x: torch.Tensor,  # (L, D) residual stream, before ffn_norm
+    x: torch.Tensor,  # (L, D) or (S, L, D) residual stream, before ffn_norm
     norm_weight: torch.Tensor,  # (D,) or (L, D)
     w1: torch.Tensor,  # (L, F/L, D) gate
     w3: torch.Tensor,  # (L, F/L, D) up
     *,
     eps: float = 1e-5,
+    block_o: int | None = None,
 ) -> torch.Tensor:
-    """silu(w1[l] @ norm(x)[l]) * (w3[l] @ norm(x)[l]) -> (L, F/L)."""
-    assert x.dim() == 2 and x.is_contiguous(), f"x: expected contiguous (L, D), got {x.shape}"
-    L, D = x.shape
+    """silu(w1[l] @ norm(x)[l]) * (w3[l] @ norm(x)[l]) -> (L, F/L) or (S, L, F/L)."""
+    xs, axis = tokens_of(x)
+    S, L, D = xs.shape
     stride_nwl = assert_norm_weight(norm_weight, L, D, "norm_weight")
     assert_lane_weight(w1, L, D, x.dtype, "w1")
     assert_lane_weight(w3, L, D, x.dtype, "w3")
@@ -92,10 +114,14 @@ def norm_swiglu(
     FL = w1.shape[1]
     # 8 rows of each matrix per program: the norm prologue re-reads x from L2 per program, and two
     # (BLOCK_O, BLOCK_K) accumulators must fit in registers. No split-K: SiLU needs full dots.
-    block_o, block_k, _ = tile_sizes(x, FL, D, L, min_rows=8, max_rows=8)
-    out = torch.empty((L, FL), device=x.device, dtype=x.dtype)
-    norm_swiglu_kernel[(L, triton.cdiv(FL, block_o))](
-        x, norm_weight, w1, w3, out, D, FL, eps, stride_nwl,
-        BLOCK_O=block_o, BLOCK_K=block_k, **launch_kwargs(x),
+    cfg = gemv_config(x, "norm_swiglu", FL, D, L, L, S, 2, min_rows=8, max_rows=8)
+    cfg.pop("SPLIT_K")
+    if block_o:
+        cfg["BLOCK_O"] = block_o
+    consts, opts = tuning.split(cfg)
+    out = torch.empty((S, L, FL), device=x.device, dtype=x.dtype)
+    norm_swiglu_kernel[(L, triton.cdiv(FL, consts["BLOCK_O"]))](
+        xs, norm_weight, w1, w3, out, S, L, D, FL, eps, stride_nwl,
+        BLOCK_S=block_s(S), **consts, **opts, **launch_kwargs(x),
     )  # fmt: skip
-    return out
+    return out if axis else out[0]

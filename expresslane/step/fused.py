@@ -1,11 +1,13 @@
-"""The decode step assembled from the fused kernels: one token through every layer and the head.
+"""The decode step assembled from the fused kernels: S <= 8 tokens through every layer and the head.
 
 Applied to a loaded model from outside (the model stays pure math): the layer weights are taken
 by reference, in the checkpoint's lane-major layout, and each layer runs as five kernels
 (kernels/decode_step.py). On CUDA with triton the Triton kernels run; elsewhere their
 plain-PyTorch twins from kernels/ref.py, so the same wiring is checked on any machine. The KV
 cache is the engine's static cache; positions live on the device only, so a CUDA graph can
-capture `next_token` whole.
+capture `next_token` (width 1) or `forward` (width k + 1, a speculative verify) whole. The
+kernels are batch-invariant: row j of `forward` is the bits of a decode step of token j, so
+greedy speculation on the GPU is plain greedy decoding exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from ..cache import KVCache
 from ..config import SamplingParams
-from ..kernels import decode_step, ref, use_triton
+from ..kernels import MAX_TOKENS, decode_step, ref, use_triton
 from ..model import Laneformer
 from ..rope import cos_sin
 from ..sampler import SamplerKnobs, sample
@@ -72,11 +74,14 @@ class FusedDecoder:
         self.cos, self.sin = cos_sin(model.inv_freq, positions)  # (max_len + slack, hd/2) fp32
         self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
 
-    def hidden(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """token (1, 1), position (1,) -> final residual stream (L, D); writes this step's KV."""
+    def hidden(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """tokens (S,) (any shape of S elements) at position (1,) onwards -> final residual
+        streams (S, L, D); writes their KV. Every kernel reads its weights once for the S tokens,
+        and row j is the bits a lone step of token j would give (batch-invariant kernels)."""
         cfg, cache = self.cfg, self.cache
         L, D = cfg.num_lanes, cfg.hidden_size
-        h = self.embed[token.view(1)].expand(L, D).contiguous()  # (L, D): lanes start equal
+        S = tokens.numel()
+        h = self.embed[tokens.view(S)].unsqueeze(1).expand(S, L, D).contiguous()  # (S, L, D)
         past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
         past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
         for i, w in enumerate(self.layers):
@@ -117,32 +122,40 @@ class FusedDecoder:
             pre_norm_lane_agg=self.cfg.pre_norm_lane_agg,
         )
 
-    def logits(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (V,) for the token at `position`."""
-        return self._head("lm_head_logits", self.hidden(token, position))
-
     def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """The `Step` (step/protocol.py): tokens (S,) from position (1,) -> fp32 logits (S, V).
-        Row by row through the one-token kernels, so each row is the bits of a decode step."""
-        tokens = tokens.view(-1)
-        rows = [self.logits(tokens[j : j + 1], position + j) for j in range(tokens.shape[0])]
-        return torch.stack(rows)
+        """The `Step`: tokens (S,), S <= MAX_TOKENS, from position (1,) -> fp32 logits (S, V).
+        One pass of every kernel for all S rows; row j equals a decode step of token j."""
+        S = tokens.numel()
+        if S > MAX_TOKENS:
+            raise ValueError(f"{S} tokens: the fused step takes at most {MAX_TOKENS}")
+        for w, k in zip(self.cache.windows, self.cache.k, strict=True):
+            # a ring overwrites the slot of position p + j - cap while token 0 still needs it
+            if w and k.shape[0] < min(w + S - 1, self.cache.max_len):
+                raise ValueError(
+                    f"{S} tokens need a KV cache with headroom >= {S - 1} on its sliding "
+                    f"layers (ring of {k.shape[0]} slots, window {w})"
+                )
+        return self._head("lm_head_logits", self.hidden(tokens, position))
+
+    def pick(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Greedy token after each of tokens (S,): (S,) int64, no logits materialised."""
+        return self._head("lm_head_argmax", self.hidden(tokens, position))
+
+    def logits(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (V,) for the one token at `position`."""
+        return self.forward(token, position)[0]
 
     def next_token(
         self,
-        token: torch.Tensor,
+        tokens: torch.Tensor,
         position: torch.Tensor,
         params: SamplingParams,
         generator: torch.Generator | None,
         knobs: SamplerKnobs | None = None,
     ) -> torch.Tensor:
-        """The token after the last of `token` (S,), a 0-d device tensor; greedy never
+        """The sampled token after the last of `tokens` (S,), a 0-d device tensor; greedy never
         materialises logits."""
-        token, S = token.view(-1), token.numel()
-        if S > 1:
-            self.forward(token[:-1], position)  # the earlier rows' keys and values
-            position = position + (S - 1)
-        h = self.hidden(token[-1:], position)
+        h = self.hidden(tokens, position)[-1:]  # (1, L, D): the rows before only wrote the KV
         if params.greedy:
             return self._head("lm_head_argmax", h).view(())
-        return sample(self._head("lm_head_logits", h), params, generator, knobs)
+        return sample(self._head("lm_head_logits", h)[0], params, generator, knobs)
