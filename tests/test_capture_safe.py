@@ -68,7 +68,7 @@ def test_decode_step_has_no_host_traffic(meta_model, monkeypatch, name, fused, w
     """The body a CUDA graph captures (DecodeGraph's eager twin): two decode steps a replay,
     or one verify of the last token and 3 drafts (acceptance on the device)."""
     monkeypatch.setattr(graph_mod, "make_generator", lambda params, dev: None)
-    cache = KVCache(meta_model.cfg, 64, device="meta")
+    cache = KVCache(meta_model.cfg, 64, device="meta", headroom=width - 1)  # rings: the drafts
     cache.static = True
     step = FusedDecoder(meta_model, cache, kernels=False) if fused else EagerStep(meta_model, cache)
     steps = 2 if width == 1 else 1
