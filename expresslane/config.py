@@ -317,6 +317,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the chosen token's plus the top n
+    grammar: Any = None  # a compiled grammar.Grammar: decoding is constrained to it
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,156 @@
+"""Constrained decoding in the engine: a request's tokens under its grammar (grammar.py).
+
+`constrained_steps` replaces the engine's pick and stream for a request with a grammar (the
+engine hands over after the prefill, so prefix reuse works as for any request). Per token:
+
+- the pick applies the grammar's mask from a static device buffer (`SamplerKnobs.token_mask`,
+  packed bits) in `sampler.sample`, so the pick stays capture-safe;
+- the host advances the matcher with the picked token and computes the next mask on a helper
+  thread while the forward runs (the forward never needs the mask; llguidance releases the GIL
+  while it computes it), then copies the mask into the buffer before the next pick;
+- jump-forward: the tokens the grammar forces (`Matcher.forced`, the only continuation) are
+  appended without sampling and go through the forward with the picked token, as one prefill
+  chunk of the cache;
+- with speculative decoding, prompt-lookup drafts are cut to the prefix the grammar accepts,
+  and each verified row is masked by the grammar's state before it (`Matcher.masks`), so what
+  is kept is exactly what constrained decoding would pick (greedy) or its distribution;
+- a complete grammar ends the request at once with the end-of-text token, and a dead end (no
+  allowed token) raises a GrammarError: the request ends with that error, never with garbage.
+
+The eager forward of S tokens is the model's; on the packed CPU path and the fused GPU path the
+one-token step is the decoder's own (`_forward`), exactly what the decode graph runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .config import SamplingParams
+from .grammar import GrammarError, Matcher
+from .sampler import SamplerKnobs, apply_token_mask, sample
+from .speculative.drafting import NgramDrafter
+from .speculative.verify import settle
+
+_HOST = ThreadPoolExecutor(1, thread_name_prefix="expresslane-grammar")  # the mask beside the step
+
+
+def _forward(engine, ids: list[int], pos: int) -> torch.Tensor:
+    """Logits (V,) after `ids` written from `pos`; the cache commits them."""
+    cache, dec = engine.cache, getattr(engine, "decoder", None)
+    if len(ids) == 1 and dec is not None:  # the decode graph's own one-token step, uncaptured
+        tok = torch.tensor([[ids[0]]], device=engine.device)
+        position = torch.tensor([pos], device=engine.device)
+        cache.static, cache.live = True, pos + 1
+        try:
+            logits = dec.logits(tok, position)
+        finally:
+            cache.static, cache.live = False, None
+    else:
+        x = torch.tensor([ids], device=engine.device)
+        logits = engine.model(x, cache=cache, last_only=True)[0, -1]
+    cache.commit(ids)
+    return logits
+
+
+class _Constrained:
+    """One request's grammar state beside the engine: matcher, mask buffer, drafter."""
+
+    def __init__(self, engine, prompt_ids: Sequence[int], params: SamplingParams, gen):
+        self.engine, self.params, self.gen = engine, params, gen
+        self.matcher: Matcher = params.grammar.matcher()
+        words = self.matcher.words.shape[1]
+        self.knobs = SamplerKnobs(engine.device).with_token_mask(words)
+        self.knobs.load(params)
+        cuda = engine.device.type == "cuda"
+        self.host = torch.empty(words, dtype=torch.int32, pin_memory=cuda)
+        spec = getattr(engine, "speculator", None)
+        self.spec = spec
+        self.drafter = NgramDrafter(spec.cfg, list(prompt_ids)) if spec is not None else None
+        self.eos = next(iter(engine.cfg.eos_token_ids), None)
+
+    @torch.inference_mode()  # the buffers were made in the engine's inference mode
+    def next_mask(self) -> None:
+        """Compute the mask after the consumed tokens into the host buffer (helper thread)."""
+        self.host.copy_(self.matcher.fill()[0])
+
+    def pick(self, logits: torch.Tensor) -> int:
+        self.knobs.token_mask.copy_(self.host, non_blocking=True)
+        tok = int(sample(logits, self.params, self.gen, self.knobs))  # the one host copy
+        self.matcher.consume(tok)
+        if self.drafter is not None:
+            self.drafter.extend([tok])
+        return tok
+
+    def drafts(self, pos: int, left: int) -> list[int]:
+        """Prompt-lookup drafts for after `pos`, cut to what the grammar accepts."""
+        if self.drafter is None or self.params.logprobs is not None:
+            return []
+        room = self.engine.max_len - 1 - pos
+        k = min(self.spec.cfg.num_speculative_tokens, left - 1, room)
+        drafts = self.drafter.propose(k) if k > 0 else []
+        return drafts[: self.matcher.allowed_prefix(drafts)]
+
+    def verify(self, last: int, drafts: list[int], pos: int) -> list[int]:
+        """One verify step of `drafts` after `last` (at `pos`), each row under its mask."""
+        eng = self.engine
+        masks = self.matcher.masks(drafts).to(eng.device)  # (k + 1, W)
+        ids = [last, *drafts]
+        logits = eng.model(torch.tensor([ids], device=eng.device), cache=eng.cache)[0]  # (S, V)
+        new = settle(eng.cache, pos, torch.tensor(ids), apply_token_mask(logits, masks),
+                     self.params, self.gen)  # fmt: skip
+        for t in new:
+            self.matcher.consume(t)
+        self.drafter.extend(new)
+        kept = len(new) - 1
+        self.spec.stats.add(len(drafts), kept)
+        self.spec._extra["speculative"] = self.spec.stats.as_dict()
+        return new
+
+
+def constrained_steps(
+    engine, prompt_ids: Sequence[int], logits: torch.Tensor, params: SamplingParams, gen,
+    budget: int,
+) -> Iterator[tuple[int, torch.Tensor | None]]:  # fmt: skip
+    """Up to `budget` (token, logits of its logprobs or None) from the prefill's `logits` on;
+    the engine's loop makes the steps, stops and cancels between any two of them."""
+    c = _Constrained(engine, prompt_ids, params, gen)
+    want_lp = params.logprobs is not None
+    c.next_mask()
+    pos, left = len(prompt_ids), budget
+    while left > 0:
+        last = c.pick(logits)
+        yield last, logits if want_lp else None
+        left -= 1
+        while left > 0:
+            if c.matcher.done:  # nothing but the end of text is allowed: no forward for it
+                if c.eos is None:
+                    raise GrammarError("structured output: the grammar is complete", None)
+                yield c.eos, None
+                raise GrammarError("structured output: the grammar is complete", None)
+            drafts = c.drafts(pos, left)
+            if not drafts:
+                break
+            new = c.verify(last, drafts, pos)[:left]
+            for t in new:
+                yield t, None
+            pos, left, last = pos + len(new), left - len(new), new[-1]
+        if left == 0:
+            return
+        forced = [] if want_lp else c.matcher.forced()[: left - 1]
+        for t in forced:
+            c.matcher.consume(t)
+        if forced and c.matcher.done:  # the forced tokens complete it: no forward for them
+            yield from ((t, None) for t in [*forced, c.eos][:left])
+            raise GrammarError("structured output: the grammar is complete", None)
+        mask = _HOST.submit(c.next_mask)  # the host's work, beside the forward
+        logits = _forward(engine, [last, *forced], pos)
+        pos += 1 + len(forced)
+        for t in forced:
+            yield t, None
+            left -= 1
+        if c.drafter is not None and forced:
+            c.drafter.extend(forced)
+        mask.result()  # raises the matcher's error (a dead end) here
