@@ -172,7 +172,11 @@ class Matcher:
 
     def _check(self) -> None:
         if self.m.is_error():
-            raise GrammarError(f"structured output: {self.m.get_error()}", param=None)
+            raise GrammarError(f"structured output: {self._reason()}", param=None)
+
+    def _reason(self) -> str:
+        """llguidance's error without its parser dump."""
+        return (self.m.get_error() or "").split("\n<state>")[0].strip()
 
     def fill(self) -> torch.Tensor:
         """The mask of the tokens allowed next, (1, W) int32; a dead end raises."""
@@ -193,9 +197,9 @@ class Matcher:
         return torch.cat(rows)
 
     def consume(self, token: int) -> None:
-        if not self.m.consume_token(token):
-            self._check()
-            raise GrammarError(f"structured output: token {token} is not allowed here", None)
+        if not self.m.consume_token(token) or self.m.is_error():
+            why = self._reason()
+            raise GrammarError(f"structured output: token {token} is not allowed here ({why})")
 
     def forced(self) -> list[int]:
         """Tokens the grammar allows as the only continuation (jump-forward)."""

@@ -84,6 +84,12 @@ class _Constrained:
             self.drafter.extend([tok])
         return tok
 
+    def end(self) -> Iterator[tuple[int, None]]:
+        """The grammar is complete: the end-of-text token, after which nothing may follow."""
+        if self.eos is not None:
+            yield self.eos, None  # the engine stops here (unless ignore_eos)
+        raise GrammarError("structured output: the grammar is complete", None)
+
     def drafts(self, pos: int, left: int) -> list[int]:
         """Prompt-lookup drafts for after `pos`, cut to what the grammar accepts."""
         if self.drafter is None or self.params.logprobs is not None:
@@ -124,13 +130,12 @@ def constrained_steps(
         last = c.pick(logits)
         yield last, logits if want_lp else None
         left -= 1
-        while left > 0:
-            if c.matcher.done:  # nothing but the end of text is allowed: no forward for it
-                if c.eos is None:
-                    raise GrammarError("structured output: the grammar is complete", None)
-                yield c.eos, None
-                raise GrammarError("structured output: the grammar is complete", None)
-            drafts = c.drafts(pos, left)
+        forced: list[int] = []
+        while left > 0:  # forced tokens first, else drafts: a forward only for what is left
+            if c.matcher.done and not want_lp:  # only the end of text is left: no forward
+                yield from c.end()
+            forced = [] if want_lp else c.matcher.forced()[: left - 1]
+            drafts = [] if forced else c.drafts(pos, left)
             if not drafts:
                 break
             new = c.verify(last, drafts, pos)[:left]
@@ -139,12 +144,11 @@ def constrained_steps(
             pos, left, last = pos + len(new), left - len(new), new[-1]
         if left == 0:
             return
-        forced = [] if want_lp else c.matcher.forced()[: left - 1]
         for t in forced:
             c.matcher.consume(t)
         if forced and c.matcher.done:  # the forced tokens complete it: no forward for them
-            yield from ((t, None) for t in [*forced, c.eos][:left])
-            raise GrammarError("structured output: the grammar is complete", None)
+            yield from ((t, None) for t in forced)
+            yield from c.end()
         mask = _HOST.submit(c.next_mask)  # the host's work, beside the forward
         logits = _forward(engine, [last, *forced], pos)
         pos += 1 + len(forced)
