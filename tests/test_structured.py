@@ -137,3 +137,19 @@ def test_a_complete_grammar_cannot_be_extended(kit):
     grammar = comp.compile(GrammarSpec("regex", "ok"))
     with pytest.raises(GrammarError, match="complete"):
         _decode(engine, tok, grammar, ignore_eos=True)
+
+
+def test_cli_json_schema(tmp_path, capsys):
+    from expresslane.__main__ import main
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 9}, "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}  # fmt: skip
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    code = main(["run", "--json-schema", str(tmp_path / "s.json"), "--max-tokens", "40", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    jsonschema.validate(json.loads(out["text"]), schema)
+    (tmp_path / "bad.json").write_text('{"type": "object", "not": {}}')
+    assert main(["run", "--json-schema", str(tmp_path / "bad.json")]) == 2
+    assert "Unimplemented keys" in capsys.readouterr().err
