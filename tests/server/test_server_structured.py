@@ -10,7 +10,11 @@ or not, and a tool loop (call, tool result, answer) runs. Bad input is a 400 nam
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 from typing import Literal
 
@@ -182,3 +186,25 @@ def test_openai_client_raises_on_bad_schema(server):
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
                 "not": {"type": "string"}}}},
         )  # fmt: skip
+
+
+def test_llm_cli_schema(server, tmp_path):
+    """Simon Willison's `llm` with `--schema`, the server as an extra OpenAI model."""
+    exe = shutil.which("llm", path=os.path.dirname(sys.executable))
+    if exe is None:
+        pytest.skip("the llm package is not installed")
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: {NAME}\n  model_name: {NAME}\n  api_base: {server.url}/v1\n"
+        "  supports_schema: true\n"
+    )
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+              "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["name", "n"],
+              "additionalProperties": False}  # fmt: skip
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "dummy"}
+    out = subprocess.run(
+        [exe, "-m", NAME, "--schema", json.dumps(schema), "-o", "max_tokens", "60", "--no-log",
+         "Name a thing and a digit."],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), schema)
