@@ -68,6 +68,8 @@ class Stats:
 
 
 class Engine:
+    grammars = True  # constrained decoding (structured.py) runs on this engine
+
     def __init__(
         self,
         model: Laneformer,
@@ -243,6 +245,9 @@ class Engine:
     ) -> Iterator[Step]:
         params.validate()
         self.check_prompt(prompt_ids)
+        if params.grammar is not None and not self.grammars:
+            msg = "structured output: not supported by this engine (several devices) yet"
+            raise RequestError(msg, param="response_format")
         params = self._begin(prompt_ids, params)
         budget = min(params.max_tokens, self.max_len - len(prompt_ids))
         stops = self.stop_ids(params)
