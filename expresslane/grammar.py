@@ -62,8 +62,7 @@ class GrammarSpec:
 
 def _llguidance():
     try:
-        import llguidance
-        import llguidance.torch  # noqa: F401  (the bitmask helpers)
+        import llguidance  # not llguidance.torch: it scripts kernels at import (seconds)
     except ImportError as e:
         raise GrammarUnavailable(
             "structured output needs the grammar engine: pip install llguidance"
@@ -166,8 +165,8 @@ class Matcher:
         llg = _llguidance()
         self.grammar = grammar
         self.m = llg.LLMatcher(grammar.lltok, grammar.text)
-        self._fill = llg.torch.fill_next_token_bitmask
-        self.words = llg.torch.allocate_token_bitmask(1, grammar.vocab_size)  # (1, W) int32
+        words = -(-grammar.vocab_size // 32)
+        self.words = torch.zeros((1, words), dtype=torch.int32)  # (1, W): 32 tokens a word
         self._check()
 
     def _check(self) -> None:
@@ -180,7 +179,8 @@ class Matcher:
 
     def fill(self) -> torch.Tensor:
         """The mask of the tokens allowed next, (1, W) int32; a dead end raises."""
-        self._fill(self.m, self.words)
+        w = self.words
+        self.m.unsafe_compute_mask_ptr(w.data_ptr(), w.numel() * w.element_size())  # no GIL
         self._check()
         if not self.words.any():
             raise GrammarError("structured output: the grammar allows no token here", None)
