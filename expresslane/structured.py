@@ -5,9 +5,11 @@ engine hands over after the prefill, so prefix reuse works as for any request). 
 
 - the pick applies the grammar's mask from a static device buffer (`SamplerKnobs.token_mask`,
   packed bits) in `sampler.sample`, so the pick stays capture-safe;
-- the host advances the matcher with the picked token and computes the next mask on a helper
-  thread while the forward runs (the forward never needs the mask; llguidance releases the GIL
-  while it computes it), then copies the mask into the buffer before the next pick;
+- the host advances the matcher with the picked token, launches the forward (which never needs
+  the mask), and computes the next mask while the device runs it; the mask is copied into the
+  buffer just before the pick. On a GPU the forward is asynchronous, so the two overlap; on a
+  CPU the forward holds every core, and a helper thread for the mask measured slower than
+  computing it in line (microseconds to a millisecond a token), so it runs in line there too;
 - jump-forward: the tokens the grammar forces (`Matcher.forced`, the only continuation) are
   appended without sampling and go through the forward with the picked token, as one prefill
   chunk of the cache;
@@ -24,7 +26,6 @@ one-token step is the decoder's own (`_forward`), exactly what the decode graph 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -33,8 +34,6 @@ from .grammar import GrammarError, Matcher
 from .sampler import SamplerKnobs, apply_token_mask, sample
 from .speculative.drafting import NgramDrafter
 from .speculative.verify import settle
-
-_HOST = ThreadPoolExecutor(1, thread_name_prefix="expresslane-grammar")  # the mask beside the step
 
 
 def _forward(engine, ids: list[int], pos: int) -> torch.Tensor:
@@ -71,9 +70,8 @@ class _Constrained:
         self.drafter = NgramDrafter(spec.cfg, list(prompt_ids)) if spec is not None else None
         self.eos = next(iter(engine.cfg.eos_token_ids), None)
 
-    @torch.inference_mode()  # the buffers were made in the engine's inference mode
     def next_mask(self) -> None:
-        """Compute the mask after the consumed tokens into the host buffer (helper thread)."""
+        """Compute the mask after the consumed tokens into the host buffer."""
         self.host.copy_(self.matcher.fill()[0])
 
     def pick(self, logits: torch.Tensor) -> int:
@@ -149,12 +147,11 @@ def constrained_steps(
         if forced and c.matcher.done:  # the forced tokens complete it: no forward for them
             yield from ((t, None) for t in forced)
             yield from c.end()
-        mask = _HOST.submit(c.next_mask)  # the host's work, beside the forward
-        logits = _forward(engine, [last, *forced], pos)
+        logits = _forward(engine, [last, *forced], pos)  # on a GPU: launched, running
+        c.next_mask()  # the host's work while the device runs the forward; a dead end raises
         pos += 1 + len(forced)
         for t in forced:
             yield t, None
             left -= 1
         if c.drafter is not None and forced:
             c.drafter.extend(forced)
-        mask.result()  # raises the matcher's error (a dead end) here
