@@ -325,6 +325,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; n >= 0: the chosen token's plus the top n
     skip_special_tokens: bool = True  # vLLM's default: special tokens never reach the text
     spaces_between_special_tokens: bool = True
+    grammar: Any = None  # a compiled grammar.Grammar: decoding is constrained to it
 
     @property
     def greedy(self) -> bool:

@@ -9,6 +9,7 @@ parallel engine changes it through small hooks (request start, go on?, token pic
 `reference_generate` beside it recomputes the whole sequence at every step with no cache: the
 slow path every fast path is compared with. With a `SpeculativeConfig` the tokens after the first
 come from speculative/decoder.py (prompt-lookup drafts verified in one call), through the same loop.
+A request with a grammar (`SamplingParams.grammar`) takes its tokens from structured.py.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .speculative.drafting import SpeculativeConfig
 from .step.choose import choose_step
 from .step.fused import MAX_OVERRUN
 from .step.graph import DecodeGraph, committed_tokens
+from .structured import constrained_steps
 from .weights.packing import load_packed
 
 # The sampler structures captured at load on a GPU: greedy, plain sampling and top-p (what chat
@@ -70,6 +72,8 @@ class Stats:
 
 
 class Engine:
+    grammars = True  # constrained decoding (structured.py) runs on this engine
+
     def __init__(
         self,
         model: Laneformer,
@@ -266,6 +270,9 @@ class Engine:
     ) -> Iterator[Step]:
         params.validate()
         self.check_prompt(prompt_ids)
+        if params.grammar is not None and not self.grammars:
+            msg = "structured output: not supported by this engine (several devices) yet"
+            raise RequestError(msg, param="response_format")
         params = self._begin(prompt_ids, params)
         budget = min(params.max_tokens, self.max_len - len(prompt_ids))
         stops = self.stop_ids(params)
@@ -276,7 +283,7 @@ class Engine:
         if budget == 0:
             st.finish_reason = "length"
             return
-        use_graph = self.decode == "graph" and params.logprobs is None
+        use_graph = self.decode == "graph" and params.logprobs is None and params.grammar is None
         graph = self._graph_for(params) if use_graph else None  # may compile: before the clock
         t0 = time.perf_counter()
         if graph is not None:
@@ -285,7 +292,9 @@ class Engine:
         if logits is None:
             st.finish_reason = "abort"
             return
-        stream = None
+        stream = None  # with a grammar, its tokens from the first on (structured.py)
+        if params.grammar is not None:
+            stream = constrained_steps(self, prompt_ids, logits, params, gen, budget)
         # Over for every rank too: a stop or length token (all pick the same), an agreed abort.
         # A local, as a consumer may rewrite the step's and the stats' finish_reason (stop text).
         over, step = False, None
@@ -303,7 +312,7 @@ class Engine:
                 if not self._go_on(cancel):
                     st.finish_reason, over = "abort", True
                     return
-                if graph is not None or self.speculator is not None:
+                if graph is not None or self.speculator is not None or stream is not None:
                     if stream is None:
                         stream = self._stream(
                             prompt_ids, step.token, params, gen, budget - 1, graph

@@ -1,4 +1,5 @@
-"""Logits -> next token on the model's device: greedy, temperature, top-k, top-p, min-p.
+"""Logits -> next token on the model's device: greedy, temperature, top-k, top-p, min-p, and
+a grammar's token mask (packed bits in a static buffer, `apply_token_mask`).
 
 Sampling draws with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals a
 multinomial draw and needs no host round trip; the noise comes from a per-request
@@ -37,12 +38,30 @@ class SamplerKnobs:
         self.temperature = torch.ones(1, device=device)
         self.top_p = torch.ones(1, device=device)
         self.min_p = torch.zeros(1, device=device)
+        # a grammar's allowed tokens as packed bits (W,) int32, or None: the host writes the
+        # next mask into it while the device runs the forward (grammar.py, structured.py)
+        self.token_mask: torch.Tensor | None = None
+
+    def with_token_mask(self, words: int) -> SamplerKnobs:
+        """Give the pick a static token-mask buffer of `words` int32 (32 tokens each)."""
+        dev = self.temperature.device
+        self.token_mask = torch.full((words,), -1, dtype=torch.int32, device=dev)
+        return self
 
     def load(self, params: SamplingParams) -> None:
         """Set the buffers for a request (three fills on the device, no synchronisation)."""
         self.temperature.fill_(1.0 if params.greedy else params.temperature)
         self.top_p.fill_(params.top_p)
         self.min_p.fill_(params.min_p)
+
+
+def apply_token_mask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """-inf where a token's bit is 0: logits (..., V), words (..., W) int32, bit j of word w
+    for token 32 w + j (llguidance's and xgrammar's layout). On the device, no host sync."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # (..., W, 32)
+    allowed = bits.flatten(-2)[..., : logits.shape[-1]].bool()  # (..., V)
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def structure_key(params: SamplingParams) -> tuple:
@@ -88,6 +107,8 @@ def sample(
     knobs: SamplerKnobs | None = None,
 ) -> torch.Tensor:
     """logits (..., V) -> token ids (...,) as a device tensor (no host synchronisation)."""
+    if knobs is not None and knobs.token_mask is not None:
+        logits = apply_token_mask(logits, knobs.token_mask)
     if params.greedy:
         return logits.argmax(-1)
     probs = filter_logits(logits, params, knobs).softmax(-1)

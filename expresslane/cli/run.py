@@ -10,13 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..bench.ceiling import bytes_per_token
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import SamplingParams
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import ConfigError, ExpressLaneError
+from ..grammar import GrammarCompiler, GrammarSpec
 from ..parallel import launch, rendezvous
 from ..speculative.drafting import SpeculativeConfig
 from ..step.choose import default_decode
@@ -130,6 +133,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p)
     add_prefix_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="constrain the output to this JSON schema (a .json file; structured output)",
+    )
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -222,6 +230,7 @@ def generate_and_print(
         prompt_ids = tok.encode(text, add_special_tokens=False)
     else:
         prompt_ids = tok.encode(args.prompt if args.prompt is not None else "def ")
+    params = with_json_schema(args, engine, tok, params)
     pieces, token_ids = [], []
     for piece, ids in generate_text(engine, tok, prompt_ids, params, args.stop):
         pieces.append(piece)
@@ -260,6 +269,23 @@ def generate_and_print(
         )
     sys.stdout.flush()
     return 0
+
+
+def with_json_schema(args, engine, tok: Tokenizer, params: SamplingParams) -> SamplingParams:
+    """`params` constrained to the --json-schema file's schema (compiled here, llguidance)."""
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return params
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--json-schema {path}: cannot read a JSON schema ({e})") from None
+    try:
+        spec = GrammarSpec.json_schema(schema, "--json-schema")
+        grammar = GrammarCompiler(tok, engine.cfg.vocab_size).compile(spec)
+    except ExpressLaneError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return replace(params, grammar=grammar)
 
 
 def label_embedded_answer(args: argparse.Namespace, params: SamplingParams) -> None:

@@ -48,6 +48,8 @@ ROLES = ("spmd", "lead", "follow")
 
 
 class ParallelEngine(Engine):
+    grammars = False  # the vocab-parallel pick takes no token mask yet
+
     def __init__(
         self,
         model: ParallelLaneformer,

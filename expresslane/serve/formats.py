@@ -10,6 +10,7 @@ import time
 
 from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from .protocol import new_id
+from .tools import ToolPlan, may_open_call, parse_calls
 from .worker import Accumulator, Event, TokenInfo
 
 
@@ -126,9 +127,14 @@ class ChatFormat(_Format):
 
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, model: str, text: TokenText, n: int, logprobs: bool):
+    def __init__(
+        self, model: str, text: TokenText, n: int, logprobs: bool, tools: ToolPlan | None = None
+    ):
         super().__init__(model, text, "chatcmpl")
         self.n, self.logprobs = n, logprobs
+        self.tools = tools  # its calls are parsed out of the text (tools.py)
+        self._held: dict[int, str] = {}  # per choice: streamed text held back (may open a call)
+        self._flowing: set[int] = set()  # choices whose text is plain content
 
     def _lp(self, tokens: list[TokenInfo]) -> dict | None:
         return {"content": chat_logprobs(tokens, self.text)} if self.logprobs else None
@@ -145,6 +151,8 @@ class ChatFormat(_Format):
         ]
 
     def chunk(self, ev: Event) -> dict | None:
+        if self.tools is not None and ev.kind in ("delta", "finish"):
+            return self._tool_chunk(ev)
         if ev.kind == "delta":
             if not ev.text and not ev.tokens:
                 return None
@@ -164,17 +172,43 @@ class ChatFormat(_Format):
             }
         return None
 
+    def _tool_chunk(self, ev: Event) -> dict | None:
+        """A stream chunk where the text may be tool calls: held back while it may open one,
+        sent as `tool_calls` deltas (arguments whole) when the choice finishes."""
+        i = ev.index
+        if ev.kind == "delta":
+            text = self._held.pop(i, "") + ev.text
+            if i not in self._flowing and may_open_call(text, self.tools):
+                self._held[i] = text
+                return None
+            self._flowing.add(i)
+            lp = self._lp(ev.tokens)
+            return {"index": i, "delta": {"content": text}, "logprobs": lp,
+                    "finish_reason": None} if text or lp else None  # fmt: skip
+        delta, finish = self._message(self._held.pop(i, ""), ev.finish_reason, stream=True)
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish,
+                "stop_reason": ev.stop_reason}  # fmt: skip
+
+    def _message(self, text: str, finish: str | None, stream: bool = False) -> tuple[dict, str]:
+        """(the message or final delta, the finish reason): calls parsed when tools apply."""
+        msg: dict = {} if stream else {"role": "assistant", "content": text}
+        if stream and text:
+            msg["content"] = text
+        if self.tools is None or not text:
+            return msg, finish
+        content, calls = parse_calls(text, self.tools)
+        if not calls:
+            return msg, finish
+        msg["content"] = content
+        msg["tool_calls"] = [{"index": j, **c} if stream else c for j, c in enumerate(calls)]
+        return msg, "tool_calls" if finish == "stop" else finish
+
     def response(self, accs: dict[int, Accumulator], usage: dict, timings: dict) -> dict:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": a.text},
-                "logprobs": self._lp(a.tokens),
-                "finish_reason": a.finish_reason,
-                "stop_reason": a.stop_reason,
-            }
-            for i, a in sorted(accs.items())
-        ]
+        choices = []
+        for i, a in sorted(accs.items()):
+            message, finish = self._message(a.text, a.finish_reason)
+            choices.append({"index": i, "message": message, "logprobs": self._lp(a.tokens),
+                            "finish_reason": finish, "stop_reason": a.stop_reason})  # fmt: skip
         return {
             **self.envelope("chat.completion"),
             "choices": choices,

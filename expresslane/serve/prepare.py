@@ -26,12 +26,15 @@ from typing import Any
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import RequestError, TokenizerError
+from ..grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from ..tokenizer.bounds import text_bytes
 from . import protocol as P
 from .formats import ChatFormat, CompletionFormat
 from .guards import ServeLimits
 from .logprobs import TokenText
+from .structured import request_grammar
+from .tools import ToolPlan, plan_tools, prompt_messages
 from .worker import ChoiceSpec
 
 THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -62,6 +65,7 @@ class Preparer:
         self.engine, self.tok, self.limits = engine, tok, limits
         self.model_name, self.rng = model_name, rng
         self.text = TokenText(tok)
+        self.grammars = GrammarCompiler(tok, engine.cfg.vocab_size)  # compiled ones cached
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="expresslane-prepare")
         tok.min_tokens("")  # compute the tokenizer's length bound now, not on a first request
 
@@ -110,8 +114,17 @@ class Preparer:
             msg = f"n: {n} choices are more than this server allows ({self.limits.max_n})"
             raise RequestError(msg, param="n")
 
+    def grammar(self, spec: GrammarSpec | None):
+        """The compiled grammar of a request's structured output (cached by its hash)."""
+        return None if spec is None else self.grammars.compile(spec)
+
     def sampling(
-        self, req: P._SamplingRequest, max_tokens: int, logprobs: int | None, choice: int
+        self,
+        req: P._SamplingRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        choice: int,
+        grammar=None,
     ) -> SamplingParams:
         seed = req.seed
         if seed is None and self.rng is not None:
@@ -137,6 +150,7 @@ class Preparer:
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            grammar=grammar,
         )
         params.validate()
         return params
@@ -157,11 +171,12 @@ class Preparer:
                 ids, added = p, (0, 0)
             self.check_prompt(ids, "prompt")
             prompts.append((p if isinstance(p, str) else None, ids, added))
+        grammar = self.grammar(request_grammar(req.model_extra))
         specs = []
         for i, (_, ids, _) in enumerate(prompts):
             max_tokens = self.max_tokens(req.max_tokens, "max_tokens", len(ids))
             for j in range(req.n):
-                params = self.sampling(req, max_tokens, req.logprobs, j)
+                params = self.sampling(req, max_tokens, req.logprobs, j, grammar)
                 echo_lp = req.echo and req.logprobs is not None
                 specs.append(ChoiceSpec(i * req.n + j, ids, params, req.stop_strings(), echo_lp))
         echo, added = {}, {}
@@ -180,24 +195,43 @@ class Preparer:
         req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, body)
         model = self.model_name(req.model)
         self.check_n(req.n)
-        ids = self.chat_prompt(req)
+        plan = plan_tools(req.model_extra or {}, self.template(req))
+        spec = request_grammar(req.model_extra)
+        if plan is not None and plan.grammar is not None:
+            if spec is not None:
+                msg = f"{spec.param}: cannot be combined with tool_choice {plan.choice!r}"
+                raise RequestError(msg, param=spec.param)
+            spec = plan.grammar
+        grammar = self.grammar(spec)
+        ids = self.chat_prompt(req, plan)
         self.check_prompt(ids, "messages")
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = self.max_tokens(req.max_completion_tokens or req.max_tokens, param, len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         specs = [
-            ChoiceSpec(j, ids, self.sampling(req, max_tokens, logprobs, j), req.stop_strings())
+            ChoiceSpec(
+                j, ids, self.sampling(req, max_tokens, logprobs, j, grammar), req.stop_strings()
+            )  # fmt: skip
             for j in range(req.n)
         ]
-        fmt = ChatFormat(model, self.text, req.n, req.logprobs)
+        fmt = ChatFormat(model, self.text, req.n, req.logprobs, plan if plan and plan.parses
+                         else None)  # fmt: skip
         return Prepared(specs, len(ids), req.stream, req.include_usage, fmt)
 
-    def chat_prompt(self, req: P.ChatCompletionRequest) -> list[int]:
+    def template(self, req: P.ChatCompletionRequest) -> str:
+        """The chat template's source a request renders with ('' when there is none)."""
+        try:
+            return self.tok._template(req.model_extra.get("tools") if req.model_extra else None)
+        except TokenizerError:
+            return ""
+
+    def chat_prompt(self, req: P.ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
         """Render the chat template; a trailing assistant message is continued, not closed."""
         try:
             messages = [m.for_template() for m in req.messages]
         except ValueError as e:
             raise RequestError(f"messages: {e}", param="messages") from None
+        messages, tool_kwargs = prompt_messages(messages, plan)
         cont = req.continue_final_message
         if cont is None:
             cont = messages[-1]["role"] == "assistant"
@@ -206,6 +240,7 @@ class Preparer:
             add_generation_prompt=req.add_generation_prompt and not cont,
             continue_final_message=cont,
             **(req.chat_template_kwargs or {}),
+            **tool_kwargs,
         )
         self.check_text(text, "messages")
         # The template writes its own special tokens (BOS included): add none when encoding.

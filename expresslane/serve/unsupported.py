@@ -40,7 +40,6 @@ Neutral = Callable[[Any], bool]
 
 SAMPLING: dict[str, Neutral] = {
     "logit_bias": _absent,
-    "response_format": lambda v: _absent(v) or v == {"type": "text"},
     "presence_penalty": _zero,
     "frequency_penalty": _zero,
     "repetition_penalty": _one,
@@ -50,18 +49,11 @@ SAMPLING: dict[str, Neutral] = {
     "include_stop_str_in_output": _false,
     "return_tokens_as_token_ids": _false,
     "truncate_prompt_tokens": lambda v: v is None,
-    "structured_outputs": _absent,
-    "guided_json": _absent,
-    "guided_regex": _absent,
-    "guided_choice": _absent,
-    "guided_grammar": _absent,
     "priority": _zero,  # one FIFO queue
 }
 COMPLETIONS: dict[str, Neutral] = {**SAMPLING, "suffix": _absent}
 CHAT: dict[str, Neutral] = {
     **SAMPLING,
-    "tools": _absent,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "functions": _absent,
     "function_call": lambda v: v in (None, "none", "auto"),
     "audio": _absent,

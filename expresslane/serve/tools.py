@@ -1,0 +1,228 @@
+"""Tool calls: OpenAI's `tools` / `tool_choice` in, the model's calls out as `tool_calls`.
+
+A template that takes `tools` (its source names them) renders them itself, and its convention
+for calls is read from its text: Hermes `<tool_call>{...}</tool_call>` (Qwen, Hermes), Mistral
+`[TOOL_CALLS] [...]`, or Llama 3.x's bare JSON `{"name": ..., "parameters": ...}`. A template
+without tool support (SmolLM2's, the embedded model's) gets the generic prompt: a system
+message listing the functions as JSON schemas and asking for Hermes-style calls, with
+assistant calls and `role: "tool"` results written back as Hermes text (`<tool_call>`,
+`<tool_response>`) in roles the template knows.
+
+`tool_choice`: "none" renders no tools and parses nothing; "auto" parses the model's free
+output by the convention; "required" and a named function force the calls through a grammar
+(Lark with inline JSON schemas: `%json`), so the arguments always parse and match the schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import RequestError
+from ..grammar import COMPACT, GrammarSpec
+
+STYLES = ("hermes", "mistral", "llama3")
+GENERIC_PROMPT = (
+    "You may call functions to help with the user's request. The functions, as JSON schemas:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call a function, answer with one line per call, each exactly:\n"
+    '<tool_call>\n{{"name": <function name>, "arguments": <arguments object>}}\n</tool_call>'
+)
+
+
+def _bad(msg: str, param: str = "tools") -> RequestError:
+    return RequestError(msg, param=param)
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tools mean for its prompt, its grammar and its output."""
+
+    functions: dict[str, dict]  # name -> the `function` object (name, description, parameters)
+    choice: str  # "none", "auto", "required" or "named"
+    named: str | None = None
+    parallel: bool = True
+    style: str = "hermes"
+    native: bool = False  # the template renders the tools itself
+    grammar: GrammarSpec | None = None
+    tools: list[dict] = field(default_factory=list)  # as sent, for a native template
+
+    @property
+    def parses(self) -> bool:
+        return self.choice != "none" and bool(self.functions)
+
+
+def plan_tools(extra: dict, template: str) -> ToolPlan | None:
+    """The ToolPlan of a request's `tools`, `tool_choice`, `parallel_tool_calls`, or None."""
+    tools, choice = extra.get("tools"), extra.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise _bad("tool_choice: needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools: must be a list of {type: 'function', function: {...}}")
+    functions = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if (
+            not isinstance(t, dict)
+            or t.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            raise _bad(f"tools[{i}]: must be {{type: 'function', function: {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise _bad(f"tools[{i}].function.name: required, 1-64 letters, digits, _ . -")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise _bad(f"tools[{i}].function.parameters: must be a JSON schema object")
+        functions[name] = {**fn, "parameters": params}
+    named = None
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        named = (choice.get("function") or {}).get("name")
+        if named not in functions:
+            raise _bad(f"tool_choice: no function named {named!r} in tools", "tool_choice")
+        choice = "named"
+    elif choice not in ("none", "auto", "required"):
+        raise _bad("tool_choice: expected none, auto, required or {type: 'function', "
+                   "function: {name}}", "tool_choice")  # fmt: skip
+    native = "tools" in template
+    style = template_style(template) if native else "hermes"
+    plan = ToolPlan(functions, choice, named, extra.get("parallel_tool_calls") is not False,
+                    style, native, tools=tools)  # fmt: skip
+    if choice in ("required", "named"):
+        plan.grammar = call_grammar(plan)
+    return plan
+
+
+def template_style(template: str) -> str:
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3"
+    return "hermes"
+
+
+def call_grammar(plan: ToolPlan) -> GrammarSpec:
+    """A Lark grammar for the forced calls: each call's arguments are the function's schema."""
+    names = [plan.named] if plan.choice == "named" else list(plan.functions)
+    key = "parameters" if plan.style == "llama3" else "arguments"
+    calls = [{"type": "object", "properties": {"name": {"const": n},
+              key: plan.functions[n]["parameters"]}, "required": ["name", key],
+              "additionalProperties": False} for n in names]  # fmt: skip
+    schema = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}),
+                         "x-guidance": COMPACT})  # fmt: skip
+    many = plan.parallel and plan.choice == "required"
+    if plan.style == "mistral":
+        body = 'start: "[TOOL_CALLS]" "[" call ("," call)* "]"' if many else \
+               'start: "[TOOL_CALLS]" "[" call "]"'  # fmt: skip
+    elif plan.style == "llama3":
+        body = 'start: call (";" call)*' if many else "start: call"
+    else:
+        one = '"<tool_call>\\n" call "\\n</tool_call>"'
+        body = f'start: {one} ("\\n" {one})*' if many else f"start: {one}"
+    return GrammarSpec("lark", f"{body}\ncall: %json {schema}\n", "tools")
+
+
+def prompt_messages(messages: list[dict], plan: ToolPlan | None) -> tuple[list[dict], dict]:
+    """(messages for the template, its extra arguments): the tools rendered natively or as the
+    generic prompt; calls and results in the template's terms."""
+    if plan is None or plan.choice == "none":
+        return [_plain_calls(m) for m in messages], {}
+    if plan.native:
+        return [_native_calls(m) for m in messages], {"tools": plan.tools}
+    listing = "\n".join(json.dumps({"type": "function", "function": f}) for f in
+                        plan.functions.values())  # fmt: skip
+    system = GENERIC_PROMPT.format(tools=listing)
+    out = [_plain_calls(m) for m in messages]
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{system}".strip()}
+    else:
+        out.insert(0, {"role": "system", "content": system})
+    return out, {}
+
+
+def _native_calls(m: dict) -> dict:
+    """OpenAI's calls as HF templates take them: arguments as an object, not a JSON string."""
+    calls = m.get("tool_calls")
+    if not calls:
+        return m
+    out = []
+    for c in calls:
+        fn = dict(c.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass
+        out.append({**c, "function": fn})
+    return {**m, "tool_calls": out}
+
+
+def _plain_calls(m: dict) -> dict:
+    """Calls and results as Hermes text, for a template that knows neither."""
+    if m.get("role") == "tool":
+        body = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+        return {"role": "user", "content": body}
+    calls = m.get("tool_calls")
+    if m.get("role") != "assistant" or not calls:
+        return {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
+    parts = [m.get("content") or ""]
+    for c in calls:
+        fn = c.get("function") or {}
+        args = fn.get("arguments")
+        args = json.loads(args) if isinstance(args, str) and args.strip() else args or {}
+        parts.append(f"<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': args})}"
+                     "\n</tool_call>")  # fmt: skip
+    return {"role": "assistant", "content": "\n".join(p for p in parts if p)}
+
+
+# --- output ------------------------------------------------------------------------------------
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a finished output; no calls: (text, [])."""
+    if plan.style == "mistral":
+        head, sep, rest = text.partition("[TOOL_CALLS]")
+        raw = _json(rest) if sep else None
+        found = raw if isinstance(raw, list) else []
+        content = head
+    elif plan.style == "llama3":
+        raw = [_json(p) for p in text.strip().removeprefix("<|python_tag|>").split(";")]
+        found = raw if all(isinstance(r, dict) for r in raw) else []
+        content = "" if found else text
+    else:
+        found = [_json(m) for m in _HERMES.findall(text)]
+        content = _HERMES.sub("", text).split("<tool_call>")[0]
+    calls = []
+    for c in found:
+        if not isinstance(c, dict) or c.get("name") not in plan.functions:
+            return text, []  # not a well-formed call: the text stays the answer
+        args = c.get("arguments", c.get("parameters", {}))
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": c["name"], "arguments": json.dumps(args)}})  # fmt: skip
+    content = content.strip() or None
+    return (content, calls) if calls else (text, [])
+
+
+def _json(s: str) -> Any:
+    try:
+        return json.loads(s)
+    except ValueError:
+        return None
+
+
+def may_open_call(text: str, plan: ToolPlan) -> bool:
+    """Could `text` (the output so far) still begin a call? Streaming holds it back if so."""
+    marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": "{"}[plan.style]
+    t = text.lstrip()
+    return marker.startswith(t) or t.startswith(marker) or (
+        plan.style == "hermes" and "<tool_call>" in text)  # fmt: skip

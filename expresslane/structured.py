@@ -1,0 +1,169 @@
+"""Constrained decoding in the engine: a request's tokens under its grammar (grammar.py).
+
+`constrained_steps` replaces the engine's pick and stream for a request with a grammar (the
+engine hands over after the prefill, so prefix reuse works as for any request). Per token:
+
+- the pick applies the grammar's mask from a static device buffer (`SamplerKnobs.token_mask`,
+  packed bits) in `sampler.sample`, so the pick stays capture-safe;
+- the host advances the matcher with the picked token, launches the forward (which never needs
+  the mask), and computes the next mask while the device runs it; the mask is copied into the
+  buffer just before the pick. On a GPU the forward is asynchronous, so the two overlap; on a
+  CPU the forward holds every core, and a helper thread for the mask measured slower than
+  computing it in line (microseconds to a millisecond a token), so it runs in line there too;
+- jump-forward: the tokens the grammar forces (`Matcher.forced`, the only continuation) are
+  appended without sampling and go through the forward with the picked token, as one prefill
+  chunk of the cache;
+- with speculative decoding, prompt-lookup drafts are cut to the prefix the grammar accepts,
+  and each verified row is masked by the grammar's state before it (`Matcher.masks`), so what
+  is kept is exactly what constrained decoding would pick (greedy) or its distribution;
+- a complete grammar ends the request at once with the end-of-text token, and a dead end (no
+  allowed token) raises a GrammarError: the request ends with that error, never with garbage.
+
+Each token and each verify goes through the engine's own step (`Step.forward`, uncaptured:
+the grammar's request is not replayed from a graph yet), so its rows are the bits the decode
+graph computes; forced tokens go through the model's forward as one prefill chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .config import SamplingParams
+from .grammar import GrammarError, Matcher
+from .sampler import SamplerKnobs, apply_token_mask, sample
+from .speculative.drafting import NgramDrafter, accept
+
+
+def _step_rows(engine, ids: list[int], pos: int) -> torch.Tensor:
+    """Logits (S, V) of `ids` written from `pos` by the engine's own step (the Step protocol),
+    uncaptured; the cache runs static as inside a decode graph."""
+    cache = engine.cache
+    x = torch.tensor(ids, device=engine.device)
+    position = torch.tensor([pos], device=engine.device)
+    cache.static, cache.live = True, pos + len(ids)
+    try:
+        return engine.step.forward(x, position)
+    finally:
+        cache.static, cache.live = False, None
+
+
+def _forward(engine, ids: list[int], pos: int) -> torch.Tensor:
+    """Logits (V,) after `ids` written from `pos`; the cache commits them. One token goes through
+    the decode step; forced tokens (jump-forward) through the model as a prefill chunk."""
+    if len(ids) == 1:
+        logits = _step_rows(engine, ids, pos)[-1]
+    else:
+        x = torch.tensor([ids], device=engine.device)
+        logits = engine.model(x, cache=engine.cache, last_only=True)[0, -1]
+    engine.cache.commit(ids)
+    return logits
+
+
+class _Constrained:
+    """One request's grammar state beside the engine: matcher, mask buffer, drafter."""
+
+    def __init__(self, engine, prompt_ids: Sequence[int], params: SamplingParams, gen):
+        self.engine, self.params, self.gen = engine, params, gen
+        self.matcher: Matcher = params.grammar.matcher()
+        words = self.matcher.words.shape[1]
+        self.knobs = SamplerKnobs(engine.device).with_token_mask(words)
+        self.knobs.load(params)
+        cuda = engine.device.type == "cuda"
+        self.host = torch.empty(words, dtype=torch.int32, pin_memory=cuda)
+        spec = engine.speculator
+        self.spec = spec
+        self.drafter = NgramDrafter(spec.cfg, list(prompt_ids)) if spec is not None else None
+        self.eos = next(iter(engine.cfg.eos_token_ids), None)
+
+    def next_mask(self) -> None:
+        """Compute the mask after the consumed tokens into the host buffer."""
+        self.host.copy_(self.matcher.fill()[0])
+
+    def pick(self, logits: torch.Tensor) -> int:
+        self.knobs.token_mask.copy_(self.host, non_blocking=True)
+        tok = int(sample(logits, self.params, self.gen, self.knobs))  # the one host copy
+        self.matcher.consume(tok)
+        if self.drafter is not None:
+            self.drafter.extend([tok])
+        return tok
+
+    def end(self) -> Iterator[tuple[int, None]]:
+        """The grammar is complete: the end-of-text token, after which nothing may follow."""
+        if self.eos is not None:
+            yield self.eos, None  # the engine stops here (unless ignore_eos)
+        raise GrammarError("structured output: the grammar is complete", None)
+
+    def drafts(self, pos: int, left: int) -> list[int]:
+        """Prompt-lookup drafts for after `pos`, cut to what the grammar accepts."""
+        if self.drafter is None or self.params.logprobs is not None:
+            return []
+        room = self.engine.max_len - 1 - pos
+        k = min(self.spec.cfg.num_speculative_tokens, left - 1, room)
+        drafts = self.drafter.propose(k) if k > 0 else []
+        return drafts[: self.matcher.allowed_prefix(drafts)]
+
+    def verify(self, last: int, drafts: list[int], pos: int) -> list[int]:
+        """One verify step of `drafts` after `last` (at `pos`), each row under its mask."""
+        eng = self.engine
+        masks = self.matcher.masks(drafts).to(eng.device)  # (k + 1, W)
+        ids = [last, *drafts]
+        logits = apply_token_mask(_step_rows(eng, ids, pos), masks)  # (k + 1, V)
+        kept, tokens = accept(logits, torch.tensor(drafts, device=eng.device), self.params,
+                              self.gen)  # fmt: skip
+        out = torch.cat((kept.view(1), tokens)).tolist()  # the one host copy
+        n, new = out[0], out[1 : out[0] + 2]
+        eng.cache.commit([last, *new[:-1]])  # the last token and the kept drafts: final
+        if n < len(drafts):
+            eng.cache.truncate(pos + n + 1)  # the rejected drafts' slots emptied
+        for t in new:
+            self.matcher.consume(t)
+        self.drafter.extend(new)
+        kept = len(new) - 1
+        self.spec.stats.add(len(drafts), kept)
+        self.spec._extra["speculative"] = self.spec.stats.as_dict()
+        return new
+
+
+def constrained_steps(
+    engine, prompt_ids: Sequence[int], logits: torch.Tensor, params: SamplingParams, gen,
+    budget: int,
+) -> Iterator[tuple[int, torch.Tensor | None]]:  # fmt: skip
+    """Up to `budget` (token, logits of its logprobs or None) from the prefill's `logits` on;
+    the engine's loop makes the steps, stops and cancels between any two of them."""
+    c = _Constrained(engine, prompt_ids, params, gen)
+    want_lp = params.logprobs is not None
+    c.next_mask()
+    pos, left = len(prompt_ids), budget
+    while left > 0:
+        last = c.pick(logits)
+        yield last, logits if want_lp else None
+        left -= 1
+        forced: list[int] = []
+        while left > 0:  # forced tokens first, else drafts: a forward only for what is left
+            if c.matcher.done and not want_lp:  # only the end of text is left: no forward
+                yield from c.end()
+            forced = [] if want_lp else c.matcher.forced()[: left - 1]
+            drafts = [] if forced else c.drafts(pos, left)
+            if not drafts:
+                break
+            new = c.verify(last, drafts, pos)[:left]
+            for t in new:
+                yield t, None
+            pos, left, last = pos + len(new), left - len(new), new[-1]
+        if left == 0:
+            return
+        for t in forced:
+            c.matcher.consume(t)
+        if forced and c.matcher.done:  # the forced tokens complete it: no forward for them
+            yield from ((t, None) for t in forced)
+            yield from c.end()
+        logits = _forward(engine, [last, *forced], pos)  # on a GPU: launched, running
+        c.next_mask()  # the host's work while the device runs the forward; a dead end raises
+        pos += 1 + len(forced)
+        for t in forced:
+            yield t, None
+            left -= 1
+        if c.drafter is not None and forced:
+            c.drafter.extend(forced)

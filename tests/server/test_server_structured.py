@@ -1,0 +1,210 @@
+"""Structured output and tool calls through a real uvicorn, driven by the `openai` client.
+
+The embedded model (trained on Python, not on JSON or tool calls) serves them, so what it
+returns here is what the grammar allowed:
+`chat.completions.parse(response_format=PydanticModel)` parses, JSON schemas validate, regexes
+and choices match, forced tool calls carry arguments that match the function's schema, streamed
+or not, and a tool loop (call, tool result, answer) runs. Bad input is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from pydantic import BaseModel, Field
+from serverkit import NAME, post
+
+from expresslane.assets import default_model_dir
+from expresslane.cli.serve import serving
+from expresslane.engine import Engine
+from expresslane.serve import create_app
+from expresslane.tokenizer import Tokenizer
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },  # fmt: skip
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The embedded model behind a real uvicorn (a context of 1024 for the tool prompts)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = default_model_dir()
+    engine = Engine.from_pretrained(str(path), device="cpu", dtype="float32", progress=False)
+    app = create_app(engine, Tokenizer.from_dir(path), served_model_name=NAME)
+    with serving(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=60)
+        yield SimpleNamespace(url=url, client=client)
+    torch.set_num_threads(threads)
+
+
+class Point(BaseModel):  # bounded: the random model would write digits and letters forever
+    x: int = Field(ge=0, le=99)
+    y: int = Field(ge=-9, le=9)
+    label: Literal["a", "b"]
+    note: str = Field(max_length=6)
+
+
+def _chat(s, **kw) -> dict:  # the status beside the body
+    r = httpx.post(s.url + "/v1/chat/completions", json={"model": NAME, "messages": ASK, **kw},
+                   timeout=60)  # fmt: skip
+    return {"status": r.status_code, **r.json()}
+
+
+def test_parse_pydantic_model(server):
+    for temperature in (0.0, 1.0):
+        out = server.client.chat.completions.parse(
+            model=NAME, messages=ASK, response_format=Point, max_tokens=120,
+            temperature=temperature, seed=3,
+        )  # fmt: skip
+        msg = out.choices[0].message
+        assert out.choices[0].finish_reason == "stop", msg.content
+        assert isinstance(msg.parsed, Point), msg.content
+
+
+def test_json_schema_json_object_regex_choice(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 99}, "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}  # fmt: skip
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    out = _chat(server, response_format=rf, max_tokens=40)
+    jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
+    out = _chat(server, response_format={"type": "json_object"}, max_tokens=150, seed=1)
+    assert "choices" in out, out
+    if out["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(out["choices"][0]["message"]["content"]), dict)
+    so = {"regex": "[a-c]{3}-[0-9]{2}"}
+    text = _chat(server, structured_outputs=so, max_tokens=20)["choices"][0]["message"]["content"]
+    assert re.fullmatch(so["regex"], text), text
+    got = _chat(server, structured_outputs={"choice": ["yes", "no"]}, temperature=1.0, seed=5)
+    assert got["choices"][0]["message"]["content"] in ("yes", "no")
+    comp = post(server, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 20,
+                                             "guided_regex": "[0-9]{4}"})  # fmt: skip
+    assert re.fullmatch("[0-9]{4}", comp["choices"][0]["text"])
+    out = _chat(server, json_schema={"type": "integer", "minimum": 5, "maximum": 9})  # llama.cpp
+    assert 5 <= json.loads(out["choices"][0]["message"]["content"]) <= 9
+    gbnf = 'root ::= "a" ("b" | "c")'
+    assert _chat(server, grammar=gbnf)["choices"][0]["message"]["content"] in ("ab", "ac")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls(server, stream):
+    props = WEATHER["function"]["parameters"]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        kw = dict(model=NAME, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                  max_tokens=120, parallel_tool_calls=False)  # fmt: skip
+        if not stream:
+            out = server.client.chat.completions.create(**kw)
+            calls, finish = out.choices[0].message.tool_calls, out.choices[0].finish_reason
+        else:
+            calls, finish = [], None
+            for chunk in server.client.chat.completions.create(**kw, stream=True):
+                d = chunk.choices[0].delta
+                calls += d.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and len(calls) == 1
+        fn = calls[0].function
+        assert fn.name in ("get_weather", "get_time")
+        if isinstance(choice, dict):
+            assert fn.name == "get_weather"
+            jsonschema.validate(json.loads(fn.arguments), props)
+        assert calls[0].id.startswith("call_")
+
+
+def test_tool_loop(server):
+    """call -> the tool's result in a role 'tool' message -> an answer without calls."""
+    messages = list(ASK)
+    out = server.client.chat.completions.create(
+        model=NAME, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=80
+    )
+    call = out.choices[0].message.tool_calls[0]
+    messages.append(out.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'})
+    final = server.client.chat.completions.create(
+        model=NAME, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=8
+    )
+    assert final.choices[0].message.tool_calls is None
+    assert final.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+            "type": "object", "not": {}}}}}, "response_format.json_schema", "not"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+            "type": "string", "format": "weird"}}}}, "response_format.json_schema", "weird"),
+        ({"response_format": {"type": "xml"}}, "response_format", "xml"),
+        ({"structured_outputs": {"regex": "a("}}, "structured_outputs.regex", "regex"),
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools", "name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice", "nope"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
+         "one structured output"),
+    ],
+)  # fmt: skip
+def test_bad_structured_input_is_a_400(server, body, param, words):
+    out = _chat(server, **body)
+    assert out["status"] == 400, out
+    assert out["error"]["param"] == param and words in out["error"]["message"], out
+
+
+def test_openai_client_raises_on_bad_schema(server):
+    with pytest.raises(openai.BadRequestError, match="not"):
+        server.client.chat.completions.create(
+            model=NAME, messages=ASK, max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "not": {"type": "string"}}}},
+        )  # fmt: skip
+
+
+def test_llm_cli_schema(server, tmp_path):
+    """Simon Willison's `llm` with `--schema`, the server as an extra OpenAI model."""
+    exe = shutil.which("llm", path=os.path.dirname(sys.executable))
+    if exe is None:
+        pytest.skip("the llm package is not installed")
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: {NAME}\n  model_name: {NAME}\n  api_base: {server.url}/v1\n"
+        "  supports_schema: true\n"
+    )
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+              "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["name", "n"],
+              "additionalProperties": False}  # fmt: skip
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "dummy"}
+    out = subprocess.run(
+        [exe, "-m", NAME, "--schema", json.dumps(schema), "-o", "max_tokens", "60", "--no-log",
+         "Name a thing and a digit."],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), schema)

@@ -1,0 +1,159 @@
+"""Constrained decoding in the engine (grammar.py, structured.py) with the embedded model.
+
+The mask in the pick against llguidance's own and a naive loop; the 65-schema suite decoded
+greedy and sampled, every token accepted by a fresh matcher and every finished output valid
+under `jsonschema`; jump-forward saving forwards; speculative decoding and prefix reuse with a
+grammar giving the plain path's tokens; compile errors and dead ends as GrammarErrors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from expresslane import structured
+from expresslane.assets import default_model_dir
+from expresslane.bench.schemas import SCHEMAS
+from expresslane.config import SamplingParams
+from expresslane.engine import Engine
+from expresslane.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from expresslane.sampler import apply_token_mask
+from expresslane.speculative.drafting import SpeculativeConfig
+from expresslane.tokenizer import Tokenizer
+
+jsonschema = pytest.importorskip("jsonschema")
+llguidance = pytest.importorskip("llguidance")
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPT = "def parse(text):\n    "
+
+
+@pytest.fixture(scope="module")
+def kit():
+    path = default_model_dir()
+    tok = Tokenizer.from_dir(path)
+    engine = Engine.from_pretrained(str(path), progress=False, decode="graph")
+    return engine, tok, GrammarCompiler(tok, engine.cfg.vocab_size)
+
+
+def test_token_mask_matches_a_loop_and_llguidance(kit):
+    g = torch.Generator().manual_seed(0)
+    V, W = 77, -(-77 // 32)  # V not a multiple of 32: the last word is partly used
+    logits = torch.randn(3, V, generator=g)
+    words = torch.randint(-(2**31), 2**31 - 1, (3, W), generator=g, dtype=torch.int64).int()
+    ours = apply_token_mask(logits, words)
+    for r in range(3):
+        for t in range(V):
+            bit = (int(words[r, t // 32]) >> (t % 32)) & 1
+            assert (ours[r, t] == float("-inf")) == (bit == 0)
+            assert bit == 0 or ours[r, t] == logits[r, t]
+    # a real mask against llguidance's own byte-per-token form of it
+    engine, _, comp = kit
+    m = comp.compile(GrammarSpec.json_schema(SCHEMAS["weather"])).matcher()
+    words = m.fill().clone()
+    bias = torch.frombuffer(bytearray(m.m.compute_logit_bias()), dtype=torch.uint8)
+    V = engine.cfg.vocab_size
+    masked = apply_token_mask(torch.zeros(1, V), words)[0]
+    assert torch.equal(masked == 0, bias[:V] > 0)
+
+
+def _decode(engine, tok, grammar, prompt=PROMPT, **kw):
+    params = SamplingParams(grammar=grammar, **{"max_tokens": 64, **kw})
+    steps = list(engine.generate_steps(tok.encode(prompt), params))
+    ids = [s.token for s in steps]
+    return ids, steps[-1].finish_reason
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_schema_suite_outputs_validate(kit, temperature):
+    engine, tok, comp = kit
+    finished = 0
+    for i, (name, schema) in enumerate(SCHEMAS.items()):
+        grammar = comp.compile(GrammarSpec.json_schema(schema))
+        ids, finish = _decode(engine, tok, grammar, temperature=temperature, seed=i)
+        m = grammar.matcher()
+        for t in ids[:-1] if finish == "stop" else ids:
+            m.consume(t)  # every token was allowed (raises otherwise)
+        if finish == "stop":
+            finished += 1
+            text = tok.decode(ids, skip_special_tokens=True)
+            jsonschema.validate(json.loads(text), schema)  # 100% of the finished ones
+            assert m.done or m.m.is_accepting(), name
+    assert finished >= len(SCHEMAS) // 2, f"only {finished} of {len(SCHEMAS)} finished"
+
+
+def test_jump_forward_appends_forced_tokens_without_sampling(kit, monkeypatch):
+    engine, tok, comp = kit
+    calls = []
+    real = structured._forward
+    monkeypatch.setattr(structured, "_forward", lambda e, ids, pos: (calls.append(ids),
+                        real(e, ids, pos))[1])  # fmt: skip
+    grammar = comp.compile(GrammarSpec("regex", "The answer is (yes|no), because [a-z]{3}\\."))
+    ids, finish = _decode(engine, tok, grammar)
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert finish == "stop" and text.startswith("The answer is ") and text.endswith(".")
+    assert any(len(c) > 1 for c in calls)  # a forced run went in as one chunk
+    assert len(calls) < len(ids) - 1  # fewer forwards than tokens
+
+
+def test_speculative_and_prefix_reuse_keep_the_tokens(kit):
+    engine, tok, comp = kit
+    prompt = "def f(x):\n    return x + 1\n\n" * 3
+    grammar = comp.compile(GrammarSpec("regex", "[a-z_ ():+1\\n]{1,60}"))
+    plain, _ = _decode(engine, tok, grammar, prompt=prompt)
+    again, _ = _decode(engine, tok, grammar, prompt=prompt)
+    assert again == plain and engine.stats.cached_tokens > 0  # the prompt came from the cache
+    spec = Engine(
+        engine.model, speculative=SpeculativeConfig(4, prompt_lookup_max=4, prompt_lookup_min=2)
+    )
+    drafted, _ = _decode(spec, tok, grammar, prompt=prompt)
+    assert drafted == plain
+    figures = spec.stats.extra["speculative"]
+    assert figures["draft_tokens"] > 0 and figures["accepted_tokens"] > 0, figures
+
+
+def test_logprobs_under_a_grammar(kit):
+    engine, tok, comp = kit
+    grammar = comp.compile(GrammarSpec("choice", json.dumps(["alpha", "beta"])))
+    params = SamplingParams(max_tokens=8, logprobs=2, grammar=grammar)
+    steps = list(engine.generate_steps(tok.encode(PROMPT), params))
+    assert tok.decode([s.token for s in steps], skip_special_tokens=True) in ("alpha", "beta")
+    assert all(s.logprob is not None and s.logprob <= 0 for s in steps)
+
+
+def test_compile_cache_and_errors(kit):
+    _, _, comp = kit
+    spec = GrammarSpec.json_schema({"type": "integer"})
+    assert comp.compile(spec) is comp.compile(GrammarSpec.json_schema({"type": "integer"}))
+    with pytest.raises(GrammarError, match="not"):
+        comp.compile(GrammarSpec.json_schema({"type": "object", "not": {}}))
+    with pytest.raises(GrammarError, match="regex"):
+        comp.compile(GrammarSpec("regex", "a(", "structured_outputs.regex"))
+    m = comp.compile(GrammarSpec("regex", "ab")).matcher()
+    with pytest.raises(GrammarError, match="not allowed"):
+        m.consume(comp.tokenizer.encode("zz", add_special_tokens=False)[0])
+
+
+def test_a_complete_grammar_cannot_be_extended(kit):
+    """ignore_eos past a complete grammar: no token is allowed, the request ends in an error."""
+    engine, tok, comp = kit
+    grammar = comp.compile(GrammarSpec("regex", "ok"))
+    with pytest.raises(GrammarError, match="complete"):
+        _decode(engine, tok, grammar, ignore_eos=True)
+
+
+def test_cli_json_schema(tmp_path, capsys):
+    from expresslane.__main__ import main
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 9}, "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}  # fmt: skip
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    code = main(["run", "--json-schema", str(tmp_path / "s.json"), "--max-tokens", "40", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    jsonschema.validate(json.loads(out["text"]), schema)
+    (tmp_path / "bad.json").write_text('{"type": "object", "not": {}}')
+    assert main(["run", "--json-schema", str(tmp_path / "bad.json")]) == 2
+    assert "Unimplemented keys" in capsys.readouterr().err
