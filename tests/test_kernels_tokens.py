@@ -12,24 +12,11 @@ run compiled (the staged `tests` stage), which is where the layouts' reduction o
 from __future__ import annotations
 
 import json
-import os
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
-
-GPU = torch.cuda.is_available()
-if not GPU:
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before TRITON_INTERPRET=1 could be set: run this file on its "
-            "own or export TRITON_INTERPRET=1",
-            allow_module_level=True,
-        )
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton`
-
-triton = pytest.importorskip("triton")
+from triton_interp import DEVICE, GPU, triton  # noqa: E402, F401  (first: sets the interpreter)
 
 from expresslane.kernels import ref, tuning  # noqa: E402
 from expresslane.kernels.decode_attention import decode_attention  # noqa: E402
@@ -43,7 +30,6 @@ from expresslane.kernels.lm_head import lm_head_argmax, lm_head_logits  # noqa: 
 from expresslane.kernels.norm_qkv import norm_qkv  # noqa: E402
 from expresslane.kernels.swiglu import norm_swiglu  # noqa: E402
 
-DEVICE = "cuda" if GPU else "cpu"
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.bfloat16]
 S = 4  # tokens per launch (a decode step and 3 drafts)

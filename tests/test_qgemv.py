@@ -9,20 +9,9 @@ dequantized into a plain float model (kernels/qlinear.quantized_reference).
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
-
-GPU = torch.cuda.is_available()
-if not GPU:
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set: run this file "
-                    "on its own or export TRITON_INTERPRET=1", allow_module_level=True)  # fmt: skip
-    os.environ["TRITON_INTERPRET"] = "1"
-
-pytest.importorskip("triton")
+from triton_interp import DEVICE, GPU, triton  # noqa: E402, F401  (first: sets the interpreter)
 
 from expresslane.errors import ConfigError  # noqa: E402
 from expresslane.gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -35,7 +24,6 @@ from expresslane.kernels.qlinear import (  # noqa: E402
 )
 from expresslane.weights import gpu_pack, quant  # noqa: E402
 
-DEVICE = "cuda" if GPU else "cpu"
 pytestmark = pytest.mark.gpu
 FORMATS = [("int8", 32), ("int8", 128), ("int4", 32), ("int4", 128)]
 
