@@ -1,3 +1,3 @@
 """Speculative decoding by prompt lookup: the config, drafter and exact acceptance rule
-(`drafting.py`), the verify step (`verify.py`) and the loop that streams kept tokens
-(`decoder.py`)."""
+(`drafting.py`) and the loop that verifies drafts on the engine's own step and streams what is
+kept (`decoder.py`)."""
