@@ -32,7 +32,7 @@ from .speculative.drafting import SpeculativeConfig
 from .step.choose import choose_step
 from .step.fused import MAX_OVERRUN
 from .step.graph import DecodeGraph, committed_tokens
-from .structured import constrained_steps
+from .structured.decoding import constrained_steps
 from .weights.packing import load_packed
 
 # The sampler structures captured at load on a GPU: greedy, plain sampling and top-p (what chat

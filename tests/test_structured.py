@@ -18,9 +18,9 @@ from expresslane.assets import default_model_dir
 from expresslane.bench.schemas import SCHEMAS
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
-from expresslane.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from expresslane.sampler import apply_token_mask
 from expresslane.speculative.drafting import SpeculativeConfig
+from expresslane.structured.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from expresslane.tokenizer import Tokenizer
 
 jsonschema = pytest.importorskip("jsonschema")

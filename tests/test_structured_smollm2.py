@@ -15,8 +15,8 @@ from expresslane.bench.schemas import SCHEMAS
 from expresslane.bench.structured import _prompt
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
-from expresslane.grammar import GrammarCompiler, GrammarSpec
 from expresslane.serve.tools import parse_calls, plan_tools, prompt_messages
+from expresslane.structured.grammar import GrammarCompiler, GrammarSpec
 from expresslane.tokenizer import Tokenizer
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -22,7 +22,7 @@ import torch
 
 from ..config import SamplingParams
 from ..engine import Engine
-from ..grammar import GrammarCompiler, GrammarSpec
+from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from .schemas import SCHEMAS
 

@@ -19,11 +19,11 @@ from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError, ExpressLaneError
-from ..grammar import GrammarCompiler, GrammarSpec
 from ..parallel import launch, rendezvous
 from ..speculative.drafting import SpeculativeConfig
 from ..step.choose import default_decode
 from ..step.threads import set_threads
+from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..textgen import generate_text
 from ..tokenizer import Tokenizer
 

@@ -26,7 +26,7 @@ from typing import Any
 from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import RequestError, TokenizerError
-from ..grammar import GrammarCompiler, GrammarSpec
+from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from ..tokenizer.bounds import text_bytes
 from . import protocol as P

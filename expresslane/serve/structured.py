@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from ..errors import RequestError
-from ..grammar import GrammarSpec
+from ..structured.grammar import GrammarSpec
 
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
           "guided_choice", "guided_grammar", "json_schema", "grammar")  # fmt: skip

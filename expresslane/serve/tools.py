@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RequestError
-from ..grammar import COMPACT, GrammarSpec
+from ..structured.grammar import COMPACT, GrammarSpec
 
 STYLES = ("hermes", "mistral", "llama3")
 GENERIC_PROMPT = (

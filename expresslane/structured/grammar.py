@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .errors import ExpressLaneError, RequestError
+from ..errors import ExpressLaneError, RequestError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
 # Compact JSON (no whitespace between tokens): fewer tokens, and no whitespace runs for a small

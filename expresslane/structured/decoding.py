@@ -30,10 +30,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .config import SamplingParams
+from ..config import SamplingParams
+from ..sampler import SamplerKnobs, apply_token_mask, sample
+from ..speculative.drafting import NgramDrafter, accept
 from .grammar import GrammarError, Matcher
-from .sampler import SamplerKnobs, apply_token_mask, sample
-from .speculative.drafting import NgramDrafter, accept
 
 
 def _step_rows(engine, ids: list[int], pos: int) -> torch.Tensor:
