@@ -11,8 +11,7 @@ engine hands over after the prefill, so prefix reuse works as for any request). 
   CPU the forward holds every core, and a helper thread for the mask measured slower than
   computing it in line (microseconds to a millisecond a token), so it runs in line there too;
 - jump-forward: the tokens the grammar forces (`Matcher.forced`, the only continuation) are
-  appended without sampling and go through the forward with the picked token, as one prefill
-  chunk of the cache;
+  appended without sampling and go through the step with the picked token, several per call;
 - with speculative decoding, prompt-lookup drafts are cut to the prefix the grammar accepts,
   and each verified row is masked by the grammar's state before it (`Matcher.masks`), so what
   is kept is exactly what constrained decoding would pick (greedy) or its distribution;
@@ -21,7 +20,7 @@ engine hands over after the prefill, so prefix reuse works as for any request). 
 
 Each token and each verify goes through the engine's own step (`Step.forward`, uncaptured:
 the grammar's request is not replayed from a graph yet), so its rows are the bits the decode
-graph computes; forced tokens go through the model's forward as one prefill chunk.
+graph computes; forced tokens go through it too, several per call (`_forward`).
 """
 
 from __future__ import annotations
@@ -49,14 +48,23 @@ def _step_rows(engine, ids: list[int], pos: int) -> torch.Tensor:
         cache.static, cache.live = False, None
 
 
+STEP_TOKENS = 8  # tokens per step call: the fused GPU step's most (step/fused.py MAX_TOKENS)
+
+
+def _chunk(cache) -> int:
+    """Tokens one step call may write: a ring must still hold the first token's window while
+    the last one writes (the rings' headroom), and at most STEP_TOKENS."""
+    room = [k.shape[0] - w + 1 for w, k in zip(cache.windows, cache.k, strict=True) if w]
+    return max(1, min([STEP_TOKENS, *room]))
+
+
 def _forward(engine, ids: list[int], pos: int) -> torch.Tensor:
-    """Logits (V,) after `ids` written from `pos`; the cache commits them. One token goes through
-    the decode step; forced tokens (jump-forward) through the model as a prefill chunk."""
-    if len(ids) == 1:
-        logits = _step_rows(engine, ids, pos)[-1]
-    else:
-        x = torch.tensor([ids], device=engine.device)
-        logits = engine.model(x, cache=engine.cache, last_only=True)[0, -1]
+    """Logits (V,) after `ids` written from `pos`; the cache commits them. The picked token and
+    the forced ones (jump-forward) go through the decode step, several per call: the model's
+    own forward would dequantize packed weights on every call."""
+    step = _chunk(engine.cache)
+    for at in range(0, len(ids), step):
+        logits = _step_rows(engine, ids[at : at + step], pos + at)[-1]
     engine.cache.commit(ids)
     return logits
 
