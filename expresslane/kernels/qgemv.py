@@ -24,7 +24,14 @@ import triton
 import triton.language as tl
 
 from ..weights.gpu_pack import CHUNK, GPUQuant
-from .gemv import assert_norm_weight, cast_as, launch_kwargs, num_sms, pdl_prologue, round_as
+from .gemv import (
+    assert_norm_weight,
+    cast_as,
+    launch_kwargs,
+    normed_chunk,
+    num_sms,
+    pdl_prologue,
+)
 
 MAX_TOKENS = 8
 
@@ -44,16 +51,6 @@ def _token_rstd(x_ptr, stride, K, eps, S, BLOCK_S: tl.constexpr, BLOCK_K: tl.con
         r = 1.0 / tl.sqrt(tl.sum(acc, 0) / K + eps)
         rstd = tl.where(offs_s == s, r, rstd)
     return rstd
-
-
-@triton.jit
-def _x_slice(x_ptr, nw_ptr, offs_k, mask_k, rstd, HAS_NORM: tl.constexpr):
-    """x[offs_k] (any shape of offsets) as fp32, normed and rounded like the reference."""
-    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        w = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        x = round_as(x * rstd * w, x_ptr)
-    return x
 
 
 @triton.jit
@@ -115,8 +112,8 @@ def qgemv_kernel(
                 mk_lo = kc + i < k_end
                 mk_hi = kc + 32 + i < k_end
                 r = tl.sum(tl.where(offs_s == s, rstd, 0.0), 0)
-                x_lo = _x_slice(x_s, nw_lane, kc + i, mk_lo, r, HAS_NORM)  # (1, NC, 32)
-                x_hi = _x_slice(x_s, nw_lane, kc + 32 + i, mk_hi, r, HAS_NORM)
+                x_lo = normed_chunk(x_s, nw_lane, kc + i, mk_lo, r, HAS_NORM)  # (1, NC, 32)
+                x_hi = normed_chunk(x_s, nw_lane, kc + 32 + i, mk_hi, r, HAS_NORM)
                 part = tl.sum(tl.sum(w_lo * x_lo + w_hi * x_hi, 2), 1)  # (BLOCK_O,)
                 acc = tl.where(offs_s[:, None] == s, acc + part[None, :], acc)
     else:
@@ -133,7 +130,7 @@ def qgemv_kernel(
                 x_s = x_lane + s * L * K
                 mk = kg + i < tl.where(s < S, K, 0)  # a token past S reads nothing
                 r = tl.sum(tl.where(offs_s == s, rstd, 0.0), 0)
-                x = _x_slice(x_s, nw_lane, kg + i, mk, r, HAS_NORM)  # (1, NGB, GROUP)
+                x = normed_chunk(x_s, nw_lane, kg + i, mk, r, HAS_NORM)  # (1, NGB, GROUP)
                 part = tl.sum(tl.sum(w * x, 2), 1)
                 acc = tl.where(offs_s[:, None] == s, acc + part[None, :], acc)
     y = y_ptr + (offs_s[:, None] * L + lane) * O + offs_o[None, :]
