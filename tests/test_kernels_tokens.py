@@ -305,7 +305,7 @@ def test_fused_decoder_forward_rows_equal_decode_steps():
             logits[name] = dec.forward(drafts, at(p))
             last = dec.next_token(drafts, at(p), params, None)  # the same KV written again
         else:
-            logits[name] = torch.stack([dec.logits(drafts[j : j + 1], at(p + j))
+            logits[name] = torch.stack([dec.forward(drafts[j : j + 1], at(p + j))[0]
                                         for j in range(len(drafts))])  # fmt: skip
     assert torch.equal(logits["verify"], logits["steps"])
     assert last.item() == logits["verify"][-1].argmax().item()

@@ -138,7 +138,7 @@ def teacher_forced(model, ref, prefill: int, steps: int, tol: float) -> dict:
             model(ids[:, s : min(s + 512, prefill)], cache=cache, last_only=True)
         cache.static = True
         dec = FusedDecoder(model, cache)
-        got = torch.stack([dec.logits(ids[:, t : t + 1], torch.tensor([t], device=p.device))
+        got = torch.stack([dec.forward(ids[:, t : t + 1], torch.tensor([t], device=p.device))[0]
                            for t in range(prefill, prefill + steps)]).float()  # fmt: skip
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).tolist()
     own_rel = ((own - want).norm(dim=-1) / want.norm(dim=-1)).tolist()

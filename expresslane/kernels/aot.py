@@ -203,7 +203,7 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
         decoder = FusedDecoder(model, cache, kernels=True)
         decoder.next_token(token, position, SamplingParams(temperature=0.0), None)
         if logits:
-            decoder.logits(token, position)
+            decoder.forward(token, position)[0]
     return launches
 
 

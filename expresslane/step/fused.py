@@ -141,10 +141,6 @@ class FusedDecoder:
         """Greedy token after each of tokens (S,): (S,) int64, no logits materialised."""
         return self._head("lm_head_argmax", self.hidden(tokens, position))
 
-    def logits(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (V,) for the one token at `position`."""
-        return self.forward(token, position)[0]
-
     def next_token(
         self,
         tokens: torch.Tensor,
