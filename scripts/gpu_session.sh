@@ -2,7 +2,8 @@
 # The GPU session in stages, for the device machine (no network; torch, triton and transformers
 # preinstalled; nothing is installed here). Plan and timings: docs/gpu-session.md.
 #
-#   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] scripts/gpu_session.sh [--dry-run] STAGE...
+#   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] [LIMITS="stage=seconds ..."]
+#          [SWEEP_MODELS="laneformer-2b ..."] scripts/gpu_session.sh [--dry-run] STAGE...
 #   stages: smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b
 #           (at most 4 per call: 8 files)
 #
@@ -10,6 +11,9 @@
 # (rows kept as measured, test verdicts, rc, seconds) goes to $OUT/STAGE.json. A stage that fails
 # or times out never stops the next one. The last lines printed are one summary line per stage;
 # the exit code is 1 when any stage failed.
+# LIMITS lowers (or raises) stages' limits so that a call's stages fit its device time. A sweep
+# that completes installs its table on the device (never in a dry run), so the later stages of the
+# same call run with its winners; this machine installs the same file after the call.
 # --dry-run: every stage on the CPU with tiny presets (kernels in the Triton interpreter), the
 # same files: what CI runs to prove the plumbing.
 set -uo pipefail
@@ -75,10 +79,14 @@ stage_command() {
                       --steps 20)
       ((DRY)) && CMD+=(--dry-run) ;;
     sweep)  # every kernel variant checked, then timed; the winners: sweep.json's result.table
-      LIMIT=480; CMD=("$PY" -m expresslane.bench.sweep --model laneformer-2b llama-3.2-1b
-                      --context 1024 --tokens 1 4)
+      LIMIT=480; CMD=("$PY" -m expresslane.bench.sweep --model ${SWEEP_MODELS:-laneformer-2b
+                      llama-3.2-1b} --context 1024 --tokens 1 4)
       ((DRY)) && CMD+=(--dry-run --tokens 2) ;;
   esac
+  local kv
+  for kv in ${LIMITS:-}; do [ "${kv%%=*}" = "$1" ] && LIMIT=${kv#*=}; done
+  # the sweep stops starting cases 30 s before its limit and still writes its table
+  [ "$1" = sweep ] && CMD+=(--budget $((LIMIT > 60 ? LIMIT - 30 : LIMIT / 2)))
 }
 
 run_stage() {
@@ -95,6 +103,9 @@ run_stage() {
     > "$OUT/$name.json" 2>> "$log" \
     || printf '{"stage": "%s", "rc": %d, "ok": false, "seconds": %d, "timed_out": false, "rows": [], "result": null}\n' \
       "$name" "$rc" "$secs" > "$OUT/$name.json"
+  if [ "$name" = sweep ] && ((!DRY)) && "$PY" -m expresslane.bench.sweep --install "$OUT/sweep.json"; then
+    echo "=== sweep: its winners are installed for the later stages of this call"
+  fi
   if [ "$name" = smoke ] && grep -q '"pdl_broken": true' "$log"; then
     export EXPRESSLANE_PDL=0  # the graph check failed with PDL and passed without
     echo "=== smoke: PDL unsafe here; the later stages of this call run with EXPRESSLANE_PDL=0"

@@ -2,7 +2,7 @@
 
     python -m expresslane.bench.sweep [--model laneformer-2b llama-3.2-1b] [--context 1024]
         [--attention-contexts 128 1024 4000] [--tokens 1 4] [--reps 30] [--trials 10]
-        [--table OUT.json] [--dry-run]
+        [--table OUT.json] [--budget SECONDS] [--dry-run]
     python -m expresslane.bench.sweep --install OUT/sweep.json   (after a GPU session)
 
 For each model and each kernel of its fused step (norm_qkv, attention full / sliding, the wo
@@ -36,6 +36,7 @@ import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -329,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--table", default=None, help="write the winners here (tuning JSON)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds: start no new case after this, and still write the table of "
+                    "the cases swept (a device call's limit cuts the stage otherwise)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--install", metavar="SWEEP_JSON", default=None,
                     help="write the table of a sweep stage's result (OUT/sweep.json) or of a "
@@ -364,9 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     s_cols = "".join(f"{'us S=' + str(n):>10}" for n in args.tokens)
     print(f"sweep on {gpu}, context {args.context}, tokens {args.tokens}")
     print(f"{'model':<16}{'case':<34}{'variant':<30}{'exact':>6}{s_cols}")
+    start, skipped = time.monotonic(), []
     for d in dims:
         ctxs = [c for c in args.attention_contexts if c + max(args.tokens) <= d.MAX_LEN]
         for case in cases(d, args.context, dtype, dev, max(args.tokens), ctxs):
+            if args.budget is not None and time.monotonic() - start > args.budget:
+                skipped.append(f"{d.name} {case.label}")
+                continue
             for r in sweep_case(case, args, dtype, dev):
                 r["model"] = d.name
                 rows.append(r)
@@ -387,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"bench": "sweep", "device": gpu, "context": args.context,
                       "tokens": args.tokens, "variants": len(rows),
                       "rejected": sum("error" in r for r in rows), "inexact": len(inexact),
-                      "defaults_failed": len(failed), "table": doc, "rows": rows}))  # fmt: skip
+                      "defaults_failed": len(failed), "skipped": skipped, "table": doc,
+                      "rows": rows}))  # fmt: skip
     return 1 if failed or inexact else 0
 
 
