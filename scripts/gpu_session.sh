@@ -62,7 +62,8 @@ stage_command() {
            "${peers[@]}" --peer-compile-backend eager) ;;
     tests)  # the GPU tests only (a marker: -k would match module names, every CPU test too)
       LIMIT=540
-      CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider "${GPU_TESTS[@]}")
+      CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider --continue-on-collection-errors
+           "${GPU_TESTS[@]}")
       # the quantized-product and kernel tests (the last three) take minutes in the interpreter
       ((DRY)) && CMD=("${CMD[@]:0:${#CMD[@]}-3}") ;;
     kernels)

@@ -160,8 +160,8 @@ def cases(d: Dims, context: int, dtype: torch.dtype, dev: str, s_max: int,
         pos[held % cap] = held
         return k, k.clone(), pos
 
-    def at(p):
-        return torch.tensor([p], dtype=torch.int64, device=dev)
+    # made before any capture: a host-to-device copy cannot be captured
+    wheres = [torch.tensor([pos0 + j], dtype=torch.int64, device=dev) for j in range(s_max)]
 
     x = torch.randn(s_max, L, D, device=dev).to(dtype)
     nw = (1 + 0.1 * torch.randn(D, device=dev)).to(dtype)
@@ -179,14 +179,14 @@ def cases(d: Dims, context: int, dtype: torch.dtype, dev: str, s_max: int,
 
     def qkv_ref(p, n):
         cache = [t.clone() for t in p["kv"]]
-        return ref.norm_qkv(x[:n], nw, p["wq"], p["wk"], p["wv"], cos, sin, at(pos0), *cache,
+        return ref.norm_qkv(x[:n], nw, p["wq"], p["wk"], p["wv"], cos, sin, wheres[0], *cache,
                             rope_style=d.rope)  # fmt: skip
 
     out.append(Case("norm_qkv", f"L{L} ({QL}+2x{KL}) x {D}", L * (QL + 2 * KL) * D * e,
                     lambda: {"wq": w(L, QL, D), "wk": w(L, KL, D), "wv": w(L, KL, D),
                              "kv": kv(ring or d.MAX_LEN)},
-                    lambda p, n: qkv(p, x[:n], at(pos0))[0],
-                    lambda p, j: qkv(p, x[j], at(pos0 + j))[0], qkv_ref))  # fmt: skip
+                    lambda p, n: qkv(p, x[:n], wheres[0])[0],
+                    lambda p, j: qkv(p, x[j], wheres[j])[0], qkv_ref))  # fmt: skip
     for ctx in attn_contexts:  # splits are fixed cache chunks: time short and long contexts
         for name, cap, win in (("full", d.MAX_LEN, None), ("sliding", ring, d.WINDOW)):
             if cap is not None:
@@ -313,6 +313,7 @@ def install(result_path: str) -> int:
     for kernel, entries in doc["kernels"].items():
         old["kernels"].setdefault(kernel, {}).update(entries)
     merged = {**doc, "kernels": old["kernels"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     print(f"wrote {path}")
     return 0
