@@ -124,8 +124,8 @@ def test_every_sampler_is_captured_and_replayed_on_the_gpu(name, fused):
     m = init_weights(Laneformer(cfg).to("cuda")).eval()
     eng = Engine(m, max_model_len=300, decode="graph")
     eng.prefill([1, 7, 9, 30, 11])
-    decoder = FusedDecoder(m, eng.cache) if fused else None
-    g = graph_mod.DecodeGraph(m, eng.cache, SAMPLERS[name], steps=2, decoder=decoder)
+    step = FusedDecoder(m, eng.cache) if fused else EagerStep(m, eng.cache)
+    g = graph_mod.DecodeGraph(step, SAMPLERS[name], steps=2)
     g.load(torch.tensor(5, device="cuda"), position=5)
     g.run()  # capture (synchronises, by design)
     assert g.graph is not None
