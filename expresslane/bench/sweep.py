@@ -2,7 +2,7 @@
 
     python -m expresslane.bench.sweep [--model laneformer-2b llama-3.2-1b] [--context 1024]
         [--attention-contexts 128 1024 4000] [--tokens 1 4] [--reps 30] [--trials 10]
-        [--table OUT.json] [--budget SECONDS] [--dry-run]
+        [--kernels NAME ...] [--only KEY ...] [--table OUT.json] [--budget SECONDS] [--dry-run]
     python -m expresslane.bench.sweep --install OUT/sweep.json   (after a GPU session)
 
 For each model and each kernel of its fused step (norm_qkv, attention full / sliding, the wo
@@ -46,15 +46,17 @@ import torch
 # BLOCK_N change a row's summation order (not its batch invariance: the key holds no S).
 VARIANTS: dict[str, list[dict]] = {
     "norm_qkv": [{}, {"PREFETCH": 1}, {"BLOCK_P": 4}, {"BLOCK_P": 16}, {"BLOCK_K": 128},
-                 {"num_warps": 8}, {"num_stages": 3}],
+                 {"num_warps": 8}, {"num_stages": 3}, {"EARLY": 0}, {"EARLY": 0, "PREFETCH": 1}],
     "attention": [{}, {"NUM_SPLITS": 8}, {"NUM_SPLITS": 32}, {"NUM_SPLITS": 64},
                   {"BLOCK_N": 32}, {"num_warps": 2}, {"num_warps": 8}],
     "gemv_reduce_past": [{}, {"PREFETCH": 1}, {"BLOCK_O": 8}, {"BLOCK_O": 32},
-                         {"BLOCK_K": 128}, {"num_warps": 8}, {"num_stages": 3}],
+                         {"BLOCK_K": 128}, {"num_warps": 8}, {"num_stages": 3}, {"EARLY": 0},
+                         {"EARLY": 0, "PREFETCH": 1}],
     "gemv_reduce_present": [{}, {"PREFETCH": 1}, {"BLOCK_O": 8}, {"SPLIT_K": 2},
-                            {"SPLIT_K": 4}, {"num_warps": 8}],
+                            {"SPLIT_K": 4}, {"num_warps": 8}, {"EARLY": 0},
+                            {"EARLY": 0, "PREFETCH": 1}],
     "norm_swiglu": [{}, {"PREFETCH": 1}, {"BLOCK_O": 4}, {"BLOCK_O": 16}, {"BLOCK_K": 128},
-                    {"num_warps": 8}, {"num_stages": 3}],
+                    {"num_warps": 8}, {"num_stages": 3}, {"EARLY": 0}, {"EARLY": 0, "PREFETCH": 1}],
     "lm_head": [{}, {"BLOCK_V": 8}, {"BLOCK_V": 16}, {"BLOCK_V": 64, "BLOCK_K": 64},
                 {"num_warps": 8}],
 }  # fmt: skip
@@ -255,6 +257,8 @@ def sweep_case(case: Case, args, dtype, dev: str) -> list[dict]:
     params = _copies(case.make, case.nbytes, args.reps)
     timer = _time_once if dev == "cpu" else _time_graph
     for variant in VARIANTS[case.kernel]:
+        if args.only and variant and not set(args.only) & set(variant):
+            continue  # --only: the default and the variants that set one of these keys
         row = {"kernel": case.kernel, "case": case.label, "variant": variant}
         with tuning.forcing(case.kernel, variant):
             try:
@@ -331,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--table", default=None, help="write the winners here (tuning JSON)")
+    ap.add_argument("--kernels", nargs="+", default=None, choices=sorted(VARIANTS),
+                    help="sweep only these kernels")  # fmt: skip
+    ap.add_argument("--only", nargs="+", default=None, metavar="KEY",
+                    help="only the default and the variants setting one of these keys "
+                    "(EARLY, PREFETCH, ...)")  # fmt: skip
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds: start no new case after this, and still write the table of "
                     "the cases swept (a device call's limit cuts the stage otherwise)")  # fmt: skip
@@ -373,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     for d in dims:
         ctxs = [c for c in args.attention_contexts if c + max(args.tokens) <= d.MAX_LEN]
         for case in cases(d, args.context, dtype, dev, max(args.tokens), ctxs):
+            if args.kernels and case.kernel not in args.kernels:
+                continue
             if args.budget is not None and time.monotonic() - start > args.budget:
                 skipped.append(f"{d.name} {case.label}")
                 continue

@@ -85,13 +85,19 @@ def head_logits(
     acc = tl.zeros([BLOCK_S, BLOCK_V, BLOCK_K], dtype=tl.float32)
     if MODE == 0:  # replicate: mean over lanes of the normed lanes
         mask_s = offs_s < S
+        # each lane's statistics once (a pass over D), not once per chunk of D
+        offs_l = tl.arange(0, BLOCK_L)
+        rstds = tl.full([BLOCK_L, BLOCK_S], 1.0, dtype=tl.float32)
+        for src in range(L):
+            r = rms_rstd_rows(h_ptr + src * D, L * D, S, D, eps, BLOCK_S, BLOCK_K)
+            rstds = tl.where(offs_l[:, None] == src, r[None, :], rstds)
         for k0 in range(0, D, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < D
             xsum = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
             for src in range(L):  # lane by lane (see _lane_sum_chunk)
                 x_row = h_ptr + src * D  # token s: x_row + s * L * D
-                rstd = rms_rstd_rows(x_row, L * D, S, D, eps, BLOCK_S, BLOCK_K)
+                rstd = tl.sum(tl.where(offs_l[:, None] == src, rstds, 0.0), 0)  # exact: one term
                 xsum += normed_rows(x_row, L * D, S, nw_ptr + src * stride_nwl, offs_k, mask_k,
                                     rstd, True, BLOCK_S)  # fmt: skip
             xm = round_as(xsum / L, h_ptr)  # (BLOCK_S, BLOCK_K)
