@@ -336,3 +336,40 @@ def test_quant_stage_headline_and_gptfast_quantizer(tmp_path):
     model.out = torch.nn.Linear(4, 3)
     model = _quantize(gf_quantize, model, "int8")
     assert model.out.weight.dtype == torch.int8
+
+
+def test_sweep_winners_need_a_real_gain_within_the_slack():
+    """A variant wins only if it is exact, within SLACK of the default at the widest S, and at
+    least MIN_GAIN faster at S = 1; gains under that (noise on the H200) keep the default."""
+    from expresslane.bench.sweep import winners
+
+    def row(variant, s1, s4, key="A", exact=True):
+        return {"kernel": "k", "key": key, "variant": variant, "exact": exact,
+                "us_s1": s1, "us_s4": s4}  # fmt: skip
+
+    rows = [row({}, 100.0, 200.0), row({"x": 1}, 99.0, 200.0), row({"y": 1}, 90.0, 205.0),
+            row({"z": 1}, 80.0, 300.0), row({"w": 1}, 70.0, 200.0, exact=False),
+            row({}, 100.0, 200.0, key="B"), row({"x": 1}, 99.0, 190.0, key="B")]  # fmt: skip
+    assert winners(rows, [1, 4]) == {"k": {"A": {"y": 1}}}
+
+
+def test_ttft_summary_splits_the_first_request_from_the_steady_state():
+    from expresslane.bench.ttft import summarise
+
+    rows = [
+        {"engine": e, "context": 64, "ttft_ms": ms}
+        for e, ms in [
+            ("ours", 50.0),
+            ("transformers", 12.0),
+            ("ours", 10.0),
+            ("transformers", 11.0),
+            ("ours", 12.0),
+            ("transformers", 13.0),
+        ]
+    ]
+    rows.append({"engine": "broken", "context": 64, "error": "RuntimeError: x"})  # fmt: skip
+    got = {r["engine"]: r for r in summarise(rows)}
+    assert got["ours"]["first_ms"] == 50.0 and got["ours"]["steady_ms"] == 11.0
+    assert got["ours"]["first_over_steady"] == 50.0 / 11.0
+    assert got["ours"]["steady_over_transformers"] == 11.0 / 12.0
+    assert got["broken"]["error"] == "RuntimeError: x"

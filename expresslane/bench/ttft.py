@@ -99,7 +99,7 @@ def profile_prefill(preset: str, context: int, device: str, dtype: str, top: int
         with profile(activities=acts) as prof:
             engine.prefill(prompt)
             sync(dev)
-        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         avg = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
         out[name] = [{"op": e.key[:60], "calls": e.count, "self_ms": getattr(e, key) / 1e3,
                       "cpu_total_ms": e.cpu_time_total / 1e3} for e in avg]  # fmt: skip
