@@ -33,6 +33,7 @@ from . import protocol as P
 from .formats import ChatFormat, CompletionFormat
 from .guards import ServeLimits
 from .logprobs import TokenText
+from .offload import TokenizeOffload
 from .structured import request_grammar
 from .tools import ToolPlan, plan_tools, prompt_messages
 from .worker import ChoiceSpec
@@ -67,6 +68,7 @@ class Preparer:
         self.text = TokenText(tok)
         self.grammars = GrammarCompiler(tok, engine.cfg.vocab_size)  # compiled ones cached
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="expresslane-prepare")
+        self.offload = TokenizeOffload(tok)  # very long /tokenize texts: another process
         tok.min_tokens("")  # compute the tokenizer's length bound now, not on a first request
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -75,6 +77,7 @@ class Preparer:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.offload.shutdown()
 
     # --- checks ---------------------------------------------------------------------------
     def check_text(self, text: str, param: str) -> None:
@@ -262,7 +265,7 @@ class Preparer:
             except ValueError as e:
                 raise RequestError(f"messages: {e}", param="messages") from None
             text = self.render(messages, add_generation_prompt=req.add_generation_prompt)
-            ids = self.tok.encode(text, add_special_tokens=False)
+            add = False
         else:
             text = req.prompt if req.prompt is not None else req.content
             if text is None:
@@ -270,10 +273,16 @@ class Preparer:
             add = next(
                 (v for v in (req.add_special_tokens, req.add_special) if v is not None), True
             )
+        strs = bool(req.return_token_strs)
+        done = self.offload.encode(text, add, strs) if self.offload.wants(text) else None
+        if done is not None:
+            count, ids, pieces = done
+        else:
             ids = self.tok.encode(text, add_special_tokens=add)
-        out = {"count": len(ids), "max_model_len": self.engine.max_len, "tokens": ids}
-        if req.return_token_strs:
-            out["token_strs"] = [self.tok.id_to_piece(i) for i in ids]
+            count, pieces = len(ids), [self.tok.id_to_piece(i) for i in ids] if strs else None
+        out = {"count": count, "max_model_len": self.engine.max_len, "tokens": ids}
+        if strs:
+            out["token_strs"] = pieces
         return out
 
     def detokenize(self, body: bytes) -> dict:

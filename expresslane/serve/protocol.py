@@ -304,12 +304,18 @@ def error_of(e: Exception) -> dict:
 SLICE = 16384  # list items json encodes at one go: a few ms with the GIL held
 
 
+class RawJSON(bytes):
+    """A value already serialised as JSON (ids a helper process wrote: serve/offload.py)."""
+
+
 def json_bytes(obj: Any) -> bytes:
     """`obj` as compact JSON (Starlette's JSONResponse's form), a long list a slice at a time.
 
     json's C encoder holds the GIL for a whole call: 700k token ids (a 4 MB /tokenize) held it,
     and so the event loop, for over half a second, even off the loop. Between slices the GIL
     changes hands and /health answers."""
+    if isinstance(obj, RawJSON):
+        return bytes(obj)
     if isinstance(obj, dict):
         items = (json_bytes(str(k))[:-1] + b'":' + json_bytes(v) for k, v in obj.items())
         return b"{" + b",".join(items) + b"}"

@@ -33,6 +33,7 @@ class Tokenizer:
     def __init__(self, backend, folder: Path, config: dict, specials: dict, eos_extra: list):
         self._backend = backend
         self.folder = folder
+        self.source: Path | None = None  # the path from_dir read (None: built in code)
         self.special_tokens = {k: v for k, v in specials.items() if v is not None}
         self.bos_token = self.special_tokens.get("bos_token")
         self.eos_token = self.special_tokens.get("eos_token")
@@ -53,7 +54,12 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """A tokenizer folder, or a GGUF file (or a folder holding one) whose metadata describes
         the tokenizer; tokenizer files beside a GGUF take precedence over its metadata."""
-        folder = Path(path)
+        tok = cls._from_dir(Path(path))
+        tok.source = Path(path)  # what another process loads the same tokenizer from
+        return tok
+
+    @classmethod
+    def _from_dir(cls, folder: Path) -> Tokenizer:
         gguf = gguf_file(folder)
         if gguf is not None:
             if not _has_tokenizer_files(gguf.parent):

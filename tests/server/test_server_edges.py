@@ -98,6 +98,31 @@ def test_health_answers_while_a_large_reply_is_serialised(server):
     assert req.response.json()["count"] >= 690_000
 
 
+def test_very_long_texts_are_tokenized_in_a_helper_process(server, monkeypatch):
+    """Past OFFLOAD_CHARS, /tokenize's ids come from a helper process (the server's GIL stays
+    free: BENCHMARKS.md's /health figures): the same reply as the server's own tokenizer."""
+    from expresslane.serve import offload
+
+    monkeypatch.setattr(offload, "OFFLOAD_CHARS", 200)
+    text = "héllo wörld, def f(x): return x ** 2\n" * 40
+    with own_server(server) as s:
+        body = {"prompt": text, "return_token_strs": True}
+        prompt = httpx.post(s.url + "/tokenize", json=body, timeout=120)
+        chat = httpx.post(
+            s.url + "/tokenize", json={"messages": [{"role": "user", "content": text}]}, timeout=120
+        )
+        short = httpx.post(s.url + "/tokenize", json={"prompt": "hi"})
+        helper = s.app.state.service.preparer.offload
+        assert helper.offloaded == 2  # the short one stayed in the server
+    ids = server.tok.encode(text)
+    assert prompt.json()["tokens"] == ids and prompt.json()["count"] == len(ids)
+    assert prompt.json()["token_strs"] == [server.tok.id_to_piece(i) for i in ids]
+    chat_ids = server.tok.encode_chat([{"role": "user", "content": text}],
+                                      add_generation_prompt=True)  # fmt: skip
+    assert chat.json()["tokens"] == chat_ids
+    assert short.json()["tokens"] == server.tok.encode("hi")
+
+
 # --- special tokens ---------------------------------------------------------------------------
 class Favour:
     """The model, except that token `token` always has the highest logit."""
