@@ -1,8 +1,10 @@
 """/health latency while the server is busy: refusing 12 MB bodies, preparing, generating.
 
 A server that tokenizes on its event loop stops answering everything while it does (a 12 MB
-prompt froze /health for 31 s). This serves MODEL in-process on a free port, polls /health
-from one client while another keeps the server busy, and reports the latencies per phase:
+prompt froze /health for 31 s). This starts `expresslane serve MODEL` in a process of its own
+(as a user runs it: the clients here never share its GIL), on a free port, once per phase,
+polls /health from one client while another keeps the server busy, and reports the latencies
+per phase:
 
 - idle: nothing else happening;
 - 413: 12 MB completions bodies, beyond --max-request-bytes;
@@ -23,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -41,6 +46,36 @@ def _poll(url: str, stop: threading.Event) -> list[float]:
             out.append(time.perf_counter() - t)
             time.sleep(0.005)
     return out
+
+
+class _server:
+    """`expresslane serve PATH FLAGS` on a free port, until it answers /health; stopped after."""
+
+    def __init__(self, path: str, flags: list[str]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "expresslane", "serve", path, "--port", str(self.port),
+               "--log-level", "warning", *flags]  # fmt: skip
+        # its banner and logs stay out of the table
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def __enter__(self) -> str:
+        url = f"http://127.0.0.1:{self.port}"
+        for _ in range(600):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode})")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the server did not answer /health in 60 s")
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
 
 
 def _phase(url: str, seconds: float, load) -> tuple[list[float], int]:
@@ -73,39 +108,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
 
-    import torch
-
     from expresslane.checkpoint import resolve_model_dir
-    from expresslane.cli.serve import serving
-    from expresslane.engine import Engine
-    from expresslane.serve import create_app
-    from expresslane.serve.guards import ServeLimits
-    from expresslane.tokenizer import Tokenizer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     path = str(resolve_model_dir(args.model))  # org/name: from the Hugging Face cache
-    engine = Engine.from_pretrained(path, progress=False)
-    tok = Tokenizer.from_dir(path)
     big = b'{"prompt": "' + b"x" * BIG + b'", "max_tokens": 4}'
     words = ("def add(a, b):\n    return a + b\n" * args.prompt_chars)[: args.prompt_chars]
     fits = {"prompt": words, "max_tokens": args.max_tokens, "ignore_eos": True}
     json_ct = {"Content-Type": "application/json"}
     large = {"prompt": ("def add(a, b): return a + b " * (4 << 20))[: (4 << 20) - 64]}  # no escapes
+    raised = ["--max-request-bytes", str(64 << 20)]
     phases = [
-        ("idle", ServeLimits(), lambda c: time.sleep(0.05)),
-        ("413 (12 MB body)", ServeLimits(), lambda c: c.post("/v1/completions", content=big,
-                                                                headers=json_ct)),
-        ("too long (12 MB prompt)", ServeLimits(max_request_bytes=64 << 20),
+        ("idle", [], lambda c: time.sleep(0.05)),
+        ("413 (12 MB body)", [], lambda c: c.post("/v1/completions", content=big,
+                                                    headers=json_ct)),
+        ("too long (12 MB prompt)", raised,
          lambda c: c.post("/v1/completions", content=big, headers=json_ct)),
-        ("prepare + generate", ServeLimits(), lambda c: c.post("/v1/completions", json=fits)),
-        ("4 MB /tokenize", ServeLimits(), lambda c: c.post("/tokenize", json=large)
-         .raise_for_status()),
+        ("prepare + generate", [], lambda c: c.post("/v1/completions", json=fits)),
+        ("4 MB /tokenize", [], lambda c: c.post("/tokenize", json=large).raise_for_status()),
     ]  # fmt: skip
+    threads = ["--threads", str(args.threads)] if args.threads else []
     rows = []
-    for name, limits, load in phases:
-        app = create_app(engine, tok, served_model_name="bench", limits=limits)
-        with serving(app) as url:
+    for name, flags, load in phases:
+        with _server(path, threads + flags) as url:
             lat, runs = _phase(url, args.seconds, load)
         ms = sorted(x * 1e3 for x in lat)
         rows.append({"phase": name, "requests": runs, "polls": len(ms),
@@ -116,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['phase']:<26}{r['requests']:>9}{r['polls']:>7}{r['p50_ms']:>9}"
               f"{r['p99_ms']:>9}{r['max_ms']:>9}")  # fmt: skip
-    print(json.dumps({"model": args.model, "device": str(engine.device), "phases": rows}))
+    print(json.dumps({"model": args.model, "phases": rows}))
     return 0
 
 
