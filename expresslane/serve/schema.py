@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from . import protocol as P
+from . import unsupported
 from .guards import ServeLimits
 
 
@@ -322,6 +323,8 @@ def install_openapi(app: FastAPI, limits: ServeLimits, names: list[str] | None =
                     model["anyOf"] = [{"enum": list(names)}, {"type": "null"}]
             for model in REQUEST_MODELS:
                 _state_rules(found[model.__name__])
+                if hasattr(model, "UNSUPPORTED"):
+                    unsupported.document(found[model.__name__]["properties"], model.UNSUPPORTED)
             app.openapi_schema = schema
         return app.openapi_schema
 

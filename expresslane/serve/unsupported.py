@@ -80,3 +80,34 @@ def refuse_unsupported(extra: dict[str, Any] | None, table: dict[str, Neutral]) 
                 f"{name}: not supported by this server (leave it out, or send its neutral value)",
                 param=name,
             )
+
+
+# What the OpenAPI schema says of each field above: only its neutral values, so that a client
+# (or a fuzzer) built from the schema never sends a value the server refuses.
+_NULL = {"type": "null"}
+_ABSENT = {"anyOf": [_NULL, {"const": ""}, {"type": "array", "maxItems": 0},
+                     {"type": "object", "maxProperties": 0}]}  # fmt: skip
+
+
+def _only(*values: Any) -> dict:
+    return {"anyOf": [_NULL, *({"const": v} for v in values)]}
+
+
+SCHEMAS: dict[str, dict] = {
+    "logit_bias": _ABSENT, "presence_penalty": _only(0), "frequency_penalty": _only(0),
+    "repetition_penalty": _only(1), "min_tokens": _only(0), "best_of": _only(1),
+    "prompt_logprobs": _NULL, "include_stop_str_in_output": _only(False),
+    "return_tokens_as_token_ids": _only(False), "truncate_prompt_tokens": _NULL,
+    "priority": _only(0), "suffix": _ABSENT, "functions": _ABSENT,
+    "function_call": _only("none", "auto"), "audio": _ABSENT,
+    "modalities": {"anyOf": [*_ABSENT["anyOf"], {"const": ["text"]}]}, "prediction": _ABSENT,
+    "web_search_options": _ABSENT, "echo": _only(False),
+}  # fmt: skip
+
+
+def document(properties: dict, table: dict[str, Neutral]) -> None:
+    """Add each unsupported field of `table` that a request model does not declare to its
+    schema's properties, with its neutral values only."""
+    for name in table:
+        if name not in properties:
+            properties[name] = {**SCHEMAS[name], "description": "not supported: neutral only"}

@@ -246,3 +246,24 @@ def test_schema_states_the_rules(server):
     completion = schemas["CompletionRequest"]["properties"]
     assert completion["echo"]["type"] == "boolean"
     assert completion["skip_special_tokens"]["default"] is True
+
+
+def test_schema_offers_only_the_neutral_values_of_unsupported_fields(server):
+    """A body valid by the schema is never refused for an unsupported field (the fuzzer once
+    sent function_call: [""]): each is declared with its neutral values, which the server takes,
+    and a value beyond them is the 400 naming the field."""
+    from expresslane.serve import unsupported
+
+    schemas = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    for model, table in (("CompletionRequest", unsupported.COMPLETIONS),
+                         ("ChatCompletionRequest", unsupported.CHAT)):  # fmt: skip
+        props = schemas[model]["properties"]
+        for name, neutral in table.items():
+            alts = props[name].get("anyOf", [props[name]])
+            consts = [a["const"] for a in alts if "const" in a]
+            assert any(a.get("type") == "null" for a in alts), (model, name)
+            assert all(neutral(v) for v in consts), (model, name, consts)
+    body = {"messages": USER, "max_tokens": 1, "function_call": "auto", "best_of": 1}
+    assert httpx.post(server.url + CH, json=body).status_code == 200
+    bad = httpx.post(server.url + CH, json={**body, "function_call": [""]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "function_call"
