@@ -287,9 +287,13 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
     /* rows in groups that stay in L2 while each block of tokens reads them (a row re-read at
        once from L1 stalls the weight stream); at least one group per thread */
     const int64_t rows = L * N, rb = el_row_bytes(fmt, K);
-    int64_t per = GROUP_BYTES / rb > 1 ? GROUP_BYTES / rb : 1;
-    if (threads > 1 && per > (rows + threads - 1) / threads) per = (rows + threads - 1) / threads;
-    const int64_t groups = (rows + per - 1) / per;
+    const int64_t most = GROUP_BYTES / rb > 1 ? GROUP_BYTES / rb : 1;
+    /* a whole number of groups per thread, as even as rows allow: 3 groups of 227 rows on 2
+       threads left one thread 2/3 of a bf16 product (the 2026-11-27 CPU regression) */
+    const int64_t t = threads > 1 ? threads : 1;
+    int64_t groups = ((rows + most - 1) / most + t - 1) / t * t;
+    const int64_t per = (rows + groups - 1) / groups;
+    groups = (rows + per - 1) / per;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t gi = 0; gi < groups; gi++) {
         const int64_t r0 = gi * per, r1 = r0 + per < rows ? r0 + per : rows;
