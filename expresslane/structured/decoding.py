@@ -16,7 +16,12 @@ engine hands over after the prefill, so prefix reuse works as for any request). 
   and each verified row is masked by the grammar's state before it (`Matcher.masks`), so what
   is kept is exactly what constrained decoding would pick (greedy) or its distribution;
 - a complete grammar ends the request at once with the end-of-text token, and a dead end (no
-  allowed token) raises a GrammarError: the request ends with that error, never with garbage.
+  allowed token) raises a GrammarError: the request ends with that error, never with garbage;
+- in the last `closing_reserve(budget)` tokens of max_tokens, a JSON grammar allows only the
+  tokens that end it soonest wherever it allows any (grammar.Closing: a string's closing quote,
+  `}` and `]`, separators, `null`), so an answer that would run out of tokens (an endless
+  number, a deep recursion) ends as valid JSON, shorter, with finish_reason "stop" as the
+  grammar completed; drafts are not proposed then.
 
 Each token and each verify goes through the engine's own step (`Step.forward`, uncaptured:
 the grammar's request is not replayed from a graph yet), so its rows are the bits the decode
@@ -48,6 +53,14 @@ def _step_rows(engine, ids: list[int], pos: int) -> torch.Tensor:
         cache.static, cache.live = False, None
 
 
+def closing_reserve(budget: int) -> int:
+    """The last tokens of a budget in which JSON is steered to close: enough for a string's
+    quote and a few levels of brackets, at most half of a short budget."""
+    return min(CLOSING_TOKENS, budget // 2)
+
+
+CLOSING_TOKENS = 24
+LEVEL_TOKENS = 6  # tokens to close an open object or array: separator, key, value, bracket
 STEP_TOKENS = 8  # tokens per step call: the fused GPU step's most (step/fused.py MAX_TOKENS)
 
 
@@ -85,9 +98,15 @@ class _Constrained:
         self.drafter = NgramDrafter(spec.cfg, list(prompt_ids)) if spec is not None else None
         self.eos = next(iter(engine.cfg.eos_token_ids), None)
 
-    def next_mask(self) -> None:
+    def closing(self, left: int, reserve: int) -> bool:
+        """Steer to the end now? In the last `reserve` tokens plus a few per open object or
+        array (each takes tokens to close), or when a number runs away."""
+        m = self.matcher
+        return left <= reserve + LEVEL_TOKENS * m.depth or m.runaway
+
+    def next_mask(self, closing: bool = False) -> None:
         """Compute the mask after the consumed tokens into the host buffer."""
-        self.host.copy_(self.matcher.fill()[0])
+        self.host.copy_(self.matcher.fill(closing)[0])
 
     def pick(self, logits: torch.Tensor) -> int:
         self.knobs.token_mask.copy_(self.host, non_blocking=True)
@@ -142,7 +161,8 @@ def constrained_steps(
     the engine's loop makes the steps, stops and cancels between any two of them."""
     c = _Constrained(engine, prompt_ids, params, gen)
     want_lp = params.logprobs is not None
-    c.next_mask()
+    reserve = closing_reserve(budget)
+    c.next_mask(closing=budget <= reserve)  # (nothing written yet: depth 0)
     pos, left = len(prompt_ids), budget
     while left > 0:
         last = c.pick(logits)
@@ -153,7 +173,7 @@ def constrained_steps(
             if c.matcher.done and not want_lp:  # only the end of text is left: no forward
                 yield from c.end()
             forced = [] if want_lp else c.matcher.forced()[: left - 1]
-            drafts = [] if forced else c.drafts(pos, left)
+            drafts = [] if forced or c.closing(left, reserve) else c.drafts(pos, left)
             if not drafts:
                 break
             new = c.verify(last, drafts, pos)[:left]
@@ -168,7 +188,8 @@ def constrained_steps(
             yield from ((t, None) for t in forced)
             yield from c.end()
         logits = _forward(engine, [last, *forced], pos)  # on a GPU: launched, running
-        c.next_mask()  # the host's work while the device runs the forward; a dead end raises
+        # the host's work while the device runs the forward; a dead end raises
+        c.next_mask(closing=c.closing(left - len(forced), reserve))
         pos += 1 + len(forced)
         for t in forced:
             yield t, None
