@@ -166,7 +166,9 @@ class GrammarCompiler:
         if is_error:
             why = "; ".join(messages)
             raise GrammarError(f"{spec.param}: unsupported {spec.kind}: {why}", spec.param)
-        closing = self.closing() if spec.kind in JSON_KINDS else None
+        # JSON grammars, and the tool calls' (JSON inside the template's wrapper: serve/tools.py)
+        json_like = spec.kind in JSON_KINDS or spec.param == "tools"
+        closing = self.closing() if json_like else None
         grammar = Grammar(lltok, text, self.vocab_size, spec, closing)
         grammar.matcher()  # compiles the lexer now, before the request's clock starts
         with self._lock:
