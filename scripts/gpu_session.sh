@@ -4,7 +4,7 @@
 #
 #   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] [LIMITS="stage=seconds ..."]
 #          [SWEEP_MODELS="laneformer-2b ..."] scripts/gpu_session.sh [--dry-run] STAGE...
-#   stages: smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b
+#   stages: smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft
 #           (at most 4 per call: 8 files)
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
@@ -23,7 +23,7 @@ OUT=${OUT:-out}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-STAGES=(smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b)
+STAGES=(smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -75,6 +75,10 @@ stage_command() {
       CMD=("$PY" -m expresslane.bench.quant_gpu --preset "$preset" --context 1024)
       [ -n "${GPTFAST_DIR:-}" ] && CMD+=(--gptfast "$GPTFAST_DIR")
       ((DRY)) && CMD=("$PY" -m expresslane.bench.quant_gpu --preset "$preset" --dry-run) ;;
+    ttft)  # a context's first request against the steady state, then the prefill's top ops
+      LIMIT=150; CMD=("$PY" -m expresslane.bench.ttft --preset laneformer-2b --contexts 1024 4000
+                      --repeats 3 --profile)
+      ((DRY)) && CMD+=(--dry-run) ;;
     profile)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.profile --model laneformer-2b --context 1024
                       --steps 20)

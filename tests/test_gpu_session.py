@@ -36,7 +36,7 @@ def test_dry_run_of_every_stage(tmp_path):
     """Two calls (at most 4 stages a call: 8 files come back), run side by side: each stage
     leaves its whole log and a JSON result, the bench's rows stream before its table, and the
     summary line of each stage comes last."""
-    calls = [("smoke", "bench-2b", "bench-1b"), ("tests", "kernels", "profile", "sweep")]
+    calls = [("smoke", "bench-2b", "bench-1b", "ttft"), ("tests", "kernels", "profile", "sweep")]
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
     for stages, proc in zip(calls, procs, strict=True):
@@ -66,6 +66,10 @@ def test_dry_run_of_every_stage(tmp_path):
     log = (tmp_path / "smoke" / "bench-2b.log").read_text()
     assert log.index('{"row"') < log.index("-" * 40)  # a row printed before the final table
     assert results["bench-1b"]["result"]["rows"][2]["model"] == "same weights"
+    ttft = results["ttft"]["result"]
+    assert {r["engine"] for r in ttft["summary"]} >= {"expresslane+kernels", "transformers"}
+    assert all(r["requests"] == 3 and r["first_ms"] > 0 for r in ttft["summary"])
+    assert ttft["profile"]["first"] and ttft["profile"]["second"]
     tests = results["tests"]["tests"]
     # every GPU test was collected and skipped here: none ran, none failed
     assert set(tests["counts"]) == {"skipped"} and tests["counts"]["skipped"] >= 4

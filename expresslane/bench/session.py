@@ -83,6 +83,10 @@ def headline(res: dict) -> str:
         return _bench_line(res["rows"])
     if r.get("bench") == "quant_gpu":
         return _quant_line(r)
+    if r.get("bench") == "ttft":
+        return "; ".join(f"{x['engine']} ctx {x['context']}: first {x['first_ms']:.1f} ms, "
+                         f"steady {x['steady_ms']:.1f} ms" for x in r["summary"]
+                         if "first_ms" in x)  # fmt: skip
     if r.get("bench") == "sweep":
         won = sum(len(v) for v in r["table"]["kernels"].values())
         return (f"{r['variants']} variants, {r['rejected']} rejected, {r['inexact']} not "
