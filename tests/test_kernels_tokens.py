@@ -140,22 +140,20 @@ def at(p: int) -> torch.Tensor:
 
 # --- each kernel: S tokens against the reference, and row by row against lone launches --------
 @pytest.mark.parametrize("s,dtype", PAIRS, ids=str)
-@pytest.mark.parametrize("early", [1, 0], ids=["early", "late"])
-def test_norm_qkv_tokens(s, dtype, early):
+def test_norm_qkv_tokens(s, dtype):
     w = weights(s, dtype)
     cos, sin = rope(s, POSITION + S)
     x = rand(S, s.lanes, s.dim, dtype=dtype)
     base = cache(s, dtype, ring=True, q_pos=POSITION)
     args = (w["attention_norm"], w["wq"], w["wk"], w["wv"], cos, sin)
-    kv, lone_kv = [t.clone() for t in base], [t.clone() for t in base]
-    with tuning.forcing("norm_qkv", {"EARLY": early}):  # the first tile before the wait or not
-        q = norm_qkv(x, *args, at(POSITION), *kv, rope_style=s.rope)
-        lone = [norm_qkv(x[j], *args, at(POSITION + j), *lone_kv, rope_style=s.rope)
-                for j in range(S)]  # fmt: skip
+    kv = [t.clone() for t in base]
+    q = norm_qkv(x, *args, at(POSITION), *kv, rope_style=s.rope)
     kv_ref = [t.clone() for t in base]
     close(q, ref.norm_qkv(x, *args, at(POSITION), *kv_ref, rope_style=s.rope), dtype, "q")
     close(kv[0], kv_ref[0], dtype, "k_cache")
     assert torch.equal(kv[2], kv_ref[2])
+    lone_kv = [t.clone() for t in base]
+    lone = [norm_qkv(x[j], *args, at(POSITION + j), *lone_kv, rope_style=s.rope) for j in range(S)]
     rows_equal(q, lone, "q")
     for got, want, name in zip(kv, lone_kv, ("k", "v", "pos"), strict=True):
         assert torch.equal(got, want), f"{name} cache differs from S lone writes"
@@ -194,20 +192,19 @@ def test_attention_tokens(s, dtype, kind, window, splits, block_n):
 
 
 @pytest.mark.parametrize(
-    "mode,past,split_k,prefetch,early,dtype",
-    [("past", True, 1, 0, 1, torch.float32), ("past", False, 1, 1, 1, torch.bfloat16),
-     ("present", False, 1, 0, 1, torch.bfloat16), ("no_reduce", False, 1, 1, 1, torch.float32),
-     ("past", True, 2, 0, 1, torch.bfloat16), ("present", False, 3, 1, 1, torch.float32),
-     ("past", True, 1, 0, 0, torch.bfloat16), ("present", False, 1, 1, 0, torch.float32)],
+    "mode,past,split_k,prefetch,dtype",
+    [("past", True, 1, 0, torch.float32), ("past", False, 1, 1, torch.bfloat16),
+     ("present", False, 1, 0, torch.bfloat16), ("no_reduce", False, 1, 1, torch.float32),
+     ("past", True, 2, 0, torch.bfloat16), ("present", False, 3, 1, torch.float32)],
 )  # fmt: skip
-def test_gemv_reduce_tokens(mode, past, split_k, prefetch, early, dtype):
+def test_gemv_reduce_tokens(mode, past, split_k, prefetch, dtype):
     s = SHAPES[0]  # 2 lanes: the reduce modes differ
     kin = s.ffn // s.lanes
     a = rand(S, s.lanes, kin, dtype=dtype)
     w = rand(s.lanes, s.dim, kin, dtype=dtype, scale=kin**-0.5)
     r = rand(S, s.lanes, s.dim, dtype=dtype)
     pa = rand(S, s.lanes, s.dim, dtype=dtype) if past else None
-    with tuning.forcing(f"gemv_reduce_{mode}", {"PREFETCH": prefetch, "EARLY": early}):
+    with tuning.forcing(f"gemv_reduce_{mode}", {"PREFETCH": prefetch}):
         h, y = gemv_reduce(a, w, r, pa, mode=mode, split_k=split_k)
         lone = [gemv_reduce(a[j], w, r[j], None if pa is None else pa[j], mode=mode,
                             split_k=split_k) for j in range(S)]  # fmt: skip
@@ -219,17 +216,17 @@ def test_gemv_reduce_tokens(mode, past, split_k, prefetch, early, dtype):
 
 
 @pytest.mark.parametrize("s,dtype", PAIRS, ids=str)
-@pytest.mark.parametrize("prefetch,early", [(0, 1), (1, 1), (0, 0), (1, 0)])
-def test_swiglu_and_gemv_tokens(s, dtype, prefetch, early):
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_swiglu_and_gemv_tokens(s, dtype, prefetch):
     x = rand(S, s.lanes, s.dim, dtype=dtype, scale=3.0)
     nw = (1 + 0.2 * torch.randn(s.dim, device=DEVICE)).to(dtype)
     w1 = rand(s.lanes, s.ffn // s.lanes, s.dim, dtype=dtype, scale=s.dim**-0.5)
     w3 = rand(s.lanes, s.ffn // s.lanes, s.dim, dtype=dtype, scale=s.dim**-0.5)
-    with tuning.forcing("norm_swiglu", {"PREFETCH": prefetch, "EARLY": early}):
+    with tuning.forcing("norm_swiglu", {"PREFETCH": prefetch}):
         out = norm_swiglu(x, nw, w1, w3)
         rows_equal(out, [norm_swiglu(x[j], nw, w1, w3) for j in range(S)], "swiglu")
     close(out, ref.norm_swiglu(x, nw, w1, w3), dtype, "swiglu")
-    with tuning.forcing("lane_gemv", {"PREFETCH": prefetch, "EARLY": early}):
+    with tuning.forcing("lane_gemv", {"PREFETCH": prefetch}):
         y = lane_gemv(w1, x, norm_weight=nw, split_k=2)
         rows_equal(y, [lane_gemv(w1, x[j], norm_weight=nw, split_k=2) for j in range(S)], "gemv")
     close(y, ref.lane_gemv(w1, x, norm_weight=nw), dtype, "lane_gemv")

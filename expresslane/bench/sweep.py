@@ -47,17 +47,15 @@ import torch
 # BLOCK_N change a row's summation order (not its batch invariance: the key holds no S).
 VARIANTS: dict[str, list[dict]] = {
     "norm_qkv": [{}, {"PREFETCH": 1}, {"BLOCK_P": 4}, {"BLOCK_P": 16}, {"BLOCK_K": 128},
-                 {"num_warps": 8}, {"num_stages": 3}, {"EARLY": 0}, {"EARLY": 0, "PREFETCH": 1}],
+                 {"num_warps": 8}, {"num_stages": 3}],
     "attention": [{}, {"NUM_SPLITS": 8}, {"NUM_SPLITS": 32}, {"NUM_SPLITS": 64},
                   {"BLOCK_N": 32}, {"num_warps": 2}, {"num_warps": 8}],
     "gemv_reduce_past": [{}, {"PREFETCH": 1}, {"BLOCK_O": 8}, {"BLOCK_O": 32},
-                         {"BLOCK_K": 128}, {"num_warps": 8}, {"num_stages": 3}, {"EARLY": 0},
-                         {"EARLY": 0, "PREFETCH": 1}],
+                         {"BLOCK_K": 128}, {"num_warps": 8}, {"num_stages": 3}],
     "gemv_reduce_present": [{}, {"PREFETCH": 1}, {"BLOCK_O": 8}, {"SPLIT_K": 2},
-                            {"SPLIT_K": 4}, {"num_warps": 8}, {"EARLY": 0},
-                            {"EARLY": 0, "PREFETCH": 1}],
+                            {"SPLIT_K": 4}, {"num_warps": 8}],
     "norm_swiglu": [{}, {"PREFETCH": 1}, {"BLOCK_O": 4}, {"BLOCK_O": 16}, {"BLOCK_K": 128},
-                    {"num_warps": 8}, {"num_stages": 3}, {"EARLY": 0}, {"EARLY": 0, "PREFETCH": 1}],
+                    {"num_warps": 8}, {"num_stages": 3}],
     "lm_head": [{}, {"BLOCK_V": 8}, {"BLOCK_V": 16}, {"BLOCK_V": 64, "BLOCK_K": 64},
                 {"num_warps": 8}],
 }  # fmt: skip
@@ -345,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="sweep only these kernels")  # fmt: skip
     ap.add_argument("--only", nargs="+", default=None, metavar="KEY",
                     help="only the default and the variants setting one of these keys "
-                    "(EARLY, PREFETCH, ...)")  # fmt: skip
+                    "(PREFETCH, NUM_SPLITS, ...)")  # fmt: skip
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds: start no new case after this, and still write the table of "
                     "the cases swept (a device call's limit cuts the stage otherwise)")  # fmt: skip

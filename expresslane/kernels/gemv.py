@@ -230,25 +230,13 @@ def first_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def early_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K: tl.constexpr, EARLY: tl.constexpr):
-    """first_tile when EARLY (called before the PDL wait); else mask_o, a stand-in that the
-    stream never reads (it loads every tile itself, after the wait)."""
-    if EARLY:
-        return first_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K)
-    else:
-        return mask_o
-
-
-@triton.jit
 def stream_rows(w_rows, mask_o, w_first, x_ptr, row_stride, n_rows, nw_ptr, rstd, k_lo, k_hi,
                 HAS_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr,
-                BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
+                BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
     """(BLOCK_S, BLOCK_O) fp32: rows w_rows (BLOCK_O, 1) of W times the n_rows token rows of x
     (normed when HAS_NORM) over K in [k_lo, k_hi), one weight read for every token; w_first is
-    the tile at k_lo (loaded before the PDL wait) when EARLY, else unused.
+    the tile at k_lo (loaded before the PDL wait).
 
-    EARLY: the first tile came before the PDL wait (the loop's first pass peeled); else every
-    tile is loaded in one loop (nothing before the wait, nothing peeled from the pipeline).
     PREFETCH: the next tile is loaded before the current one is used (two tiles in registers);
     else each tile is loaded where it is used and triton's pipeliner (num_stages) may stage it.
     Both add the same chunks in the same order, so they give the same bits: a tuning choice.
@@ -256,10 +244,7 @@ def stream_rows(w_rows, mask_o, w_first, x_ptr, row_stride, n_rows, nw_ptr, rstd
     depend on how many tokens share the launch (batch invariance)."""
     acc = tl.zeros([BLOCK_S, BLOCK_O, BLOCK_K], dtype=tl.float32)
     if PREFETCH:
-        if EARLY:
-            w = w_first
-        else:
-            w = first_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K)
+        w = w_first
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w_next = first_tile(w_rows, mask_o, k0 + BLOCK_K, k_hi, BLOCK_K)
@@ -267,13 +252,6 @@ def stream_rows(w_rows, mask_o, w_first, x_ptr, row_stride, n_rows, nw_ptr, rstd
                             HAS_NORM, BLOCK_S)  # fmt: skip
             acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
             w = w_next
-    elif not EARLY:
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            w = first_tile(w_rows, mask_o, k0, k_hi, BLOCK_K)
-            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
-                            HAS_NORM, BLOCK_S)  # fmt: skip
-            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
     else:
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
@@ -291,18 +269,14 @@ def stream_rows(w_rows, mask_o, w_first, x_ptr, row_stride, n_rows, nw_ptr, rstd
 @triton.jit
 def stream_pair(a_rows, b_rows, mask_o, a_first, b_first, x_ptr, row_stride, n_rows, nw_ptr,
                 rstd, K, BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-                PREFETCH: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
+                PREFETCH: tl.constexpr):  # fmt: skip
     """stream_rows for two row sets sharing the normed input (gate/up, the two rows of a RoPE
     pair): ((BLOCK_S, BLOCK_O), (BLOCK_S, BLOCK_O)) fp32, K from 0, HAS_NORM."""
     acc_a = tl.zeros([BLOCK_S, BLOCK_O, BLOCK_K], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_S, BLOCK_O, BLOCK_K], dtype=tl.float32)
     if PREFETCH:
-        if EARLY:
-            wa = a_first
-            wb = b_first
-        else:
-            wa = first_tile(a_rows, mask_o, 0, K, BLOCK_K)
-            wb = first_tile(b_rows, mask_o, 0, K, BLOCK_K)
+        wa = a_first
+        wb = b_first
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             na = first_tile(a_rows, mask_o, k0 + BLOCK_K, K, BLOCK_K)
@@ -313,15 +287,6 @@ def stream_pair(a_rows, b_rows, mask_o, a_first, b_first, x_ptr, row_stride, n_r
             acc_b += wb.to(tl.float32)[None, :, :] * x
             wa = na
             wb = nb
-    elif not EARLY:
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            wa = first_tile(a_rows, mask_o, k0, K, BLOCK_K)
-            wb = first_tile(b_rows, mask_o, k0, K, BLOCK_K)
-            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
-                            BLOCK_S)[:, None, :]  # fmt: skip
-            acc_a += wa.to(tl.float32)[None, :, :] * x
-            acc_b += wb.to(tl.float32)[None, :, :] * x
     else:
         offs_k = tl.arange(0, BLOCK_K)
         x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
@@ -385,7 +350,6 @@ def lane_gemv_kernel(
     BLOCK_O: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
-    EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     lane = tl.program_id(0)
@@ -398,14 +362,14 @@ def lane_gemv_kernel(
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_len
     k_hi = tl.minimum(k_lo + k_len, K)
-    w_first = early_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K, EARLY)
+    w_first = first_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K)
     pdl_wait(USE_PDL)
     x_row = x_ptr + lane * K  # token s's row is x_row + s * L * K
     rstd = tl.full([BLOCK_S], 1.0, dtype=tl.float32)
     if HAS_NORM:
         rstd = rms_rstd_rows(x_row, L * K, S, K, eps, BLOCK_S, BLOCK_K)
     y = stream_rows(w_rows, mask_o, w_first, x_row, L * K, S, nw_ptr + lane * stride_nwl, rstd,
-                    k_lo, k_hi, HAS_NORM, BLOCK_S, BLOCK_O, BLOCK_K, PREFETCH, EARLY)  # fmt: skip
+                    k_lo, k_hi, HAS_NORM, BLOCK_S, BLOCK_O, BLOCK_K, PREFETCH)  # fmt: skip
     offs_s = tl.arange(0, BLOCK_S)
     m = (offs_s[:, None] < S) & mask_o[None, :]
     if SPLIT_K == 1:
@@ -440,16 +404,10 @@ def fit_rows(t: torch.Tensor, block_rows: int, block_k: int, n_tokens: int,
 def gemv_config(t: torch.Tensor, kernel: str, rows: int, k: int, programs: int, lanes: int,
                 n_tokens: int, accumulators: int = 1, **limits) -> dict:  # fmt: skip
     """The launch configuration of a lane-major GEMV family kernel (tuning.choose): BLOCK_O,
-    BLOCK_K, SPLIT_K from tile_sizes, PREFETCH 0, EARLY 1, overridden by the GPU's table or a forced
+    BLOCK_K, SPLIT_K from tile_sizes, PREFETCH 0, overridden by the GPU's table or a forced
     variant; then BLOCK_O fitted to the token count (fit_rows)."""
     block_o, block_k, split_k = tile_sizes(t, rows, k, programs, **limits)
-    default = {
-        "BLOCK_O": block_o,
-        "BLOCK_K": block_k,
-        "SPLIT_K": split_k,
-        "PREFETCH": 0,
-        "EARLY": 1,
-    }
+    default = {"BLOCK_O": block_o, "BLOCK_K": block_k, "SPLIT_K": split_k, "PREFETCH": 0}
     cfg = tuning.choose(kernel, t, tuning.shape_key(L=lanes, O=rows, K=k), default)
     cfg["BLOCK_O"] = fit_rows(t, cfg["BLOCK_O"], cfg["BLOCK_K"], n_tokens, accumulators)
     return cfg

@@ -32,7 +32,7 @@ from .gemv import (
     assert_lane_weight,
     block_s,
     cast_as,
-    early_tile,
+    first_tile,
     gemv_config,
     launch_kwargs,
     launch_lane_gemv,
@@ -106,7 +106,6 @@ def gemv_reduce_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_L: tl.constexpr,
     PREFETCH: tl.constexpr,
-    EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_o = tl.program_id(0)
@@ -117,16 +116,16 @@ def gemv_reduce_kernel(
     m2 = mask_s[:, None] & mask_o[None, :]
     if MODE == 1:
         w_rows = w_ptr + offs_o[:, None] * K  # lane 0's rows first
-        w_first = early_tile(w_rows, mask_o, 0, K, BLOCK_K, EARLY)
+        w_first = first_tile(w_rows, mask_o, 0, K, BLOCK_K)
         pdl_wait(USE_PDL)
         total = tl.zeros([BLOCK_S, BLOCK_O], dtype=tl.float32)
         for lane in range(L):
             w_rows = w_ptr + lane * D * K + offs_o[:, None] * K
             if lane > 0:
-                w_first = early_tile(w_rows, mask_o, 0, K, BLOCK_K, EARLY)
+                w_first = first_tile(w_rows, mask_o, 0, K, BLOCK_K)
             y = stream_rows(w_rows, mask_o, w_first, a_ptr + lane * K, L * K, S, a_ptr,
                             tl.zeros([BLOCK_S], dtype=tl.float32), 0, K, False, BLOCK_S, BLOCK_O,
-                            BLOCK_K, PREFETCH, EARLY)  # fmt: skip
+                            BLOCK_K, PREFETCH)  # fmt: skip
             y = round_as(y, y_ptr)
             at = (offs_s[:, None] * L + lane) * D + offs_o[None, :]
             tl.store(y_ptr + at, cast_as(y, y_ptr), mask=m2)
@@ -135,11 +134,11 @@ def gemv_reduce_kernel(
     else:
         lane = tl.program_id(1)
         w_rows = w_ptr + lane * D * K + offs_o[:, None] * K
-        w_first = early_tile(w_rows, mask_o, 0, K, BLOCK_K, EARLY)
+        w_first = first_tile(w_rows, mask_o, 0, K, BLOCK_K)
         pdl_wait(USE_PDL)
         y = stream_rows(w_rows, mask_o, w_first, a_ptr + lane * K, L * K, S, a_ptr,
                         tl.zeros([BLOCK_S], dtype=tl.float32), 0, K, False, BLOCK_S, BLOCK_O,
-                        BLOCK_K, PREFETCH, EARLY)  # fmt: skip
+                        BLOCK_K, PREFETCH)  # fmt: skip
         y = round_as(y, y_ptr)
         at = (offs_s[:, None] * L + lane) * D + offs_o[None, :]
         tl.store(y_ptr + at, cast_as(y, y_ptr), mask=m2)

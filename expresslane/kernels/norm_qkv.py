@@ -29,7 +29,7 @@ from .gemv import (
     assert_norm_weight,
     block_s,
     cast_as,
-    early_tile,
+    first_tile,
     fit_rows,
     launch_kwargs,
     num_sms,
@@ -73,7 +73,6 @@ def norm_qkv_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
-    EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     lane = tl.program_id(0)
@@ -104,8 +103,8 @@ def norm_qkv_kernel(
     w0_rows = w_lane + (head * HEAD_DIM + r0)[:, None] * D  # (BLOCK_P, 1)
     w1_rows = w_lane + (head * HEAD_DIM + r1)[:, None] * D
     all_p = offs_i >= 0
-    w0 = early_tile(w0_rows, all_p, 0, D, BLOCK_K, EARLY)
-    w1 = early_tile(w1_rows, all_p, 0, D, BLOCK_K, EARLY)
+    w0 = first_tile(w0_rows, all_p, 0, D, BLOCK_K)
+    w1 = first_tile(w1_rows, all_p, 0, D, BLOCK_K)
     pdl_wait(USE_PDL)
 
     offs_s = tl.arange(0, BLOCK_S)
@@ -132,7 +131,6 @@ def norm_qkv_kernel(
         BLOCK_P,
         BLOCK_K,
         PREFETCH,
-        EARLY,
     )  # one weight read for every token
     a0 = round_as(a0, x_ptr)  # (BLOCK_S, BLOCK_P), rounded like the reference
     a1 = round_as(a1, x_ptr)
@@ -225,7 +223,6 @@ def norm_qkv(
         "BLOCK_P": _pick_block_p(x, half),
         "BLOCK_K": min(triton.next_power_of_2(D), 256 if num_sms(x) else 512),
         "PREFETCH": 0,
-        "EARLY": 1,
     }
     key = tuning.shape_key(L=L, Q=hq_lane, K=hkv_lane, HD=hd, D=D)
     cfg = tuning.choose("norm_qkv", x, key, default)

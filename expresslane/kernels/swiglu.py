@@ -25,7 +25,7 @@ from .gemv import (
     assert_norm_weight,
     block_s,
     cast_as,
-    early_tile,
+    first_tile,
     gemv_config,
     launch_kwargs,
     pdl_wait,
@@ -56,7 +56,6 @@ def norm_swiglu_kernel(
     BLOCK_O: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
-    EARLY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     lane = tl.program_id(0)
@@ -65,8 +64,8 @@ def norm_swiglu_kernel(
     mask_o = offs_o < FL
     g_rows = w1_ptr + lane * FL * D + offs_o[:, None] * D  # (BLOCK_O, 1) row starts
     u_rows = w3_ptr + lane * FL * D + offs_o[:, None] * D
-    g = early_tile(g_rows, mask_o, 0, D, BLOCK_K, EARLY)  # before the wait: weights are ready
-    u = early_tile(u_rows, mask_o, 0, D, BLOCK_K, EARLY)
+    g = first_tile(g_rows, mask_o, 0, D, BLOCK_K)  # before the wait: weights are ready
+    u = first_tile(u_rows, mask_o, 0, D, BLOCK_K)
     pdl_wait(USE_PDL)
     x_row = x_ptr + lane * D  # token s: x_row + s * L * D
     nw = nw_ptr + lane * stride_nwl
@@ -87,7 +86,6 @@ def norm_swiglu_kernel(
         BLOCK_O,
         BLOCK_K,
         PREFETCH,
-        EARLY,
     )  # one weight read for every token
     gate = round_as(gate, out_ptr)  # (BLOCK_S, BLOCK_O)
     up = round_as(up, out_ptr)
