@@ -191,6 +191,31 @@ def test_attention_tokens(s, dtype, kind, window, splits, block_n):
     assert torch.equal(again, out)
 
 
+@pytest.mark.parametrize("s,dtype", PAIRS[:2], ids=str)
+@pytest.mark.parametrize("kind,window,splits", [("full", None, 3), ("ring", "window", 2)])
+def test_attention_prefetch_and_combine(s, dtype, kind, window, splits):
+    """Prefetching the next K/V tile gives the same bits as loading each where it is used, and
+    the combine taken two chunks at a time gives the reference's result and rows that are a lone
+    step's bits (its summation order depends on the configuration, never on S)."""
+    k, v, pos = cache(s, dtype, ring=kind == "ring", q_pos=POSITION)
+    cap = k.shape[0]
+    for j in range(S):
+        pos[(POSITION + j) % cap] = POSITION + j
+    win = {"window": s.window, None: None}[window]
+    q = rand(S, s.n_q, s.head_dim, dtype=dtype)
+    kw = dict(window=win, num_splits=splits, block_n=16)
+    plain = decode_attention(q, k, v, pos, at(POSITION), **kw)
+    with tuning.forcing("attention", {"PREFETCH": 1}):
+        assert torch.equal(decode_attention(q, k, v, pos, at(POSITION), **kw), plain)
+    with tuning.forcing("attention", {"BLOCK_C": 1}):
+        narrow = decode_attention(q, k, v, pos, at(POSITION), **kw)
+        p = pos.clone()
+        p[p > POSITION] = -1
+        lone = decode_attention(q[0], k, v, p, at(POSITION), **kw)
+    close(narrow, ref.decode_attention(q, k, v, pos, at(POSITION), window=win), dtype, "attn")
+    rows_equal(narrow[:1], [lone], "attention, one chunk at a time")
+
+
 @pytest.mark.parametrize(
     "mode,past,split_k,prefetch,dtype",
     [("past", True, 1, 0, torch.float32), ("past", False, 1, 1, torch.bfloat16),

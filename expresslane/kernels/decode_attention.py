@@ -63,6 +63,9 @@ def attention_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPLITS_P2: tl.constexpr,  # NUM_SPLITS rounded up to a power of 2
+    BLOCK_C: tl.constexpr,  # chunks whose partial outputs the combine loads at once
+    PREFETCH: tl.constexpr,  # load tile i + 1 before computing tile i (same bits either way)
     USE_PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)  # fastest grid axis: a chunk's tokens run together, K/V hit L2
@@ -89,27 +92,22 @@ def attention_kernel(
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         row = n_kv * HEAD_DIM  # elements per cache slot
-        for n0 in range(lo, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
-            p_n = tl.load(pos_cache_ptr + offs_n, mask=mask_n, other=-1)
-            valid = mask_n & (p_n >= 0) & (p_n <= q_pos)  # later tokens' keys are masked
-            if HAS_WINDOW:
-                valid = valid & (p_n > q_pos - window)
-            kv_offs = offs_n[:, None] * row + kv_head * HEAD_DIM + offs_d[None, :]  # (N, D)
-            kv_mask = valid[:, None] & mask_d[None, :]
-            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            # (BLOCK_G, BLOCK_N): G is 1 to 8, too small for tl.dot's 16-row minimum, so FMAs.
-            s = tl.sum(q[:, None, :] * k[None, :, :], 2) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])  # (BLOCK_G, BLOCK_N), 0 where masked
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
-            m_i = m_new
+        kv_at = k_cache_ptr + kv_head * HEAD_DIM  # this head's slice of slot 0
+        vv_at = v_cache_ptr + kv_head * HEAD_DIM
+        if PREFETCH:  # the next tile's loads are in flight while this one is computed
+            k, v, p_n = _tile(kv_at, vv_at, pos_cache_ptr, lo, hi, row, offs_d, mask_d, BLOCK_N)
+            for n0 in range(lo, hi, BLOCK_N):
+                k_nx, v_nx, p_nx = _tile(kv_at, vv_at, pos_cache_ptr, n0 + BLOCK_N, hi, row,
+                                         offs_d, mask_d, BLOCK_N)  # fmt: skip
+                m_i, l_i, acc = _update(q, k, v, p_n, n0, hi, q_pos, window, qk_scale, m_i, l_i,
+                                        acc, HAS_WINDOW, BLOCK_N)  # fmt: skip
+                k, v, p_n = k_nx, v_nx, p_nx
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                k, v, p_n = _tile(kv_at, vv_at, pos_cache_ptr, n0, hi, row, offs_d, mask_d,
+                                  BLOCK_N)  # fmt: skip
+                m_i, l_i, acc = _update(q, k, v, p_n, n0, hi, q_pos, window, qk_scale, m_i, l_i,
+                                        acc, HAS_WINDOW, BLOCK_N)  # fmt: skip
 
         idx = part * NUM_SPLITS + split
         tl.store(m_ptr + idx, m_i, mask=mask_g)
@@ -124,35 +122,83 @@ def attention_kernel(
         if arrived == n_busy - 1:
             tl.atomic_xchg(counter, 0)  # ready for the next launch / graph replay
             _combine(m_ptr, l_ptr, acc_ptr, out_ptr, part, mask_g, offs_d, mask_d, n_busy,
-                     NUM_SPLITS, HEAD_DIM, BLOCK_G, BLOCK_D)  # fmt: skip
+                     NUM_SPLITS, HEAD_DIM, BLOCK_G, BLOCK_D, SPLITS_P2, BLOCK_C)  # fmt: skip
+
+
+@triton.jit
+def _tile(k_at, v_at, pos_ptr, n0, hi, row, offs_d, mask_d, BLOCK_N: tl.constexpr):
+    """The K and V tiles (BLOCK_N, BLOCK_D) of slots n0.. (< hi) as stored, and their positions.
+
+    Loaded by slot range, not by validity, so the K/V loads do not wait for the positions' load
+    (one memory round trip a tile instead of two); `_update` zeroes what a slot must not add."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hi
+    kv_offs = offs_n[None, :, None] * row + offs_d[None, None, :]  # (1, N, D)
+    kv_mask = mask_n[None, :, None] & mask_d[None, None, :]
+    k = tl.load(k_at + kv_offs, mask=kv_mask, other=0.0)
+    v = tl.load(v_at + kv_offs, mask=kv_mask, other=0.0)
+    return k, v, tl.load(pos_ptr + offs_n, mask=mask_n, other=-1)
+
+
+@triton.jit
+def _update(q, k, v, p_n, n0, hi, q_pos, window, qk_scale, m_i, l_i, acc,
+            HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """One tile of the online softmax (base 2) for the BLOCK_G heads of q: (m, l, acc).
+
+    A slot that is empty, past the range, in the future (a later token's key) or out of the
+    window scores -inf and its value is zeroed: whatever it holds (stale keys, never-written
+    memory) adds exact zeros."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    valid = (offs_n < hi) & (p_n >= 0) & (p_n <= q_pos)
+    if HAS_WINDOW:
+        valid = valid & (p_n > q_pos - window)
+    k = k.to(tl.float32)
+    v = tl.where(valid[None, :, None], v.to(tl.float32), 0.0)
+    # (BLOCK_G, BLOCK_N): G is 1 to 8, too small for tl.dot's 16-row minimum, so FMAs.
+    s = tl.sum(q[:, None, :] * k, 2) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # (BLOCK_G, BLOCK_N), 0 where masked
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, 1)
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, part, mask_r, offs_d, mask_d, n_busy,
              NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, R: tl.constexpr,
-             BLOCK_D: tl.constexpr):  # fmt: skip
-    """out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c over chunks 0..n_busy-1, in chunk
-    order, one chunk at a time (few registers). A chunk where a row saw no valid key holds
-    (-inf, 0, 0) and adds exact zeros. Loads are .cg: other SMs wrote the partials, and this
-    SM's L1 may hold a previous launch's lines."""
-    m_max = tl.full([R], float("-inf"), dtype=tl.float32)
-    for c in range(0, n_busy):
-        m_c = tl.load(m_ptr + part * NUM_SPLITS + c, mask=mask_r, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        m_max = tl.maximum(m_max, m_c)
+             BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr,
+             BLOCK_C: tl.constexpr):  # fmt: skip
+    """out = sum_c 2^(m_c - M) acc_c / sum_c 2^(m_c - M) l_c over chunks 0..n_busy-1.
+
+    Every load is issued up front, not one chunk per loop trip: the maxima and sums of all
+    chunks as one (R, NUM_SPLITS) tile, the partial outputs BLOCK_C chunks at a time in an
+    unrolled loop, so the loads overlap and the combine costs a few memory round trips, not two
+    per chunk (the serial form cost ~1 us a chunk on an H200 and made more splits a loss). The
+    chunk-group sums are added in a fixed order: the bits depend on the launch configuration
+    only, never on S. A chunk where a row saw no valid key holds (-inf, 0, 0) and adds exact
+    zeros. Loads are .cg: other SMs wrote the partials, and this SM's L1 may hold a previous
+    launch's lines."""
+    offs_c = tl.arange(0, SPLITS_P2)
+    mask_rc = mask_r[:, None] & (offs_c < n_busy)[None, :]
+    idx = part[:, None] * NUM_SPLITS + offs_c[None, :]  # (R, SPLITS_P2)
+    m_c = tl.load(m_ptr + idx, mask=mask_rc, other=float("-inf"), cache_modifier=".cg")
+    l_c = tl.load(l_ptr + idx, mask=mask_rc, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m_c, 1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no valid key at all: output 0
-    denom = tl.zeros([R], dtype=tl.float32)
+    denom = tl.sum(tl.exp2(m_c - m_max[:, None]) * l_c, 1)  # 0 for chunks without valid keys
     num = tl.zeros([R, BLOCK_D], dtype=tl.float32)
-    for c in range(0, n_busy):
-        idx = part * NUM_SPLITS + c
-        m_c = tl.load(m_ptr + idx, mask=mask_r, other=float("-inf"), cache_modifier=".cg")
-        l_c = tl.load(l_ptr + idx, mask=mask_r, other=0.0, cache_modifier=".cg")
-        a_c = tl.load(acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=mask_r[:, None] & mask_d[None, :], other=0.0,
+    for c0 in tl.static_range(0, SPLITS_P2, BLOCK_C):
+        offs_g = c0 + tl.arange(0, BLOCK_C)
+        mask_g = mask_r[:, None] & (offs_g < n_busy)[None, :]  # (R, BLOCK_C)
+        at = part[:, None] * NUM_SPLITS + offs_g[None, :]
+        m_g = tl.load(m_ptr + at, mask=mask_g, other=float("-inf"), cache_modifier=".cg")
+        a_g = tl.load(acc_ptr + at[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                      mask=mask_g[:, :, None] & mask_d[None, None, :], other=0.0,
                       cache_modifier=".cg")  # fmt: skip
-        scale = tl.exp2(m_c - m_max)  # 0 for a chunk without valid keys
-        denom += scale * l_c
-        num += scale[:, None] * a_c
+        num += tl.sum(tl.exp2(m_g - m_max[:, None])[:, :, None] * a_g, 1)  # a_g (R, C, D)
     out = num / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], cast_as(out, out_ptr),
              mask=mask_r[:, None] & mask_d[None, :])  # fmt: skip
@@ -215,7 +261,12 @@ def decode_attention(
 
     group = n_q // n_kv
     block_g, auto_n, block_d = attention_blocks(group, hd)
-    default = {"BLOCK_N": auto_n, "NUM_SPLITS": pick_splits(q, n_kv, cap, auto_n)}
+    default = {
+        "BLOCK_N": auto_n,
+        "NUM_SPLITS": pick_splits(q, n_kv, cap, auto_n),
+        "BLOCK_C": 8,
+        "PREFETCH": 0,
+    }
     key = tuning.shape_key(C=cap, H=n_kv, G=group, D=hd)
     cfg = tuning.choose("attention", q, key, default)
     if block_n:
@@ -224,6 +275,8 @@ def decode_attention(
         cfg["NUM_SPLITS"] = num_splits
     consts, opts = tuning.split(cfg)
     ns = consts["NUM_SPLITS"]
+    consts["SPLITS_P2"] = triton.next_power_of_2(ns)
+    consts["BLOCK_C"] = min(consts["BLOCK_C"], consts["SPLITS_P2"])
     m = torch.empty((S * n_q, ns), device=q.device, dtype=torch.float32)
     l_s = torch.empty_like(m)
     acc = torch.empty((S * n_q, ns, hd), device=q.device, dtype=torch.float32)
