@@ -375,15 +375,21 @@ def reduce_layouts(launch: Launch, arch: int = 90) -> list[tuple]:
         layouts[name] = {k: [int(v) for v in vals.split(",")]
                          for k, vals in re.findall(r"(\w+) = \[([\d, ]+)\]", body)}  # fmt: skip
     out = []
-    for axis, layout in re.findall(
-        r'"tt\.reduce".*?<\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<[^,]*, (#\w+)>', ttgir, re.S
+    for axis, shape, layout in re.findall(
+        r'"tt\.reduce".*?<\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<([^,]*), (#\w+)>', ttgir,
+        re.S,
     ):
         a, lay = int(axis), layouts.get(layout)
         if lay is None:
             out.append((a, layout))
             continue
-        out.append((a, lay["sizePerThread"][a], lay["threadsPerWarp"][a], lay["warpsPerCTA"][a],
-                    lay["order"].index(a)))  # fmt: skip
+        # Threads and warps beyond the axis's extent hold copies, which the reduction skips:
+        # a 32-wide sum is one warp's whatever num_warps is (gemv.rms_rstd relies on it).
+        extent = int(shape.split("x")[a])
+        spt = min(lay["sizePerThread"][a], extent)
+        lanes = min(lay["threadsPerWarp"][a], max(1, extent // spt))
+        warps = min(lay["warpsPerCTA"][a], max(1, extent // (spt * lanes)))
+        out.append((a, spt, lanes, warps, lay["order"].index(a)))
     return out
 
 

@@ -201,12 +201,22 @@ def normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, mask_k, rstd, HAS_NOR
 
 @triton.jit
 def rms_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) of the K-vector at x_ptr, in fp32."""
-    offs = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    """rsqrt(mean(x^2) + eps) of the K-vector at x_ptr, in fp32.
+
+    Summed 64 wide: element i adds x[i], x[i + 64], ... in order, then one 64-wide reduction.
+    64 fp32 values lie on 2 warps whatever num_warps is (>= 2; the other warps hold copies), so
+    the order is the same for 2, 4 or 8 warps. A BLOCK_K-wide sum is laid out over every warp,
+    and a launch with fewer warps (fit_warps) summed in another order. BLOCK_K // 64
+    independent loads a trip keep the loop as short as one BLOCK_K-wide load a trip; 64 wide,
+    not 32, because the sm_90 build of norm_swiglu then keeps 72 registers (7 blocks per SM)
+    instead of 79."""
+    offs = tl.arange(0, 64)
+    acc = tl.zeros([64], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        acc += x * x
+        for j in tl.static_range(0, BLOCK_K, 64):
+            at = k0 + j + offs
+            x = tl.load(x_ptr + at, mask=at < K, other=0.0).to(tl.float32)
+            acc += x * x
     return 1.0 / tl.sqrt(tl.sum(acc, 0) / K + eps)
 
 
@@ -222,11 +232,19 @@ def normed_chunk(x_ptr, nw_ptr, offs_k, mask_k, rstd, HAS_NORM: tl.constexpr):
 
 @triton.jit
 def first_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K: tl.constexpr):
-    """The (BLOCK_O, BLOCK_K) weight tile at k_lo: loaded before the PDL wait, since weights
-    never depend on the previous kernel (the stream starts while that kernel drains)."""
+    """The (1, BLOCK_O, BLOCK_K) weight tile at k_lo: loaded before the PDL wait, since weights
+    never depend on the previous kernel (the stream starts while that kernel drains).
+
+    Loaded with the token axis already in place (size 1, broadcast over the tokens): triton then
+    lays the (BLOCK_S, BLOCK_O, BLOCK_K) accumulator out as the load (16-byte vectors along K,
+    warps along the rows). A 2-D tile expanded with [None, :, :] kept the 2-D load's layout and
+    was converted to the accumulator's through shared memory on every tile: the sm_90 builds of
+    norm_swiglu, gemv_reduce and the head took 4 KB of shared memory and 8-10 more registers
+    than the one-token kernels of 9227b48 (one block fewer per SM), and every kernel got slower
+    when the token axis came (kernels/aot.py shows both)."""
     offs_k = k_lo + tl.arange(0, BLOCK_K)
-    return tl.load(w_rows + offs_k[None, :], mask=mask_o[:, None] & (offs_k < k_hi)[None, :],
-                   other=0.0)  # fmt: skip
+    m = mask_o[:, None] & (offs_k < k_hi)[None, :]
+    return tl.load(w_rows[None, :, :] + offs_k[None, None, :], mask=m[None, :, :], other=0.0)
 
 
 @triton.jit
@@ -250,19 +268,19 @@ def stream_rows(w_rows, mask_o, w_first, x_ptr, row_stride, n_rows, nw_ptr, rstd
             w_next = first_tile(w_rows, mask_o, k0 + BLOCK_K, k_hi, BLOCK_K)
             x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
                             HAS_NORM, BLOCK_S)  # fmt: skip
-            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+            acc += w.to(tl.float32) * x[:, None, :]
             w = w_next
     else:
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
                         HAS_NORM, BLOCK_S)  # fmt: skip
-        acc += w_first.to(tl.float32)[None, :, :] * x[:, None, :]
+        acc += w_first.to(tl.float32) * x[:, None, :]
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = first_tile(w_rows, mask_o, k0, k_hi, BLOCK_K)
             x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
                             HAS_NORM, BLOCK_S)  # fmt: skip
-            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+            acc += w.to(tl.float32) * x[:, None, :]
     return tl.sum(acc, 2)
 
 
@@ -283,24 +301,24 @@ def stream_pair(a_rows, b_rows, mask_o, a_first, b_first, x_ptr, row_stride, n_r
             nb = first_tile(b_rows, mask_o, k0 + BLOCK_K, K, BLOCK_K)
             x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
                             BLOCK_S)[:, None, :]  # fmt: skip
-            acc_a += wa.to(tl.float32)[None, :, :] * x
-            acc_b += wb.to(tl.float32)[None, :, :] * x
+            acc_a += wa.to(tl.float32) * x
+            acc_b += wb.to(tl.float32) * x
             wa = na
             wb = nb
     else:
         offs_k = tl.arange(0, BLOCK_K)
         x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
                         BLOCK_S)[:, None, :]  # fmt: skip
-        acc_a += a_first.to(tl.float32)[None, :, :] * x
-        acc_b += b_first.to(tl.float32)[None, :, :] * x
+        acc_a += a_first.to(tl.float32) * x
+        acc_b += b_first.to(tl.float32) * x
         for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             wa = first_tile(a_rows, mask_o, k0, K, BLOCK_K)
             wb = first_tile(b_rows, mask_o, k0, K, BLOCK_K)
             x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
                             BLOCK_S)[:, None, :]  # fmt: skip
-            acc_a += wa.to(tl.float32)[None, :, :] * x
-            acc_b += wb.to(tl.float32)[None, :, :] * x
+            acc_a += wa.to(tl.float32) * x
+            acc_b += wb.to(tl.float32) * x
     return tl.sum(acc_a, 2), tl.sum(acc_b, 2)
 
 
@@ -401,16 +419,36 @@ def fit_rows(t: torch.Tensor, block_rows: int, block_k: int, n_tokens: int,
     return block_rows
 
 
+def fit_warps(t: torch.Tensor, cfg: dict, block_rows: int, block_k: int) -> dict:
+    """cfg with num_warps (default 4) halved until the weight tile gives every thread one
+    16-byte vector (block_rows * block_k >= 256 * warps; 8 bf16), on a GPU.
+
+    The tile's layout fixes each row's reduction order along K: 8 values a thread, then the 32
+    lanes of one warp, when the tile is large enough for warps to take whole rows. A smaller
+    tile (fit_rows shrinks the rows as the tokens grow) was laid out 4 values a thread with 2
+    warps along K (triton 3.6, an 8-token sm_90 build of norm_swiglu and norm_qkv with 2 rows
+    a program): other sums than the one-token build's, so a verify row could leave the plain
+    step's bits. Fewer warps keep the 1-token layout along K (kernels/aot.py checks it). Never
+    below 2 (rms_rstd); fit_rows leaves >= 2 rows of 256 or 4 of 128, which 2 warps cover."""
+    if num_sms(t) == 0:
+        return cfg
+    warps = cfg.get("num_warps", 4)
+    while warps > 2 and block_rows * block_k < 256 * warps:  # >= 2: rms_rstd's layout
+        warps //= 2
+    return {**cfg, "num_warps": warps} if warps != cfg.get("num_warps", 4) else cfg
+
+
 def gemv_config(t: torch.Tensor, kernel: str, rows: int, k: int, programs: int, lanes: int,
                 n_tokens: int, accumulators: int = 1, **limits) -> dict:  # fmt: skip
     """The launch configuration of a lane-major GEMV family kernel (tuning.choose): BLOCK_O,
     BLOCK_K, SPLIT_K from tile_sizes, PREFETCH 0, overridden by the GPU's table or a forced
-    variant; then BLOCK_O fitted to the token count (fit_rows)."""
+    variant; then BLOCK_O fitted to the token count (fit_rows) and the warps to the tile
+    (fit_warps)."""
     block_o, block_k, split_k = tile_sizes(t, rows, k, programs, **limits)
     default = {"BLOCK_O": block_o, "BLOCK_K": block_k, "SPLIT_K": split_k, "PREFETCH": 0}
     cfg = tuning.choose(kernel, t, tuning.shape_key(L=lanes, O=rows, K=k), default)
     cfg["BLOCK_O"] = fit_rows(t, cfg["BLOCK_O"], cfg["BLOCK_K"], n_tokens, accumulators)
-    return cfg
+    return fit_warps(t, cfg, cfg["BLOCK_O"], cfg["BLOCK_K"])
 
 
 def launch_lane_gemv(w, x, nw, stride_nwl, eps, out, cfg: dict):

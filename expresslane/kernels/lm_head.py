@@ -102,9 +102,9 @@ def head_logits(
                                     rstd, True, BLOCK_S)  # fmt: skip
             xm = round_as(xsum / L, h_ptr)  # (BLOCK_S, BLOCK_K)
             xm = tl.where(mask_s[:, None], xm, 0.0)
-            w = tl.load(w_ptr + offs_v[:, None] * D + offs_k[None, :],
-                        mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-            acc += w.to(tl.float32)[None, :, :] * xm[:, None, :]
+            w = tl.load(w_ptr + offs_v[None, :, None] * D + offs_k[None, None, :],
+                        mask=mask_v[None, :, None] & mask_k[None, None, :], other=0.0)  # fmt: skip
+            acc += w.to(tl.float32) * xm[:, None, :]
     elif MODE == 1:  # replicate, pre_norm_lane_agg: norm of the lane sum (shared weight)
         rstd = _prenorm_rstd(h_ptr, S, L, D, eps, BLOCK_S, BLOCK_K)  # (BLOCK_S,)
         for k0 in range(0, D, BLOCK_K):
@@ -113,9 +113,9 @@ def head_logits(
             xs = _lane_sum_chunk(h_ptr, offs_s, offs_k, mask_k, S, L, D, BLOCK_S, BLOCK_K)
             nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             xn = round_as(xs * rstd[:, None] * nw[None, :], h_ptr)
-            w = tl.load(w_ptr + offs_v[:, None] * D + offs_k[None, :],
-                        mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-            acc += w.to(tl.float32)[None, :, :] * xn[:, None, :]
+            w = tl.load(w_ptr + offs_v[None, :, None] * D + offs_k[None, None, :],
+                        mask=mask_v[None, :, None] & mask_k[None, None, :], other=0.0)  # fmt: skip
+            acc += w.to(tl.float32) * xn[:, None, :]
     else:  # lane (all lanes, W row = L*D wide) or vocab_parallel (one lane, its own W slice)
         if MODE == 2:
             lane_lo = 0
@@ -136,9 +136,10 @@ def head_logits(
                 mask_k = offs_k < D
                 xn = normed_rows(x_row, L * D, S, nw_ptr + src * stride_nwl, offs_k, mask_k,
                                  rstd, True, BLOCK_S)  # fmt: skip
-                w = tl.load(w_base + offs_v[:, None] * row_len + col0 + offs_k[None, :],
-                            mask=mask_v[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
-                acc += w.to(tl.float32)[None, :, :] * xn[:, None, :]
+                w = tl.load(w_base + offs_v[None, :, None] * row_len + col0 + offs_k[None, None, :],
+                            mask=mask_v[None, :, None] & mask_k[None, None, :],
+                            other=0.0)  # fmt: skip
+                acc += w.to(tl.float32) * xn[:, None, :]
     return tl.sum(acc, 2)
 
 

@@ -31,6 +31,7 @@ from .gemv import (
     cast_as,
     first_tile,
     fit_rows,
+    fit_warps,
     launch_kwargs,
     num_sms,
     pdl_wait,
@@ -229,6 +230,7 @@ def norm_qkv(
     if block_p:
         cfg["BLOCK_P"] = block_p
     cfg["BLOCK_P"] = fit_rows(x, cfg["BLOCK_P"], cfg["BLOCK_K"], S, 2)
+    cfg = fit_warps(x, cfg, cfg["BLOCK_P"], cfg["BLOCK_K"])  # a program's tile: BLOCK_P rows
     consts, opts = tuning.split(cfg)
     assert half % consts["BLOCK_P"] == 0, f"block_p={consts['BLOCK_P']} must divide hd/2={half}"
     q = torch.empty((S, hq_lane * L, hd), device=x.device, dtype=dt)
