@@ -47,6 +47,8 @@ def test_decode_step_kernels_compile_for_sm90(model, per_layer):
     for r in rows:
         assert r["registers"] > 0, r
         assert r["pdl"], f"{r['kernel']}: planned with PDL but no griddepcontrol in its PTX"
+        # a tile converted to its accumulator's layout goes through shared memory every trip
+        assert r["loop_converts"] == 0, f"{r['kernel']}: {r['loop_converts']} converts in loops"
         if r["kernel"].startswith(STREAMING):
             programs = 1
             for g in r["grid"]:

@@ -15,7 +15,9 @@ the registers differ (seen with triton 3.6 and 3.9), so such a build describes o
 
 Each distinct (kernel, argument types, specialisation, constexprs, options) is then compiled by
 `triton.compile` for the target; `cuobjdump -res-usage` reads registers, spill memory and shared
-memory from the cubin, and its SASS the width of every global load. Blocks per SM follow from
+memory from the cubin, and its SASS the width of every global load. `cvt` counts the layout
+conversions of large tensors inside loops of the TTGIR (loop_converts): each one is a trip
+through shared memory per loop iteration, and a streaming kernel should have none. Blocks per SM follow from
 registers, warps and shared memory; waves are the grid over (SMs x blocks per SM).
 
     python -m expresslane.kernels.aot --model laneformer-2b [--arch 90] [--quant int8 int4] [--json]
@@ -310,9 +312,31 @@ def compile_launch(launch: Launch, arch: int, workdir: Path, sms: int = 132) -> 
         "blocks_per_sm": blocks,
         "waves": ctas / (sms * blocks) if blocks else None,
         "loads": load_widths(_cuobjdump(cubin, "-sass")),
+        "loop_converts": loop_converts(compiled.asm["ttgir"]),
         "aligned_params": len(launch.aligned()),
         "pdl": "griddepcontrol" in compiled.asm["ptx"],
     }
+
+
+def loop_converts(ttgir: str, min_elements: int = 1024) -> int:
+    """Layout conversions of tensors of >= min_elements inside a loop of the TTGIR: each one goes
+    through shared memory on every trip. A weight tile converted for its accumulator (a 2-D load
+    expanded to 3-D) cost every token-axis kernel 8-10 registers and a shared-memory round trip
+    per tile; a streaming loop should convert none."""
+    depth, loops, count = 0, [], 0
+    for line in ttgir.splitlines():
+        if "scf.for" in line and line.rstrip().endswith("{"):
+            loops.append(depth)
+        if loops and "ttg.convert_layout" in line:
+            shape = re.search(r"-> tensor<([\dx]+)x\w+,", line)
+            n = 1
+            for d in shape.group(1).split("x") if shape else []:
+                n *= int(d)
+            count += n >= min_elements
+        depth += line.count("{") - line.count("}")
+        while loops and depth <= loops[-1]:
+            loops.pop()
+    return count
 
 
 def _cuobjdump(cubin: Path, flag: str) -> str:
@@ -376,7 +400,8 @@ def reduce_layouts(launch: Launch, arch: int = 90) -> list[tuple]:
                          for k, vals in re.findall(r"(\w+) = \[([\d, ]+)\]", body)}  # fmt: skip
     out = []
     for axis, shape, layout in re.findall(
-        r'"tt\.reduce".*?<\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<([^,]*), (#\w+)>', ttgir,
+        r'"tt\.reduce".*?<\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<([^,]*), (#\w+)>',
+        ttgir,
         re.S,
     ):
         a, lay = int(axis), layouts.get(layout)
@@ -460,13 +485,14 @@ def main(argv: list[str] | None = None) -> int:
                                args.tokens)  # fmt: skip
     if not args.json:
         print(f"{'kernel':54} {'grid':>10} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
-              f"{'blk/SM':>6} {'waves':>5} pdl  global loads (bits x count)")  # fmt: skip
+              f"{'blk/SM':>6} {'waves':>5} cvt pdl  global loads (bits x count)")  # fmt: skip
         for r in rows:
             grid = "x".join(map(str, r["grid"]))
             waves = f"{r['waves']:.2f}" if r["waves"] is not None else "-"
             print(f"{r['kernel']:54} {grid:>10} {r['warps']:>5} {r['registers']:>4} "
                   f"{r['spill_bytes']:>5} {r['shared_bytes']:>6} {r['blocks_per_sm']:>6} "
-                  f"{waves:>5} {'yes' if r['pdl'] else 'no':3}  {_widths(r['loads'])}")  # fmt: skip
+                  f"{waves:>5} {r['loop_converts']:>3} {'yes' if r['pdl'] else 'no':3}  "
+                  f"{_widths(r['loads'])}")  # fmt: skip
         print(f"launches per greedy decode step: {greedy}")
     print(json.dumps({"model": args.model, "arch": args.arch, "sms": args.sms,
                       "specialised": not args.unspecialised, "launches_per_step": greedy,

@@ -424,12 +424,13 @@ def fit_warps(t: torch.Tensor, cfg: dict, block_rows: int, block_k: int) -> dict
     16-byte vector (block_rows * block_k >= 256 * warps; 8 bf16), on a GPU.
 
     The tile's layout fixes each row's reduction order along K: 8 values a thread, then the 32
-    lanes of one warp, when the tile is large enough for warps to take whole rows. A smaller
-    tile (fit_rows shrinks the rows as the tokens grow) was laid out 4 values a thread with 2
-    warps along K (triton 3.6, an 8-token sm_90 build of norm_swiglu and norm_qkv with 2 rows
-    a program): other sums than the one-token build's, so a verify row could leave the plain
-    step's bits. Fewer warps keep the 1-token layout along K (kernels/aot.py checks it). Never
-    below 2 (rms_rstd); fit_rows leaves >= 2 rows of 256 or 4 of 128, which 2 warps cover."""
+    lanes of one warp, when the tile is large enough for warps to take whole rows. The tile's
+    load fixes the accumulator's layout (first_tile), and a smaller tile (fit_rows shrinks the
+    rows as the tokens grow) is laid out 4 values a thread with 2 warps along K (triton 3.6
+    and 3.9, the 8-token sm_90 builds of norm_swiglu and norm_qkv, 2 rows a program): other
+    sums than the one-token build's, so a verify row would leave the plain step's bits. Fewer
+    warps keep the 1-token layout along K (kernels/aot.py checks it). Never below 2
+    (rms_rstd); fit_rows leaves >= 2 rows of 256 or 4 of 128, which 2 warps cover."""
     if num_sms(t) == 0:
         return cfg
     warps = cfg.get("num_warps", 4)
