@@ -6,6 +6,8 @@ model.rms_norm) on irregular shapes: N tokens in {1, 5, 37}, L in {1, 3, 8} lane
 norm roundings, y and past as lane_linear's transposed views, h broadcast over the lanes (the
 first layer). fp32: within 1e-6 relative (only the order of the fp32 sums differs); bf16: every
 element within one bf16 ulp of the reference, and nearly all equal (each rounding point copied).
+Where CUDA is (the GPU session's `-m gpu` stage): the compiled kernel at the 2B's shape, and a
+bf16 prefill of a model with the 2B's lane layout against the eager forward.
 FusedPrefill (Triton kernels, in the interpreter without CUDA) against `model.forward` on tiny
 Laneformers of every reduce mode and norm kind and on a Llama, with a cache across chunks; its
 reference wiring bit for bit; the engine's prefill through it; the prefill warm-up at load.
@@ -24,7 +26,8 @@ from expresslane.kernels import ref  # noqa: E402
 from expresslane.kernels.prefill_norm import residual_norm  # noqa: E402
 from expresslane.step.prefill import FusedPrefill, supports  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_thread")]
+pytestmark = pytest.mark.usefixtures("one_thread")
+on_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
 
 @pytest.fixture(autouse=True)
@@ -106,6 +109,25 @@ def test_residual_norm_matches_the_model_math(case, dtype):
         assert normed is None
     else:
         assert_matches(normed, want_normed, dtype)
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, past", [("present", None), ("no_reduce", None), ("past", True)])
+def test_residual_norm_compiled_at_the_2b_shape(mode, past):
+    """The sm_90 build at the 2B's shape (300 tokens, L = 8, D = 3072, bf16, BLOCK_D 256: 12
+    chunks, h_new re-read after the barrier), per-lane and shared scales."""
+    g = torch.Generator().manual_seed(7)
+    N, L, D = 300, 8, 3072
+    h = torch.randn(N, L, D, generator=g).to(DEVICE, torch.bfloat16)
+    y = lane_view(N, L, D, g, torch.bfloat16, True)
+    p = lane_view(N, L, D, g, torch.bfloat16, True) if past else None
+    for scale, rbs in ((torch.rand(L, D, generator=g) + 0.5, True), (torch.rand(D) + 0.5, False)):
+        kw = dict(mode=mode, past=p, eps=1e-5, round_before_scale=rbs)
+        scale = scale.to(DEVICE, torch.bfloat16)
+        got, want = residual_norm(h, y, scale, **kw), ref.residual_norm(h, y, scale, **kw)
+        assert_matches(got[0], want[0], torch.bfloat16)
+        assert_matches(got[1], want[1], torch.bfloat16)
 
 
 def test_the_bf16_check_tells_the_two_norm_roundings_apart():
@@ -248,7 +270,8 @@ def test_prefill_warmup_leaves_nothing_behind(models):
     assert eng.stats.cached_tokens == 0  # nothing of the warm-up's prompts reused
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@on_gpu
+@pytest.mark.gpu
 def test_fused_prefill_in_bf16_on_the_gpu_at_the_2b_lane_layout():
     """8 lanes (the 2B's lane layout: per-lane heads, delay 2), 2 layers, 300 tokens in bf16:
     the fused prefill's logits near the eager forward's, the same greedy tokens nearly

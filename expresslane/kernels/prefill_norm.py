@@ -37,9 +37,12 @@ from .gemv_reduce import MODES
 
 residual_norm_reference = ref.residual_norm
 
-# The (BLOCK_L, BLOCK_D) tile holds at most this many elements: 16 fp32 registers a thread per
-# tile at 8 warps, so the few tiles live in pass 1 (y, past, h, the sum of squares) fit.
-TILE_ELEMENTS = 4096
+# The (BLOCK_L, BLOCK_D) tile holds at most this many elements: 8 a thread at 8 warps (one
+# 16-byte load of bf16 per tensor and chunk). Compiled for sm_90 at the 2B's shape (L = 8,
+# BLOCK_D = 256; the aot.py recording): 40-63 registers, no spills, 4-6 CTAs an SM; 4096-element
+# tiles took 68-100 registers (2-3 CTAs an SM). Not yet timed on a GPU: `block` and `num_warps`
+# of `residual_norm` override both for a sweep.
+TILE_ELEMENTS = 2048
 NUM_WARPS = 8
 
 
