@@ -38,19 +38,21 @@ def _force_triton(monkeypatch):
 
 
 # (N, L, D, mode, past: None / "given", gamma: None / "shared" / "lane", round_before_scale,
-#  y: "strided" (lane_linear's bmm view) / "plain" / None (the first layer: h broadcast))
+#  y: "strided" (lane_linear's bmm view) / "plain" / None (the first layer: h broadcast),
+#  BLOCK_D: None (the launcher's: one chunk at these widths) or narrower (several chunks, the
+#  last one partial: pass 2 re-reads h_new chunk by chunk))
 CASES = [
-    (1, 1, 40, "present", None, "shared", True, "plain"),  # a Llama's one token
-    (5, 3, 200, "present", None, "lane", False, "strided"),
-    (37, 8, 96, "present", None, "shared", False, "strided"),
-    (5, 8, 200, "no_reduce", None, "lane", True, "strided"),
-    (37, 3, 40, "no_reduce", None, None, False, "plain"),  # the last layer: no norm
-    (5, 3, 96, "past", "given", "shared", False, "strided"),
-    (37, 8, 200, "past", "given", "lane", True, "strided"),
-    (1, 8, 40, "past", None, "shared", True, "strided"),  # option B: nothing arrives yet
-    (37, 1, 200, "past", "given", "shared", True, "plain"),  # a Llama past layer
-    (5, 8, 96, "present", None, "lane", False, None),  # the first layer's attention_norm
-    (37, 3, 200, "past", "given", None, False, "strided"),
+    (1, 1, 40, "present", None, "shared", True, "plain", None),  # a Llama's one token
+    (5, 3, 200, "present", None, "lane", False, "strided", 64),
+    (37, 8, 96, "present", None, "shared", False, "strided", None),
+    (5, 8, 200, "no_reduce", None, "lane", True, "strided", 32),
+    (37, 3, 40, "no_reduce", None, None, False, "plain", 16),  # the last layer: no norm
+    (5, 3, 96, "past", "given", "shared", False, "strided", None),
+    (37, 8, 200, "past", "given", "lane", True, "strided", None),
+    (1, 8, 40, "past", None, "shared", True, "strided", 16),  # option B: nothing arrives yet
+    (37, 1, 200, "past", "given", "shared", True, "plain", 64),  # a Llama past layer
+    (5, 8, 96, "present", None, "lane", False, None, 32),  # the first layer's attention_norm
+    (37, 3, 200, "past", "given", None, False, "strided", None),
 ]
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -63,7 +65,7 @@ def lane_view(N: int, L: int, D: int, g: torch.Generator, dtype, strided: bool):
 
 
 def make_case(case, dtype):
-    N, L, D, mode, past, gamma, rbs, y_kind = case
+    N, L, D, mode, past, gamma, rbs, y_kind, _ = case
     g = torch.Generator().manual_seed(N * 1000 + L * 100 + D)
     if y_kind is None:  # the embedding row broadcast over the lanes (lane stride 0)
         h = torch.randn(N, 1, D, generator=g).to(DEVICE, dtype).expand(N, L, D)
@@ -99,7 +101,7 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_residual_norm_matches_the_model_math(case, dtype):
     (h, y, scale), kw = make_case(case, dtype)
-    h_new, normed = residual_norm(h, y, scale, **kw)
+    h_new, normed = residual_norm(h, y, scale, **kw, block=case[-1])
     want_h, want_normed = ref.residual_norm(h, y, scale, **kw)
     if y is None:
         assert h_new is h  # nothing added: the residual itself
