@@ -9,8 +9,9 @@ element within one bf16 ulp of the reference, and nearly all equal (each roundin
 Where CUDA is (the GPU session's `-m gpu` stage): the compiled kernel at the 2B's shape, and a
 bf16 prefill of a model with the 2B's lane layout against the eager forward.
 FusedPrefill (Triton kernels, in the interpreter without CUDA) against `model.forward` on tiny
-Laneformers of every reduce mode and norm kind and on a Llama, with a cache across chunks; its
-reference wiring bit for bit; the engine's prefill through it; the prefill warm-up at load.
+Laneformers of every reduce mode and norm kind, a Llama and a Qwen3 (q/k norms), with a cache
+across chunks; its reference wiring bit for bit; the engine's prefill through it; the prefill
+warm-up at load.
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ MODELS = {
                     broadcast_delay=1),  # no_reduce, past None, past
     "llama": dict(model_type="llama", num_lanes=1, sliding_window=None, num_hidden_layers=2,
                   num_attention_heads=6, num_key_value_heads=2, hidden_size=48),
+    "qwen3": dict(model_type="qwen3", num_lanes=1, sliding_window=None, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, hidden_size=48,
+                  head_dim=16),  # q/k norms: the attention module's own
 }  # fmt: skip
 
 
