@@ -170,9 +170,10 @@ class Engine:
     def warm_up_prefill(self) -> float:
         """Prefill a few prompt lengths once, at load, then forget them: the cache emptied and
         prefix reuse started afresh. On the H200 the process's first 1,024-token prefill of
-        laneformer-2b took 144 ms against 27 ms after (first-use costs in the caching allocator
-        and in the library kernels: cuBLAS handles and heuristics, SDPA, Triton launches), paid
-        once per process for each new shape; no request may pay them. Returns the seconds spent
+        laneformer-2b took 144 ms against 27 ms after: first-use costs in the caching allocator
+        and the library kernels (and the fused prefill kernel's Triton compile), paid once per
+        process; no request may pay them. Lengths that take each attention form (a short
+        chunk's masked path, SDPA's causal one) up to a whole chunk. Returns the seconds spent
         (also `warmup_s`)."""
         t = time.perf_counter()
         longest = min(self.prefill_chunk, self.max_len - 1)
