@@ -59,11 +59,16 @@ class RMSNorm(nn.Module):
         return self.scale if self.per_lane else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.round_before_scale:
-            return xf.to(x.dtype) * self.gamma
-        return (xf * self.gamma.float()).to(x.dtype)
+        return rms_norm(x, self.gamma, self.eps, self.round_before_scale)
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float, round_before_scale: bool):
+    """RMSNorm over the last axis with fp32 statistics (the RMSNorm module's math)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if round_before_scale:
+        return xf.to(x.dtype) * gamma
+    return (xf * gamma.float()).to(x.dtype)
 
 
 class Attention(nn.Module):

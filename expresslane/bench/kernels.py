@@ -1,5 +1,8 @@
 """Micro-benchmark of the fused decode kernels on Laneformer-2B shapes: time and bandwidth.
 
+The prefill's residual + norm kernel (kernels/prefill_norm.py) has two rows too: `--context`
+tokens of the 2B's residual stream, present and past mode.
+
     python -m expresslane.bench.kernels [--dtype bf16] [--context 1024] [--reps 50] [--dry-run]
 
 For each kernel (and one whole decoder layer) it prints the median time of one call, the bytes
@@ -90,7 +93,15 @@ class Case(NamedTuple):
 
 
 def _cases(dtype: torch.dtype, context: int, dev: str = "cuda", s: dict = SHAPE) -> list[Case]:
-    from expresslane.kernels import decode_attention, gemv_reduce, lm_head, norm_qkv, ref, swiglu
+    from expresslane.kernels import (
+        decode_attention,
+        gemv_reduce,
+        lm_head,
+        norm_qkv,
+        prefill_norm,
+        ref,
+        swiglu,
+    )
     from expresslane.kernels.decode_step import fused_decode_layer, reference_decode_layer
 
     L, D, hd, FL, VL = s["L"], s["D"], s["HD"], s["F"] // s["L"], s["V"] // s["L"]
@@ -188,6 +199,20 @@ def _cases(dtype: torch.dtype, context: int, dev: str = "cuda", s: dict = SHAPE)
                  "w1": (L, FL, D), "w3": (L, FL, D), "w2": (L, D, FL)}  # fmt: skip
         return {"attention_norm": nw, "ffn_norm": nw} | {k: w(*v) for k, v in names.items()}
 
+    # the prefill's residual + norm over `context` tokens (kernels/prefill_norm.py): reads y,
+    # h (and past), writes h_new and the normed stream; its reference is the eager ops
+    n_act = context * L * D * e
+    for mode, past in (("present", False), ("past", True)):
+        cases.append(
+            Case(
+                f"prefill {mode[:4]}",
+                f"S{context} L{L} {D}, residual+norm",
+                (5 if past else 4) * n_act,
+                lambda past=past: _prefill_inputs(context, L, D, dtype, dev, past),
+                lambda p, mode=mode: prefill_norm.residual_norm(**p, mode=mode),
+                lambda p, mode=mode: ref.residual_norm(**p, mode=mode),
+            )
+        )
     kw = dict(reduce_mode="past", past_attn=h, past_mlp=h, window=s["WINDOW"])
     cases.append(
         Case(
@@ -200,6 +225,17 @@ def _cases(dtype: torch.dtype, context: int, dev: str = "cuda", s: dict = SHAPE)
         )
     )
     return cases
+
+
+def _prefill_inputs(n: int, lanes: int, dim: int, dtype, dev: str, past: bool) -> dict:
+    """h (N, L, D), y and past as lane_linear returns them ((L, N, D) storage), a shared norm."""
+
+    def lane_major():
+        return torch.randn(lanes, n, dim, device=dev).to(dtype).transpose(0, 1)
+
+    return {"h": torch.randn(n, lanes, dim, device=dev).to(dtype), "y": lane_major(),
+            "past": lane_major() if past else None,
+            "gamma": torch.ones(dim, device=dev, dtype=dtype), "eps": 1e-5}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Fused decode kernels: when to use them.
+"""Fused decode kernels (and the prefill's residual + norm kernel): when to use them.
 
 The package owns the choice between the Triton kernels (one module per kernel family) and their
 plain-PyTorch references in `ref.py`. Importing this package never imports triton: the kernel
@@ -12,11 +12,13 @@ without triton works unchanged.
     lm_head.py           final norm + LM head (3 head types) + greedy argmax / fp32 logits
     gemv.py              shared tile heuristics, PDL switch, norm helpers, lane-major GEMV
     decode_step.py       one decoder layer for S tokens, fused and reference twins
+    prefill_norm.py      prefill: DTP reduce + residual add + the next RMSNorm, per token
     tuning.py            launch configurations: defaults, per-GPU tables (tuning/), forcing
 
-Every kernel takes a token axis: S <= MAX_TOKENS consecutive tokens of one sequence, each weight
-read once for all of them, each token's row computed in an order that does not depend on S
-(batch-invariant), so the plain step is the S = 1 case of the verify step, bit for bit.
+Every decode kernel takes a token axis: S <= MAX_TOKENS consecutive tokens of one sequence, each
+weight read once for all of them, each token's row computed in an order that does not depend on S
+(batch-invariant), so the plain step is the S = 1 case of the verify step, bit for bit. The
+prefill's kernel takes any number of tokens, one program each (step/prefill.py runs it).
 """
 
 from __future__ import annotations

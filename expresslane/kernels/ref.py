@@ -14,6 +14,10 @@ Numerics (what the kernels reproduce, rounding point for rounding point):
 - RoPE, softmax and the DTP sums run in fp32 with the rounding order of laneformer.md 5.6.
 - LM-head logits are fp32 and never rounded to the activation dtype.
 
+The prefill's `residual_norm` (section 7, kernels/prefill_norm.py) is the model's own math for N
+tokens at once (`model.reduce`, `model.rms_norm`), including the per-lane and Llama norms'
+rounding before the scale.
+
 Tuning knobs of the wrappers (`split_k`, `num_splits`, `block_p`) are accepted and ignored here, so
 that `ref` and the kernel modules are interchangeable (see decode_step.py). Every function avoids
 `.item()`, so the references are also CUDA-graph capturable.
@@ -25,6 +29,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from .. import model
 
 
 # --- building blocks ---------------------------------------------------------------------------
@@ -256,3 +262,24 @@ def lane_gemv(
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     return lane_matmul(w, x)
+
+
+# --- 7. prefill: DTP reduce + residual add + the next RMSNorm ----------------------------------
+def residual_norm(
+    h: torch.Tensor,  # (N, L, D) residual of N tokens
+    y: torch.Tensor | None,  # (N, L, D) the module's per-lane output (any strides), or None
+    gamma: torch.Tensor | None,  # (D,) or (L, D) the next norm's scale, or None (no norm)
+    *,
+    mode: str,
+    past: torch.Tensor | None = None,  # (N, L, D) partials of layer i - d ("past" mode)
+    eps: float = 1e-6,
+    round_before_scale: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h + reduce(y), RMSNorm of it): the model's own math (`model.reduce`, `model.rms_norm`),
+    rounding point for rounding point, including the norm's rounding before the scale when the
+    module has it. y None: h unchanged (the first layer's attention_norm); gamma None: no norm."""
+    if y is not None:
+        h = h + model.reduce(y, mode, past)
+    if gamma is None:
+        return h, None
+    return h, model.rms_norm(h, gamma, eps, round_before_scale)

@@ -61,10 +61,10 @@ class ParallelEngine(Engine):
         if role not in ROLES:
             raise ValueError(f"role {role!r}: expected one of {ROLES}")
         # The cache holds the local KV heads. Eager decode: a pick exchanges between ranks, which
-        # the single-device decode graph (sampler inside the step) has no place for.
-        super().__init__(
-            model, max_model_len, prefill_chunk, decode="eager", prefix_reuse=prefix_reuse
-        )
+        # the single-device decode graph (sampler inside the step) has no place for. No prefill
+        # warm-up: a prefill exchanges too, and this rank's exchange is not set up yet.
+        super().__init__(model, max_model_len, prefill_chunk, decode="eager",
+                         prefix_reuse=prefix_reuse, prefill_warmup=False)  # fmt: skip
         self.cfg = model.global_cfg
         self.ex, self.place, self.role = model.exchange, model.place, role
         self.lost: GroupLostError | None = None

@@ -89,6 +89,12 @@ class Metrics:
             label,
             registry=r,
         ).labels(model_name)
+        self.warmup_seconds = Gauge(
+            PREFIX + "prefill_warmup_seconds",
+            "Seconds spent in prefill warm-up at load (first-use costs no request pays).",
+            label,
+            registry=r,
+        ).labels(model_name)
         self.preparing = Gauge(
             PREFIX + "num_requests_preparing",
             "Requests being parsed, templated and tokenized (they count toward --max-queue).",

@@ -170,6 +170,7 @@ class Worker:
         self._seq = itertools.count()
         self.mean_job_s = 1.0  # moving average of a job's time on the engine (Retry-After)
         self.metrics.capture_seconds.set(getattr(engine, "capture_s", 0.0))
+        self.metrics.warmup_seconds.set(getattr(engine, "warmup_s", 0.0))
         self._thread = threading.Thread(target=self._loop, name="expresslane-engine", daemon=True)
         self._thread.start()
 

@@ -7,7 +7,7 @@ fused kernels or quantized packed weights need the static step. `kernels` "auto"
 Triton step where triton runs (CUDA), "on" forces it (their references elsewhere), "off" keeps
 the model's forward. On a CPU the static step is the packed one (packed.py). The CLI's default
 (`default_decode`) asks for the packed step on a CPU where the C layers are built, as it needs
-no compilation.
+no compilation. `choose_prefill` picks the prefill's forward by the same `kernels` flag.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from .fused import FusedDecoder, supports
 from .native import native_step_built
 from .packed import PackedDecoder
 from .packed import supports as packed_supports
+from .prefill import FusedPrefill
+from .prefill import supports as prefill_supports
 from .protocol import EagerStep, Step
 
 
@@ -80,3 +82,13 @@ def choose_step(model: Laneformer, cache: KVCache, decode: str = "auto", kernels
         step = PackedDecoder(model, cache, compile=compile)
         return Choice(step, mode, False, "packed, C layers" if step.step else "packed")
     return Choice(EagerStep(model, cache), mode, compile, "forward")
+
+
+def choose_prefill(model: Laneformer, kernels: str = "auto"):
+    """The forward that prefills, called like the model: FusedPrefill (prefill.py) where the
+    fused Triton kernels run (`kernels` "auto" or "on", triton on the model's device) on a model
+    it supports, else the model itself (a CPU: the eager forward, bit for bit)."""
+    p = next(model.parameters())
+    if kernels != "off" and use_triton(p) and prefill_supports(model):
+        return FusedPrefill(model)
+    return model

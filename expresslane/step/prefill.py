@@ -1,0 +1,99 @@
+"""The prefill forward with the residual stream fused: FusedPrefill(model)(tokens, cache=...).
+
+Applied to a loaded model from outside (the model stays pure math; its forward is the
+reference). A prefill is the model's forward with every `h + reduce(y)` and the RMSNorm after it
+replaced by one kernel (kernels/prefill_norm.py): the attention and feed-forward modules, the
+embedding and the head are the model's own, so attention biases, q/k norms and quantized
+projections come as they are. On a Laneformer the residual stream (S, L, D) is L times a
+Llama's, and the eager norm and reduce walk it several times each (issue 24: ~13 ms of a
+1,024-token prefill of the 2B on an H200).
+
+Per layer, with the past partials kept exactly as `Laneformer.forward` keeps them:
+    a     = attention(x)                     x = attention_norm(h), from the previous kernel
+    h, x  = residual_norm(h, a, ffn_norm)    h + reduce(a), then ffn_norm of it
+    m     = feed_forward(x)
+    h, x  = residual_norm(h, m, next layer's attention_norm, or none after the last layer)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache
+from ..kernels import ref, use_triton
+from ..model import Block, Laneformer, RMSNorm
+
+
+def supports(model) -> bool:
+    """A Laneformer whose forward, blocks and norms are the model's own classes' (a subclass
+    with its own forward, a parallel shard, a patched block: their forward runs), with norm
+    scales in the activation dtype (the kernel rounds to one dtype)."""
+    if not isinstance(model, Laneformer) or type(model).forward is not Laneformer.forward:
+        return False
+    dtype = model.model.tok_embeddings.weight.dtype
+    for block in model.model.layers:
+        if not isinstance(block, Block) or type(block).forward is not Block.forward:
+            return False
+        for norm in (block.attention_norm, block.ffn_norm):
+            if type(norm).forward is not RMSNorm.forward or norm.gamma.dtype != dtype:
+                return False
+    return True
+
+
+def _hooked(model: Laneformer) -> bool:
+    """Forward hooks on the model or a block (they would not run here)."""
+    mods = (model, *model.model.layers)
+    return any(m._forward_hooks or m._forward_pre_hooks for m in mods)
+
+
+class FusedPrefill:
+    """Callable like the model: (tokens (B, S), positions, cache, last_only) -> logits."""
+
+    def __init__(self, model: Laneformer, kernels: bool | None = None):
+        if not supports(model):
+            raise ValueError("FusedPrefill: the model's forward, blocks or norms are not its own")
+        self.model = model
+        w0 = model.model.tok_embeddings.weight
+        self.kernels = use_triton(w0) if kernels is None else kernels
+        if self.kernels:
+            from ..kernels.prefill_norm import residual_norm  # imports triton
+
+            self._residual_norm = residual_norm
+        else:
+            self._residual_norm = ref.residual_norm
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        model, cfg = self.model, self.model.cfg
+        if _hooked(model):
+            return model(tokens, positions, cache, last_only)
+        layers = model.model.layers
+        h, positions, cos, sin = model.embed(tokens, positions, cache)
+        B, S, L, D = h.shape
+        h, x = self._update(h.flatten(0, 1), None, layers[0].attention_norm)  # (B*S, L, D)
+        past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
+        past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
+        for i, block in enumerate(layers):
+            src = cfg.past_source(i)
+            pa, pm = (None, None) if src is None else (past_a[src], past_m[src])
+            a = block.attention(x.view(B, S, L, D), cos, sin, positions, cache).flatten(0, 1)
+            h, x = self._update(h, a, block.ffn_norm, block.mode, pa)
+            m = block.feed_forward(x.view(B, S, L, D)).flatten(0, 1)
+            after = layers[i + 1].attention_norm if i + 1 < len(layers) else None
+            h, x = self._update(h, m, after, block.mode, pm)
+            if cfg.broadcasts(i):
+                past_a[i], past_m[i] = a, m
+        return model.finish(h.view(B, S, L, D), S, cache, last_only)
+
+    def _update(self, h, y, norm: RMSNorm | None, mode: str = "present", past=None):
+        """(h + reduce(y), norm of it) through the kernel, with the norm module's own
+        parameters (no norm after the last layer: the head applies its own)."""
+        if norm is None:
+            return self._residual_norm(h, y, None, mode=mode, past=past)
+        return self._residual_norm(h, y, norm.gamma, mode=mode, past=past, eps=norm.eps,
+                                   round_before_scale=norm.round_before_scale)  # fmt: skip
