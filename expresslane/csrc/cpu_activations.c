@@ -58,6 +58,10 @@ void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const 
                 memcpy(o + 64, a + Kp / 2 + c * 64, 64);
                 memcpy(o + 128, b + c * 64, 64);
                 memcpy(o + 192, b + Kp / 2 + c * 64, 64);
+            } else if (fmt == FMT_BF16) { /* two planes: every hi chunk, then every lo chunk */
+                o = dst + (c * T + t) * 64;
+                memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
+                memcpy(o + n * T * 64, P->b + v[t] * Kp * 2 + c * 64, 64);
             } else { /* 64 bytes of the hi part, then of the lo part */
                 memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
                 memcpy(o + 64, P->b + v[t] * Kp * 2 + c * 64, 64);

@@ -57,7 +57,8 @@ int64_t el_split_scratch(int64_t V, int64_t K);
 void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p);
 
 /* The tokens of a block side by side (cpu_activations.c): chunk c of token t of the block at
-   (c T + t) chunk_bytes. The kernels address every token from one pointer. */
+   (c T + t) chunk_bytes (bf16: two planes, the hi halves at (c T + t) 64, the lo halves after
+   all of them). The kernels address every token from one pointer. */
 int64_t el_chunk_bytes(int fmt);
 int64_t el_chunks(int fmt, int64_t K, int64_t Kp);
 void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const int64_t *v, int T,

@@ -82,9 +82,13 @@ DEF_FMA_ROWS(rows_f32, ld_f32, ldm_f32)
 DEF_FMA_ROWS(rows_f16, ld_f16, ldm_f16)
 
 /* ---- bfloat16: vdpbf16ps of each weight vector with every token's hi and lo parts --------- */
+/* x in two planes (el_pack_block): chunk c of token t at (c T + t) 64 bytes among the hi parts,
+   and 2 Kp T bytes further among the lo parts; for one token, x_hi then x_lo. Chunks of hi and
+   lo side by side (128 bytes a chunk) streamed SmolLM2's w2 (K = 1536) 20% slower with 2 threads
+   on the 2-vCPU VM, the other shapes the same (why is not known). */
 T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float *out,
                              const int T) {
-    const int64_t CB = 128; /* 32 values: hi, then lo */
+    const int64_t CB = 64, LO = 2 * ((K + 127) / 128 * 128) * T; /* 32 values; the lo plane */
     __m512 a0[TMAX], a1[TMAX], b0[TMAX], b1[TMAX];
     for (int t = 0; t < T; t++) a0[t] = a1[t] = b0[t] = b1[t] = _mm512_setzero_ps();
     int64_t k = 0;
@@ -93,9 +97,9 @@ T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float
         const __m512bh w0 = BF(w + k), w1 = BF(w + k + 32);
         for (int t = 0; t < T; t++) {
             a0[t] = _mm512_dpbf16_ps(a0[t], w0, BF(AT(c, t, 0)));
-            b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(c, t, 64)));
+            b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(c, t, LO)));
             a1[t] = _mm512_dpbf16_ps(a1[t], w1, BF(AT(c + 1, t, 0)));
-            b1[t] = _mm512_dpbf16_ps(b1[t], w1, BF(AT(c + 1, t, 64)));
+            b1[t] = _mm512_dpbf16_ps(b1[t], w1, BF(AT(c + 1, t, LO)));
         }
     }
     for (; k < K; k += 32) { /* x parts are zero-padded to a multiple of 64 */
@@ -104,12 +108,61 @@ T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float
                         : (__m512bh)_mm512_maskz_loadu_epi16((1u << (K - k)) - 1, w + k);
         for (int t = 0; t < T; t++) {
             a0[t] = _mm512_dpbf16_ps(a0[t], w0, BF(AT(k / 32, t, 0)));
-            b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(k / 32, t, 64)));
+            b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(k / 32, t, LO)));
         }
     }
     for (int t = 0; t < T; t++)
         out[t] = _mm512_reduce_add_ps(
             _mm512_add_ps(_mm512_add_ps(a0[t], a1[t]), _mm512_add_ps(b0[t], b1[t])));
+}
+
+/* ---- one block of tokens: the row kernels as functions, one per block size ------------- */
+/* A single block (S <= 5) goes through a plain loop over rows that calls these (one_block):
+   through span_fma / span_bf16 once per row or per group, fp32 and bf16 streamed 3-24% slower
+   with 2 threads than the 2026-11-23 matvec loop (SmolLM2's products, the 2-vCPU VM); the
+   kernels, and so the bits, are the same either way. */
+#define ROW_FN(NAME, ATTR, KERNEL, WT, n)                                                     \
+    ATTR static void NAME##_##n(const char *w, const char *xp, int64_t K, float *out) {        \
+        KERNEL((const WT *)w, xp, K, out, n);                                                 \
+    }
+#define ROW_FNS(NAME, ATTR, KERNEL, WT)                                                        \
+    ROW_FN(NAME, ATTR, KERNEL, WT, 1)                                                         \
+    ROW_FN(NAME, ATTR, KERNEL, WT, 2)                                                         \
+    ROW_FN(NAME, ATTR, KERNEL, WT, 3)                                                         \
+    ROW_FN(NAME, ATTR, KERNEL, WT, 4) ROW_FN(NAME, ATTR, KERNEL, WT, 5)
+ROW_FNS(one_f32, T_F, rows_f32_t, void)
+ROW_FNS(one_f16, T_F, rows_f16_t, void)
+ROW_FNS(one_bf16, T_BF, rows_bf16_t, uint16_t)
+
+/* rows 0 .. rows - 1 of a single block of T tokens (lane l's at pk + l S per_token), split
+   over the threads in contiguous halves as the groups are */
+#define ONE_LOOP(FN)                                                                          \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")        \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        const int64_t l = r / N;                                                              \
+        float res[TMAX];                                                                      \
+        FN((const char *)w->data + r * rb, pk + l * S * per_token, K, res);                   \
+        for (int t = 0; t < T; t++) y[(t * L + l) * ldy + (r - l * N)] = res[t];              \
+    }
+#define ONE_T(NAME)                           \
+    switch (T) {                              \
+    case 1: ONE_LOOP(NAME##_1) break;         \
+    case 2: ONE_LOOP(NAME##_2) break;         \
+    case 3: ONE_LOOP(NAME##_3) break;         \
+    case 4: ONE_LOOP(NAME##_4) break;         \
+    default: ONE_LOOP(NAME##_5) break;        \
+    }
+static void one_block(const qmat_t *w, const char *pk, float *y, int64_t ldy, int64_t S,
+                      int64_t L, int64_t N, int64_t K, int64_t per_token, const int T,
+                      int threads) {
+    const int fmt = (int)w->fmt;
+    const int64_t rows = L * N, rb = el_row_bytes(fmt, K);
+    if (fmt == FMT_F32)
+        ONE_T(one_f32)
+    else if (fmt == FMT_F16)
+        ONE_T(one_f16)
+    else
+        ONE_T(one_bf16)
 }
 
 /* ---- int8 (one scale per row): exact integer sums, so any order gives the same ------------ */
@@ -284,6 +337,11 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
             for (int t = 0; t < Ts[b]; t++) v[t] = (s0 + t) * L + l;
             el_pack_block(fmt, &P, x, K, v, Ts[b], pk + (l * S + s0) * per_token);
         }
+    if (blocks == 1 && (fmt == FMT_F32 || fmt == FMT_F16 || fmt == FMT_BF16)) {
+        one_block(w, pk, y, ldy, S, L, N, K, per_token, Ts[0], threads);
+        free(own);
+        return 0;
+    }
     /* rows in groups that stay in L2 while each block of tokens reads them (a row re-read at
        once from L1 stalls the weight stream); at least one group per thread */
     const int64_t rows = L * N, rb = el_row_bytes(fmt, K);
@@ -292,10 +350,8 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
        threads left one thread 2/3 of a bf16 product (the 2026-11-27 CPU regression) */
     const int64_t t = threads > 1 ? threads : 1;
     int64_t groups = ((rows + most - 1) / most + t - 1) / t * t;
-    /* one block of tokens (S <= 5) re-reads nothing, so the rows go one by one: with the same
-       contiguous half per thread, a span call per row streamed bf16 weights 8-16% faster than
-       one call per group on the 2-vCPU VM (SmolLM2's qkv and head, 1 and 2 threads; int8 the
-       same either way; why is not known) */
+    /* one block of tokens (S <= 5, the integer and nibble formats) re-reads nothing, so the
+       rows go one by one, each thread a contiguous half */
     const int64_t per = blocks == 1 ? 1 : (rows + groups - 1) / groups;
     groups = (rows + per - 1) / per;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
