@@ -24,7 +24,7 @@ from triton_interp import DEVICE, GPU, triton  # noqa: F401  (first: sets the in
 from expresslane.config import SamplingParams  # noqa: E402
 from expresslane.engine import Engine  # noqa: E402
 from expresslane.kernels import ref  # noqa: E402
-from expresslane.kernels.prefill_norm import residual_norm  # noqa: E402
+from expresslane.kernels.prefill_norm import residual_norm, silu_mul  # noqa: E402
 from expresslane.step.prefill import FusedPrefill, supports  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,6 +131,17 @@ def test_residual_norm_compiled_at_the_2b_shape(mode, past):
         got, want = residual_norm(h, y, scale, **kw), ref.residual_norm(h, y, scale, **kw)
         assert_matches(got[0], want[0], torch.bfloat16)
         assert_matches(got[1], want[1], torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 7), (37, 3, 40), (5, 8, 1100)], ids=str)
+def test_silu_mul_matches_the_feed_forward(shape, dtype):
+    """SiLU(gate) * up in one kernel against FeedForward's two ops, on sizes that leave a
+    partial last block (and one of several blocks); up strided as lane_linear returns it."""
+    g = torch.Generator().manual_seed(shape[0])
+    gate = (torch.randn(shape, generator=g) * 3).to(DEVICE, dtype)
+    up = torch.randn(shape[1], shape[0], shape[2], generator=g).to(DEVICE, dtype).transpose(0, 1)
+    assert_matches(silu_mul(gate, up), ref.silu_mul(gate, up.contiguous()), dtype)
 
 
 def test_the_bf16_check_tells_the_two_norm_roundings_apart():

@@ -17,8 +17,9 @@ Each distinct (kernel, argument types, specialisation, constexprs, options) is t
 `triton.compile` for the target; `cuobjdump -res-usage` reads registers, spill memory and shared
 memory from the cubin, and its SASS the width of every global load. `cvt` counts the layout
 conversions of large tensors inside loops of the TTGIR (loop_converts): each one is a trip
-through shared memory per loop iteration, and a streaming kernel should have none. Blocks per SM follow from
-registers, warps and shared memory; waves are the grid over (SMs x blocks per SM).
+through shared memory per loop iteration, and a streaming kernel should have none. Blocks per
+SM follow from registers, warps and shared memory; waves are the grid over (SMs x blocks per
+SM).
 
     python -m expresslane.kernels.aot --model laneformer-2b [--arch 90] [--quant int8 int4] [--json]
 

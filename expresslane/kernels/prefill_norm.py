@@ -1,4 +1,5 @@
-"""Prefill: the DTP reduce + residual add fused with the next RMSNorm, one pass per token.
+"""Prefill's fused element-wise kernels: the DTP reduce + residual add with the next RMSNorm,
+one pass per token (`residual_norm`), and the MLP's SiLU(gate) * up (`silu_mul`).
 
 Between two modules of the eager forward the residual stream (S, L, D) is walked several times:
 `h + reduce(y)` (a lane sum or a scale, then the add) and the next RMSNorm (x.float(), pow,
@@ -126,6 +127,34 @@ def residual_norm_kernel(
                 x = round_as(x, normed_ptr)
             at = row + offs_l[:, None] * D + offs_d[None, :]
             tl.store(normed_ptr + at, cast_as(x * g.to(tl.float32), normed_ptr), mask=m)
+
+
+@triton.jit
+def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = SiLU(g) * u over n contiguous elements, rounded as FeedForward rounds them."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    act = round_as(g * tl.sigmoid(g), out_ptr)  # F.silu's result in the dtype
+    tl.store(out_ptr + offs, cast_as(act * u, out_ptr), mask=m)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up in one pass (FeedForward's two element-wise ops read and write the
+    (S, L, F/L) activations three times: ~0.15 ms a layer of the 2B at 1,024 tokens, by
+    bytes); ref.silu_mul where triton does not run."""
+    if not use_triton(gate):
+        return ref.silu_mul(gate, up)
+    assert gate.shape == up.shape and gate.dtype == up.dtype, (
+        f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ"
+    )
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        silu_mul_kernel[(triton.cdiv(n, 2048),)](gate, up, out, n, BLOCK=2048, num_warps=8)
+    return out
 
 
 def block_d(lanes: int, dim: int) -> int:

@@ -283,3 +283,8 @@ def residual_norm(
     if gamma is None:
         return h, None
     return h, model.rms_norm(h, gamma, eps, round_before_scale)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, as FeedForward computes it: silu rounded to the dtype, then the product."""
+    return torch.nn.functional.silu(gate) * up

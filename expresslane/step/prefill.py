@@ -11,7 +11,7 @@ Llama's, and the eager norm and reduce walk it several times each (issue 24: ~13
 Per layer, with the past partials kept exactly as `Laneformer.forward` keeps them:
     a     = attention(x)                     x = attention_norm(h), from the previous kernel
     h, x  = residual_norm(h, a, ffn_norm)    h + reduce(a), then ffn_norm of it
-    m     = feed_forward(x)
+    m     = w2(silu_mul(w1(x), w3(x)))      the feed-forward's projections, one element-wise kernel
     h, x  = residual_norm(h, m, next layer's attention_norm, or none after the last layer)
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from ..cache import KVCache
 from ..kernels import ref, use_triton
-from ..model import Block, Laneformer, RMSNorm
+from ..model import Block, FeedForward, Laneformer, RMSNorm
 
 
 def supports(model) -> bool:
@@ -33,6 +33,8 @@ def supports(model) -> bool:
     dtype = model.model.tok_embeddings.weight.dtype
     for block in model.model.layers:
         if not isinstance(block, Block) or type(block).forward is not Block.forward:
+            return False
+        if type(block.feed_forward).forward is not FeedForward.forward:
             return False
         for norm in (block.attention_norm, block.ffn_norm):
             if type(norm).forward is not RMSNorm.forward or norm.gamma.dtype != dtype:
@@ -56,11 +58,15 @@ class FusedPrefill:
         w0 = model.model.tok_embeddings.weight
         self.kernels = use_triton(w0) if kernels is None else kernels
         if self.kernels:
-            from ..kernels.prefill_norm import residual_norm  # imports triton
+            from ..kernels.prefill_norm import residual_norm, silu_mul  # imports triton
 
-            self._residual_norm = residual_norm
+            self._residual_norm, self._silu_mul = residual_norm, silu_mul
         else:
-            self._residual_norm = ref.residual_norm
+            self._residual_norm, self._silu_mul = ref.residual_norm, ref.silu_mul
+
+    def _mlp(self, ff: FeedForward, x: torch.Tensor) -> torch.Tensor:
+        """FeedForward's forward with SiLU(gate) * up as one kernel; its own projections."""
+        return ff.w2(self._silu_mul(ff.w1(x), ff.w3(x)))
 
     def __call__(
         self,
@@ -83,7 +89,7 @@ class FusedPrefill:
             pa, pm = (None, None) if src is None else (past_a[src], past_m[src])
             a = block.attention(x.view(B, S, L, D), cos, sin, positions, cache).flatten(0, 1)
             h, x = self._update(h, a, block.ffn_norm, block.mode, pa)
-            m = block.feed_forward(x.view(B, S, L, D)).flatten(0, 1)
+            m = self._mlp(block.feed_forward, x.view(B, S, L, D)).flatten(0, 1)
             after = layers[i + 1].attention_norm if i + 1 < len(layers) else None
             h, x = self._update(h, m, after, block.mode, pm)
             if cfg.broadcasts(i):
