@@ -115,7 +115,7 @@ class Engine:
         self.step, self.decode, self.step_name = choice.step, choice.decode, choice.name
         self._compile_graph = choice.compile_graph
         # the prefill's forward: the fused residual + norm kernels on CUDA, else the model
-        self.prefill_forward = choose_prefill(model, kernels)
+        self._prefill = choose_prefill(model, kernels)
         self.compile = compile
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.speculator = None
@@ -135,6 +135,13 @@ class Engine:
             prefill_warmup = self.capture and self.device.type == "cuda"
         if prefill_warmup:
             self.warm_up_prefill()
+
+    @property
+    def prefill_forward(self):
+        """What prefills: the choice made at load, unless `model` was replaced since (a wrapper
+        around it, as tests and tools install), whose own forward then runs."""
+        chosen = self._prefill
+        return chosen if getattr(chosen, "model", chosen) is self.model else self.model
 
     def _graph_for(self, params: SamplingParams) -> DecodeGraph:
         """One graph per sampler structure; values and seed are loaded per request. Making

@@ -36,7 +36,11 @@ def test_dry_run_of_every_stage(tmp_path):
     """Two calls (at most 4 stages a call: 8 files come back), run side by side: each stage
     leaves its whole log and a JSON result, the bench's rows stream before its table, and the
     summary line of each stage comes last."""
-    calls = [("smoke", "bench-2b", "bench-1b", "ttft"), ("tests", "kernels", "profile", "sweep")]
+    calls = [
+        ("smoke", "bench-2b", "bench-1b", "ttft"),
+        ("tests", "kernels", "profile", "sweep"),
+        ("structured",),
+    ]
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
     for stages, proc in zip(calls, procs, strict=True):
@@ -70,6 +74,8 @@ def test_dry_run_of_every_stage(tmp_path):
     assert {r["engine"] for r in ttft["summary"]} >= {"expresslane+kernels", "transformers"}
     assert all(r["requests"] == 3 and r["first_ms"] > 0 for r in ttft["summary"])
     assert ttft["profile"]["first"] and ttft["profile"]["second"]
+    grammar = {r["mode"]: r for r in results["structured"]["result"]["rows"]}
+    assert grammar["greedy"]["valid"] == grammar["greedy"]["runs"] == 3  # every answer parsed
     tests = results["tests"]["tests"]
     # every GPU test was collected and skipped here: none ran, none failed
     assert set(tests["counts"]) == {"skipped"} and tests["counts"]["skipped"] >= 4

@@ -87,6 +87,9 @@ def headline(res: dict) -> str:
         return "; ".join(f"{x['engine']} ctx {x['context']}: first {x['first_ms']:.1f} ms, "
                          f"steady {x['steady_ms']:.1f} ms" for x in r["summary"]
                          if "first_ms" in x)  # fmt: skip
+    if r.get("bench") == "structured":
+        return "; ".join(f"{x['mode']} {x['decode_tok_s']:.1f} tok/s ({x['vs_unconstrained']:.3f}x)"
+                         for x in r["rows"])  # fmt: skip
     if r.get("bench") == "sweep":
         won = sum(len(v) for v in r["table"]["kernels"].values())
         return (f"{r['variants']} variants, {r['rejected']} rejected, {r['inexact']} not "
