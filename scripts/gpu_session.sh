@@ -5,7 +5,7 @@
 #   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] [LIMITS="stage=seconds ..."]
 #          [SWEEP_MODELS="laneformer-2b ..."] scripts/gpu_session.sh [--dry-run] STAGE...
 #   stages: smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft
-#           structured (at most 4 per call: 8 files)
+#           structured spec-replay (at most 4 per call: 8 files)
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
 # (rows kept as measured, test verdicts, rc, seconds) goes to $OUT/STAGE.json. A stage that fails
@@ -23,7 +23,8 @@ OUT=${OUT:-out}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-STAGES=(smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft structured)
+STAGES=(smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft structured
+        spec-replay)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -35,8 +36,9 @@ mkdir -p "$OUT"
 # Packages the image lacks travel as wheels in .whl (ignored by git; the call's `carry` names it):
 # llguidance, for the structured stage. docs/gpu-session.md has the download command.
 if ((!DRY)) && compgen -G ".whl/*.whl" > /dev/null; then
+  SITE=$(mktemp -d)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+    --target "$SITE" .whl/*.whl && export PYTHONPATH=$SITE:$PYTHONPATH
 fi
 # Every test module with a `gpu` test (tests/test_gpu_session.py checks that none is missing);
 # test_kernels.py stays last: the dry run leaves it out.
@@ -93,6 +95,9 @@ stage_command() {
       LIMIT=180; CMD=("$PY" -m expresslane.bench.structured --preset laneformer-2b --device cuda
                       --schemas 12 --max-tokens 128)
       ((DRY)) && CMD=("$PY" -m expresslane.bench.structured --dry-run) ;;
+    spec-replay)  # speculation at the 2B's shapes: SmolLM2's recorded acceptance x step times
+      LIMIT=120; CMD=("$PY" -m expresslane.bench.spec_replay --preset laneformer-2b --context 1024)
+      ((DRY)) && CMD+=(--dry-run) ;;
     sweep)  # every kernel variant checked, then timed; the winners: sweep.json's result.table
       LIMIT=480; CMD=("$PY" -m expresslane.bench.sweep --model ${SWEEP_MODELS:-laneformer-2b
                       llama-3.2-1b} --context 1024 --tokens 1 4)

@@ -90,6 +90,11 @@ def headline(res: dict) -> str:
     if r.get("bench") == "structured":
         return "; ".join(f"{x['mode']} {x['decode_tok_s']:.1f} tok/s ({x['vs_unconstrained']:.3f}x)"
                          for x in r["rows"])  # fmt: skip
+    if r.get("bench") == "spec_replay":
+        k1 = max(r["verify_ms"], key=int)
+        kinds = ", ".join(f"{k} {v:.2f}x" for k, v in r["by_kind"].items())
+        cost = r["verify_ms"][k1] / r["plain_ms"]
+        return f"replayed {kinds}; a verify of {k1} rows {cost:.2f}x a step"
     if r.get("bench") == "sweep":
         won = sum(len(v) for v in r["table"]["kernels"].values())
         return (f"{r['variants']} variants, {r['rejected']} rejected, {r['inexact']} not "
