@@ -228,6 +228,26 @@ def reduce(y: torch.Tensor, mode: str, past: torch.Tensor | None) -> torch.Tenso
     return y + (past.sum(-2, keepdim=True) - past)
 
 
+class Partials:
+    """The delay line of the DTP partials: what each layer broadcasts (`ModelConfig.broadcasts`),
+    kept until the layer `broadcast_delay` later adds it (`ModelConfig.past_source`). One per
+    forward or step, filled layer by layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.attn: list[torch.Tensor | None] = [None] * cfg.num_layers
+        self.mlp: list[torch.Tensor | None] = [None] * cfg.num_layers
+
+    def arriving(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(attention, MLP) partials that reach `layer`: (None, None) when none do."""
+        src = self.cfg.past_source(layer)
+        return (None, None) if src is None else (self.attn[src], self.mlp[src])
+
+    def keep(self, layer: int, attn: torch.Tensor, mlp: torch.Tensor) -> None:
+        if self.cfg.broadcasts(layer):
+            self.attn[layer], self.mlp[layer] = attn, mlp
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -291,16 +311,11 @@ class Laneformer(nn.Module):
         last_only: bool = False,
     ) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, V) (or (B, 1, V) with last_only), fp32 or model dtype."""
-        cfg = self.cfg
         h, positions, cos, sin = self.embed(tokens, positions, cache)
-        past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
-        past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
+        partials = Partials(self.cfg)
         for i, block in enumerate(self.model.layers):
-            src = cfg.past_source(i)
-            pa, pm = (None, None) if src is None else (past_a[src], past_m[src])
-            h, a, m = block(h, cos, sin, positions, cache, pa, pm)
-            if cfg.broadcasts(i):
-                past_a[i], past_m[i] = a, m
+            h, a, m = block(h, cos, sin, positions, cache, *partials.arriving(i))
+            partials.keep(i, a, m)
         return self.finish(h, tokens.shape[1], cache, last_only)
 
     def finish(self, h: torch.Tensor, n: int, cache: KVCache | None, last_only: bool):

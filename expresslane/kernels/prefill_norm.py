@@ -20,8 +20,8 @@ scale (`round_before_scale`: Llama and per-lane norms) or scaled in fp32 and rou
 y and past may be strided views (lane_linear's bmm returns (L, N, D) storage seen as (N, L, D)),
 h too (the first layer's h is the embedding row broadcast over the lanes, lane stride 0).
 
-The reference is `ref.residual_norm` (the model's own math, also exported here as
-`residual_norm_reference`); the launcher runs it where triton does not (`use_triton`).
+The references are `ref.residual_norm` (the model's own math) and `ref.silu_mul`; the launchers
+run them where triton does not (`use_triton`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ import triton.language as tl
 from . import ref, use_triton
 from .gemv import cast_as, round_as
 from .gemv_reduce import MODES
-
-residual_norm_reference = ref.residual_norm
 
 # The (BLOCK_L, BLOCK_D) tile holds at most this many elements: 8 a thread at 8 warps (one
 # 16-byte load of bf16 per tensor and chunk). Compiled for sm_90 at the 2B's shape (L = 8,

@@ -17,7 +17,7 @@ import torch
 from ..cache import KVCache
 from ..config import SamplingParams
 from ..kernels import MAX_TOKENS, decode_step, ref, use_triton
-from ..model import Laneformer
+from ..model import Laneformer, Partials
 from ..rope import cos_sin
 from ..sampler import SamplerKnobs, sample
 
@@ -82,10 +82,9 @@ class FusedDecoder:
         L, D = cfg.num_lanes, cfg.hidden_size
         S = tokens.numel()
         h = self.embed[tokens.view(S)].unsqueeze(1).expand(S, L, D).contiguous()  # (S, L, D)
-        past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
-        past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
+        partials = Partials(cfg)
         for i, w in enumerate(self.layers):
-            src = cfg.past_source(i)
+            past_attn, past_mlp = partials.arriving(i)
             h, a, m = self.layer_fn(
                 h,
                 w,
@@ -96,14 +95,13 @@ class FusedDecoder:
                 self.cos,
                 self.sin,
                 reduce_mode=cfg.reduce_mode(i),
-                past_attn=None if src is None else past_a[src],
-                past_mlp=None if src is None else past_m[src],
+                past_attn=past_attn,
+                past_mlp=past_mlp,
                 window=cfg.window(i),
                 eps=cfg.norm_eps,
                 rope_style=cfg.rope_style,
             )
-            if cfg.broadcasts(i):
-                past_a[i], past_m[i] = a, m
+            partials.keep(i, a, m)
         return h
 
     def _head(self, fn_name: str, h: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from ..cache import KVCache
 from ..config import ModelConfig, SamplingParams
 from ..kernels.ref import _head_input
-from ..model import Laneformer
+from ..model import Laneformer, Partials
 from ..rope import apply_rope, cos_sin
 from ..sampler import SamplerKnobs, sample
 from ..weights.packing import pack_model
@@ -194,19 +194,16 @@ class PackedDecoder:
         h = self.weights.embed.lookup(tokens)[:, None, :].expand(S, cfg.num_lanes, -1)
         cos, sin = cos_sin(self.inv_freq, positions)  # (S, hd/2), as the model computes them
         span = self._live_span()
-        past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
-        past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
+        partials = Partials(cfg)
         for i, w in enumerate(self.layer_tensors):
-            src = cfg.past_source(i)
-            pa, pm = (None, None) if src is None else (past_a[src], past_m[src])
+            pa, pm = partials.arriving(i)
             h, a, m = self._layer(
                 h, w, cache.k[i], cache.v[i], cache.pos[i], positions, cos, sin, span, pa, pm,
                 native=self.native, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim, eps=cfg.norm_eps, rope_style=cfg.rope_style,
                 window=cfg.window(i), mode=cfg.reduce_mode(i),
             )  # fmt: skip
-            if cfg.broadcasts(i):
-                past_a[i], past_m[i] = a, m
+            partials.keep(i, a, m)
         return h
 
     def _run_head(self, h: torch.Tensor, greedy: bool) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from ..cache import KVCache
 from ..kernels import ref, use_triton
-from ..model import Block, FeedForward, Laneformer, RMSNorm
+from ..model import Block, FeedForward, Laneformer, Partials, RMSNorm
 
 
 def supports(model) -> bool:
@@ -75,25 +75,22 @@ class FusedPrefill:
         cache: KVCache | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
-        model, cfg = self.model, self.model.cfg
+        model = self.model
         if _hooked(model):
             return model(tokens, positions, cache, last_only)
         layers = model.model.layers
         h, positions, cos, sin = model.embed(tokens, positions, cache)
         B, S, L, D = h.shape
         h, x = self._update(h.flatten(0, 1), None, layers[0].attention_norm)  # (B*S, L, D)
-        past_a: list[torch.Tensor | None] = [None] * cfg.num_layers
-        past_m: list[torch.Tensor | None] = [None] * cfg.num_layers
+        partials = Partials(model.cfg)
         for i, block in enumerate(layers):
-            src = cfg.past_source(i)
-            pa, pm = (None, None) if src is None else (past_a[src], past_m[src])
+            pa, pm = partials.arriving(i)
             a = block.attention(x.view(B, S, L, D), cos, sin, positions, cache).flatten(0, 1)
             h, x = self._update(h, a, block.ffn_norm, block.mode, pa)
             m = self._mlp(block.feed_forward, x.view(B, S, L, D)).flatten(0, 1)
             after = layers[i + 1].attention_norm if i + 1 < len(layers) else None
             h, x = self._update(h, m, after, block.mode, pm)
-            if cfg.broadcasts(i):
-                past_a[i], past_m[i] = a, m
+            partials.keep(i, a, m)
         return model.finish(h.view(B, S, L, D), S, cache, last_only)
 
     def _update(self, h, y, norm: RMSNorm | None, mode: str = "present", past=None):
