@@ -49,3 +49,17 @@ def test_dry_run_prints_the_table_then_one_json_line(capsys, tmp_path):
     bad = tmp_path / "t.json"
     bad.write_text('{"rows": []}\n')
     assert spec_replay.main(["--dry-run", "--trace", str(bad)]) == 2
+
+
+def test_bad_arguments_exit_2_naming_the_problem(capsys):
+    from expresslane.bench import structured, ttft
+
+    for main, argv, word in [
+        (spec_replay.main, ["--preset", "no-such-preset"], "no-such-preset"),
+        (spec_replay.main, ["--reps", "0"], "--reps"),
+        (structured.main, ["--preset", "no-such-preset"], "no-such-preset"),
+        (structured.main, ["--schemas", "0"], "--schemas"),
+        (ttft.main, ["--preset", "no-such-preset", "--no-peer"], "no-such-preset"),
+    ]:
+        assert main(argv) == 2, argv
+        assert word in capsys.readouterr().err, argv

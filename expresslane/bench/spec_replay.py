@@ -33,6 +33,7 @@ import torch
 
 from ..config import SamplingParams
 from ..engine import Engine
+from ..errors import ExpressLaneError
 from ..presets import load_model_config
 from ..step.graph import DecodeGraph
 
@@ -156,7 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --trace {args.trace}: no speculative rows (workload, kind, tokens, "
               "verify_steps, accepted_tokens) in its last line", file=sys.stderr)  # fmt: skip
         return 2
-    m = measure(args.preset, args.device, args.dtype, args.context, args.k, args.reps)
+    if min(args.context, args.k, args.reps) < 1:
+        print("error: --context, --k and --reps must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        m = measure(args.preset, args.device, args.dtype, args.context, args.k, args.reps)
+    except ExpressLaneError as e:  # an unknown preset, a device that is not here
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t1, tv = m["plain_ms"], m["verify_ms"][args.k + 1]
     out = replay(rows, t1, tv)
     kinds = by_kind(out)

@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
 
 from ..config import SamplingParams
 from ..engine import Engine
+from ..errors import ExpressLaneError
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from .schemas import SCHEMAS
@@ -115,7 +117,23 @@ def _random_engine(preset: str, device: str, dtype: str, max_tokens: int) -> Eng
     return Engine(model, max_model_len=min(cfg.max_position_embeddings, 1024 + max_tokens))
 
 
-def main(argv: list[str] | None = None) -> None:
+def _engine(args) -> tuple[Engine, Tokenizer, str]:
+    """The engine, its tokenizer and the name the report gives the model."""
+    if args.preset:
+        from ..assets import TRAINED
+
+        engine = _random_engine(args.preset, args.device, args.dtype, args.max_tokens)
+        tok = Tokenizer.from_dir(args.tokenizer or str(TRAINED))
+        return engine, tok, f"{args.preset} (random weights)"
+    path = args.model
+    if path is None:
+        from ..gguf.fetch import fetch_smollm2
+
+        path = str(fetch_smollm2())
+    return Engine.from_pretrained(path, progress=False), Tokenizer.from_dir(path), path
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m expresslane.bench.structured")
     ap.add_argument("model", nargs="?", help="a model path (default: SmolLM2-135M Q4_1)")
     ap.add_argument("--preset", help="a preset's shape on random weights instead of a model")
@@ -137,21 +155,15 @@ def main(argv: list[str] | None = None) -> None:
 
         args.preset, args.device, args.dtype = str(TRAINED), "cpu", "float32"
         args.schemas, args.max_tokens = 3, 16
+    if args.max_tokens < 1 or (args.schemas is not None and args.schemas < 1):
+        print("error: --max-tokens and --schemas must be >= 1", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
-    if args.preset:
-        from ..assets import TRAINED
-
-        path = f"{args.preset} (random weights)"
-        engine = _random_engine(args.preset, args.device, args.dtype, args.max_tokens)
-        tok = Tokenizer.from_dir(args.tokenizer or str(TRAINED))
-    else:
-        path = args.model
-        if path is None:
-            from ..gguf.fetch import fetch_smollm2
-
-            path = str(fetch_smollm2())
-        engine = Engine.from_pretrained(path, progress=False)
-        tok = Tokenizer.from_dir(path)
+    try:
+        engine, tok, path = _engine(args)
+    except ExpressLaneError as e:  # an unknown model or preset, a device that is not here
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     schemas = dict(list(SCHEMAS.items())[: args.schemas]) if args.schemas else SCHEMAS
     rows, failures = measure(engine, tok, args.max_tokens, schemas)
     print(
@@ -169,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
                       "step": engine.step_name, "threads": args.threads,
                       "compile_ms_median": rows[0]["compile_ms_median"], "rows": rows,
                       "failures": failures}))  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from ..errors import ExpressLaneError
 from ..presets import load_model_config
 from .decode import BenchConfig, run_bench
 
@@ -135,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         peers=() if args.no_peer else ("transformers",),
         kernels=args.kernels,
     )
-    rows = run_bench(load_model_config(args.preset), cfg)
+    try:
+        model_cfg = load_model_config(args.preset)
+    except ExpressLaneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = run_bench(model_cfg, cfg)
     summary = summarise(rows)
     print(f"{args.preset}: time to first token, {args.repeats} requests per context")
     print(table(summary))
