@@ -9,7 +9,8 @@ parallel engine changes it through small hooks (request start, go on?, token pic
 `reference_generate` beside it recomputes the whole sequence at every step with no cache: the
 slow path every fast path is compared with. With a `SpeculativeConfig` the tokens after the first
 come from speculative/decoder.py (prompt-lookup drafts verified in one call), through the same loop.
-A request with a grammar (`SamplingParams.grammar`) takes its tokens from structured.py.
+A request with a grammar (`SamplingParams.grammar`) takes its tokens from structured/decoding.py,
+on graphs of their own where the engine captures (step/split.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .speculative.drafting import SpeculativeConfig
 from .step.choose import choose_prefill, choose_step
 from .step.fused import MAX_OVERRUN
 from .step.graph import DecodeGraph, committed_tokens
+from .step.split import STEP_TOKENS, SplitSteps
 from .structured.decoding import constrained_steps
 from .weights.packing import load_packed
 
@@ -87,10 +89,12 @@ class Engine:
         speculative: SpeculativeConfig | None = None,
         capture: bool | None = None,
         prefill_warmup: bool | None = None,
+        ring_headroom: int | None = None,
     ):
         """`capture`: CUDA graphs for the static step (default: on CUDA), all captured at load.
         `prefill_warmup`: a few prefills at load (`warm_up_prefill`; default: with capture on
-        CUDA)."""
+        CUDA). `ring_headroom`: slots each sliding layer's ring keeps beyond its window
+        (default: what a forward of the most tokens needs; below)."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.max_len = max_model_len or self.cfg.max_position_embeddings
@@ -101,8 +105,15 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # Speculation writes k draft positions ahead: rings get k slots of headroom (cache.py)
-        headroom = speculative.num_speculative_tokens if speculative else 0
+        # A forward of S tokens writes S - 1 positions ahead of its first token's window: rings
+        # get that headroom (cache.py) for speculation's k drafts and for a grammar's forced
+        # tokens, which go in up to STEP_TOKENS a forward (jump-forward, step/split.py). Seven
+        # slots a ring: 0.2% of a 4,096-token window's keys.
+        spec_k = speculative.num_speculative_tokens if speculative else 0
+        headroom = max(spec_k, STEP_TOKENS - 1) if ring_headroom is None else ring_headroom
+        if headroom < spec_k:
+            why = f"ring_headroom={headroom}: speculation writes {spec_k} drafts ahead"
+            raise RequestError(why, "ring_headroom")
         self.cache = KVCache(self.cfg, self.max_len, self.device, self.dtype, headroom=headroom)
         self.prefix = PrefixReuse(self.cache, enabled=prefix_reuse)
         self.stats = Stats()
@@ -128,7 +139,10 @@ class Engine:
         self.capture_s = 0.0  # seconds spent capturing graphs: at load or between requests
         if compile and self.decode == "graph":
             self._graph_for(SamplingParams())  # the greedy step; other samplers at first use
+        # constrained decoding's forward and masked pick on graphs of their own (step/split.py)
+        self.split_steps = None
         if self.capture and self.decode == "graph":
+            self.split_steps = SplitSteps(self.step, self.cfg.vocab_size, capture=True)
             self.capture_graphs(PREPARED)
         self.warmup_s = 0.0  # seconds spent in prefill warm-up at load
         if prefill_warmup is None:
@@ -171,6 +185,8 @@ class Engine:
             if self.speculator is not None:
                 vg = self.speculator.verify_graph(params, graph.generator, capture=True)
                 spent += vg.capture_buckets()
+        if self.split_steps is not None:
+            spent += self.split_steps.capture_all(structures)
         self.capture_s += spent
         return spent
 
@@ -198,7 +214,8 @@ class Engine:
 
     def _pending(self) -> list[tuple[DecodeGraph, int]]:
         spec = self.speculator.graphs.values() if self.speculator is not None else ()
-        return [(g, b) for g in (*self._graphs.values(), *spec) for b in g.pending()]
+        split = self.split_steps.graphs() if self.split_steps is not None else ()
+        return [(g, b) for g in (*self._graphs.values(), *spec, *split) for b in g.pending()]
 
     def capture_pending(self, limit: int | None = 1) -> float:
         """Capture up to `limit` buckets that requests ran uncaptured (a sampler structure not

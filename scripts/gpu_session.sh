@@ -43,7 +43,7 @@ fi
 # Every test module with a `gpu` test (tests/test_gpu_session.py checks that none is missing);
 # test_kernels.py stays last: the dry run leaves it out.
 GPU_TESTS=(tests/test_graph.py tests/test_parallel.py tests/test_prefix.py tests/test_speculative.py
-           tests/test_capture_safe.py tests/test_prefill.py tests/test_prefill_norm.py
+           tests/test_capture_safe.py tests/test_prefill.py tests/test_prefill_norm.py tests/test_split.py
            tests/test_qgemv.py tests/test_kernels.py tests/test_kernels_tokens.py)
 
 # stage_command NAME: sets LIMIT (seconds) and CMD (the command line) for a stage.

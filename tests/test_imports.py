@@ -112,7 +112,7 @@ LAYERS = [
     ("engine", "structured.decoding"),
     ("speculative.decoder",),
     ("step.choose",),
-    ("step.graph",),
+    ("step.graph", "step.split"),
     ("step.packed",),
     ("step.fused", "kernels.aot", "step.native", "step.prefill"),
     ("step.protocol",),

@@ -55,7 +55,8 @@ class Recorder(Engine):
 
 
 def engine(model, reuse: bool = True, **kw) -> Recorder:
-    kw = {"max_model_len": 160, "prefill_chunk": 7, **kw}
+    # rings of exactly `window` slots: the cases below are counted for them
+    kw = {"max_model_len": 160, "prefill_chunk": 7, "ring_headroom": 0, **kw}
     eng = Recorder(model, prefix_reuse=reuse, **kw)
     eng.picked = []
     return eng

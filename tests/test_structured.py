@@ -125,8 +125,8 @@ def test_jump_forward_appends_forced_tokens_without_sampling(kit, monkeypatch):
     engine, tok, comp = kit
     calls = []
     real = structured._forward
-    monkeypatch.setattr(structured, "_forward", lambda e, ids, pos: (calls.append(ids),
-                        real(e, ids, pos))[1])  # fmt: skip
+    monkeypatch.setattr(structured, "_forward", lambda e, split, ids, pos: (calls.append(ids),
+                        real(e, split, ids, pos))[1])  # fmt: skip
     grammar = comp.compile(GrammarSpec("regex", "The answer is (yes|no), because [a-z]{3}\\."))
     ids, finish = _decode(engine, tok, grammar)
     text = tok.decode(ids, skip_special_tokens=True)

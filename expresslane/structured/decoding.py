@@ -23,9 +23,12 @@ engine hands over after the prefill, so prefix reuse works as for any request). 
   number, a deep recursion) ends as valid JSON, shorter, with finish_reason "stop" as the
   grammar completed; drafts are not proposed then.
 
-Each token and each verify goes through the engine's own step (`Step.forward`, uncaptured:
-the grammar's request is not replayed from a graph yet), so its rows are the bits the decode
-graph computes; forced tokens go through it too, several per call (`_forward`).
+Each token and each verify goes through the engine's own step, so its rows are the bits the
+decode graph computes; forced tokens go through it too, several per call (`_forward`). Where the
+engine captures graphs (a GPU: `engine.split_steps`, step/split.py), the forward and the masked
+pick are replayed from graphs of their own, and the mask is computed while the forward's graph
+runs; elsewhere (and for logprob requests) the step's forward runs uncaptured and the pick
+eagerly: the same ops, the same tokens (tests/test_split.py).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 from ..config import SamplingParams
 from ..sampler import SamplerKnobs, apply_token_mask, sample
 from ..speculative.drafting import NgramDrafter, accept
+from ..step.split import SplitSteps, chunk_width
 from .grammar import GrammarError, Matcher
 
 
@@ -61,23 +65,18 @@ def closing_reserve(budget: int) -> int:
 
 CLOSING_TOKENS = 24
 LEVEL_TOKENS = 6  # tokens to close an open object or array: separator, key, value, bracket
-STEP_TOKENS = 8  # tokens per step call: the fused GPU step's most (step/fused.py MAX_TOKENS)
 
 
-def _chunk(cache) -> int:
-    """Tokens one step call may write: a ring must still hold the first token's window while
-    the last one writes (the rings' headroom), and at most STEP_TOKENS."""
-    room = [k.shape[0] - w + 1 for w, k in zip(cache.windows, cache.k, strict=True) if w]
-    return max(1, min([STEP_TOKENS, *room]))
-
-
-def _forward(engine, ids: list[int], pos: int) -> torch.Tensor:
+def _forward(engine, split: SplitSteps | None, ids: list[int], pos: int) -> torch.Tensor:
     """Logits (V,) after `ids` written from `pos`; the cache commits them. The picked token and
     the forced ones (jump-forward) go through the decode step, several per call: the model's
     own forward would dequantize packed weights on every call."""
-    step = _chunk(engine.cache)
-    for at in range(0, len(ids), step):
-        logits = _step_rows(engine, ids[at : at + step], pos + at)[-1]
+    if split is not None:
+        logits = split.forward(ids, pos)  # replayed graphs: asynchronous on a GPU
+    else:
+        step = chunk_width(engine.cache)
+        for at in range(0, len(ids), step):
+            logits = _step_rows(engine, ids[at : at + step], pos + at)[-1]
     engine.cache.commit(ids)
     return logits
 
@@ -89,6 +88,13 @@ class _Constrained:
         self.engine, self.params, self.gen = engine, params, gen
         self.matcher: Matcher = params.grammar.matcher()
         words = self.matcher.words.shape[1]
+        # the captured forward and pick (step/split.py); logprobs need every logits row here
+        split = getattr(engine, "split_steps", None)
+        self.split = split if split is not None and params.logprobs is None else None
+        self.picker = None
+        if self.split is not None and self.split.words == words:
+            self.picker = self.split.pick_graph(params)
+            self.gen = self.picker.generator  # the request's one stream of draws
         self.knobs = SamplerKnobs(engine.device).with_token_mask(words)
         self.knobs.load(params)
         cuda = engine.device.type == "cuda"
@@ -109,8 +115,13 @@ class _Constrained:
         self.host.copy_(self.matcher.fill(closing)[0])
 
     def pick(self, logits: torch.Tensor) -> int:
-        self.knobs.token_mask.copy_(self.host, non_blocking=True)
-        tok = int(sample(logits, self.params, self.gen, self.knobs))  # the one host copy
+        if self.picker is not None:
+            if logits is not self.split.logits:  # the prefill's
+                self.split.logits.copy_(logits)
+            tok = self.picker.run(self.host)  # the one host copy
+        else:
+            self.knobs.token_mask.copy_(self.host, non_blocking=True)
+            tok = int(sample(logits, self.params, self.gen, self.knobs))  # the one host copy
         self.matcher.consume(tok)
         if self.drafter is not None:
             self.drafter.extend([tok])
@@ -136,7 +147,10 @@ class _Constrained:
         eng = self.engine
         masks = self.matcher.masks(drafts).to(eng.device)  # (k + 1, W)
         ids = [last, *drafts]
-        logits = apply_token_mask(_step_rows(eng, ids, pos), masks)  # (k + 1, V)
+        rows = None if self.split is None else self.split.rows(ids, pos)
+        if rows is None:
+            rows = _step_rows(eng, ids, pos)
+        logits = apply_token_mask(rows, masks)  # (k + 1, V)
         kept, tokens = accept(logits, torch.tensor(drafts, device=eng.device), self.params,
                               self.gen)  # fmt: skip
         out = torch.cat((kept.view(1), tokens)).tolist()  # the one host copy
@@ -187,7 +201,7 @@ def constrained_steps(
         if forced and c.matcher.done:  # the forced tokens complete it: no forward for them
             yield from ((t, None) for t in forced)
             yield from c.end()
-        logits = _forward(engine, [last, *forced], pos)  # on a GPU: launched, running
+        logits = _forward(engine, c.split, [last, *forced], pos)  # on a GPU: launched, running
         # the host's work while the device runs the forward; a dead end raises
         c.next_mask(closing=c.closing(left - len(forced), reserve))
         pos += 1 + len(forced)

@@ -1,0 +1,219 @@
+"""The decode step split at the pick, on static buffers: what constrained decoding replays.
+
+A request under a grammar (structured/decoding.py) cannot replay the decode graph (graph.py),
+which picks and feeds the pick back on the device: the host must advance the grammar's matcher
+with every token and write the next token mask before the next pick. But only the pick needs the
+mask; the forward does not. So the step is split in two graphs:
+
+- `ForwardGraph(step, width)`: the step's forward of up to `width` tokens (the picked one and the
+  tokens the grammar forces after it: jump-forward), the logits of every row into `rows`
+  (width, V) and those of the last real row into the shared `logits` (V,). Rows past the real
+  ones are padding: their cache slots are emptied on the device (`graph.forget`), so the cache
+  holds what the real rows alone would write, and a verify of drafts reads its rows from `rows`.
+  Each bucket of the live bound is a graph of its own, as for the decode graph.
+- `PickGraph(logits, params, words)`: the pick from `logits` under the mask in its static buffer
+  (`SamplerKnobs.token_mask`), one replay for the several kernels of a masked sample.
+
+Per token the host replays the forward, computes the next mask while the device runs it, copies
+the mask and replays the pick, then reads the one token (the request's only host sync).
+`SplitSteps` owns one engine's graphs: the forward at width 1 and at `chunk_width(cache)`, and a
+pick per sampler structure, all captured at load (no request waits for a capture); a structure
+prepared at load's none runs its pick uncaptured until the engine is idle (`pending`).
+
+The forward's rows are the step's own bits (each row independent of S), so a request decodes the
+same tokens through these graphs as through the step's forward uncaptured (tests/test_split.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cache import KVCache
+from ..config import SamplingParams
+from ..sampler import SamplerKnobs, make_generator, sample, structure_key
+from .graph import DecodeGraph, forget
+from .protocol import Step
+
+STEP_TOKENS = 8  # tokens per forward at most: the fused GPU step's most (fused.py MAX_TOKENS)
+
+
+def chunk_width(cache: KVCache) -> int:
+    """Tokens one forward may write: a ring must still hold the first token's window while the
+    last one writes (the rings' headroom), and at most STEP_TOKENS."""
+    room = [k.shape[0] - w + 1 for w, k in zip(cache.windows, cache.k, strict=True) if w]
+    return max(1, min([STEP_TOKENS, *room]))
+
+
+class ForwardGraph(DecodeGraph):
+    """The step's forward alone, of 1 .. width real tokens padded to `width` (module docstring).
+    `logits` (V,) fp32 is the buffer the picks read, shared by an engine's forward graphs."""
+
+    def __init__(self, step: Step, width: int, logits: torch.Tensor, capture: bool | None = None):
+        super().__init__(step, SamplingParams(), width=width, capture=capture)
+        dev = self.token.device
+        self.logits = logits
+        self.rows = torch.zeros((width, logits.shape[0]), dtype=torch.float32, device=dev)
+        self.n = torch.ones((1,), dtype=torch.long, device=dev)  # real rows, on the device
+
+    def _step_loop(self) -> None:
+        logits = self.step.forward(self.token, self.pos)  # (width, V)
+        self.rows.copy_(logits)
+        self.logits.copy_(logits.index_select(0, self.n - 1).view(-1))  # no host read
+        if self.width > 1:
+            forget(self.cache, self.pos + self.offsets, self.offsets < self.n)
+
+    def feed(self, ids: list[int], position: int) -> None:
+        """Run the forward of `ids` (1 .. width tokens) written from `position`; asynchronous
+        on a GPU. Pads with the last id; the padded rows leave the cache as they found it."""
+        n = len(ids)
+        if not 1 <= n <= self.width:
+            raise ValueError(f"feed of {n} tokens: the graph takes 1..{self.width}")
+        padded = torch.tensor(ids + ids[-1:] * (self.width - n), pin_memory=self._pinned)
+        self.token.copy_(padded, non_blocking=True)  # a fresh pinned block: safe to go async
+        self.n.fill_(n)
+        self.pos.fill_(position)
+        self.host_pos = position
+        self.run()
+
+    @property
+    def _pinned(self) -> bool:
+        return self.token.device.type == "cuda"
+
+
+class PickGraph:
+    """token = sample(logits, params, generator, knobs) with the grammar's mask in the knobs'
+    static buffer; captured once per sampler structure (no cache, so no buckets)."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams, words: int,
+                 capture: bool | None = None):  # fmt: skip
+        dev = logits.device
+        self.logits, self.params = logits, params
+        self.knobs = SamplerKnobs(dev).with_token_mask(words)
+        self.knobs.load(params)
+        self.generator = make_generator(params, dev)
+        self.out = torch.zeros((), dtype=torch.long, device=dev)
+        self.capture = (dev.type == "cuda") if capture is None else capture
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.missing: set[int] = set()
+        self.capture_s = 0.0
+
+    def _body(self) -> None:
+        self.out.copy_(sample(self.logits, self.params, self.generator, self.knobs))
+
+    def set_params(self, params: SamplingParams) -> None:
+        """A request's sampler values and seed (same structure_key as the captured params)."""
+        self.knobs.load(params)
+        if self.generator is not None:
+            if params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(params.seed)
+
+    def run(self, mask: torch.Tensor) -> int:
+        """The token picked under `mask` (W,) int32 (pinned host memory on a GPU)."""
+        self.knobs.token_mask.copy_(mask, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            if self.capture:
+                self.missing.add(0)
+            self._body()
+        return int(self.out)  # the one host sync of a constrained token
+
+    def _rng(self):
+        return None if self.generator is None else self.generator.get_state()
+
+    def _set_rng(self, state) -> None:
+        if state is not None:
+            self.generator.set_state(state)
+
+    def pending(self) -> list[int]:
+        return [0] if self.capture and self.missing and self.graph is None else []
+
+    def capture_buckets(self, buckets: list[int] | None = None) -> float:
+        """Capture the pick (its one "bucket"); warm-up and capture leave the RNG as it was."""
+        if not self.capture or self.graph is not None:
+            return 0.0
+        t = time.perf_counter()
+        state, out = self._rng(), self.out.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # lazy inits outside the graph
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream().wait_stream(side)
+        self._set_rng(state)
+        graph = torch.cuda.CUDAGraph()
+        if self.generator is not None:
+            graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph):
+            self._body()
+        self._set_rng(state)
+        self.out.copy_(out)
+        self.graph = graph
+        spent = time.perf_counter() - t
+        self.capture_s += spent
+        return spent
+
+
+class SplitSteps:
+    """One engine's forward graphs (width 1 and `chunk_width`) and pick graphs (by sampler
+    structure), over the shared logits buffer."""
+
+    def __init__(self, step: Step, vocab_size: int, capture: bool | None = None):
+        cache = step.cache
+        self.cache, self.vocab_size = cache, vocab_size
+        dev = cache.k[0].device
+        self.capture = capture
+        self.logits = torch.zeros((vocab_size,), dtype=torch.float32, device=dev)
+        self.width = chunk_width(cache)
+        widths = sorted({1, self.width})
+        self.forwards = {w: ForwardGraph(step, w, self.logits, capture) for w in widths}
+        self.picks: dict[tuple, PickGraph] = {}
+
+    @property
+    def words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    def pick_graph(self, params: SamplingParams) -> PickGraph:
+        """The pick of this sampler structure, loaded with the request's values and seed."""
+        key = structure_key(params)
+        if key not in self.picks:
+            self.picks[key] = PickGraph(self.logits, params, self.words, self.capture)
+        pick = self.picks[key]
+        pick.set_params(params)
+        return pick
+
+    def forward(self, ids: list[int], position: int) -> torch.Tensor:
+        """The forward of `ids` from `position`, in chunks of up to `width` (one token a replay
+        where the padding would pass the cache's end); returns the shared logits buffer."""
+        at = 0
+        while at < len(ids):
+            w = self.width if position + at + self.width <= self.cache.max_len else 1
+            take = min(w, len(ids) - at)
+            self.forwards[w if take > 1 else 1].feed(ids[at : at + take], position + at)
+            at += take
+        return self.logits
+
+    def rows(self, ids: list[int], position: int) -> torch.Tensor | None:
+        """The logits (S, V) of every row of `ids` in one forward, or None where they do not fit
+        one (more than `width` tokens, or padding past the cache's end)."""
+        S = len(ids)
+        if S > self.width or S == 1 or position + self.width > self.cache.max_len:
+            return None
+        graph = self.forwards[self.width]
+        graph.feed(ids, position)
+        return graph.rows[:S]
+
+    def graphs(self) -> list:
+        return [*self.forwards.values(), *self.picks.values()]
+
+    def capture_all(self, structures) -> float:
+        """Capture every bucket of the forwards and the picks of `structures` (at load)."""
+        spent = sum(g.capture_buckets() for g in self.forwards.values())
+        return spent + sum(self.pick_graph(p).capture_buckets() for p in structures)
+
+    def pending(self) -> list[tuple]:
+        return [(g, b) for g in self.graphs() for b in g.pending()]

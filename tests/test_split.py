@@ -1,0 +1,242 @@
+"""The decode step split at the pick (step/split.py): what constrained decoding replays on a GPU.
+
+On the CPU the graphs run eagerly, the very bodies a capture records: a forward of n real tokens
+padded to the graph's width gives the step's rows and leaves the cache as the n tokens alone
+would; chunks past the width and padding near the cache's end go one token a replay; neither
+body touches the host; and requests under a grammar decode the same tokens through the split
+graphs as through the step's forward uncaptured (greedy, sampled, speculative, jump-forward).
+On a GPU (the `tests` stage) the same requests run captured, with nothing left uncaptured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import tiny
+import torch
+from host_traffic import NoHostTraffic
+
+from expresslane.cache import KVCache
+from expresslane.config import SamplingParams
+from expresslane.engine import Engine
+from expresslane.speculative.drafting import SpeculativeConfig
+from expresslane.step import graph as graph_mod
+from expresslane.step import split as split_mod
+from expresslane.step.fused import FusedDecoder
+from expresslane.step.split import STEP_TOKENS, ForwardGraph, PickGraph, SplitSteps, chunk_width
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PROMPT = [5, 17, 3, 40, 22, 9, 31, 12, 7, 50, 18, 2, 33]
+
+
+@pytest.fixture(scope="module")
+def lane():
+    return tiny.laneformer(seed=3)
+
+
+def tiny_spec(k):
+    return SpeculativeConfig(k, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+def _engines(lane, max_len=64, **kw):
+    """Two engines on the fused step's wiring (its reference kernels here), the prompt in."""
+    out = []
+    for _ in range(2):
+        eng = Engine(lane, max_model_len=max_len, decode="graph", kernels="on", **kw)
+        eng.prefill(PROMPT)
+        out.append(eng)
+    return out
+
+
+def _one_by_one(eng, ids, position) -> torch.Tensor:
+    """The logits (S, V) of `ids` fed one token a forward (width 1)."""
+    one = ForwardGraph(eng.step, 1, torch.zeros(eng.cfg.vocab_size), capture=False)
+    rows = []
+    for j, t in enumerate(ids):
+        one.feed([t], position + j)
+        rows.append(one.logits.clone())
+    return torch.stack(rows)
+
+
+def _same_cache(a, b) -> None:
+    for pa, pb, ka, kb, va, vb in zip(a.pos, b.pos, a.k, b.k, a.v, b.v, strict=True):
+        assert torch.equal(pa, pb)
+        live = pa >= 0  # padded rows wrote K/V into slots they then emptied: not compared
+        assert torch.equal(ka[live], kb[live]) and torch.equal(va[live], vb[live])
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+def test_padded_forward_is_its_real_rows(lane, n):
+    """Rows 0..n-1 of a width-W forward are the single steps' logits bit for bit, its shared
+    logits are the last real row's, and the cache holds only the real rows' positions."""
+    a, b = _engines(lane)
+    width = chunk_width(a.cache)
+    assert width == STEP_TOKENS  # the engine gives rings the headroom of a whole chunk
+    ids = [11, 4, 60, 23, 8, 41][:n]
+    logits = torch.zeros(a.cfg.vocab_size)
+    wide = ForwardGraph(a.step, width, logits, capture=False)
+    wide.feed(ids, len(PROMPT))
+    want = _one_by_one(b, ids, len(PROMPT))
+    assert torch.equal(wide.rows[:n], want)
+    assert torch.equal(logits, want[-1])
+    _same_cache(a.cache, b.cache)
+
+
+def test_forward_in_chunks_and_near_the_end(lane):
+    """More tokens than the width go in several replays; where the padding would pass the
+    cache's end, one token a replay. Same logits and cache as single steps."""
+    max_len = 40
+    a, b = _engines(lane, max_len=max_len)
+    split = SplitSteps(a.step, a.cfg.vocab_size, capture=False)
+    assert split.width == 8
+    ids = [(7 * j + 3) % 64 for j in range(max_len - len(PROMPT))]  # up to the very last slot
+    calls = []
+    for w, g in split.forwards.items():
+        real = g.feed
+        g.feed = lambda i, p, real=real, w=w: (calls.append((w, len(i))), real(i, p))[1]
+    got = split.forward(ids, len(PROMPT)).clone()
+    want = _one_by_one(b, ids, len(PROMPT))
+    assert torch.equal(got, want[-1])
+    _same_cache(a.cache, b.cache)
+    assert (8, 8) in calls and calls[-1] == (1, 1)  # whole chunks, then single tokens at the end
+    assert split.rows(ids[:3], max_len - 2) is None  # padding would pass the end: no rows
+
+
+def test_pick_graph_is_the_masked_sample():
+    """The pick reads the shared logits under the mask: only allowed tokens, the eager
+    sampler's draw for the same seed."""
+    from expresslane.sampler import SamplerKnobs, sample
+
+    V = 77
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(1))
+    allowed = [3, 40, 41, 70]
+    mask = torch.zeros(3, dtype=torch.int32)
+    for t in allowed:
+        mask[t // 32] |= 1 << (t % 32)
+    for params in (SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, seed=5)):
+        pick = PickGraph(logits, params, 3, capture=False)
+        knobs = SamplerKnobs("cpu").with_token_mask(3)
+        knobs.load(params)
+        knobs.token_mask.copy_(mask)
+        gen = None if params.greedy else torch.Generator().manual_seed(5)
+        for _ in range(20):
+            tok = pick.run(mask)
+            assert tok in allowed and tok == int(sample(logits, params, gen, knobs))
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_split_bodies_hold_no_host_traffic(monkeypatch, width):
+    """The bodies a capture records, on `meta` (tests/host_traffic.py): no sync, no host data."""
+    monkeypatch.setattr(graph_mod, "make_generator", lambda params, dev: None)
+    monkeypatch.setattr(split_mod, "make_generator", lambda params, dev: None)
+    model = tiny.laneformer().to("meta")
+    cache = KVCache(model.cfg, 64, device="meta", headroom=width - 1)
+    cache.static = True
+    step = FusedDecoder(model, cache, kernels=False)
+    logits = torch.zeros(model.cfg.vocab_size, device="meta")
+    fwd = ForwardGraph(step, width, logits, capture=False)
+    fwd.host_pos = 20
+    pick = PickGraph(logits, SamplingParams(temperature=0.7, top_p=0.8), 2, capture=False)
+    with NoHostTraffic():
+        fwd._body()
+        pick._body()
+    assert fwd.rows.shape == (width, model.cfg.vocab_size) and pick.out.device.type == "meta"
+
+
+# --- requests under a grammar: the embedded model and llguidance ------------------------------
+@pytest.fixture(scope="module")
+def kit():
+    pytest.importorskip("llguidance")
+    from expresslane.assets import default_model_dir
+    from expresslane.structured.grammar import GrammarCompiler
+    from expresslane.tokenizer import Tokenizer
+
+    path = default_model_dir()
+    tok = Tokenizer.from_dir(path)
+    engine = Engine.from_pretrained(str(path), progress=False, decode="graph")
+    return engine, tok, GrammarCompiler(tok, engine.cfg.vocab_size)
+
+
+GRAMMARS = [
+    ("json_schema", {"type": "object", "properties": {"city": {"type": "string"},
+     "days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["city", "days"]}),
+    ("regex", "The answer is (yes|no), because [a-z ]{3,12}\\."),
+    ("json_object", None),
+]  # fmt: skip
+SAMPLERS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=4)]
+
+
+def _spec_of(kind, body):
+    import json
+
+    from expresslane.structured.grammar import GrammarSpec
+
+    if kind == "json_schema":
+        return GrammarSpec.json_schema(body)
+    if kind == "json_object":
+        return GrammarSpec.json_schema({"type": "object"})
+    return GrammarSpec(kind, body if isinstance(body, str) else json.dumps(body))
+
+
+def _decode(engine, tok, grammar, base: SamplingParams, prompt: str) -> list[int]:
+    params = dataclasses.replace(base, grammar=grammar, max_tokens=48)
+    return [s.token for s in engine.generate_steps(tok.encode(prompt), params)]
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_requests_through_the_split_graphs_keep_their_tokens(kit, speculative):
+    """The split graphs (run eagerly here) against the step's forward uncaptured: the same
+    tokens, greedy and seeded-sampled, jump-forward chunks and verified drafts included."""
+    engine, tok, comp = kit
+    if speculative:
+        engine = Engine(engine.model, decode="graph", speculative=tiny_spec(4))
+    prompt = 'Answer in JSON. {"city": "Paris", "days": 3} The answer is yes, because ' * 2
+    split = SplitSteps(engine.step, engine.cfg.vocab_size, capture=False)
+    fed = []
+    for g in split.forwards.values():
+        real = g.feed
+        g.feed = lambda i, p, real=real: (fed.append(len(i)), real(i, p))[1]
+    for kind, body in GRAMMARS:
+        grammar = comp.compile(_spec_of(kind, body))
+        for base in SAMPLERS:
+            engine.split_steps = None
+            want = _decode(engine, tok, grammar, base, prompt)
+            engine.split_steps = split
+            try:
+                got = _decode(engine, tok, grammar, base, prompt)
+            finally:
+                engine.split_steps = None
+            assert got == want, (kind, base)
+    assert max(fed) > 1  # forced tokens (or drafts) went in as one padded forward
+    if speculative:
+        assert engine.stats.extra["speculative"]["draft_tokens"] >= 0
+
+
+# --- on a GPU: captured ---------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_grammar_requests_replay_captured_graphs(kit):
+    """On a GPU the grammar's forward and pick replay graphs captured at load: the tokens of
+    the uncaptured split graphs, and no graph left to capture after the requests."""
+    from expresslane.assets import default_model_dir
+
+    _, tok, comp = kit
+    gpu = Engine.from_pretrained(str(default_model_dir()), device="cuda", progress=False,
+                                 max_model_len=512, decode="graph")  # fmt: skip
+    assert gpu.split_steps is not None and all(g.graphs for g in gpu.split_steps.forwards.values())
+    prompt = 'Answer in JSON. {"city": "Paris", "days": 3} The answer is yes, because '
+    for kind, body in GRAMMARS:
+        grammar = comp.compile(_spec_of(kind, body))
+        for base in SAMPLERS:
+            captured = _decode(gpu, tok, grammar, base, prompt)
+            split, gpu.split_steps = gpu.split_steps, None
+            try:
+                plain = _decode(gpu, tok, grammar, base, prompt)
+            finally:
+                gpu.split_steps = split
+            assert captured == plain, (kind, base)
+    assert not gpu._pending(), gpu._pending()
