@@ -5,7 +5,7 @@
 #   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] [LIMITS="stage=seconds ..."]
 #          [SWEEP_MODELS="laneformer-2b ..."] scripts/gpu_session.sh [--dry-run] STAGE...
 #   stages: smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft
-#           structured spec-replay (at most 4 per call: 8 files)
+#           structured spec-replay barrier (at most 4 per call: 8 files)
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
 # (rows kept as measured, test verdicts, rc, seconds) goes to $OUT/STAGE.json. A stage that fails
@@ -24,7 +24,7 @@ export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 STAGES=(smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft structured
-        spec-replay)
+        spec-replay barrier)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -97,6 +97,9 @@ stage_command() {
       ((DRY)) && CMD=("$PY" -m expresslane.bench.structured --dry-run) ;;
     spec-replay)  # speculation at the 2B's shapes: SmolLM2's recorded acceptance x step times
       LIMIT=120; CMD=("$PY" -m expresslane.bench.spec_replay --preset laneformer-2b --context 1024)
+      ((DRY)) && CMD+=(--dry-run) ;;
+    barrier)  # a kernel boundary against a grid barrier: the persistent kernel's first question
+      LIMIT=120; CMD=("$PY" -m expresslane.bench.barrier --model laneformer-2b --layers 4)
       ((DRY)) && CMD+=(--dry-run) ;;
     sweep)  # every kernel variant checked, then timed; the winners: sweep.json's result.table
       LIMIT=480; CMD=("$PY" -m expresslane.bench.sweep --model ${SWEEP_MODELS:-laneformer-2b

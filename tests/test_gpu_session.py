@@ -39,7 +39,7 @@ def test_dry_run_of_every_stage(tmp_path):
     calls = [
         ("smoke", "bench-2b", "bench-1b", "ttft"),
         ("tests", "kernels", "profile", "sweep"),
-        ("structured", "spec-replay"),
+        ("structured", "spec-replay", "barrier"),
     ]
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
@@ -76,6 +76,10 @@ def test_dry_run_of_every_stage(tmp_path):
     assert ttft["profile"]["first"] and ttft["profile"]["second"]
     grammar = {r["mode"]: r for r in results["structured"]["result"]["rows"]}
     assert grammar["greedy"]["valid"] == grammar["greedy"]["runs"] == 3  # every answer parsed
+    barrier = results["barrier"]["result"]  # one program in the interpreter: every form exact
+    assert {r["variant"] for r in barrier["rows"]} == {"stream", "launches", "persistent",
+                                                       "persistent+prefetch"}  # fmt: skip
+    assert all(r["ok"] and r["spin_error"] == 0 for r in barrier["rows"])
     spec = results["spec-replay"]["result"]
     assert spec["bench"] == "spec_replay" and set(spec["by_kind"]) == {"edit", "quote", "free"}
     tests = results["tests"]["tests"]

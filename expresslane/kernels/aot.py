@@ -316,6 +316,8 @@ def compile_launch(launch: Launch, arch: int, workdir: Path, sms: int = 132) -> 
         "loop_converts": loop_converts(compiled.asm["ttgir"]),
         "aligned_params": len(launch.aligned()),
         "pdl": "griddepcontrol" in compiled.asm["ptx"],
+        # the memory semantics of each atomic (grid_sync.py's release / acquire counts)
+        "atomics": sorted(set(re.findall(r"\batom\.[\w.]+", compiled.asm["ptx"]))),
     }
 
 
