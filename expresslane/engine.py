@@ -126,7 +126,7 @@ class Engine:
         self.step, self.decode, self.step_name = choice.step, choice.decode, choice.name
         self._compile_graph = choice.compile_graph
         # the prefill's forward: the fused residual + norm kernels on CUDA, else the model
-        self._prefill = choose_prefill(model, kernels)
+        self._prefill = choose_prefill(model, kernels, self.step)
         self.compile = compile
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.speculator = None

@@ -57,7 +57,10 @@ def engine_for(path, fmt: str, max_len: int, compile: bool = False) -> Engine:
         pack_gguf(model, find_gguf(path))
     elif fmt != "float32":
         pack_model(model, packed_format(fmt))
-    return Engine(model, max_model_len=max_len, decode="graph", compile=compile)
+    # prefix reuse off: a bench's rounds repeat one prompt, and its TTFT is a cold prefill's
+    # (with reuse, rounds after the first prefilled one token: the 2026-11-27 GGUF table's TTFT)
+    return Engine(model, max_model_len=max_len, decode="graph", compile=compile,
+                  prefix_reuse=False)  # fmt: skip
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:

@@ -24,7 +24,7 @@ from .fused import FusedDecoder, supports
 from .native import native_step_built
 from .packed import PackedDecoder
 from .packed import supports as packed_supports
-from .prefill import FusedPrefill
+from .prefill import FusedPrefill, StepPrefill
 from .prefill import supports as prefill_supports
 from .protocol import EagerStep, Step
 
@@ -84,11 +84,14 @@ def choose_step(model: Laneformer, cache: KVCache, decode: str = "auto", kernels
     return Choice(EagerStep(model, cache), mode, compile, "forward")
 
 
-def choose_prefill(model: Laneformer, kernels: str = "auto"):
+def choose_prefill(model: Laneformer, kernels: str = "auto", step: Step | None = None):
     """The forward that prefills, called like the model: FusedPrefill (prefill.py) where the
     fused Triton kernels run (`kernels` "auto" or "on", triton on the model's device) on a model
-    it supports, else the model itself (a CPU: the eager forward, bit for bit)."""
+    it supports; StepPrefill where the step is the packed CPU step with its C layers (short
+    chunks through it); else the model itself (the eager forward, bit for bit)."""
     p = next(model.parameters())
     if kernels != "off" and use_triton(p) and prefill_supports(model):
         return FusedPrefill(model)
+    if isinstance(step, PackedDecoder) and step.step is not None:  # the one-call C layers
+        return StepPrefill(model, step)
     return model

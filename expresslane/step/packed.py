@@ -222,6 +222,34 @@ class PackedDecoder:
             rows.append(self.step.head(h)[1].clone())  # the head's buffer: copied
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
+    def prefill_chunk(self) -> int:
+        """Tokens one call may write: MAX_TOKENS, or fewer where a ring's headroom is smaller
+        (the first token's window must survive the last one's write)."""
+        c = self.cache
+        room = [k.shape[0] - w + 1 for w, k in zip(c.windows, c.k, strict=True) if w]
+        return max(1, min([MAX_TOKENS, *room]))
+
+    def prefill_logits(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """fp32 logits (V,) after tokens (S,) written from `position`, in calls of at most
+        `prefill_chunk()` tokens; the head for the last row only (a prefill's)."""
+        tokens, cache = tokens.view(-1), self.cache
+        S, chunk = tokens.shape[0], self.prefill_chunk()
+        was = cache.static, cache.live
+        cache.static = True  # positions from the arguments, as inside a decode step
+        try:
+            for at in range(0, S, chunk):
+                part = tokens[at : at + chunk]
+                cache.live = position + at + part.shape[0]
+                if self.step is not None:
+                    h = self.step.hidden(part, position + at, cache.live)  # (n, D)
+                else:
+                    h = self.hidden(part, torch.tensor([position + at]))  # (n, L, D)
+            if self.step is not None:
+                return self.step.head(h[-1:])[1][0].clone()  # the head's buffer: copied
+            return self._run_head(h[-1:], greedy=False)[0]
+        finally:
+            cache.static, cache.live = was
+
     def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """fp32 logits (S, V): row j for tokens[j] at position + j. Writes the S keys/values."""
         tokens = tokens.view(-1)

@@ -1,4 +1,5 @@
-"""The prefill forward with the residual stream fused: FusedPrefill(model)(tokens, cache=...).
+"""The prefill forwards: FusedPrefill (a GPU's, the residual stream fused) and StepPrefill (a
+CPU's, short chunks through the packed decode step); each called like the model.
 
 Applied to a loaded model from outside (the model stays pure math; its forward is the
 reference). A prefill is the model's forward with every `h + reduce(y)` and the RMSNorm after it
@@ -22,6 +23,16 @@ import torch
 from ..cache import KVCache
 from ..kernels import ref, use_triton
 from ..model import Block, FeedForward, Laneformer, Partials, RMSNorm
+from .packed import PackedDecoder
+
+# The longest chunk of new prompt tokens that prefills through the packed step rather than the
+# model's forward, by the weights' formats: where the two crossed in `python -m
+# expresslane.bench.cpu_prefill` (the 2-vCPU VM, 2 threads, SmolLM2-135M as F32, BF16, F16,
+# Q8_0 and Q4_K_M; BENCHMARKS.md "Prefill on a CPU"). The forward dequantizes packed blocks on
+# every call, a fixed cost a short chunk does not repay; fp32 weights have none. A mix takes
+# its smallest entry; the block formats cross at 256-350 tokens.
+STEP_PREFILL_MAX = {"float32": 48, "bfloat16": 128, "float16": 192}
+STEP_PREFILL_MAX_DEFAULT = 256
 
 
 def supports(model) -> bool:
@@ -100,3 +111,28 @@ class FusedPrefill:
             return self._residual_norm(h, y, None, mode=mode, past=past)
         return self._residual_norm(h, y, norm.gamma, mode=mode, past=past, eps=norm.eps,
                                    round_before_scale=norm.round_before_scale)  # fmt: skip
+
+
+class StepPrefill:
+    """Callable like the model. A chunk of at most `max_tokens` new tokens that wants only its
+    last position's logits (a prompt, or the new part of one whose prefix the cache holds: an
+    agent's next turn) goes through the packed decode step (step/packed.py: the C layers read
+    the weights as stored, and the cache then holds the bits decode steps write); anything else
+    (longer chunks, every row's logits, explicit positions, hooks) through the model."""
+
+    def __init__(self, model, step: PackedDecoder, max_tokens: int | None = None):
+        self.model, self.step = model, step
+        if max_tokens is None:
+            fmts = step.weights.formats
+            max_tokens = min(STEP_PREFILL_MAX.get(f, STEP_PREFILL_MAX_DEFAULT) for f in fmts)
+        self.max_tokens = max_tokens
+
+    def __call__(self, tokens, positions=None, cache=None, last_only=False) -> torch.Tensor:
+        S = tokens.shape[-1]
+        short = 0 < S <= self.max_tokens and tokens.shape[0] == 1
+        mine = cache is self.step.cache and positions is None and not cache.static
+        if not (short and mine and last_only) or _hooked(self.model):
+            return self.model(tokens, positions, cache, last_only)
+        logits = self.step.prefill_logits(tokens[0], cache.length)
+        cache.advance(S)
+        return logits.view(1, 1, -1)

@@ -1,0 +1,107 @@
+"""Short prompt chunks prefilled through the packed CPU step (step/prefill.py StepPrefill).
+
+Against the model's forward on the same weights: the last position's logits, the cache the
+decode steps then read (keys and values to fp32 rounding, positions exactly) and the greedy
+tokens, for a Llama and for a Mistral whose ring is smaller than the prompt (chunks bounded by
+the ring's headroom); the long chunks, every-row logits and hooked models going through the
+forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny
+import torch
+
+from expresslane.config import SamplingParams
+from expresslane.engine import Engine
+from expresslane.step.native import native_step_built
+from expresslane.step.prefill import StepPrefill
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not native_step_built(), reason="the C step is not built"),
+]
+MODELS = {
+    "llama": dict(model_type="llama", num_lanes=1, sliding_window=None, num_hidden_layers=2),
+    "mistral": dict(model_type="mistral", num_lanes=1, num_hidden_layers=2,
+                    layer_types=["sliding_attention", "full_attention"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    return tiny.laneformer(seed=7, **MODELS[request.param])
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engines(model, **kw):
+    """(through the step, through the forward): the same packed weights and step."""
+    a = Engine(model, max_model_len=128, decode="graph", **kw)
+    b = Engine(model, max_model_len=128, decode="graph", **kw)
+    assert isinstance(a._prefill, StepPrefill)
+    b._prefill.max_tokens = 0  # never the step
+    return a, b
+
+
+def same_cache(a, b) -> None:
+    for pa, pb, ka, kb, va, vb in zip(a.pos, b.pos, a.k, b.k, a.v, b.v, strict=True):
+        assert torch.equal(pa, pb)
+        held = pa >= 0
+        torch.testing.assert_close(ka[held], kb[held], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(va[held], vb[held], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 5, 23, 40])
+def test_short_prompts_through_the_step_equal_the_forward(model, n):
+    a, b = engines(model)
+    calls = []
+    real = a._prefill.step.prefill_logits
+    a._prefill.step.prefill_logits = lambda t, p: (calls.append(t.numel()), real(t, p))[1]
+    ids = prompt(n, seed=n)
+    la, lb = a.prefill(ids), b.prefill(ids)
+    assert calls == [n]  # the whole prompt in one call of the step
+    torch.testing.assert_close(la.float(), lb.float(), rtol=1e-4, atol=1e-4)
+    same_cache(a.cache, b.cache)
+    assert a.cache.length == b.cache.length == n and a.cache.tokens == ids
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert list(a.generate(ids, params)) == list(b.generate(ids, params))
+
+
+def test_a_ring_smaller_than_the_prompt_in_chunks_of_its_headroom(model):
+    """Rings of exactly `window` slots: one token a call keeps every window whole."""
+    a, b = engines(model, ring_headroom=0)
+    step = a._prefill.step
+    rings = any(a.cache.windows)
+    assert step.prefill_chunk() == (1 if rings else 16)
+    ids = prompt(40, seed=3)  # longer than the tiny window (16)
+    torch.testing.assert_close(a.prefill(ids).float(), b.prefill(ids).float(), rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+    same_cache(a.cache, b.cache)
+
+
+def test_long_chunks_every_row_and_hooks_go_through_the_forward(model):
+    a, _ = engines(model)
+    a._prefill.max_tokens = 8
+    used = []
+    real = a._prefill.step.prefill_logits
+    a._prefill.step.prefill_logits = lambda t, p: (used.append(t.numel()), real(t, p))[1]
+    a.prefill(prompt(9))  # one past the bound
+    assert used == []
+    a.cache.reset()
+    assert a.prompt_logprobs(prompt(5)).shape == (5, 64)  # every row: the forward
+    assert used == []
+    hits = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *args: hits.append(1))
+    try:
+        a.cache.reset()
+        a.prefill(prompt(5))
+    finally:
+        hook.remove()
+    assert hits and used == []  # a hooked model runs its own forward
+    a.cache.reset()
+    a.prefill(prompt(5))
+    assert used == [5]
