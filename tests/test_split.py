@@ -240,3 +240,58 @@ def test_cuda_grammar_requests_replay_captured_graphs(kit):
                 gpu.split_steps = split
             assert captured == plain, (kind, base)
     assert not gpu._pending(), gpu._pending()
+
+
+# --- the engine's captures, with a fake capture (as tests/test_capture.py) -----------------------
+class FakeGraph:
+    """Replays what was "captured": the body, eagerly (capture itself needs CUDA)."""
+
+    def __init__(self, run, *args):
+        self.run, self.args = run, args
+
+    def replay(self) -> None:
+        self.run(*self.args)
+
+
+def test_engine_captures_the_split_graphs_at_load_and_when_idle(kit, monkeypatch):
+    """At load: the forwards at width 1 and 8 for every bucket, a pick for each prepared
+    sampler structure; a request then replays only those, with the uncaptured engine's tokens;
+    a structure not prepared picks uncaptured once and is captured when the engine is idle."""
+    from expresslane.engine import PREPARED
+    from expresslane.step.graph import DecodeGraph, all_buckets
+
+    captured = []
+
+    def fake_capture(self, live):
+        captured.append((type(self).__name__, self.width, live))
+        self.graphs[live] = FakeGraph(self._body, live)
+
+    def fake_pick_capture(self, buckets=None):
+        if self.graph is None:
+            captured.append(("PickGraph", 0, 0))
+            self.graph = FakeGraph(self._body)
+        return 0.0
+
+    monkeypatch.setattr(DecodeGraph, "_capture", fake_capture)
+    monkeypatch.setattr(PickGraph, "capture_buckets", fake_pick_capture)
+    base, tok, comp = kit
+    eng = Engine(base.model, max_model_len=600, decode="graph", capture=True)
+    plain = Engine(base.model, max_model_len=600, decode="graph")
+    buckets = all_buckets(600)
+    forwards = {(w, b) for name, w, b in captured if name == "ForwardGraph"}
+    assert forwards == {(w, b) for w in (1, STEP_TOKENS) for b in buckets}
+    assert len(eng.split_steps.picks) == len(PREPARED)
+    prompt = 'Answer in JSON. {"city": "Paris", "days": 3} The answer is yes, because '
+    loaded = len(captured)
+    for kind, body in GRAMMARS:
+        grammar = comp.compile(_spec_of(kind, body))
+        for base_params in SAMPLERS:
+            got = _decode(eng, tok, grammar, base_params, prompt)
+            assert got == _decode(plain, tok, grammar, base_params, prompt), (kind, base_params)
+    assert len(captured) == loaded and not eng._pending()  # nothing captured in a request
+    top_k = SamplingParams(temperature=0.7, top_k=5, seed=2)
+    grammar = comp.compile(_spec_of(*GRAMMARS[0]))
+    assert _decode(eng, tok, grammar, top_k, prompt) == _decode(plain, tok, grammar, top_k, prompt)
+    assert [type(g).__name__ for g, _ in eng._pending()] == ["PickGraph"]
+    eng.idle()
+    assert not eng._pending() and captured[-1] == ("PickGraph", 0, 0)
