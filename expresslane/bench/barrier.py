@@ -43,7 +43,7 @@ import torch
 
 # BLOCK_N, BLOCK_K, warps: 32 weights a thread (64 spilled the persistent forms at sm_90)
 TILES = [(16, 256, 4), (8, 512, 4), (32, 256, 8), (16, 512, 8)]
-MAX_SPIN = 1 << 21  # ~1-2 s of polling before a program gives up (a hang guard)
+MAX_SPIN = 1 << 20  # ~0.5-1 s of polling before a program gives up (a hang guard)
 
 
 class Chain:
@@ -241,6 +241,8 @@ def measure(chain: Chain, args, sms: int, pdl: bool, copy_gb_s: float) -> list[d
             try:
                 run = launcher(kind, chain, tile, grid)
                 got = check(chain, run, want)
+                if got["spin_error"]:  # a wait gave up: never time (and repeat) a stuck grid
+                    raise RuntimeError("the spin guard fired: not every program was resident")
                 t = timer(run, args.reps, args.trials)
             except Exception as e:  # one variant's failure is its row
                 r["error"] = f"{type(e).__name__}: {e}"
