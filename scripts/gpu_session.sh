@@ -93,8 +93,8 @@ stage_command() {
       ((DRY)) && CMD+=(--dry-run) ;;
     structured)  # the grammar mask's cost at the 2B's shapes: random weights, a borrowed tokenizer
       LIMIT=180; CMD=("$PY" -m expresslane.bench.structured --preset laneformer-2b --device cuda
-                      --schemas 12 --max-tokens 128)
-      ((DRY)) && CMD=("$PY" -m expresslane.bench.structured --dry-run) ;;
+                      --schemas 12 --max-tokens 128 --split plain chain)
+      ((DRY)) && CMD=("$PY" -m expresslane.bench.structured --dry-run --split plain chain) ;;
     spec-replay)  # speculation at the 2B's shapes: SmolLM2's recorded acceptance x step times
       LIMIT=120; CMD=("$PY" -m expresslane.bench.spec_replay --preset laneformer-2b --context 1024)
       ((DRY)) && CMD+=(--dry-run) ;;

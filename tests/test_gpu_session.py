@@ -76,6 +76,8 @@ def test_dry_run_of_every_stage(tmp_path):
     assert ttft["profile"]["first"] and ttft["profile"]["second"]
     grammar = {r["mode"]: r for r in results["structured"]["result"]["rows"]}
     assert grammar["greedy"]["valid"] == grammar["greedy"]["runs"] == 3  # every answer parsed
+    assert grammar["greedy chain"]["valid"] == grammar["greedy chain"]["runs"] == 3
+    assert grammar["sampled chain"]["host_ms_per_token"]["launch"] > 0  # the pick graph ran
     barrier = results["barrier"]["result"]  # one program in the interpreter: every form exact
     assert {r["variant"] for r in barrier["rows"]} == {"stream", "launches", "persistent",
                                                        "persistent+prefetch"}  # fmt: skip

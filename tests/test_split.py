@@ -137,7 +137,9 @@ def test_split_bodies_hold_no_host_traffic(monkeypatch, width):
     logits = torch.zeros(model.cfg.vocab_size, device="meta")
     fwd = ForwardGraph(step, width, logits, capture=False)
     fwd.host_pos = 20
-    pick = PickGraph(logits, SamplingParams(temperature=0.7, top_p=0.8), 2, capture=False)
+    feed = torch.zeros(1, dtype=torch.long, device="meta")  # the chained mode's hand-over
+    pick = PickGraph(logits, SamplingParams(temperature=0.7, top_p=0.8), 2, capture=False,
+                     feed_to=feed)  # fmt: skip
     with NoHostTraffic():
         fwd._body()
         pick._body()
@@ -184,15 +186,20 @@ def _decode(engine, tok, grammar, base: SamplingParams, prompt: str) -> list[int
     return [s.token for s in engine.generate_steps(tok.encode(prompt), params)]
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
-def test_requests_through_the_split_graphs_keep_their_tokens(kit, speculative):
+@pytest.mark.parametrize("mode", ["plain", "speculative", "chained"])
+def test_requests_through_the_split_graphs_keep_their_tokens(kit, mode):
     """The split graphs (run eagerly here) against the step's forward uncaptured: the same
-    tokens, greedy and seeded-sampled, jump-forward chunks and verified drafts included."""
+    tokens, greedy and seeded-sampled, jump-forward chunks and verified drafts included; the
+    chained mode (the picked token's forward launched from the pick, forced tokens apart) too."""
     engine, tok, comp = kit
-    if speculative:
+    if mode == "speculative":
         engine = Engine(engine.model, decode="graph", speculative=tiny_spec(4))
     prompt = 'Answer in JSON. {"city": "Paris", "days": 3} The answer is yes, because ' * 2
     split = SplitSteps(engine.step, engine.cfg.vocab_size, capture=False)
+    split.chain = mode == "chained"
+    picked = []
+    real_picked = split.forwards[1].feed_picked
+    split.forwards[1].feed_picked = lambda p: (picked.append(p), real_picked(p))[1]
     fed = []
     for g in split.forwards.values():
         real = g.feed
@@ -209,8 +216,7 @@ def test_requests_through_the_split_graphs_keep_their_tokens(kit, speculative):
                 engine.split_steps = None
             assert got == want, (kind, base)
     assert max(fed) > 1  # forced tokens (or drafts) went in as one padded forward
-    if speculative:
-        assert engine.stats.extra["speculative"]["draft_tokens"] >= 0
+    assert bool(picked) == (mode == "chained")
 
 
 # --- on a GPU: captured ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ held to its schema, and the cost of the mask is what it measures: issue 26 asks 
 GPU at the 2B's shapes. Without `jsonschema` (the GPU image) outputs are parsed, not validated.
 Under each constrained mode a line gives the host's milliseconds per token in the loop's parts
 (the matcher's consume / forced / fill, the forward's launch, the pick with its wait).
+`--split plain chain` measures both modes of the split graphs (step/split.py `CHAIN`).
 For each of the suite's
 schemas (schemas.py) a chat prompt asks for a JSON object of that schema; the answer is decoded
 under the schema greedy and sampled (temperature 0.7, a seed per schema), and every finished
@@ -71,7 +72,8 @@ class HostTimes:
         from ..structured.grammar import Matcher
 
         self.targets = [(Matcher, "consume"), (Matcher, "forced"), (Matcher, "fill"),
-                        (ForwardGraph, "feed"), (PickGraph, "run")]  # fmt: skip
+                        (ForwardGraph, "feed"), (ForwardGraph, "feed_picked"),
+                        (PickGraph, "launch"), (PickGraph, "token")]  # fmt: skip
         self.seconds = {name: 0.0 for _, name in self.targets}
         self._saved = []
 
@@ -97,36 +99,44 @@ class HostTimes:
         self._saved = []
 
 
-def measure(engine: Engine, tok: Tokenizer, max_tokens: int,
-            schemas: dict | None = None) -> tuple[list[dict], list[dict]]:  # fmt: skip
+def measure(engine: Engine, tok: Tokenizer, max_tokens: int, schemas: dict | None = None,
+            splits: tuple[str, ...] = ("plain",)) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """Rows: unconstrained, then greedy and sampled under the schema for each of `splits`
+    (the split graphs' modes, step/split.py: "plain", and "chain" as rows "greedy chain"...)."""
     validate = _validator()
     schemas = SCHEMAS if schemas is None else schemas
     comp = GrammarCompiler(tok, engine.cfg.vocab_size)
+    names = ["unconstrained"] + [m + ("" if split == "plain" else f" {split}")
+                                 for split in splits for m in ("greedy", "sampled")]  # fmt: skip
     rows = {k: {"mode": k, "tokens": 0, "decode_s": 0.0, "finished": 0, "valid": 0, "runs": 0}
-            for k in ("unconstrained", "greedy", "sampled")}  # fmt: skip
+            for k in names}  # fmt: skip
     compile_ms, failures = [], []
-    host = {k: HostTimes() for k in ("greedy", "sampled")}
+    host = {k: HostTimes() for k in names[1:]}
     for i, (name, schema) in enumerate(schemas.items()):
         prompt = _prompt(tok, name, schema)
         t = time.perf_counter()
         grammar = comp.compile(GrammarSpec.json_schema(schema))
         compile_ms.append((time.perf_counter() - t) * 1e3)
         free = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        runs = [("unconstrained", free, False),
-                ("greedy", SamplingParams(max_tokens=max_tokens, grammar=grammar), True),
-                ("sampled", SamplingParams(max_tokens=max_tokens, grammar=grammar,
-                                           temperature=0.7, seed=i), True)]  # fmt: skip
-        for mode, params, check in runs:
-            if check:
+        greedy = SamplingParams(max_tokens=max_tokens, grammar=grammar)
+        sampled = SamplingParams(max_tokens=max_tokens, grammar=grammar, temperature=0.7, seed=i)
+        runs = [("unconstrained", free, None)]
+        for split in splits:
+            tail = "" if split == "plain" else f" {split}"
+            runs += [("greedy" + tail, greedy, split), ("sampled" + tail, sampled, split)]
+        for mode, params, split in runs:
+            if split is None:
+                ids, st = _run(engine, prompt, params)
+            else:
+                if engine.split_steps is not None:
+                    engine.split_steps.chain = split == "chain"
                 with host[mode]:
                     ids, st = _run(engine, prompt, params)
-            else:
-                ids, st = _run(engine, prompt, params)
             r = rows[mode]
             r["runs"] += 1
             r["tokens"] += st["tokens"] - 1  # decode tokens: after the first
             r["decode_s"] += st["decode_s"]
-            if not check:
+            if split is None:
                 continue
             if st["finish"] != "stop":
                 failures.append({"schema": name, "mode": mode, "error": "max_tokens reached"})
@@ -191,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schemas", type=int, help="the first N schemas of the suite (default all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--split", nargs="+", choices=["plain", "chain"],
+                    help="the split graphs' modes to measure (step/split.py); without a GPU "
+                    "their uncaptured twins are attached (default: the engine as it is)",
+                    )  # fmt: skip
     ap.add_argument(
         "--dry-run",
         action="store_true",
@@ -212,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     schemas = dict(list(SCHEMAS.items())[: args.schemas]) if args.schemas else SCHEMAS
-    rows, failures = measure(engine, tok, args.max_tokens, schemas)
+    if args.split and engine.split_steps is None:  # the graphs' eager twins (no capture here)
+        from ..step.split import SplitSteps
+
+        engine.split_steps = SplitSteps(engine.step, engine.cfg.vocab_size, capture=False)
+    rows, failures = measure(engine, tok, args.max_tokens, schemas,
+                             tuple(args.split or ("plain",)))  # fmt: skip
     print(
         f"{path}: {len(schemas)} schemas, {engine.device}, {args.threads} threads, "
         f"max_tokens {args.max_tokens}"
@@ -225,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if "host_ms_per_token" in r:
             parts = ", ".join(f"{k} {v:.3f}" for k, v in r["host_ms_per_token"].items())
-            print(f"  {r['mode']}: host ms per token: {parts} (run: the pick, waiting for the "
-                  f"device; feed: the forward's launch)")  # fmt: skip
+            print(f"  {r['mode']}: host ms per token: {parts} (token: waiting for the "
+                  f"pick; feed, feed_picked: the forwards' launches)")  # fmt: skip
     for f in failures:
         print(f"  not valid: {f['schema']} ({f['mode']}): {f['error']}")
     print(json.dumps({"bench": "structured", "model": path, "device": str(engine.device),

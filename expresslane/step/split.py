@@ -15,7 +15,14 @@ mask; the forward does not. So the step is split in two graphs:
   (`SamplerKnobs.token_mask`), one replay for the several kernels of a masked sample.
 
 Per token the host replays the forward, computes the next mask while the device runs it, copies
-the mask and replays the pick, then reads the one token (the request's only host sync).
+the mask and replays the pick, then reads the one token (the request's only host sync). The
+device then waits while the host reads the token, advances the matcher and launches the next
+forward. The chained mode (`SplitSteps.chain`) closes that gap: the pick writes its token into
+the width-1 forward's input and the host launches that forward right behind the pick, before
+reading the token; tokens the grammar then forces go through a forward of their own (one more
+pass over the weights per forced run, where the plain mode sends them with the picked token).
+Which costs less depends on the gap and on how often a grammar forces tokens: measured, not
+guessed (`CHAIN`).
 `SplitSteps` owns one engine's graphs: the forward at width 1 and at `chunk_width(cache)`, and a
 pick per sampler structure, all captured at load (no request waits for a capture); a structure
 prepared at load's none runs its pick uncaptured until the engine is idle (`pending`).
@@ -37,6 +44,8 @@ from .graph import DecodeGraph, forget
 from .protocol import Step
 
 STEP_TOKENS = 8  # tokens per forward at most: the fused GPU step's most (fused.py MAX_TOKENS)
+# The chained mode, off until a GPU measures it (bench/structured.py --split plain chain).
+CHAIN = False
 
 
 def chunk_width(cache: KVCache) -> int:
@@ -77,6 +86,13 @@ class ForwardGraph(DecodeGraph):
         self.host_pos = position
         self.run()
 
+    def feed_picked(self, position: int) -> None:
+        """Run the forward of the token a pick graph wrote into this graph's input (width 1)."""
+        self.n.fill_(1)
+        self.pos.fill_(position)
+        self.host_pos = position
+        self.run()
+
     @property
     def _pinned(self) -> bool:
         return self.token.device.type == "cuda"
@@ -87,9 +103,14 @@ class PickGraph:
     static buffer; captured once per sampler structure (no cache, so no buckets)."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams, words: int,
-                 capture: bool | None = None):  # fmt: skip
+                 capture: bool | None = None, feed_to: torch.Tensor | None = None):  # fmt: skip
+        """`feed_to`: a (1,) token buffer the pick also writes (the width-1 forward's input,
+        for the chained mode: SplitSteps)."""
         dev = logits.device
-        self.logits, self.params = logits, params
+        self.logits, self.params, self.feed_to = logits, params, feed_to
+        cuda = dev.type == "cuda"
+        self.host = torch.zeros((), dtype=torch.long, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
         self.knobs = SamplerKnobs(dev).with_token_mask(words)
         self.knobs.load(params)
         self.generator = make_generator(params, dev)
@@ -101,6 +122,8 @@ class PickGraph:
 
     def _body(self) -> None:
         self.out.copy_(sample(self.logits, self.params, self.generator, self.knobs))
+        if self.feed_to is not None:
+            self.feed_to.copy_(self.out.view(1))
 
     def set_params(self, params: SamplingParams) -> None:
         """A request's sampler values and seed (same structure_key as the captured params)."""
@@ -111,8 +134,9 @@ class PickGraph:
             else:
                 self.generator.manual_seed(params.seed)
 
-    def run(self, mask: torch.Tensor) -> int:
-        """The token picked under `mask` (W,) int32 (pinned host memory on a GPU)."""
+    def launch(self, mask: torch.Tensor) -> None:
+        """Start the pick under `mask` (W,) int32 (pinned host memory on a GPU) and the copy of
+        its token to the host; asynchronous on a GPU (`token` waits for it)."""
         self.knobs.token_mask.copy_(mask, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()
@@ -120,7 +144,20 @@ class PickGraph:
             if self.capture:
                 self.missing.add(0)
             self._body()
-        return int(self.out)  # the one host sync of a constrained token
+        self.host.copy_(self.out, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+
+    def token(self) -> int:
+        """The launched pick's token: waits for the pick alone, not for work queued after it."""
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host)
+
+    def run(self, mask: torch.Tensor) -> int:
+        """The token picked under `mask`: the one host sync of a constrained token."""
+        self.launch(mask)
+        return self.token()
 
     def _rng(self):
         return None if self.generator is None else self.generator.get_state()
@@ -172,6 +209,7 @@ class SplitSteps:
         widths = sorted({1, self.width})
         self.forwards = {w: ForwardGraph(step, w, self.logits, capture) for w in widths}
         self.picks: dict[tuple, PickGraph] = {}
+        self.chain = CHAIN  # the picked token's forward launched from the pick (docstring)
 
     @property
     def words(self) -> int:
@@ -181,7 +219,8 @@ class SplitSteps:
         """The pick of this sampler structure, loaded with the request's values and seed."""
         key = structure_key(params)
         if key not in self.picks:
-            self.picks[key] = PickGraph(self.logits, params, self.words, self.capture)
+            self.picks[key] = PickGraph(self.logits, params, self.words, self.capture,
+                                        feed_to=self.forwards[1].token)  # fmt: skip
         pick = self.picks[key]
         pick.set_params(params)
         return pick

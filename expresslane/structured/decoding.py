@@ -102,6 +102,8 @@ class _Constrained:
         spec = engine.speculator
         self.spec = spec
         self.drafter = NgramDrafter(spec.cfg, list(prompt_ids)) if spec is not None else None
+        # the chained mode (step/split.py): the picked token's forward runs behind the pick
+        self.chained = self.picker is not None and self.split.chain and self.drafter is None
         self.eos = next(iter(engine.cfg.eos_token_ids), None)
 
     def closing(self, left: int, reserve: int) -> bool:
@@ -114,11 +116,15 @@ class _Constrained:
         """Compute the mask after the consumed tokens into the host buffer."""
         self.host.copy_(self.matcher.fill(closing)[0])
 
-    def pick(self, logits: torch.Tensor) -> int:
+    def pick(self, logits: torch.Tensor, pos: int) -> int:
+        """The token at `pos` (chained: its forward is launched before the host reads it)."""
         if self.picker is not None:
             if logits is not self.split.logits:  # the prefill's
                 self.split.logits.copy_(logits)
-            tok = self.picker.run(self.host)  # the one host copy
+            self.picker.launch(self.host)
+            if self.chained:
+                self.split.forwards[1].feed_picked(pos)
+            tok = self.picker.token()  # the one host copy
         else:
             self.knobs.token_mask.copy_(self.host, non_blocking=True)
             tok = int(sample(logits, self.params, self.gen, self.knobs))  # the one host copy
@@ -179,7 +185,7 @@ def constrained_steps(
     c.next_mask(closing=budget <= reserve)  # (nothing written yet: depth 0)
     pos, left = len(prompt_ids), budget
     while left > 0:
-        last = c.pick(logits)
+        last = c.pick(logits, pos)
         yield last, logits if want_lp else None
         left -= 1
         forced: list[int] = []
@@ -201,7 +207,11 @@ def constrained_steps(
         if forced and c.matcher.done:  # the forced tokens complete it: no forward for them
             yield from ((t, None) for t in forced)
             yield from c.end()
-        logits = _forward(engine, c.split, [last, *forced], pos)  # on a GPU: launched, running
+        if c.chained:  # `last` is in already; forced tokens take a forward of their own
+            engine.cache.commit([last])
+            logits = _forward(engine, c.split, forced, pos + 1) if forced else c.split.logits
+        else:
+            logits = _forward(engine, c.split, [last, *forced], pos)  # on a GPU: launched
         # the host's work while the device runs the forward; a dead end raises
         c.next_mask(closing=c.closing(left - len(forced), reserve))
         pos += 1 + len(forced)
