@@ -15,8 +15,10 @@ import tiny
 
 from expresslane.config import SamplingParams
 from expresslane.engine import PREPARED, Engine
+from expresslane.sampler import structure_key
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.step.graph import DecodeGraph, all_buckets
+from expresslane.step.split import ForwardGraph, PickGraph
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny or shared-core work
 
@@ -25,23 +27,43 @@ LONG = [3 + (i * 7) % 50 for i in range(240)]  # its generation crosses the 256 
 
 
 class FakeGraph:
-    def __init__(self, graph: DecodeGraph, live: int):
+    def __init__(self, graph, live: int | None):
         self.graph, self.live = graph, live
 
     def replay(self) -> None:
-        self.graph._body(self.live)
+        if self.live is None:  # a pick graph: no buckets
+            self.graph._body()
+        else:
+            self.graph._body(self.live)
+
+
+class Captures(list):
+    """(width, bucket) of every decode and verify graph's capture, in order; `split`: those
+    of a grammar's graphs (step/split.py: ("forward", width, bucket), ("pick", structure))."""
+
+    split: list[tuple]
 
 
 @pytest.fixture
-def captures(monkeypatch) -> list[tuple[int, int]]:
-    """(width, bucket) of every capture, in order."""
-    calls: list[tuple[int, int]] = []
+def captures(monkeypatch) -> Captures:
+    calls = Captures()
+    calls.split = []
 
     def fake_capture(self: DecodeGraph, live: int) -> None:
-        calls.append((self.width, live))
+        if isinstance(self, ForwardGraph):
+            calls.split.append(("forward", self.width, live))
+        else:
+            calls.append((self.width, live))
         self.graphs[live] = FakeGraph(self, live)
 
+    def fake_pick_capture(self: PickGraph, buckets=None) -> float:
+        if self.graph is None:
+            calls.split.append(("pick", structure_key(self.params)))
+            self.graph = FakeGraph(self, None)
+        return 0.0
+
     monkeypatch.setattr(DecodeGraph, "_capture", fake_capture)
+    monkeypatch.setattr(PickGraph, "capture_buckets", fake_pick_capture)
     return calls
 
 
@@ -74,6 +96,10 @@ def test_every_graph_is_captured_at_load_and_no_request_captures(model, captures
         widths = [1] if speculative is None else [1, 4]
         want = sorted((w, b) for _ in PREPARED for w in widths for b in buckets)
         assert sorted(captures) == want  # every structure, bucket and verify graph at load
+        forwards = {(c[1], c[2]) for c in captures.split if c[0] == "forward"}
+        assert forwards == {(w, b) for w in (1, 8) for b in buckets}  # a grammar's graphs too
+        picks = {c[1] for c in captures.split if c[0] == "pick"}
+        assert picks == {structure_key(p) for p in PREPARED}
         assert eng.capture_s > 0
         at_load = len(captures)
         verified = 0
