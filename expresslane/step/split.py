@@ -23,9 +23,10 @@ reading the token; tokens the grammar then forces go through a forward of their 
 pass over the weights per forced run, where the plain mode sends them with the picked token).
 Which costs less depends on the gap and on how often a grammar forces tokens: measured, not
 guessed (`CHAIN`).
+
 `SplitSteps` owns one engine's graphs: the forward at width 1 and at `chunk_width(cache)`, and a
 pick per sampler structure, all captured at load (no request waits for a capture); a structure
-prepared at load's none runs its pick uncaptured until the engine is idle (`pending`).
+not prepared at load runs its pick uncaptured until the engine is idle (`pending`).
 
 The forward's rows are the step's own bits (each row independent of S), so a request decodes the
 same tokens through these graphs as through the step's forward uncaptured (tests/test_split.py).
