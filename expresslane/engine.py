@@ -90,11 +90,14 @@ class Engine:
         capture: bool | None = None,
         prefill_warmup: bool | None = None,
         ring_headroom: int | None = None,
+        grammar_graphs: bool = True,
     ):
         """`capture`: CUDA graphs for the static step (default: on CUDA), all captured at load.
         `prefill_warmup`: a few prefills at load (`warm_up_prefill`; default: with capture on
         CUDA). `ring_headroom`: slots each sliding layer's ring keeps beyond its window
-        (default: what a forward of the most tokens needs; below)."""
+        (default: what a forward of the most tokens needs; below). `grammar_graphs`: capture
+        constrained decoding's graphs at load too (step/split.py; benches that send no grammar
+        leave them out of their load time)."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.max_len = max_model_len or self.cfg.max_position_embeddings
@@ -141,7 +144,7 @@ class Engine:
             self._graph_for(SamplingParams())  # the greedy step; other samplers at first use
         # constrained decoding's forward and masked pick on graphs of their own (step/split.py)
         self.split_steps = None
-        if self.capture and self.decode == "graph":
+        if self.capture and self.decode == "graph" and grammar_graphs:
             self.split_steps = SplitSteps(self.step, self.cfg.vocab_size, capture=True)
             self.capture_graphs(PREPARED)
         self.warmup_s = 0.0  # seconds spent in prefill warm-up at load

@@ -142,3 +142,10 @@ def test_run_json_reports_capture_time_apart(model, captures):
     report = load_report(eng)
     assert report == {"capture_s": round(eng.capture_s, 2)} and eng.capture_s > 0
     assert load_report(Engine(model, max_model_len=MAX_LEN, capture=False)) is None
+
+
+def test_an_engine_without_grammar_graphs_captures_none(model, captures):
+    """Benches that send no grammar keep the split graphs out of their load time."""
+    eng = Engine(model, max_model_len=MAX_LEN, decode="graph", capture=True,
+                 grammar_graphs=False)  # fmt: skip
+    assert eng.split_steps is None and captures.split == [] and captures

@@ -97,7 +97,7 @@ class EngineRunner:
         decode = default_decode(next(self.model.parameters()).device)
         self.engine = Engine(self.model, max_model_len=context_needed(self.cfg), decode=decode,
                              compile=self.compiled, kernels=self.kernels,
-                             prefix_reuse=False)  # fmt: skip
+                             prefix_reuse=False, grammar_graphs=False)  # fmt: skip
         # one-time costs (imports, torch.compile, graph capture) stay out of the measured rows
         warm = SamplingParams(max_tokens=self.cfg.warmup_tokens, ignore_eos=True)
         list(self.engine.generate([1, 2, 3], warm))

@@ -121,7 +121,7 @@ def measure(preset: str, device: str, dtype: str, context: int, k: int, reps: in
     dev = resolve_device(device)
     model = random_model(cfg, dev, resolve_dtype(dtype, cfg, dev))
     engine = Engine(model, max_model_len=context + 2 * (k + 1) + 8, decode="graph",
-                    prefill_warmup=False)  # fmt: skip
+                    prefill_warmup=False, grammar_graphs=False)  # fmt: skip
     engine.prefill(prompt_ids(cfg.vocab_size, context, torch.device("cpu"))[0].tolist())
     greedy = SamplingParams(temperature=0.0)
     t1 = plain_ms(engine._graph_for(greedy), context, reps)
