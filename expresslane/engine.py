@@ -144,8 +144,9 @@ class Engine:
             self._graph_for(SamplingParams())  # the greedy step; other samplers at first use
         # constrained decoding's forward and masked pick on graphs of their own (step/split.py)
         self.split_steps = None
-        if self.capture and self.decode == "graph" and grammar_graphs:
-            self.split_steps = SplitSteps(self.step, self.cfg.vocab_size, capture=True)
+        if self.capture and self.decode == "graph":
+            if grammar_graphs:
+                self.split_steps = SplitSteps(self.step, self.cfg.vocab_size, capture=True)
             self.capture_graphs(PREPARED)
         self.warmup_s = 0.0  # seconds spent in prefill warm-up at load
         if prefill_warmup is None:
