@@ -85,7 +85,7 @@ stage_command() {
       ((DRY)) && CMD=("$PY" -m expresslane.bench.quant_gpu --preset "$preset" --dry-run) ;;
     ttft)  # a context's first request against the steady state, then the prefill's top ops
       LIMIT=150; CMD=("$PY" -m expresslane.bench.ttft --preset laneformer-2b --contexts 1024 4000
-                      --repeats 3 --profile)
+                      --repeats 3 --profile --reuse 100 400)
       ((DRY)) && CMD+=(--dry-run) ;;
     profile)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.profile --model laneformer-2b --context 1024

@@ -12,8 +12,10 @@ user's first prompt of that length waits for (a capture or a first allocation in
 here); the others are the steady state. Issue 24 asks for first <= 1.1x steady and a steady
 1,024-token prefill at or below transformers'.
 
-`--profile`: then torch.profiler over one engine's first and second prefill of the first
-context (fused kernels, no graphs: prefill never replays one), the top kernels and ops of each.
+`--reuse 100 400`: then the TTFT of a prompt whose first context the cache holds, with 100 or
+400 new tokens after it (issue 24: under 1 ms per 100 new tokens). `--profile`: then
+torch.profiler over one engine's first and second prefill of the first context (fused
+kernels, no graphs: prefill never replays one), the top kernels and ops of each.
 `--dry-run`: laneformer-tiny on the CPU (the plumbing). One table, then one JSON line last.
 """
 
@@ -107,6 +109,46 @@ def profile_prefill(preset: str, context: int, device: str, dtype: str, top: int
     return out
 
 
+def reuse_rows(
+    preset: str, context: int, news: list[int], device: str, dtype: str, repeats: int = 3
+) -> list[dict]:
+    """TTFT of a prompt whose first `context` tokens the cache holds, with `new` tokens after
+    them (an agent's next turn): an engine built as `run` builds it (graphs at load, prefix
+    reuse on), the held prompt prefilled once, then `repeats` requests per count, each ending
+    differently. Issue 24: under 1 ms per 100 new tokens."""
+    from ..checkpoint import resolve_device, resolve_dtype
+    from ..config import SamplingParams
+    from ..engine import Engine
+    from .peers import prompt_ids
+    from .weights import random_model
+
+    cfg = load_model_config(preset)
+    dev = resolve_device(device)
+    model = random_model(cfg, dev, resolve_dtype(dtype, cfg, dev))
+    engine = Engine(model, max_model_len=context + max(news) + 8, grammar_graphs=False)
+    held = prompt_ids(cfg.vocab_size, context, torch.device("cpu"))[0].tolist()
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    list(engine.generate(held, one))  # the held turn
+    out = []
+    for new in news:
+        ms = []
+        for r in range(repeats + 1):  # the first of each count is a warm-up of its shape
+            tail = [(7 * i + 31 * r + new) % cfg.vocab_size for i in range(new)]
+            # the held turn again (all but a token from the cache): a prompt ending where the
+            # new one branches, as an agent's history does, so a ring past its window resumes
+            # from that prompt's snapshot (prefix.py)
+            list(engine.generate(held, one))
+            list(engine.generate(held + tail, one))
+            if engine.stats.cached_tokens < context:
+                raise RuntimeError(f"prefix reuse held {engine.stats.cached_tokens} tokens")
+            if r:
+                ms.append(engine.stats.ttft_s * 1e3)
+        med = statistics.median(ms)
+        out.append({"context": context, "new": new, "ttft_ms": med, "all_ms": ms,
+                    "ms_per_100_new": 100 * med / new})  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m expresslane.bench.ttft",
                                  description=__doc__.split("\n")[0])  # fmt: skip
@@ -119,14 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--no-peer", action="store_true", help="skip transformers")
     ap.add_argument("--profile", action="store_true", help="profile the first context's prefill")
+    ap.add_argument("--reuse", type=int, nargs="*", metavar="NEW",
+                    help="also: TTFT with the first context held by the cache and NEW tokens "
+                    "after it (e.g. 100 400)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="laneformer-tiny on the CPU")
     args = ap.parse_args(argv)
-    if args.repeats < 2 or any(c < 1 for c in args.contexts):
-        print("error: --repeats must be >= 2 and every context >= 1", file=sys.stderr)
+    if (
+        args.repeats < 2
+        or any(c < 1 for c in args.contexts)
+        or any(n < 1 for n in args.reuse or [])
+    ):
+        print("error: --repeats must be >= 2, every context and --reuse count >= 1",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.dry_run:
         args.preset, args.device, args.dtype = "laneformer-tiny", "cpu", "float32"
         args.contexts = list(dict.fromkeys(min(c, 40) for c in args.contexts))  # 40 once
+        args.reuse = [min(n, 20) for n in args.reuse] if args.reuse else args.reuse
     cfg = BenchConfig(
         contexts=tuple(c for c in args.contexts for _ in range(args.repeats)),
         decode_tokens=2,
@@ -152,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefill of {args.contexts[0]} tokens, {name} time: top ops by self time")
             for o in ops:
                 print(f"  {o['op']:<60}{o['calls']:>6}{o['self_ms']:>10.2f} ms")
+    if args.reuse:
+        doc["reuse"] = reuse_rows(args.preset, args.contexts[0], args.reuse, args.device,
+                                  args.dtype, args.repeats)  # fmt: skip
+        for r in doc["reuse"]:
+            print(f"prefix held ({r['context']} tokens) + {r['new']} new: TTFT {r['ttft_ms']:.2f}"
+                  f" ms, {r['ms_per_100_new']:.2f} ms per 100 new tokens")  # fmt: skip
     print(json.dumps(doc))
     return 0
 
