@@ -49,7 +49,7 @@ class Contestant:
 def ours_eager(checkpoint: Path, cfg: BenchConfig, max_len: int) -> Contestant:
     """The model's own forward per token (the reference path, and the CPU default before)."""
     model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
-    engine = Engine(model, max_model_len=max_len, decode="eager")
+    engine = Engine(model, max_model_len=max_len, decode="eager", prefix_reuse=False)  # cold
     return Contestant(
         "expresslane eager", "float32, model forward", lambda ctx: bench_engine(engine, cfg, ctx)
     )
