@@ -152,6 +152,7 @@ def check(chain: Chain, run, want: torch.Tensor | None) -> dict:
     """Run once from x0: the output's distance to `want` (or None) and the spin guard's flag."""
     chain.reset()
     chain.error.zero_()
+    chain.counters.zero_()  # a variant whose guard fired may have left counts behind
     run()
     out = chain.output()
     diff = None if want is None else float((out - want).abs().max())
