@@ -95,6 +95,14 @@ def headline(res: dict) -> str:
         kinds = ", ".join(f"{k} {v:.2f}x" for k, v in r["by_kind"].items())
         cost = r["verify_ms"][k1] / r["plain_ms"]
         return f"replayed {kinds}; a verify of {k1} rows {cost:.2f}x a step"
+    if r.get("bench") == "barrier":  # the best µs per boundary of each form, every grid
+        best: dict[str, float] = {}
+        for x in r["rows"]:
+            if x.get("us_per_boundary") is not None and x["variant"] != "stream":
+                best[x["variant"]] = min(best.get(x["variant"], 1e9), x["us_per_boundary"])
+        bad = sum(1 for x in r["rows"] if not x.get("ok"))
+        return ", ".join(f"{k} {v:.2f} us/boundary" for k, v in best.items()) + (
+            f"; {bad} rows not ok" if bad else "")  # fmt: skip
     if r.get("bench") == "sweep":
         won = sum(len(v) for v in r["table"]["kernels"].values())
         return (f"{r['variants']} variants, {r['rejected']} rejected, {r['inexact']} not "
