@@ -105,3 +105,25 @@ def test_long_chunks_every_row_and_hooks_go_through_the_forward(model):
     a.cache.reset()
     a.prefill(prompt(5))
     assert used == [5]
+
+
+def test_the_bound_follows_the_weights_formats():
+    """The measured crossings (step/prefill.py STEP_PREFILL_MAX): a mix takes its smallest."""
+    from types import SimpleNamespace
+
+    from expresslane.step.prefill import STEP_PREFILL_MAX, STEP_PREFILL_MAX_DEFAULT
+
+    def bound(*formats):
+        step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
+        return StepPrefill(None, step).max_tokens
+
+    assert bound("float32") == STEP_PREFILL_MAX["float32"] < bound("bfloat16")
+    assert bound("q4_k", "q6_k") == STEP_PREFILL_MAX_DEFAULT
+    assert bound("q8_0", "float32") == STEP_PREFILL_MAX["float32"]  # a mix: its smallest
+
+
+def test_cpu_prefill_bench_refuses_bad_counts(capsys):
+    from expresslane.bench import cpu_prefill
+
+    assert cpu_prefill.main(["--lengths", "0"]) == 2
+    assert "cpu_prefill:" in capsys.readouterr().err
