@@ -111,7 +111,8 @@ class Engine:
         # A forward of S tokens writes S - 1 positions ahead of its first token's window: rings
         # get that headroom (cache.py) for speculation's k drafts and for a grammar's forced
         # tokens, which go in up to STEP_TOKENS a forward (jump-forward, step/split.py). Seven
-        # slots a ring: 0.2% of a 4,096-token window's keys.
+        # slots a ring: 0.3% of the 2B's 2,048-slot window, and once a context passes the
+        # window, one more (partial) block in the attention's scan of a ring.
         spec_k = speculative.num_speculative_tokens if speculative else 0
         headroom = max(spec_k, STEP_TOKENS - 1) if ring_headroom is None else ring_headroom
         if headroom < spec_k:
