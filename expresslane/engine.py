@@ -33,7 +33,7 @@ from .speculative.drafting import SpeculativeConfig
 from .step.choose import choose_prefill, choose_step
 from .step.fused import MAX_OVERRUN
 from .step.graph import DecodeGraph, committed_tokens
-from .step.split import STEP_TOKENS, SplitSteps
+from .step.split import STEP_TOKENS, SplitSteps, forward_logits
 from .structured.decoding import constrained_steps
 from .weights.packing import load_packed
 
@@ -379,7 +379,11 @@ class Engine:
                             prompt_ids, step.token, params, gen, budget - 1, graph
                         )
                     continue
-                logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
+                if self.decode == "graph":  # logprobs: the step, captured where we capture
+                    pos = len(prompt_ids) + i
+                    logits = forward_logits(self.step, self.split_steps, [step.token], pos)
+                else:
+                    logits = self.model(tok.view(1, 1), cache=self.cache)[0, -1]
                 self.cache.commit([step.token])
         finally:
             if not over:

@@ -56,6 +56,31 @@ def chunk_width(cache: KVCache) -> int:
     return max(1, min([STEP_TOKENS, *room]))
 
 
+def step_rows(step: Step, ids: list[int], pos: int) -> torch.Tensor:
+    """Logits (S, V) of `ids` written from `pos` by the step, uncaptured; the cache runs static
+    as inside a decode graph."""
+    cache = step.cache
+    dev = cache.k[0].device
+    x, position = torch.tensor(ids, device=dev), torch.tensor([pos], device=dev)
+    cache.static, cache.live = True, pos + len(ids)
+    try:
+        return step.forward(x, position)
+    finally:
+        cache.static, cache.live = False, None
+
+
+def forward_logits(step: Step, split: SplitSteps | None, ids: list[int], pos: int):
+    """Logits (V,) after `ids` written from `pos`: replayed from the split graphs where given
+    (asynchronous on a GPU; the shared buffer, overwritten by the next forward), else the step
+    uncaptured, `chunk_width` tokens a call. The caller commits the ids to the cache."""
+    if split is not None:
+        return split.forward(ids, pos)
+    width = chunk_width(step.cache)
+    for at in range(0, len(ids), width):
+        logits = step_rows(step, ids[at : at + width], pos + at)[-1]
+    return logits
+
+
 class ForwardGraph(DecodeGraph):
     """The step's forward alone, of 1 .. width real tokens padded to `width` (module docstring).
     `logits` (V,) fp32 is the buffer the picks read, shared by an engine's forward graphs."""

@@ -40,21 +40,8 @@ import torch
 from ..config import SamplingParams
 from ..sampler import SamplerKnobs, apply_token_mask, sample
 from ..speculative.drafting import NgramDrafter, accept
-from ..step.split import SplitSteps, chunk_width
+from ..step.split import SplitSteps, forward_logits, step_rows
 from .grammar import GrammarError, Matcher
-
-
-def _step_rows(engine, ids: list[int], pos: int) -> torch.Tensor:
-    """Logits (S, V) of `ids` written from `pos` by the engine's own step (the Step protocol),
-    uncaptured; the cache runs static as inside a decode graph."""
-    cache = engine.cache
-    x = torch.tensor(ids, device=engine.device)
-    position = torch.tensor([pos], device=engine.device)
-    cache.static, cache.live = True, pos + len(ids)
-    try:
-        return engine.step.forward(x, position)
-    finally:
-        cache.static, cache.live = False, None
 
 
 def closing_reserve(budget: int) -> int:
@@ -71,12 +58,7 @@ def _forward(engine, split: SplitSteps | None, ids: list[int], pos: int) -> torc
     """Logits (V,) after `ids` written from `pos`; the cache commits them. The picked token and
     the forced ones (jump-forward) go through the decode step, several per call: the model's
     own forward would dequantize packed weights on every call."""
-    if split is not None:
-        logits = split.forward(ids, pos)  # replayed graphs: asynchronous on a GPU
-    else:
-        step = chunk_width(engine.cache)
-        for at in range(0, len(ids), step):
-            logits = _step_rows(engine, ids[at : at + step], pos + at)[-1]
+    logits = forward_logits(engine.step, split, ids, pos)  # on a GPU: asynchronous
     engine.cache.commit(ids)
     return logits
 
@@ -155,7 +137,7 @@ class _Constrained:
         ids = [last, *drafts]
         rows = None if self.split is None else self.split.rows(ids, pos)
         if rows is None:
-            rows = _step_rows(eng, ids, pos)
+            rows = step_rows(eng.step, ids, pos)
         logits = apply_token_mask(rows, masks)  # (k + 1, V)
         kept, tokens = accept(logits, torch.tensor(drafts, device=eng.device), self.params,
                               self.gen)  # fmt: skip
