@@ -23,6 +23,24 @@ def _run(capsys, *argv):
     return code, out.out, out.err
 
 
+def test_run_json_logprobs(random_laneformer_dir, capsys):
+    """--logprobs N: each token's logprob and its top N in the JSON, greedy's token the top one,
+    decoded through the same step as without them (the same tokens)."""
+    argv = ["run", str(random_laneformer_dir), "--prompt", "def f(", "--max-tokens", "6",
+            "--ignore-eos", "--json"]  # fmt: skip
+    code, out, _ = _run(capsys, *argv, "--logprobs", "2")
+    assert code == 0
+    res = json.loads(out.strip().splitlines()[-1])
+    lps = res["logprobs"]
+    assert [x["token"] for x in lps] == res["token_ids"] and len(lps) == 6
+    for x in lps:
+        assert len(x["top_logprobs"]) == 2 and x["top_logprobs"][0] == [x["token"], x["logprob"]]
+        assert x["logprob"] <= 0 and x["top_logprobs"][1][1] <= x["logprob"]
+    _, plain, _ = _run(capsys, *argv)
+    assert json.loads(plain.strip().splitlines()[-1])["token_ids"] == res["token_ids"]
+    assert "logprobs" not in json.loads(plain.strip().splitlines()[-1])
+
+
 def test_run_json_matches_the_engine(random_laneformer_dir, capsys):
     code, out, _ = _run(
         capsys,
@@ -149,6 +167,7 @@ def test_bad_checkpoints_exit_2_with_one_line(broken, capsys, kind, words):
         (["--max-tokens", "many"], "max-tokens"),
         (["--devices", "3"], "--devices 3: must divide num_lanes=8"),  # before any process starts
         (["--devices", "0"], "--devices 0"),
+        (["--logprobs", "21"], "logprobs"),
     ],
 )
 def test_bad_flags_exit_2(random_laneformer_dir, capsys, argv, word):

@@ -24,7 +24,7 @@ from ..speculative.drafting import SpeculativeConfig
 from ..step.choose import default_decode
 from ..step.threads import set_threads
 from ..structured.grammar import GrammarCompiler, GrammarSpec
-from ..textgen import generate_text
+from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 
 HELP = "generate from one prompt (or one chat message) and stream the text"
@@ -133,6 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_sampling_arguments(p)
     add_prefix_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's logprob and the top N (0-20)")  # fmt: skip
     p.add_argument(
         "--json-schema",
         metavar="FILE",
@@ -149,6 +151,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        logprobs=getattr(args, "logprobs", None),
     )
     try:
         params.validate()
@@ -231,10 +234,13 @@ def generate_and_print(
     else:
         prompt_ids = tok.encode(args.prompt if args.prompt is not None else "def ")
     params = with_json_schema(args, engine, tok, params)
-    pieces, token_ids = [], []
-    for piece, ids in generate_text(engine, tok, prompt_ids, params, args.stop):
+    pieces, token_ids, logprobs = [], [], []
+    for piece, step in stream_text(engine, tok, prompt_ids, params, args.stop):
         pieces.append(piece)
-        token_ids.extend(ids)
+        token_ids.append(step.token)
+        if step.logprob is not None:
+            logprobs.append({"token": step.token, "logprob": step.logprob,
+                             "top_logprobs": step.top_logprobs or []})  # fmt: skip
         if not args.json:
             sys.stdout.write(piece)
             sys.stdout.flush()
@@ -256,6 +262,7 @@ def generate_and_print(
                     "device": str(engine.device),
                     "dtype": str(engine.dtype).removeprefix("torch."),  # of the activations
                     **weight_formats(engine),
+                    **({"logprobs": logprobs} if params.logprobs is not None else {}),
                     **extra,
                 }
             )
