@@ -31,6 +31,7 @@ from ..config import SamplingParams
 from ..sampler import sample, structure_key
 from ..step.graph import DecodeGraph, committed_tokens
 from ..step.protocol import Step
+from ..step.split import step_rows
 from .drafting import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
 
 # What each draft adds to a verify step, in decode steps (BackOff's break-even). On a CPU the
@@ -149,9 +150,8 @@ class SpeculativeDecoder:
             graph.load(torch.tensor(last, device=self.device), position=pos)
             yield from ((t, None) for t in committed_tokens(graph, self.cache, last, n))
             return
-        for _ in range(n):
-            ids = torch.tensor([last], device=self.device)
-            logits = self.step.forward(ids, torch.tensor([pos], device=self.device))[-1]
+        for _ in range(n):  # the step's forward, its scan bounded to the live slots
+            logits = step_rows(self.step, [last], pos)[-1]
             self.cache.commit([last])
             last, pos = int(sample(logits, params, generator)), pos + 1
             yield last, logits
