@@ -219,6 +219,27 @@ def test_requests_through_the_split_graphs_keep_their_tokens(kit, mode):
     assert bool(picked) == (mode == "chained")
 
 
+def test_grammar_requests_with_logprobs_use_the_split_forward(kit):
+    """Logprobs under a grammar: the split forward (its logits buffer), an eager pick; the same
+    tokens and logprobs as the step uncaptured."""
+    engine, tok, comp = kit
+    split = SplitSteps(engine.step, engine.cfg.vocab_size, capture=False)
+    fed = []
+    real = split.forwards[1].feed
+    split.forwards[1].feed = lambda i, p: (fed.append(len(i)), real(i, p))[1]
+    grammar = comp.compile(_spec_of(*GRAMMARS[0]))
+    params = SamplingParams(grammar=grammar, max_tokens=24, logprobs=2)
+    ids = tok.encode("Answer in JSON: ")
+    engine.split_steps, engine.prefix.enabled = None, False  # each prompt prefilled whole
+    try:
+        want = [(s.token, s.logprob, s.top_logprobs) for s in engine.generate_steps(ids, params)]
+        engine.split_steps = split
+        got = [(s.token, s.logprob, s.top_logprobs) for s in engine.generate_steps(ids, params)]
+    finally:
+        engine.split_steps, engine.prefix.enabled = None, True
+    assert got == want and fed  # through the split forward, the same figures
+
+
 # --- on a GPU: captured ---------------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -70,11 +70,11 @@ class _Constrained:
         self.engine, self.params, self.gen = engine, params, gen
         self.matcher: Matcher = params.grammar.matcher()
         words = self.matcher.words.shape[1]
-        # the captured forward and pick (step/split.py); logprobs need every logits row here
-        split = getattr(engine, "split_steps", None)
-        self.split = split if split is not None and params.logprobs is None else None
+        # the captured forward and pick (step/split.py); with logprobs the pick is eager, on
+        # the forward's logits buffer (read by the engine before the next forward)
+        self.split = getattr(engine, "split_steps", None)
         self.picker = None
-        if self.split is not None and self.split.words == words:
+        if self.split is not None and self.split.words == words and params.logprobs is None:
             self.picker = self.split.pick_graph(params)
             self.gen = self.picker.generator  # the request's one stream of draws
         self.knobs = SamplerKnobs(engine.device).with_token_mask(words)
