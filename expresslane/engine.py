@@ -346,9 +346,17 @@ class Engine:
             return
         use_graph = self.decode == "graph" and params.logprobs is None and params.grammar is None
         graph = self._graph_for(params) if use_graph else None  # may compile: before the clock
+        # logprobs on the split graphs (step/split.py): the forward, then a pick that computes
+        # the logprobs in the same replay (the first token's come from the prefill's logits)
+        lp_pick = None
+        if (params.logprobs is not None and params.grammar is None and self.speculator is None
+                and self.split_steps is not None):  # fmt: skip
+            lp_pick = self.split_steps.pick_graph(params, masked=False)
         t0 = time.perf_counter()
         if graph is not None:
             gen = graph.generator
+        if lp_pick is not None:
+            gen = lp_pick.generator  # one stream of draws for the request
         logits = self.prefill(prompt_ids, cancel)
         if logits is None:
             st.finish_reason = "abort"
@@ -361,11 +369,16 @@ class Engine:
         over, step = False, None
         try:
             for i in range(budget):
-                if stream is None:
-                    tok, lp_logits = self._pick(logits, params, gen)
-                else:
+                lps = None
+                if stream is not None:
                     tok, lp_logits = next(stream)  # the stream commits what it fed
-                step = self.make_step(tok, lp_logits, params, stops, i == budget - 1, t0)
+                elif lp_pick is not None and i > 0:  # after the split graphs' forward
+                    lp_pick.launch()
+                    tok, lp_logits = lp_pick.token(), None
+                    lps = lp_pick.logprobs()
+                else:
+                    tok, lp_logits = self._pick(logits, params, gen)
+                step = self.make_step(tok, lp_logits, params, stops, i == budget - 1, t0, lps)
                 over = step.finish_reason is not None
                 yield step
                 if over:
@@ -399,14 +412,16 @@ class Engine:
 
     def make_step(
         self,
-        tok: torch.Tensor,
+        tok: torch.Tensor | int,
         logits: torch.Tensor | None,
         params: SamplingParams,
         stops: set[int],
         last: bool,
         t0: float,
+        lps: tuple[float, list | None] | None = None,
     ) -> Step:
-        """A sampled token as a Step (logprobs from `logits` when given); updates self.stats."""
+        """A sampled token as a Step (logprobs from `logits` when given, or `lps`: already
+        computed, (logprob, top n)); updates self.stats."""
         st = self.stats
         step = Step(token=int(tok))  # the one host copy per token
         now = time.perf_counter()
@@ -417,6 +432,8 @@ class Engine:
             step.logprob = float(lp)
             if ids is not None:
                 step.top_logprobs = list(zip(ids.tolist(), vals.tolist(), strict=True))
+        elif lps is not None:
+            step.logprob, step.top_logprobs = lps
         st.generated_tokens += 1
         st.decode_s = now - t0 - st.ttft_s
         step.finish_reason = "stop" if step.token in stops else "length" if last else None

@@ -10,6 +10,7 @@ On a GPU (the `tests` stage) the same requests run captured, with nothing left u
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -322,3 +323,44 @@ def test_engine_captures_the_split_graphs_at_load_and_when_idle(kit, monkeypatch
     assert [type(g).__name__ for g, _ in eng._pending()] == ["PickGraph"]
     eng.idle()
     assert not eng._pending() and captured[-1] == ("PickGraph", 0, 0)
+
+
+@pytest.mark.parametrize("top_n", [0, 3])
+def test_logprob_requests_pick_in_the_split_graphs(lane, top_n):
+    """A request with logprobs (no grammar) on the split graphs: the forward's graph, then a
+    pick that computes the logprobs in the same replay; the tokens and figures of the eager
+    pick, greedy and seeded-sampled."""
+    eng = Engine(lane, max_model_len=64, decode="graph", kernels="on")
+    split = SplitSteps(eng.step, eng.cfg.vocab_size, capture=False)
+    for base in SAMPLERS:
+        params = dataclasses.replace(base, max_tokens=12, ignore_eos=True, logprobs=top_n)
+        eng.split_steps, eng.prefix.enabled = None, False
+        want = [(s.token, s.logprob, s.top_logprobs) for s in eng.generate_steps(PROMPT, params)]
+        eng.split_steps = split
+        got = [(s.token, s.logprob, s.top_logprobs) for s in eng.generate_steps(PROMPT, params)]
+        assert got == want  # the same logprobs_of on the same logits, bit for bit
+        assert all((t is None) == (top_n == 0) for _, _, t in got)
+    picks = [k for k in split.picks if not k[1]]
+    assert picks and all(k[2] == top_n for k in picks)  # unmasked picks, with their top n
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_logprob_requests_replay_their_pick_once_captured(lane):
+    """On a GPU: a logprobs request's pick runs uncaptured until the engine is idle, then
+    replays; the tokens and logprobs of the eager pick every time."""
+    m = copy.deepcopy(lane).to("cuda")
+    eng = Engine(m, max_model_len=128, decode="graph")
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2, temperature=0.8, seed=3)
+
+    def run(split):
+        eng.split_steps, eng.prefix.enabled = split, False
+        return [(s.token, s.logprob, s.top_logprobs) for s in eng.generate_steps(PROMPT, params)]
+
+    split = eng.split_steps
+    want = run(None)
+    assert run(split) == want  # the pick uncaptured: a request never waits for a capture
+    while eng.idle_interval is not None:
+        eng.idle()
+    assert not eng._pending()
+    assert run(split) == want  # now replayed from its graph

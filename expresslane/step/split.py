@@ -40,7 +40,7 @@ import torch
 
 from ..cache import KVCache
 from ..config import SamplingParams
-from ..sampler import SamplerKnobs, make_generator, sample, structure_key
+from ..sampler import SamplerKnobs, logprobs_of, make_generator, sample, structure_key
 from .graph import DecodeGraph, forget
 from .protocol import Step
 
@@ -126,18 +126,27 @@ class ForwardGraph(DecodeGraph):
 
 class PickGraph:
     """token = sample(logits, params, generator, knobs) with the grammar's mask in the knobs'
-    static buffer; captured once per sampler structure (no cache, so no buckets)."""
+    static buffer; captured once per sampler structure (no cache, so no buckets). Without a
+    mask (`words` 0) and with `top_n`, the pick of a request that asks for logprobs: the
+    chosen token's logprob and the top n, computed in the same replay."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams, words: int,
-                 capture: bool | None = None, feed_to: torch.Tensor | None = None):  # fmt: skip
+                 capture: bool | None = None, feed_to: torch.Tensor | None = None,
+                 top_n: int | None = None):  # fmt: skip
         """`feed_to`: a (1,) token buffer the pick also writes (the width-1 forward's input,
         for the chained mode: SplitSteps)."""
         dev = logits.device
-        self.logits, self.params, self.feed_to = logits, params, feed_to
+        self.logits, self.params, self.feed_to, self.top_n = logits, params, feed_to, top_n
         cuda = dev.type == "cuda"
         self.host = torch.zeros((), dtype=torch.long, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
-        self.knobs = SamplerKnobs(dev).with_token_mask(words)
+        self.knobs = SamplerKnobs(dev)
+        if words:
+            self.knobs.with_token_mask(words)
+        # [logprob, top ids (as floats: exact below 2^24), top logprobs]: one copy to the host
+        n = 1 + 2 * (top_n or 0)
+        self.lps = torch.zeros(n, device=dev) if top_n is not None else None
+        self.host_lps = torch.zeros(n, pin_memory=cuda) if top_n is not None else None
         self.knobs.load(params)
         self.generator = make_generator(params, dev)
         self.out = torch.zeros((), dtype=torch.long, device=dev)
@@ -150,6 +159,13 @@ class PickGraph:
         self.out.copy_(sample(self.logits, self.params, self.generator, self.knobs))
         if self.feed_to is not None:
             self.feed_to.copy_(self.out.view(1))
+        if self.top_n is not None:
+            n = self.top_n
+            lp, ids, vals = logprobs_of(self.logits, self.out, n)
+            self.lps[0].copy_(lp)
+            if n:
+                self.lps[1 : 1 + n].copy_(ids)
+                self.lps[1 + n :].copy_(vals)
 
     def set_params(self, params: SamplingParams) -> None:
         """A request's sampler values and seed (same structure_key as the captured params)."""
@@ -160,10 +176,11 @@ class PickGraph:
             else:
                 self.generator.manual_seed(params.seed)
 
-    def launch(self, mask: torch.Tensor) -> None:
+    def launch(self, mask: torch.Tensor | None = None) -> None:
         """Start the pick under `mask` (W,) int32 (pinned host memory on a GPU) and the copy of
-        its token to the host; asynchronous on a GPU (`token` waits for it)."""
-        self.knobs.token_mask.copy_(mask, non_blocking=True)
+        its token (and logprobs) to the host; asynchronous on a GPU (`token` waits for it)."""
+        if mask is not None:
+            self.knobs.token_mask.copy_(mask, non_blocking=True)
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -171,8 +188,17 @@ class PickGraph:
                 self.missing.add(0)
             self._body()
         self.host.copy_(self.out, non_blocking=True)
+        if self.lps is not None:
+            self.host_lps.copy_(self.lps, non_blocking=True)
         if self.event is not None:
             self.event.record()
+
+    def logprobs(self) -> tuple[float, list[tuple[int, float]] | None]:
+        """(the picked token's logprob, the top n as (id, logprob) or None for n = 0), after
+        `token`."""
+        vals, n = self.host_lps.tolist(), self.top_n
+        top = [(int(i), v) for i, v in zip(vals[1 : 1 + n], vals[1 + n :], strict=True)]
+        return vals[0], top if n else None
 
     def token(self) -> int:
         """The launched pick's token: waits for the pick alone, not for work queued after it."""
@@ -241,12 +267,15 @@ class SplitSteps:
     def words(self) -> int:
         return -(-self.vocab_size // 32)
 
-    def pick_graph(self, params: SamplingParams) -> PickGraph:
-        """The pick of this sampler structure, loaded with the request's values and seed."""
-        key = structure_key(params)
+    def pick_graph(self, params: SamplingParams, masked: bool = True) -> PickGraph:
+        """The pick of this sampler structure, loaded with the request's values and seed: a
+        grammar's (masked), or a request's with logprobs (unmasked, its top n computed)."""
+        top_n = None if masked else params.logprobs
+        key = (structure_key(params), masked, top_n)
         if key not in self.picks:
-            self.picks[key] = PickGraph(self.logits, params, self.words, self.capture,
-                                        feed_to=self.forwards[1].token)  # fmt: skip
+            self.picks[key] = PickGraph(self.logits, params, self.words if masked else 0,
+                                        self.capture, feed_to=self.forwards[1].token,
+                                        top_n=top_n)  # fmt: skip
         pick = self.picks[key]
         pick.set_params(params)
         return pick
