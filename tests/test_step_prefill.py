@@ -15,7 +15,7 @@ import torch
 
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
-from expresslane.step.native import native_step_built
+from expresslane.step.native import MAX_TOKENS, native_step_built
 from expresslane.step.prefill import StepPrefill
 
 pytestmark = [
@@ -76,7 +76,7 @@ def test_a_ring_smaller_than_the_prompt_in_chunks_of_its_headroom(model):
     a, b = engines(model, ring_headroom=0)
     step = a._prefill.step
     rings = any(a.cache.windows)
-    assert step.prefill_chunk() == (1 if rings else 16)
+    assert step.prefill_chunk() == (1 if rings else MAX_TOKENS)
     ids = prompt(40, seed=3)  # longer than the tiny window (16)
     torch.testing.assert_close(a.prefill(ids).float(), b.prefill(ids).float(), rtol=1e-4,
                                atol=1e-4)  # fmt: skip

@@ -2,7 +2,7 @@
 
 The model's forward computes in fp32 from weights its packed projections dequantize on every
 call (a fixed ~0.2-0.3 s for SmolLM2's quantized blocks, whatever the prompt's length); the
-packed step (step/packed.py, its C layers) reads the blocks as stored, 16 tokens a call. Short
+packed step (step/packed.py, its C layers) reads the blocks as stored, 40 tokens a call. Short
 prompts, and the new part of a prompt whose prefix the cache holds (an agent's next turn), are
 faster through the step; long ones through the forward's GEMMs. This bench measures where the
 two cross for each weight format; `step/prefill.py` STEP_PREFILL_MAX holds the result.
