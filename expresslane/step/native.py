@@ -42,7 +42,7 @@ try:
 except ImportError:  # not built (no compiler at install time): the compiled Python path runs
     _native = None
 
-MAX_TOKENS = 40  # tokens of one multi-token call (a verify step: k + 1)
+MAX_TOKENS = 40  # tokens of one call: a verify step (k + 1), a prefill chunk (cpu_matmul.c: 8 x 5)
 # csrc/cpu_kernels.h's FMT_* codes, and the feature bits (HAS_*) each format needs
 CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "q8_0": 4, "q4_1": 5, "q4_0": 6,
          "q5_0": 7, "q5_1": 8, "q4_k": 9, "q5_k": 10, "q6_k": 11}  # fmt: skip
