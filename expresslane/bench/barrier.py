@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -159,43 +158,6 @@ def check(chain: Chain, run, want: torch.Tensor | None) -> dict:
     return {"output": out, "max_diff": diff, "spin_error": int(chain.error.item())}
 
 
-def time_graph(run, reps: int, trials: int) -> float:
-    """Median seconds of one run inside CUDA graphs of `reps` runs."""
-    run()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            run()
-    times = []
-    for _ in range(trials + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / reps)
-    return statistics.median(times[2:])
-
-
-def time_calls(run, reps: int, trials: int) -> float:
-    """The dry run's host clock (the plumbing, not the speed)."""
-    import time
-
-    run()
-    times = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def resident_blocks(run, warps: int) -> int:
     """Programs per SM the compiled persistent kernel can keep resident (aot.blocks_per_sm),
     from a one-program launch; 1 where triton does not say."""
@@ -227,7 +189,11 @@ DRY_SHAPES = [(72, 40), (40, 72), (136, 40), (40, 100)]  # irregular: every mask
 def measure(chain: Chain, args, sms: int, pdl: bool, copy_gb_s: float) -> list[dict]:
     """Every variant of every tile, `stream` first (the bound the others are set against),
     each checked against the `launches` output, then timed; rows printed as measured."""
-    timer = time_calls if args.dry_run else time_graph
+    from .kernels import _time_calls, _time_graph  # as quant_gpu and sweep time theirs
+
+    def timer(run, reps: int, trials: int) -> float:  # seconds of one run: a graph of `reps`
+        return (_time_calls if args.dry_run else _time_graph)([run] * reps, trials)
+
     rows = []
     for tile in [(16, 32, 1)] if args.dry_run else TILES:
         label = f"{tile[0]}x{tile[1]}/{tile[2]}w"

@@ -89,14 +89,16 @@ class ForwardGraph(DecodeGraph):
         super().__init__(step, SamplingParams(), width=width, capture=capture)
         dev = self.token.device
         self.logits = logits
-        self.rows = torch.zeros((width, logits.shape[0]), dtype=torch.float32, device=dev)
+        # every row, for a verify of drafts (width 1: the one row is `logits`)
+        V = logits.shape[0]
+        self.rows = torch.zeros((width, V), device=dev) if width > 1 else None
         self.n = torch.ones((1,), dtype=torch.long, device=dev)  # real rows, on the device
 
     def _step_loop(self) -> None:
         logits = self.step.forward(self.token, self.pos)  # (width, V)
-        self.rows.copy_(logits)
         self.logits.copy_(logits.index_select(0, self.n - 1).view(-1))  # no host read
         if self.width > 1:
+            self.rows.copy_(logits)
             forget(self.cache, self.pos + self.offsets, self.offsets < self.n)
 
     def feed(self, ids: list[int], position: int) -> None:
@@ -105,23 +107,20 @@ class ForwardGraph(DecodeGraph):
         n = len(ids)
         if not 1 <= n <= self.width:
             raise ValueError(f"feed of {n} tokens: the graph takes 1..{self.width}")
-        padded = torch.tensor(ids + ids[-1:] * (self.width - n), pin_memory=self._pinned)
+        cuda = self.token.device.type == "cuda"
+        padded = torch.tensor(ids + ids[-1:] * (self.width - n), pin_memory=cuda)
         self.token.copy_(padded, non_blocking=True)  # a fresh pinned block: safe to go async
+        self._replay(n, position)
+
+    def feed_picked(self, position: int) -> None:
+        """Run the forward of the token a pick graph wrote into this graph's input (width 1)."""
+        self._replay(1, position)
+
+    def _replay(self, n: int, position: int) -> None:
         self.n.fill_(n)
         self.pos.fill_(position)
         self.host_pos = position
         self.run()
-
-    def feed_picked(self, position: int) -> None:
-        """Run the forward of the token a pick graph wrote into this graph's input (width 1)."""
-        self.n.fill_(1)
-        self.pos.fill_(position)
-        self.host_pos = position
-        self.run()
-
-    @property
-    def _pinned(self) -> bool:
-        return self.token.device.type == "cuda"
 
 
 class PickGraph:
@@ -308,6 +307,3 @@ class SplitSteps:
         """Capture every bucket of the forwards and the picks of `structures` (at load)."""
         spent = sum(g.capture_buckets() for g in self.forwards.values())
         return spent + sum(self.pick_graph(p).capture_buckets() for p in structures)
-
-    def pending(self) -> list[tuple]:
-        return [(g, b) for g in self.graphs() for b in g.pending()]
