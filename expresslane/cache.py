@@ -54,6 +54,14 @@ class KVCache:
         self.static = False
         self.live: int | None = None  # static mode: slots [0, live) can hold visible keys
 
+    def forward_room(self) -> int | None:
+        """The most tokens one forward may write: a ring must still hold the first token's
+        window while the last one writes (its headroom + 1); None without a ring that wraps
+        (any count: full layers, and rings as long as the context)."""
+        room = [k.shape[0] - w + 1 for w, k in zip(self.windows, self.k, strict=True)
+                if w and k.shape[0] < self.max_len]  # fmt: skip
+        return max(1, min(room)) if room else None
+
     def reset(self) -> None:
         for p in self.pos:
             p.fill_(-1)

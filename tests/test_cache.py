@@ -51,3 +51,14 @@ def test_laneformer_2b_kv_bytes_at_4096():
     cfg = get_preset("laneformer-2b")  # the spec's 2B shape
     cache = KVCache(cfg, max_len=4096, device="meta", dtype=torch.bfloat16)
     assert cache.nbytes == 251_658_240  # laneformer.md 7: 251.7 MB, not 377.5 MB
+
+
+def test_forward_room_is_the_rings_headroom_plus_one():
+    """How many tokens one forward may write (split.chunk_width, the packed prefill, the fused
+    step's check): a wrapping ring's headroom + 1; no limit where no ring wraps."""
+    cfg = tiny.laneformer_config()  # two 16-token windows
+    assert KVCache(cfg, 64, headroom=3).forward_room() == 4
+    assert KVCache(cfg, 64).forward_room() == 1
+    assert KVCache(cfg, 16).forward_room() is None  # rings as long as the context never wrap
+    no_rings = tiny.laneformer_config(sliding_window=None, sliding_window_n_layers=0)
+    assert KVCache(no_rings, 64).forward_room() is None

@@ -126,13 +126,10 @@ class FusedDecoder:
         S = tokens.numel()
         if S > MAX_TOKENS:
             raise ValueError(f"{S} tokens: the fused step takes at most {MAX_TOKENS}")
-        for w, k in zip(self.cache.windows, self.cache.k, strict=True):
-            # a ring overwrites the slot of position p + j - cap while token 0 still needs it
-            if w and k.shape[0] < min(w + S - 1, self.cache.max_len):
-                raise ValueError(
-                    f"{S} tokens need a KV cache with headroom >= {S - 1} on its sliding "
-                    f"layers (ring of {k.shape[0]} slots, window {w})"
-                )
+        room = self.cache.forward_room()  # a ring must keep token 0's window to the last write
+        if room is not None and S > room:
+            raise ValueError(f"{S} tokens need a KV cache with headroom >= {S - 1} on its "
+                             f"sliding layers (it has room for {room})")  # fmt: skip
         return self._head("lm_head_logits", self.hidden(tokens, position))
 
     def pick(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

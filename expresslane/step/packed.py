@@ -225,9 +225,7 @@ class PackedDecoder:
     def prefill_chunk(self) -> int:
         """Tokens one call may write: MAX_TOKENS, or fewer where a ring's headroom is smaller
         (the first token's window must survive the last one's write)."""
-        c = self.cache
-        room = [k.shape[0] - w + 1 for w, k in zip(c.windows, c.k, strict=True) if w]
-        return max(1, min([MAX_TOKENS, *room]))
+        return min(MAX_TOKENS, self.cache.forward_room() or MAX_TOKENS)
 
     def prefill_logits(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         """fp32 logits (V,) after tokens (S,) written from `position`, in calls of at most

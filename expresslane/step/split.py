@@ -50,10 +50,8 @@ CHAIN = False
 
 
 def chunk_width(cache: KVCache) -> int:
-    """Tokens one forward may write: a ring must still hold the first token's window while the
-    last one writes (the rings' headroom), and at most STEP_TOKENS."""
-    room = [k.shape[0] - w + 1 for w, k in zip(cache.windows, cache.k, strict=True) if w]
-    return max(1, min([STEP_TOKENS, *room]))
+    """Tokens one forward may write: what the rings' headroom allows, at most STEP_TOKENS."""
+    return min(STEP_TOKENS, cache.forward_room() or STEP_TOKENS)
 
 
 def step_rows(step: Step, ids: list[int], pos: int) -> torch.Tensor:

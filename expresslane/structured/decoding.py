@@ -27,8 +27,9 @@ Each token and each verify goes through the engine's own step, so its rows are t
 decode graph computes; forced tokens go through it too, several per call (`_forward`). Where the
 engine captures graphs (a GPU: `engine.split_steps`, step/split.py), the forward and the masked
 pick are replayed from graphs of their own, and the mask is computed while the forward's graph
-runs; elsewhere (and for logprob requests) the step's forward runs uncaptured and the pick
-eagerly: the same ops, the same tokens (tests/test_split.py).
+runs (a request with logprobs: the forward's graph, the pick eager on its logits); elsewhere
+the step's forward runs uncaptured and the pick eagerly: the same ops, the same tokens
+(tests/test_split.py).
 """
 
 from __future__ import annotations
