@@ -214,12 +214,18 @@ class PackedDecoder:
             pre_norm_lane_agg=cfg.pre_norm_lane_agg, greedy=greedy,
         )  # fmt: skip
 
-    def _native_logits(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
-        rows, live = [], self._live()
-        for at in range(0, tokens.shape[0], MAX_TOKENS):
-            chunk = tokens[at : at + MAX_TOKENS]
+    def _native_logits(self, tokens: torch.Tensor, position: int,
+                       last_only: bool = False) -> torch.Tensor:  # fmt: skip
+        """fp32 logits (S, V), or (1, V) of the last row, through the C layers in calls of at
+        most `prefill_chunk()` tokens."""
+        rows, live, width = [], self._live(), self.prefill_chunk()
+        for at in range(0, tokens.shape[0], width):
+            chunk = tokens[at : at + width]
             h = self.step.hidden(chunk, position + at, max(live, position + at + len(chunk)))
-            rows.append(self.step.head(h)[1].clone())  # the head's buffer: copied
+            if not last_only:
+                rows.append(self.step.head(h)[1].clone())  # the head's buffer: copied
+        if last_only:
+            return self.step.head(h[-1:])[1].clone()
         return torch.cat(rows) if len(rows) > 1 else rows[0]
 
     def prefill_chunk(self) -> int:
@@ -228,23 +234,15 @@ class PackedDecoder:
         return min(MAX_TOKENS, self.cache.forward_room() or MAX_TOKENS)
 
     def prefill_logits(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
-        """fp32 logits (V,) after tokens (S,) written from `position`, in calls of at most
-        `prefill_chunk()` tokens; the head for the last row only (a prefill's)."""
-        tokens, cache = tokens.view(-1), self.cache
-        S, chunk = tokens.shape[0], self.prefill_chunk()
+        """fp32 logits (V,) after tokens (S,) written from `position`: a prefill's, the head
+        on the last row only, through the C layers (StepPrefill is chosen only with them)."""
+        if self.step is None:
+            raise ValueError("prefill_logits runs the C layers (NativeStep), not built here")
+        cache = self.cache
         was = cache.static, cache.live
-        cache.static = True  # positions from the arguments, as inside a decode step
+        cache.static, cache.live = True, position + tokens.numel()  # scan the live slots only
         try:
-            for at in range(0, S, chunk):
-                part = tokens[at : at + chunk]
-                cache.live = position + at + part.shape[0]
-                if self.step is not None:
-                    h = self.step.hidden(part, position + at, cache.live)  # (n, D)
-                else:
-                    h = self.hidden(part, torch.tensor([position + at]))  # (n, L, D)
-            if self.step is not None:
-                return self.step.head(h[-1:])[1][0].clone()  # the head's buffer: copied
-            return self._run_head(h[-1:], greedy=False)[0]
+            return self._native_logits(tokens.view(-1), position, last_only=True)[0]
         finally:
             cache.static, cache.live = was
 
