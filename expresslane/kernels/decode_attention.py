@@ -31,14 +31,14 @@ import triton
 import triton.language as tl
 
 from . import MAX_TOKENS, tuning
-from .gemv import cast_as, launch_kwargs, num_sms, pdl_prologue
+from .gemv import await_inputs, cast_as, launch_kwargs, num_sms
 
 LOG2E = 1.4426950408889634
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 @triton.jit
-def attention_kernel(
+def attention_task(
     # Pointers
     q_ptr,  # (S, Hq, hd)
     k_cache_ptr,  # (cap, Hkv, hd)
@@ -55,6 +55,13 @@ def attention_kernel(
     n_kv,
     window,  # sliding window W, ignored unless HAS_WINDOW
     qk_scale,  # hd^-0.5 * log2(e)
+    tok,  # the program's coordinates: (token, KV head, split)
+    kv_head,
+    split,
+    dep_ptr,  # what the inputs wait for (gemv.await_inputs)
+    dep_target,
+    max_spin,
+    err_ptr,
     # Meta-parameters
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
@@ -67,11 +74,11 @@ def attention_kernel(
     BLOCK_C: tl.constexpr,  # chunks whose partial outputs the combine loads at once
     PREFETCH: tl.constexpr,  # load tile i + 1 before computing tile i (same bits either way)
     USE_PDL: tl.constexpr,
+    SYNC: tl.constexpr,
 ):
-    tok = tl.program_id(0)  # fastest grid axis: a chunk's tokens run together, K/V hit L2
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    pdl_prologue(USE_PDL)  # K/V and q come from the previous kernel: nothing to prefetch
+    """The work of program (tok, kv_head, split): a kernel's or a persistent kernel's task."""
+    # K/V and q come from the previous kernel: nothing to prefetch
+    await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
     q_pos = tl.load(position_ptr) + tok
     # Exactly what a lone step at q_pos scans: its own slots, chunks and tiles.
     n_scan = tl.minimum(q_pos + 1, cap)
@@ -123,6 +130,21 @@ def attention_kernel(
             tl.atomic_xchg(counter, 0)  # ready for the next launch / graph replay
             _combine(m_ptr, l_ptr, acc_ptr, out_ptr, part, mask_g, offs_d, mask_d, n_busy,
                      NUM_SPLITS, HEAD_DIM, BLOCK_G, BLOCK_D, SPLITS_P2, BLOCK_C)  # fmt: skip
+
+
+@triton.jit
+def attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, position_ptr, m_ptr, l_ptr,
+                     acc_ptr, count_ptr, out_ptr, cap, n_kv, window, qk_scale,
+                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_C: tl.constexpr,
+                     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    # grid (S, Hkv, NUM_SPLITS): tokens fastest, so a chunk's tokens run together, K/V hit L2
+    attention_task(q_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, position_ptr, m_ptr, l_ptr,
+                   acc_ptr, count_ptr, out_ptr, cap, n_kv, window, qk_scale, tl.program_id(0),
+                   tl.program_id(1), tl.program_id(2), None, 0, 0, None, GROUP, HEAD_DIM,
+                   NUM_SPLITS, HAS_WINDOW, BLOCK_G, BLOCK_N, BLOCK_D, SPLITS_P2, BLOCK_C,
+                   PREFETCH, USE_PDL, False)  # fmt: skip
 
 
 @triton.jit
@@ -229,6 +251,30 @@ def attention_blocks(group: int, hd: int) -> tuple[int, int, int]:
     return block_g, max(16, min(64, 4096 // (block_g * block_d))), block_d
 
 
+def attention_config(q: torch.Tensor, cap: int, n_kv: int, group: int, hd: int,
+                     num_splits: int | None = None,
+                     block_n: int | None = None) -> tuple[dict, dict]:  # fmt: skip
+    """(constexprs, launch options) for a cache of cap slots: the default, the GPU's table, or
+    the forced splits / tile."""
+    block_g, auto_n, block_d = attention_blocks(group, hd)
+    default = {
+        "BLOCK_N": auto_n,
+        "NUM_SPLITS": pick_splits(q, n_kv, cap, auto_n),
+        "BLOCK_C": 8,
+        "PREFETCH": 0,
+    }
+    key = tuning.shape_key(C=cap, H=n_kv, G=group, D=hd)
+    cfg = tuning.choose("attention", q, key, default)
+    if block_n:
+        cfg["BLOCK_N"] = block_n
+    if num_splits:
+        cfg["NUM_SPLITS"] = num_splits
+    consts, opts = tuning.split(cfg)
+    consts["SPLITS_P2"] = triton.next_power_of_2(consts["NUM_SPLITS"])
+    consts["BLOCK_C"] = min(consts["BLOCK_C"], consts["SPLITS_P2"])
+    return {**consts, "BLOCK_G": block_g, "BLOCK_D": block_d}, opts
+
+
 def decode_attention(
     q: torch.Tensor,  # (Hq, hd) or (S, Hq, hd), RoPE applied
     k_cache: torch.Tensor,  # (cap, Hkv, hd)
@@ -260,23 +306,8 @@ def decode_attention(
     assert window is None or window >= 1, f"window={window}"
 
     group = n_q // n_kv
-    block_g, auto_n, block_d = attention_blocks(group, hd)
-    default = {
-        "BLOCK_N": auto_n,
-        "NUM_SPLITS": pick_splits(q, n_kv, cap, auto_n),
-        "BLOCK_C": 8,
-        "PREFETCH": 0,
-    }
-    key = tuning.shape_key(C=cap, H=n_kv, G=group, D=hd)
-    cfg = tuning.choose("attention", q, key, default)
-    if block_n:
-        cfg["BLOCK_N"] = block_n
-    if num_splits:
-        cfg["NUM_SPLITS"] = num_splits
-    consts, opts = tuning.split(cfg)
+    consts, opts = attention_config(q, cap, n_kv, group, hd, num_splits, block_n)
     ns = consts["NUM_SPLITS"]
-    consts["SPLITS_P2"] = triton.next_power_of_2(ns)
-    consts["BLOCK_C"] = min(consts["BLOCK_C"], consts["SPLITS_P2"])
     m = torch.empty((S * n_q, ns), device=q.device, dtype=torch.float32)
     l_s = torch.empty_like(m)
     acc = torch.empty((S * n_q, ns, hd), device=q.device, dtype=torch.float32)
@@ -284,7 +315,7 @@ def decode_attention(
     attention_kernel[(S, n_kv, ns)](
         qs, k_cache, v_cache, pos_cache, position, m, l_s, acc, _counters(q.device, n_kv), out,
         cap, n_kv, window or 0, hd**-0.5 * LOG2E,
-        GROUP=group, HEAD_DIM=hd, HAS_WINDOW=window is not None, BLOCK_G=block_g,
-        BLOCK_D=block_d, **consts, **opts, **launch_kwargs(q),
+        GROUP=group, HEAD_DIM=hd, HAS_WINDOW=window is not None, **consts, **opts,
+        **launch_kwargs(q),
     )  # fmt: skip
     return out if axis else out[0]

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_TOKENS, tuning
+from .grid_sync import wait_count
 from .tuning import PLANNED_GPU  # the GPU kernels/aot.py plans for (empty: ask the device)
 
 # --- launch configuration --------------------------------------------------------------------
@@ -329,6 +330,20 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def await_inputs(USE_PDL: tl.constexpr, SYNC: tl.constexpr, dep_ptr, dep_target, max_spin,
+                 err_ptr):  # fmt: skip
+    """Where a kernel body waits for its inputs (after its weight prefetch): the previous
+    kernel's writes (pdl_wait) when it runs as a kernel of its own, or, as a task of the
+    persistent decode kernel (SYNC), the count of the phase it reads (grid_sync.wait_count); a
+    wait that gave up is flagged in err_ptr. A kernel passes SYNC=False and None for the rest."""
+    if SYNC:
+        if wait_count(dep_ptr, dep_target, max_spin) == 0:
+            tl.atomic_max(err_ptr, 1)
+    else:
+        pdl_wait(USE_PDL)
 
 
 def tokens_of(x: torch.Tensor, name: str = "x") -> tuple[torch.Tensor, bool]:

@@ -30,6 +30,7 @@ import triton.language as tl
 from . import tuning
 from .gemv import (
     assert_lane_weight,
+    await_inputs,
     block_s,
     cast_as,
     first_tile,
@@ -37,7 +38,6 @@ from .gemv import (
     launch_kwargs,
     launch_lane_gemv,
     pdl_prologue,
-    pdl_wait,
     round_as,
     stream_rows,
     tokens_of,
@@ -84,7 +84,7 @@ def _present_update(total, offs_s, mask_s, offs_o, mask_o, r_ptr, h_ptr, L, D):
 
 
 @triton.jit
-def gemv_reduce_kernel(
+def gemv_reduce_task(
     # Pointers
     a_ptr,  # (S, L, K) per-lane inputs
     w_ptr,  # (L, D, K) column projection
@@ -98,6 +98,12 @@ def gemv_reduce_kernel(
     D,
     K,
     sqrt_l,
+    pid_o,  # the program's coordinates: (column block, lane; the lane unused when present)
+    lane,
+    dep_ptr,  # what the inputs wait for (gemv.await_inputs)
+    dep_target,
+    max_spin,
+    err_ptr,
     # Meta-parameters
     MODE: tl.constexpr,  # 0 past, 1 present, 2 no_reduce
     HAS_PAST: tl.constexpr,
@@ -107,8 +113,9 @@ def gemv_reduce_kernel(
     BLOCK_L: tl.constexpr,
     PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SYNC: tl.constexpr,
 ):
-    pid_o = tl.program_id(0)
+    """The work of program (pid_o, lane): a kernel's, or a task of the persistent kernel's."""
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < D
     offs_s = tl.arange(0, BLOCK_S)
@@ -117,7 +124,7 @@ def gemv_reduce_kernel(
     if MODE == 1:
         w_rows = w_ptr + offs_o[:, None] * K  # lane 0's rows first
         w_first = first_tile(w_rows, mask_o, 0, K, BLOCK_K)
-        pdl_wait(USE_PDL)
+        await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
         total = tl.zeros([BLOCK_S, BLOCK_O], dtype=tl.float32)
         for lane in range(L):
             w_rows = w_ptr + lane * D * K + offs_o[:, None] * K
@@ -132,10 +139,9 @@ def gemv_reduce_kernel(
             total += y
         _present_update(total, offs_s, mask_s, offs_o, mask_o, r_ptr, h_ptr, L, D)
     else:
-        lane = tl.program_id(1)
         w_rows = w_ptr + lane * D * K + offs_o[:, None] * K
         w_first = first_tile(w_rows, mask_o, 0, K, BLOCK_K)
-        pdl_wait(USE_PDL)
+        await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
         y = stream_rows(w_rows, mask_o, w_first, a_ptr + lane * K, L * K, S, a_ptr,
                         tl.zeros([BLOCK_S], dtype=tl.float32), 0, K, False, BLOCK_S, BLOCK_O,
                         BLOCK_K, PREFETCH)  # fmt: skip
@@ -144,6 +150,16 @@ def gemv_reduce_kernel(
         tl.store(y_ptr + at, cast_as(y, y_ptr), mask=m2)
         _lane_update(y, lane, offs_s, mask_s, offs_o, mask_o, r_ptr, past_ptr, h_ptr, L, D,
                      sqrt_l, MODE, HAS_PAST, BLOCK_L)  # fmt: skip
+
+
+@triton.jit
+def gemv_reduce_kernel(a_ptr, w_ptr, r_ptr, past_ptr, h_ptr, y_ptr, S, L, D, K, sqrt_l,
+                       MODE: tl.constexpr, HAS_PAST: tl.constexpr, BLOCK_S: tl.constexpr,
+                       BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+                       PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    gemv_reduce_task(a_ptr, w_ptr, r_ptr, past_ptr, h_ptr, y_ptr, S, L, D, K, sqrt_l,
+                     tl.program_id(0), tl.program_id(1), None, 0, 0, None, MODE, HAS_PAST,
+                     BLOCK_S, BLOCK_O, BLOCK_K, BLOCK_L, PREFETCH, USE_PDL, False)  # fmt: skip
 
 
 @triton.jit
@@ -189,6 +205,18 @@ def reduce_epilogue_kernel(
         _present_update(total, offs_s, mask_s, offs_o, mask_o, r_ptr, h_ptr, L, D)
 
 
+def gemv_reduce_config(a: torch.Tensor, mode: str, S: int, L: int, D: int, K: int,
+                       split_k: int | None = None, block_o: int | None = None) -> dict:  # fmt: skip
+    """The launch configuration (gemv.gemv_config), or the forced split / rows."""
+    programs = L if mode != "present" else 1
+    cfg = gemv_config(a, f"gemv_reduce_{mode}", D, K, programs, L, S)
+    if block_o:
+        cfg["BLOCK_O"] = block_o
+    if split_k:
+        cfg["SPLIT_K"] = split_k
+    return cfg
+
+
 def gemv_reduce(
     a: torch.Tensor,  # (L, K) or (S, L, K) per-lane input (attention heads or SwiGLU activations)
     w: torch.Tensor,  # (L, D, K) column projection (wo or w2)
@@ -220,11 +248,7 @@ def gemv_reduce(
     y = torch.empty_like(residual)
     past_arg = past if has_past else residual  # never read without HAS_PAST
     programs = L if mode != "present" else 1
-    cfg = gemv_config(a, f"gemv_reduce_{mode}", D, K, programs, L, S)
-    if block_o:
-        cfg["BLOCK_O"] = block_o
-    if split_k:
-        cfg["SPLIT_K"] = split_k
+    cfg = gemv_reduce_config(a, mode, S, L, D, K, split_k, block_o)
     common = dict(MODE=MODES[mode], HAS_PAST=has_past, BLOCK_S=block_s(S),
                   BLOCK_L=triton.next_power_of_2(L))  # fmt: skip
     opts = launch_kwargs(a)

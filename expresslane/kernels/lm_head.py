@@ -26,12 +26,12 @@ import triton.language as tl
 from . import tuning
 from .gemv import (
     assert_norm_weight,
+    await_inputs,
     block_s,
     fit_rows,
     launch_kwargs,
     normed_rows,
     num_sms,
-    pdl_prologue,
     rms_rstd_rows,
     round_as,
     tokens_of,
@@ -144,14 +144,14 @@ def head_logits(
 
 
 @triton.jit
-def head_logits_kernel(
-    h_ptr, nw_ptr, w_ptr, logits_ptr, S, L, D, VL, V, eps, stride_nwl,
+def head_logits_task(
+    h_ptr, nw_ptr, w_ptr, logits_ptr, S, L, D, VL, V, eps, stride_nwl, lane, pid_v,
+    dep_ptr, dep_target, max_spin, err_ptr,
     MODE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr, SYNC: tl.constexpr,
 ):  # fmt: skip
-    lane = tl.program_id(0)  # vocab_parallel only; grid axis 0 is 1 otherwise
-    pid_v = tl.program_id(1)
-    pdl_prologue(USE_PDL)
+    """Program (lane, pid_v) of the logits: lane is 0 but for vocab_parallel."""
+    await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < VL
     logits = head_logits(h_ptr, nw_ptr, w_ptr, S, L, D, VL, eps, stride_nwl, lane, offs_v,
@@ -162,41 +162,73 @@ def head_logits_kernel(
 
 
 @triton.jit
-def head_argmax_kernel(
-    h_ptr, nw_ptr, w_ptr, part_val_ptr, part_idx_ptr, S, L, D, VL, eps, stride_nwl,
+def head_logits_kernel(
+    h_ptr, nw_ptr, w_ptr, logits_ptr, S, L, D, VL, V, eps, stride_nwl,
     MODE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    lane = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    pdl_prologue(USE_PDL)
+    head_logits_task(h_ptr, nw_ptr, w_ptr, logits_ptr, S, L, D, VL, V, eps, stride_nwl,
+                     tl.program_id(0), tl.program_id(1), None, 0, 0, None, MODE, BLOCK_S,
+                     BLOCK_V, BLOCK_K, BLOCK_L, USE_PDL, False)  # fmt: skip
+
+
+@triton.jit
+def head_argmax_task(
+    h_ptr, nw_ptr, w_ptr, part_val_ptr, part_idx_ptr, S, L, D, VL, eps, stride_nwl, lane, pid_v,
+    n_lanes, n_v, dep_ptr, dep_target, max_spin, err_ptr,
+    MODE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr, SYNC: tl.constexpr,
+):  # fmt: skip
+    """Program (lane, pid_v) of (n_lanes, n_v): its block's (max, first index) for each token."""
+    await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < VL
     logits = head_logits(h_ptr, nw_ptr, w_ptr, S, L, D, VL, eps, stride_nwl, lane, offs_v,
                          mask_v, MODE, BLOCK_S, BLOCK_V, BLOCK_K, BLOCK_L)  # fmt: skip
     logits = tl.where(mask_v[None, :], logits, float("-inf"))  # (BLOCK_S, BLOCK_V)
     best = tl.argmax(logits, 1, tie_break_left=True)  # first index of each token's block max
-    n_parts = tl.num_programs(0) * tl.num_programs(1)
+    n_parts = n_lanes * n_v
     offs_s = tl.arange(0, BLOCK_S)
-    part = offs_s * n_parts + lane * tl.num_programs(1) + pid_v  # (S, n_parts) partials
+    part = offs_s * n_parts + lane * n_v + pid_v  # (S, n_parts) partials
     mask_s = offs_s < S
     tl.store(part_val_ptr + part, tl.max(logits, 1), mask=mask_s)
     tl.store(part_idx_ptr + part, lane * VL + pid_v * BLOCK_V + best, mask=mask_s)
 
 
 @triton.jit
-def argmax_combine_kernel(part_val_ptr, part_idx_ptr, token_ptr, n_parts, BLOCK: tl.constexpr,
-                          USE_PDL: tl.constexpr):  # fmt: skip
-    tok = tl.program_id(0)
-    pdl_prologue(USE_PDL)
+def head_argmax_kernel(
+    h_ptr, nw_ptr, w_ptr, part_val_ptr, part_idx_ptr, S, L, D, VL, eps, stride_nwl,
+    MODE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    head_argmax_task(h_ptr, nw_ptr, w_ptr, part_val_ptr, part_idx_ptr, S, L, D, VL, eps,
+                     stride_nwl, tl.program_id(0), tl.program_id(1), tl.num_programs(0),
+                     tl.num_programs(1), None, 0, 0, None, MODE, BLOCK_S, BLOCK_V, BLOCK_K,
+                     BLOCK_L, USE_PDL, False)  # fmt: skip
+
+
+@triton.jit
+def argmax_combine_task(part_val_ptr, part_idx_ptr, token_ptr, n_parts, tok, dep_ptr, dep_target,
+                        max_spin, err_ptr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                        SYNC: tl.constexpr):  # fmt: skip
+    """Token tok's greedy pick from the (max, first index) pairs of every block."""
+    await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_parts
-    val = tl.load(part_val_ptr + tok * n_parts + offs, mask=mask, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + tok * n_parts + offs, mask=mask, other=0)
+    val = tl.load(part_val_ptr + tok * n_parts + offs, mask=mask, other=float("-inf"),
+                  cache_modifier=".cg")  # fmt: skip
+    idx = tl.load(part_idx_ptr + tok * n_parts + offs, mask=mask, other=0, cache_modifier=".cg")
     best = tl.max(val, 0)
     # Lowest global index among the blocks holding the max (blocks are not in index order).
     big = tl.full([BLOCK], 2**62, dtype=tl.int64)
     tl.store(token_ptr + tok, tl.min(tl.where(mask & (val == best), idx, big), 0))
+
+
+@triton.jit
+def argmax_combine_kernel(part_val_ptr, part_idx_ptr, token_ptr, n_parts, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr):  # fmt: skip
+    argmax_combine_task(part_val_ptr, part_idx_ptr, token_ptr, n_parts, tl.program_id(0), None,
+                        0, 0, None, BLOCK, USE_PDL, False)  # fmt: skip
 
 
 def _prepare(h, norm_weight, w, head_type, pre_norm_lane_agg):

@@ -27,6 +27,7 @@ from . import tuning
 from .gemv import (
     assert_lane_weight,
     assert_norm_weight,
+    await_inputs,
     block_s,
     cast_as,
     first_tile,
@@ -34,7 +35,6 @@ from .gemv import (
     fit_warps,
     launch_kwargs,
     num_sms,
-    pdl_wait,
     rms_rstd_rows,
     round_as,
     stream_pair,
@@ -43,7 +43,7 @@ from .gemv import (
 
 
 @triton.jit
-def norm_qkv_kernel(
+def norm_qkv_task(
     # Pointers
     x_ptr,  # (S, L, D) hidden states of S consecutive tokens
     nw_ptr,  # (D,) or (L, D) attention_norm weight
@@ -67,6 +67,12 @@ def norm_qkv_kernel(
     HQ_LANE,  # query heads per lane
     HKV_LANE,  # KV heads per lane
     N_KV,  # KV heads in total (cache row = N_KV * HEAD_DIM)
+    lane,  # the program's coordinates: (lane, pair block)
+    blk,
+    dep_ptr,  # what the inputs wait for (gemv.await_inputs)
+    dep_target,
+    max_spin,
+    err_ptr,
     # Meta-parameters
     HEAD_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -75,9 +81,9 @@ def norm_qkv_kernel(
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SYNC: tl.constexpr,
 ):
-    lane = tl.program_id(0)
-    blk = tl.program_id(1)
+    """The work of program (lane, blk): a kernel's, or a task of the persistent kernel's."""
     HALF: tl.constexpr = HEAD_DIM // 2
     BLOCKS_PER_HEAD: tl.constexpr = HALF // BLOCK_P
     n_q = HQ_LANE * BLOCKS_PER_HEAD  # pair blocks of q in this lane
@@ -106,7 +112,7 @@ def norm_qkv_kernel(
     all_p = offs_i >= 0
     w0 = first_tile(w0_rows, all_p, 0, D, BLOCK_K)
     w1 = first_tile(w1_rows, all_p, 0, D, BLOCK_K)
-    pdl_wait(USE_PDL)
+    await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
 
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < S
@@ -158,6 +164,19 @@ def norm_qkv_kernel(
         tl.store(pos_cache_ptr + slot, pos, mask=mask_s)
 
 
+@triton.jit
+def norm_qkv_kernel(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, position_ptr, q_ptr,
+                    k_cache_ptr, v_cache_ptr, pos_cache_ptr, S, L, D, cap, eps, stride_nwl,
+                    HQ_LANE, HKV_LANE, N_KV, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    norm_qkv_task(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, position_ptr, q_ptr,
+                  k_cache_ptr, v_cache_ptr, pos_cache_ptr, S, L, D, cap, eps, stride_nwl,
+                  HQ_LANE, HKV_LANE, N_KV, tl.program_id(0), tl.program_id(1), None, 0, 0, None,
+                  HEAD_DIM, INTERLEAVED, BLOCK_S, BLOCK_P, BLOCK_K, PREFETCH, USE_PDL,
+                  False)  # fmt: skip
+
+
 def _pick_block_p(x: torch.Tensor, half: int) -> int:
     """Largest power of two dividing hd/2, at most 8 on a GPU (64 in the interpreter).
 
@@ -169,6 +188,24 @@ def _pick_block_p(x: torch.Tensor, half: int) -> int:
     while half % (block_p * 2) == 0 and block_p * 2 <= (8 if num_sms(x) else 64):
         block_p *= 2
     return block_p
+
+
+def norm_qkv_config(x: torch.Tensor, S: int, D: int, L: int, hq_lane: int, hkv_lane: int,
+                    hd: int, block_p: int | None = None) -> dict:  # fmt: skip
+    """The launch configuration for S tokens (the default, the GPU's table, or block_p)."""
+    half = hd // 2
+    default = {
+        "BLOCK_P": _pick_block_p(x, half),
+        "BLOCK_K": min(triton.next_power_of_2(D), 256 if num_sms(x) else 512),
+        "PREFETCH": 0,
+    }
+    key = tuning.shape_key(L=L, Q=hq_lane, K=hkv_lane, HD=hd, D=D)
+    cfg = tuning.choose("norm_qkv", x, key, default)
+    if block_p:
+        cfg["BLOCK_P"] = block_p
+    cfg["BLOCK_P"] = fit_rows(x, cfg["BLOCK_P"], cfg["BLOCK_K"], S, 2)
+    assert half % cfg["BLOCK_P"] == 0, f"block_p={cfg['BLOCK_P']} must divide hd/2={half}"
+    return fit_warps(x, cfg, cfg["BLOCK_P"], cfg["BLOCK_K"])  # a program's tile: BLOCK_P rows
 
 
 def norm_qkv(
@@ -220,19 +257,7 @@ def norm_qkv(
         assert t.dtype == torch.float32 and t.is_contiguous(), f"{name}: contiguous fp32"
 
     half = hd // 2
-    default = {
-        "BLOCK_P": _pick_block_p(x, half),
-        "BLOCK_K": min(triton.next_power_of_2(D), 256 if num_sms(x) else 512),
-        "PREFETCH": 0,
-    }
-    key = tuning.shape_key(L=L, Q=hq_lane, K=hkv_lane, HD=hd, D=D)
-    cfg = tuning.choose("norm_qkv", x, key, default)
-    if block_p:
-        cfg["BLOCK_P"] = block_p
-    cfg["BLOCK_P"] = fit_rows(x, cfg["BLOCK_P"], cfg["BLOCK_K"], S, 2)
-    cfg = fit_warps(x, cfg, cfg["BLOCK_P"], cfg["BLOCK_K"])  # a program's tile: BLOCK_P rows
-    consts, opts = tuning.split(cfg)
-    assert half % consts["BLOCK_P"] == 0, f"block_p={consts['BLOCK_P']} must divide hd/2={half}"
+    consts, opts = tuning.split(norm_qkv_config(x, S, D, L, hq_lane, hkv_lane, hd, block_p))
     q = torch.empty((S, hq_lane * L, hd), device=x.device, dtype=dt)
     grid = (L, (hq_lane + 2 * hkv_lane) * (half // consts["BLOCK_P"]))
     norm_qkv_kernel[grid](

@@ -23,12 +23,12 @@ from . import tuning
 from .gemv import (
     assert_lane_weight,
     assert_norm_weight,
+    await_inputs,
     block_s,
     cast_as,
     first_tile,
     gemv_config,
     launch_kwargs,
-    pdl_wait,
     rms_rstd_rows,
     round_as,
     stream_pair,
@@ -37,7 +37,7 @@ from .gemv import (
 
 
 @triton.jit
-def norm_swiglu_kernel(
+def norm_swiglu_task(
     # Pointers
     x_ptr,  # (S, L, D) hidden states
     nw_ptr,  # (D,) or (L, D) ffn_norm weight
@@ -51,22 +51,28 @@ def norm_swiglu_kernel(
     FL,
     eps,
     stride_nwl,
+    lane,  # the program's coordinates: (lane, row block)
+    pid_o,
+    dep_ptr,  # what the inputs wait for (gemv.await_inputs)
+    dep_target,
+    max_spin,
+    err_ptr,
     # Meta-parameters
     BLOCK_S: tl.constexpr,
     BLOCK_O: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SYNC: tl.constexpr,
 ):
-    lane = tl.program_id(0)
-    pid_o = tl.program_id(1)
+    """The work of program (lane, pid_o): a kernel's, or a task of the persistent kernel's."""
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < FL
     g_rows = w1_ptr + lane * FL * D + offs_o[:, None] * D  # (BLOCK_O, 1) row starts
     u_rows = w3_ptr + lane * FL * D + offs_o[:, None] * D
     g = first_tile(g_rows, mask_o, 0, D, BLOCK_K)  # before the wait: weights are ready
     u = first_tile(u_rows, mask_o, 0, D, BLOCK_K)
-    pdl_wait(USE_PDL)
+    await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
     x_row = x_ptr + lane * D  # token s: x_row + s * L * D
     nw = nw_ptr + lane * stride_nwl
     rstd = rms_rstd_rows(x_row, L * D, S, D, eps, BLOCK_S, BLOCK_K)
@@ -95,6 +101,27 @@ def norm_swiglu_kernel(
     tl.store(dst, cast_as(act * up, out_ptr), mask=(offs_s[:, None] < S) & mask_o[None, :])
 
 
+@triton.jit
+def norm_swiglu_kernel(x_ptr, nw_ptr, w1_ptr, w3_ptr, out_ptr, S, L, D, FL, eps, stride_nwl,
+                       BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+    norm_swiglu_task(x_ptr, nw_ptr, w1_ptr, w3_ptr, out_ptr, S, L, D, FL, eps, stride_nwl,
+                     tl.program_id(0), tl.program_id(1), None, 0, 0, None, BLOCK_S, BLOCK_O,
+                     BLOCK_K, PREFETCH, USE_PDL, False)  # fmt: skip
+
+
+def norm_swiglu_config(x: torch.Tensor, S: int, L: int, D: int, FL: int,
+                       block_o: int | None = None) -> dict:  # fmt: skip
+    """The launch configuration: 8 rows of each matrix per program (the norm prologue re-reads x
+    from L2 per program, and two (BLOCK_O, BLOCK_K) accumulators must fit in registers). No
+    split-K: SiLU needs full dots."""
+    cfg = gemv_config(x, "norm_swiglu", FL, D, L, L, S, 2, min_rows=8, max_rows=8)
+    cfg.pop("SPLIT_K")
+    if block_o:
+        cfg["BLOCK_O"] = block_o
+    return cfg
+
+
 def norm_swiglu(
     x: torch.Tensor,  # (L, D) or (S, L, D) residual stream, before ffn_norm
     norm_weight: torch.Tensor,  # (D,) or (L, D)
@@ -112,13 +139,7 @@ def norm_swiglu(
     assert_lane_weight(w3, L, D, x.dtype, "w3")
     assert w1.shape == w3.shape, f"w1 {tuple(w1.shape)} != w3 {tuple(w3.shape)}"
     FL = w1.shape[1]
-    # 8 rows of each matrix per program: the norm prologue re-reads x from L2 per program, and two
-    # (BLOCK_O, BLOCK_K) accumulators must fit in registers. No split-K: SiLU needs full dots.
-    cfg = gemv_config(x, "norm_swiglu", FL, D, L, L, S, 2, min_rows=8, max_rows=8)
-    cfg.pop("SPLIT_K")
-    if block_o:
-        cfg["BLOCK_O"] = block_o
-    consts, opts = tuning.split(cfg)
+    consts, opts = tuning.split(norm_swiglu_config(x, S, L, D, FL, block_o))
     out = torch.empty((S, L, FL), device=x.device, dtype=x.dtype)
     norm_swiglu_kernel[(L, triton.cdiv(FL, consts["BLOCK_O"]))](
         xs, norm_weight, w1, w3, out, S, L, D, FL, eps, stride_nwl,

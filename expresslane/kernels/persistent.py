@@ -1,0 +1,201 @@
+"""The whole decode step in one launch: the fused kernels' bodies as tasks of resident programs.
+
+The fused step (kernels/decode_step.py) runs five kernels a layer plus the head, and every kernel
+boundary drains and refills the HBM pipe (docs/persistent-kernel.md). Here one launch runs them
+all. Each kernel's body is a `@triton.jit` task (`norm_qkv_task`, `attention_task`,
+`gemv_reduce_task`, `norm_swiglu_task`, the head's tasks): the kernels call it with their
+program ids, this kernel with a task's coordinates, so a task computes exactly what the
+kernel's program computes, in the same order, and the step keeps its bits.
+
+- **A task list** (int32 (n_tasks, 8): kind, layer, three coordinates, the phase it waits for,
+  that phase's task count, the phase it counts in), built at load in dependency order: the
+  embedding rows, then per layer qkv, attention, wo, swiglu, w2, then the head.
+- **A queue, not a static split**: each program takes the next task with one atomic add. A
+  task's inputs come from tasks earlier in the list, all taken by programs that are running, so
+  the step makes progress whatever the grid and however many programs are resident; the wait is
+  a spin on the count of the phase before (grid_sync.wait_count), after the task has loaded its
+  first weight tile (the weight stream does not wait for the previous phase).
+- **Counts reset by the last program out**: a program that finds the queue empty counts itself
+  out; the last one zeroes every count, the queue and the exit count for the next replay.
+- **Per-layer tensors** are reached through element offsets from layer 0's tensor of the same
+  kind (`offs`, int64 (layers, 12)), and the layer's cache capacity, window and past-source
+  layer through `ints` (int32 (layers, 4)), so the kernel takes a fixed set of arguments.
+
+Kinds with different compile-time configurations are distinct task kinds: two attention
+configurations (the full and the sliding layers' caches) and two for each column projection
+(the layers before broadcast_delay and after, whose reduce modes differ). step/persistent.py
+builds the list, the buffers and the configurations; it runs a model only when these kinds
+cover it. Under the interpreter programs run one after another: program 0 takes every task in
+order and the others find the queue empty, so CPU tests may use any grid.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .decode_attention import attention_task
+from .gemv_reduce import gemv_reduce_task
+from .grid_sync import arrive
+from .lm_head import argmax_combine_task, head_argmax_task, head_logits_task
+from .norm_qkv import norm_qkv_task
+from .swiglu import norm_swiglu_task
+
+# Task kinds (column 0 of the task list).
+EMBED, QKV, ATTN0, ATTN1, WO0, WO1, SWIGLU, W20, W21, LOGITS, ARGMAX, COMBINE = range(12)
+TASK_COLS = 8  # kind, layer, a, b, c, wait phase, wait target, arrive phase
+# Per-layer tensors, in the order of `offs`' columns.
+LAYER_TENSORS = ("attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2",
+                 "k_cache", "v_cache", "pos_cache")  # fmt: skip
+
+
+@triton.jit
+def _embed_task(tokens_ptr, embed_ptr, h_ptr, L, D, tok, lane, BLOCK_E: tl.constexpr):
+    """h[tok, lane] = embed[tokens[tok]]: every lane starts from the token's embedding."""
+    row = tl.load(tokens_ptr + tok)
+    for k0 in range(0, D, BLOCK_E):
+        offs = k0 + tl.arange(0, BLOCK_E)
+        x = tl.load(embed_ptr + row * D + offs, mask=offs < D)
+        tl.store(h_ptr + (tok * L + lane) * D + offs, x, mask=offs < D)
+
+
+@triton.jit
+def _project_task(kind, layer, a, b, wait, target, S, L, D, K, sqrt_l, in_ptr, w_ptr, h_ptr,
+                  part_ptr, offs_ptr, ints_ptr, col, slot, cnt_ptr, max_spin, err_ptr,
+                  MODE0: tl.constexpr, PAST0: tl.constexpr, O0: tl.constexpr, K0: tl.constexpr,
+                  PF0: tl.constexpr, MODE1: tl.constexpr, PAST1: tl.constexpr,
+                  O1: tl.constexpr, K1: tl.constexpr, PF1: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, FIRST: tl.constexpr):  # fmt: skip
+    """wo (col 4, partial slot 0) or w2 (col 8, slot 1) of one layer: kind FIRST for the
+    layers before broadcast_delay, FIRST + 1 after; y goes to the layer's partial slot and the
+    past partials come from its source layer's."""
+    w = w_ptr + tl.load(offs_ptr + layer * 12 + col)
+    src = tl.load(ints_ptr + layer * 4 + 2)
+    n = S * L * D
+    y = part_ptr + (layer * 2 + slot) * n
+    past = part_ptr + (tl.maximum(src, 0) * 2 + slot) * n
+    if kind == FIRST:
+        gemv_reduce_task(in_ptr, w, h_ptr, past, h_ptr, y, S, L, D, K, sqrt_l, a, b,
+                         cnt_ptr + wait, target, max_spin, err_ptr, MODE0, PAST0, BLOCK_S, O0,
+                         K0, BLOCK_L, PF0, False, True)  # fmt: skip
+    else:
+        gemv_reduce_task(in_ptr, w, h_ptr, past, h_ptr, y, S, L, D, K, sqrt_l, a, b,
+                         cnt_ptr + wait, target, max_spin, err_ptr, MODE1, PAST1, BLOCK_S, O1,
+                         K1, BLOCK_L, PF1, False, True)  # fmt: skip
+
+
+@triton.jit
+def _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr, position_ptr, m_ptr,
+               l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr, ints_ptr, n_kv, qk_scale, cnt_ptr,
+               max_spin, err_ptr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+               NS: tl.constexpr, WIN: tl.constexpr, BN: tl.constexpr, P2: tl.constexpr,
+               BC: tl.constexpr, PF: tl.constexpr, BLOCK_G: tl.constexpr,
+               BLOCK_D: tl.constexpr):  # fmt: skip
+    """Program (token a, KV head b, split c) of one layer's attention, in one configuration."""
+    row = offs_ptr + layer * 12
+    attention_task(q_ptr, kc_ptr + tl.load(row + 9), vc_ptr + tl.load(row + 10),
+                   pc_ptr + tl.load(row + 11), position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr,
+                   o_ptr, tl.load(ints_ptr + layer * 4), n_kv, tl.load(ints_ptr + layer * 4 + 1),
+                   qk_scale, a, b, c, cnt_ptr + wait, target, max_spin, err_ptr, GROUP,
+                   HEAD_DIM, NS, WIN, BLOCK_G, BN, BLOCK_D, P2, BC, PF, False,
+                   True)  # fmt: skip
+
+
+@triton.jit
+def decode_step_kernel(
+    tasks_ptr, n_tasks, cnt_ptr, n_phases, queue_ptr, err_ptr, max_spin,
+    tokens_ptr, embed_ptr, position_ptr, cos_ptr, sin_ptr,
+    h_ptr, q_ptr, o_ptr, g_ptr, part_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr,
+    offs_ptr, ints_ptr, anw_ptr, wq_ptr, wk_ptr, wv_ptr, wo_ptr, fnw_ptr, w1_ptr, w3_ptr, w2_ptr,
+    kc_ptr, vc_ptr, pc_ptr,
+    final_nw_ptr, head_w_ptr, logits_ptr, part_val_ptr, part_idx_ptr, token_ptr,
+    S, L, D, FL, V, VL, eps, stride_nwl, stride_final, HQ_LANE, HKV_LANE, N_KV, qk_scale, sqrt_l,
+    head_lanes, head_nv, n_parts,
+    # one configuration a task kind (see step/persistent.py)
+    BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_E: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, QKV_P: tl.constexpr, QKV_K: tl.constexpr,
+    QKV_PF: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    A0_NS: tl.constexpr, A0_WIN: tl.constexpr, A0_BN: tl.constexpr, A0_P2: tl.constexpr,
+    A0_BC: tl.constexpr, A0_PF: tl.constexpr,
+    A1_NS: tl.constexpr, A1_WIN: tl.constexpr, A1_BN: tl.constexpr, A1_P2: tl.constexpr,
+    A1_BC: tl.constexpr, A1_PF: tl.constexpr,
+    WO0_MODE: tl.constexpr, WO0_PAST: tl.constexpr, WO0_O: tl.constexpr, WO0_K: tl.constexpr,
+    WO0_PF: tl.constexpr, WO1_MODE: tl.constexpr, WO1_PAST: tl.constexpr, WO1_O: tl.constexpr,
+    WO1_K: tl.constexpr, WO1_PF: tl.constexpr,
+    SW_O: tl.constexpr, SW_K: tl.constexpr, SW_PF: tl.constexpr,
+    W20_MODE: tl.constexpr, W20_PAST: tl.constexpr, W20_O: tl.constexpr, W20_K: tl.constexpr,
+    W20_PF: tl.constexpr, W21_MODE: tl.constexpr, W21_PAST: tl.constexpr, W21_O: tl.constexpr,
+    W21_K: tl.constexpr, W21_PF: tl.constexpr,
+    HEAD_MODE: tl.constexpr, HEAD_V: tl.constexpr, HEAD_K: tl.constexpr,
+    COMBINE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
+    while t < n_tasks:
+        row = tasks_ptr + t * 8
+        kind = tl.load(row)
+        layer = tl.load(row + 1)
+        a = tl.load(row + 2)
+        b = tl.load(row + 3)
+        c = tl.load(row + 4)
+        wait = tl.load(row + 5)
+        target = tl.load(row + 6)
+        lw = offs_ptr + layer * 12
+        if kind == EMBED:  # the first phase: nothing to wait for
+            _embed_task(tokens_ptr, embed_ptr, h_ptr, L, D, a, b, BLOCK_E)
+        elif kind == QKV:
+            norm_qkv_task(h_ptr, anw_ptr + tl.load(lw), wq_ptr + tl.load(lw + 1),
+                          wk_ptr + tl.load(lw + 2), wv_ptr + tl.load(lw + 3), cos_ptr, sin_ptr,
+                          position_ptr, q_ptr, kc_ptr + tl.load(lw + 9), vc_ptr + tl.load(lw + 10),
+                          pc_ptr + tl.load(lw + 11), S, L, D, tl.load(ints_ptr + layer * 4), eps,
+                          stride_nwl, HQ_LANE, HKV_LANE, N_KV, a, b, cnt_ptr + wait, target,
+                          max_spin, err_ptr, HEAD_DIM, INTERLEAVED, BLOCK_S, QKV_P, QKV_K,
+                          QKV_PF, False, True)  # fmt: skip
+        elif kind == ATTN0:
+            _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr, position_ptr,
+                       m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr, ints_ptr, N_KV,
+                       qk_scale, cnt_ptr, max_spin, err_ptr, GROUP, HEAD_DIM, A0_NS, A0_WIN,
+                       A0_BN, A0_P2, A0_BC, A0_PF, BLOCK_G, BLOCK_D)  # fmt: skip
+        elif kind == ATTN1:
+            _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr, position_ptr,
+                       m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr, ints_ptr, N_KV,
+                       qk_scale, cnt_ptr, max_spin, err_ptr, GROUP, HEAD_DIM, A1_NS, A1_WIN,
+                       A1_BN, A1_P2, A1_BC, A1_PF, BLOCK_G, BLOCK_D)  # fmt: skip
+        elif (kind == WO0) | (kind == WO1):
+            _project_task(kind, layer, a, b, wait, target, S, L, D, HQ_LANE * HEAD_DIM, sqrt_l,
+                          o_ptr, wo_ptr, h_ptr, part_ptr, offs_ptr, ints_ptr, 4, 0, cnt_ptr,
+                          max_spin, err_ptr, WO0_MODE, WO0_PAST, WO0_O, WO0_K, WO0_PF, WO1_MODE,
+                          WO1_PAST, WO1_O, WO1_K, WO1_PF, BLOCK_S, BLOCK_L, WO0)  # fmt: skip
+        elif kind == SWIGLU:
+            norm_swiglu_task(h_ptr, fnw_ptr + tl.load(lw + 5), w1_ptr + tl.load(lw + 6),
+                             w3_ptr + tl.load(lw + 7), g_ptr, S, L, D, FL, eps, stride_nwl, a, b,
+                             cnt_ptr + wait, target, max_spin, err_ptr, BLOCK_S, SW_O, SW_K,
+                             SW_PF, False, True)  # fmt: skip
+        elif (kind == W20) | (kind == W21):
+            _project_task(kind, layer, a, b, wait, target, S, L, D, FL, sqrt_l, g_ptr, w2_ptr,
+                          h_ptr, part_ptr, offs_ptr, ints_ptr, 8, 1, cnt_ptr, max_spin, err_ptr,
+                          W20_MODE, W20_PAST, W20_O, W20_K, W20_PF, W21_MODE, W21_PAST, W21_O,
+                          W21_K, W21_PF, BLOCK_S, BLOCK_L, W20)  # fmt: skip
+        elif kind == LOGITS:
+            head_logits_task(h_ptr, final_nw_ptr, head_w_ptr, logits_ptr, S, L, D, VL, V, eps,
+                             stride_final, a, b, cnt_ptr + wait, target, max_spin, err_ptr,
+                             HEAD_MODE, BLOCK_S, HEAD_V, HEAD_K, BLOCK_L, False,
+                             True)  # fmt: skip
+        elif kind == ARGMAX:
+            head_argmax_task(h_ptr, final_nw_ptr, head_w_ptr, part_val_ptr, part_idx_ptr, S, L,
+                             D, VL, eps, stride_final, a, b, head_lanes, head_nv, cnt_ptr + wait,
+                             target, max_spin, err_ptr, HEAD_MODE, BLOCK_S, HEAD_V, HEAD_K,
+                             BLOCK_L, False, True)  # fmt: skip
+        else:  # COMBINE
+            argmax_combine_task(part_val_ptr, part_idx_ptr, token_ptr, n_parts, a, cnt_ptr + wait,
+                                target, max_spin, err_ptr, COMBINE_BLOCK, False,
+                                True)  # fmt: skip
+        arrive(cnt_ptr + tl.load(row + 7))
+        t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
+    # Out of tasks: the last program out finds every task done and resets the counts.
+    G = tl.num_programs(0)
+    if tl.atomic_add(queue_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
+        for p in range(n_phases):
+            tl.store(cnt_ptr + p, 0)
+        tl.store(queue_ptr, 0)
+        tl.store(queue_ptr + 1, 0)

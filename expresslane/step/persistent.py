@@ -1,0 +1,121 @@
+"""The persistent decode step: the fused step's kernels as tasks of one launch (issue 23, item 3).
+
+`PersistentDecoder` is a `Step` peer of `FusedDecoder` (fused.py) on the same weights and cache:
+for S tokens it runs kernels/persistent.py's one kernel over a task list built here, with every
+body configured exactly as the fused step's own launch at S tokens (the same configuration
+functions, the same GPU tuning table). Each task computes what the fused kernel's program
+computes, in the same order, so where the launch options agree (the warps: one launch has one
+count) the two steps give the same bits; the CPU tests check that under the interpreter, and
+the GPU stage `persistent` on the real build.
+
+A plan is built per (S, head): the task list, the phase counts, the buffers (static: a CUDA
+graph captures a launch, and its replays reuse them) and the constexprs. The grid is the
+resident programs (`programs_per_sm` x SMs; any grid is correct, as tasks are taken from a
+queue in dependency order). A model the kinds do not cover (more than two attention or
+projection configurations, a split-K projection) is refused by `supports`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVCache
+from ..config import SamplingParams
+from ..kernels import MAX_TOKENS
+from ..model import Laneformer
+from ..sampler import SamplerKnobs, sample
+from .fused import FusedDecoder
+from .fused import supports as fused_supports
+from .persistent_plan import Plan, build_plan
+
+PROGRAMS_PER_SM = 2  # a starting point: bench/persistent.py sweeps it
+
+
+class PersistentDecoder:
+    def __init__(self, model: Laneformer, cache: KVCache, programs: int | None = None):
+        self.fused = FusedDecoder(model, cache, kernels=True)  # the weights, tables and reference
+        self.cfg, self.cache, self.model = model.cfg, cache, model
+        why = unsupported(model, cache)
+        if why:
+            raise ValueError(f"the persistent decode step does not cover {why}")
+        from ..kernels.gemv import num_sms
+
+        sms = num_sms(self.fused.embed)
+        self.programs = programs or (PROGRAMS_PER_SM * sms if sms else 2)
+        self.plans: dict[tuple[int, bool], Plan] = {}
+        self.offsets = self._layer_offsets()
+        self.plan(1, True)  # a model the task kinds do not cover fails here, at load
+
+    def _layer_offsets(self) -> torch.Tensor:
+        """int64 (layers, 12): element offsets of each layer's tensors from layer 0's."""
+        from ..kernels.persistent import LAYER_TENSORS
+
+        def tensors(i: int) -> dict:
+            c = self.cache
+            return self.fused.layers[i] | {"k_cache": c.k[i], "v_cache": c.v[i],
+                                           "pos_cache": c.pos[i]}  # fmt: skip
+
+        first, rows = tensors(0), []
+        for i in range(self.cfg.num_layers):
+            row = []
+            for name, t in ((n, tensors(i)[n]) for n in LAYER_TENSORS):
+                gap = t.data_ptr() - first[name].data_ptr()
+                assert gap % t.element_size() == 0 and t.dtype == first[name].dtype, name
+                row.append(gap // t.element_size())
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int64, device=self.fused.embed.device)
+
+    def plan(self, S: int, argmax: bool) -> Plan:
+        if (S, argmax) not in self.plans:
+            self.plans[S, argmax] = build_plan(self, S, argmax)
+        return self.plans[S, argmax]
+
+    def run(self, tokens: torch.Tensor, position: torch.Tensor, argmax: bool) -> Plan:
+        """One launch for tokens (S,) from position (1,): the plan whose buffers hold the
+        result (logits (S, V) fp32, or tokens (S,) int64)."""
+        from ..kernels.persistent import decode_step_kernel
+
+        S = tokens.numel()
+        if S > MAX_TOKENS:
+            raise ValueError(f"{S} tokens: the persistent step takes at most {MAX_TOKENS}")
+        room = self.cache.forward_room()
+        if room is not None and S > room:
+            raise ValueError(f"{S} tokens need a KV cache with headroom >= {S - 1} on its "
+                             f"sliding layers (it has room for {room})")  # fmt: skip
+        p = self.plan(S, argmax)
+        args = {**p.args, "tokens_ptr": tokens.view(S), "position_ptr": position}
+        decode_step_kernel[(self.programs,)](**args, **p.consts, num_warps=p.num_warps)
+        return p
+
+    def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The `Step`: fp32 logits (S, V) of tokens (S,) from position (1,)."""
+        return self.run(tokens, position, False).args["logits_ptr"].clone()
+
+    def pick(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Greedy token after each of tokens (S,): (S,) int64."""
+        return self.run(tokens, position, True).args["token_ptr"].clone()
+
+    def next_token(self, tokens: torch.Tensor, position: torch.Tensor, params: SamplingParams,
+                   generator: torch.Generator | None,
+                   knobs: SamplerKnobs | None = None) -> torch.Tensor:  # fmt: skip
+        if params.greedy:
+            return self.pick(tokens, position)[-1]
+        return sample(self.forward(tokens, position)[-1], params, generator, knobs)
+
+    def errors(self) -> int:
+        """Waits that gave up since load, over every plan (a host sync: for tests and benches)."""
+        return sum(int(p.args["err_ptr"].item()) for p in self.plans.values())
+
+
+def unsupported(model: Laneformer, cache: KVCache) -> str | None:
+    """What the persistent step cannot run on this model and cache, or None."""
+    if not fused_supports(model):
+        return "attention biases, q/k norms or quantized projections"
+    cfg = model.cfg
+    caches = {(k.shape[0], cfg.window(i) is not None) for i, k in enumerate(cache.k)}
+    if len(caches) > 2:
+        return f"{len(caches)} attention configurations (at most 2)"
+    kinds = {(cfg.reduce_mode(i), cfg.past_source(i) is not None) for i in range(cfg.num_layers)}
+    if len(kinds) > 2:
+        return f"{len(kinds)} reduce configurations (at most 2)"
+    return None

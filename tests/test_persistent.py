@@ -1,0 +1,112 @@
+"""The persistent decode step (one launch, tasks from a queue) against the fused step.
+
+Under the interpreter programs run one after another, so program 0 takes every task and the
+others find the queue empty: the tests prove the task bodies, the task list, the per-layer
+offsets and the count reset, on any grid; the GPU's `tests` stage proves the same on the real
+build, where tasks run concurrently and wait on the counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny
+import torch
+from triton_interp import DEVICE  # noqa: E402, F401  (first: sets the interpreter)
+
+from expresslane.cache import KVCache
+from expresslane.config import SamplingParams
+from expresslane.step.fused import FusedDecoder
+from expresslane.step.persistent import PersistentDecoder, unsupported
+
+pytestmark = pytest.mark.gpu  # also in the GPU session's tests stage
+
+
+def at(p: int) -> torch.Tensor:
+    return torch.tensor([p], device=DEVICE)
+
+
+def _prefilled(model, prompt, headroom=7, dtype=torch.float32):
+    cache = KVCache(model.cfg, 24, DEVICE, dtype, headroom=headroom)
+    with torch.no_grad():
+        model(torch.tensor([prompt], device=DEVICE), cache=cache)
+    return cache
+
+
+MODELS = {
+    # sliding and full layers (two attention kinds), delay 2 (two reduce kinds), vocab-parallel
+    "laneformer": lambda: tiny.laneformer(
+        seed=5, sliding_window=4, num_hidden_layers=3, sliding_window_n_layers=2
+    ),  # fmt: skip
+    # a Llama: one lane, present reduce everywhere, a replicated head, rotate-half RoPE
+    "llama": lambda: tiny.laneformer(
+        seed=6,
+        model_type="llama",
+        num_lanes=1,
+        lm_head_type="replicate",
+        sliding_window=None,
+        sliding_window_n_layers=0,
+    ),  # fmt: skip
+    "lane head": lambda: tiny.laneformer(seed=7, lm_head_type="lane", num_hidden_layers=2),
+}
+
+
+@pytest.mark.parametrize(
+    "name, S, programs",
+    [("laneformer", 1, 1), ("laneformer", 3, 3), ("llama", 2, 2), ("lane head", 1, 2)],
+)
+def test_persistent_equals_fused(name, S, programs):
+    """Logits, greedy picks and the cache it leaves: the fused step's, bit for bit."""
+    model = MODELS[name]().to(DEVICE)
+    prompt, tokens = [1, 5, 9, 13, 17, 21], torch.tensor([7, 30, 4][:S], device=DEVICE)
+    out, caches = {}, {}
+    for kind in ("fused", "persistent"):
+        cache = _prefilled(model, prompt)
+        step = (FusedDecoder(model, cache, kernels=True) if kind == "fused"
+                else PersistentDecoder(model, cache, programs=programs))  # fmt: skip
+        logits = step.forward(tokens, at(len(prompt)))
+        picks = step.pick(tokens, at(len(prompt)))  # writes the same KV again
+        nxt = step.forward(picks[-1:], at(len(prompt) + S))  # one more step on top
+        out[kind] = (logits, picks, nxt)
+        caches[kind] = [t.clone() for t in cache.k + cache.v + cache.pos]
+        if kind == "persistent":
+            assert step.errors() == 0
+            for p in step.plans.values():  # every count back at zero for the next launch
+                assert p.args["cnt_ptr"].abs().sum() == 0 and p.args["queue_ptr"].sum() == 0
+    for a, b, what in zip(*out.values(), ("logits", "picks", "next"), strict=True):
+        assert torch.equal(a, b), what
+    assert all(torch.equal(a, b) for a, b in zip(*caches.values(), strict=True))
+    assert torch.equal(out["persistent"][1], out["persistent"][0].argmax(-1))
+
+
+def test_persistent_rows_are_lone_steps_and_sampling_works():
+    """Row j of S tokens equals a lone step of token j (the verify is the decode step), and a
+    sampled next_token comes from those logits."""
+    model = MODELS["laneformer"]().to(DEVICE)
+    prompt, tokens = [3, 8, 2, 11], torch.tensor([9, 14, 6, 21], device=DEVICE)
+    step = PersistentDecoder(model, _prefilled(model, prompt), programs=2)
+    wide = step.forward(tokens, at(len(prompt)))
+    step = PersistentDecoder(model, _prefilled(model, prompt), programs=2)
+    lone = torch.stack([step.forward(tokens[j : j + 1], at(len(prompt) + j))[0]
+                        for j in range(len(tokens))])  # fmt: skip
+    assert torch.equal(wide, lone)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    t = step.next_token(
+        tokens[-1:], at(len(prompt) + 3), SamplingParams(temperature=0.8, top_p=0.9), g
+    )
+    assert t.dim() == 0 and 0 <= t.item() < model.cfg.vocab_size
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + tokens.tolist()], device=DEVICE))[0, len(prompt) :]
+    torch.testing.assert_close(wide, full.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_persistent_refuses_what_it_does_not_cover():
+    model = tiny.laneformer(seed=1, model_type="llama", num_lanes=1, lm_head_type="replicate",
+                            sliding_window=None, sliding_window_n_layers=0,
+                            attention_bias=True).to(DEVICE)  # fmt: skip
+    assert "biases" in unsupported(model, KVCache(model.cfg, 8, DEVICE, torch.float32))
+    with pytest.raises(ValueError, match="does not cover"):
+        PersistentDecoder(model, KVCache(model.cfg, 8, DEVICE, torch.float32))
+    llama = MODELS["llama"]().to(DEVICE)
+    step = PersistentDecoder(llama, KVCache(llama.cfg, 8, DEVICE, torch.float32))
+    with pytest.raises(ValueError, match="at most 8"):
+        step.forward(torch.zeros(9, dtype=torch.long, device=DEVICE), at(0))
