@@ -24,7 +24,7 @@ export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 STAGES=(smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft structured
-        spec-replay barrier)
+        spec-replay barrier persistent)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -41,10 +41,11 @@ if ((!DRY)) && compgen -G ".whl/*.whl" > /dev/null; then
     --target "$SITE" .whl/*.whl && export PYTHONPATH=$SITE:$PYTHONPATH
 fi
 # Every test module with a `gpu` test (tests/test_gpu_session.py checks that none is missing);
-# test_kernels.py stays last: the dry run leaves it out.
+# the last four (persistent step, quantized products, kernels, token axis) stay last: the dry run
+# leaves them out.
 GPU_TESTS=(tests/test_graph.py tests/test_parallel.py tests/test_prefix.py tests/test_speculative.py
            tests/test_capture_safe.py tests/test_prefill.py tests/test_prefill_norm.py tests/test_split.py
-           tests/test_qgemv.py tests/test_kernels.py tests/test_kernels_tokens.py)
+           tests/test_persistent.py tests/test_qgemv.py tests/test_kernels.py tests/test_kernels_tokens.py)
 
 # stage_command NAME: sets LIMIT (seconds) and CMD (the command line) for a stage.
 stage_command() {
@@ -72,8 +73,9 @@ stage_command() {
       LIMIT=540
       CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider --continue-on-collection-errors
            "${GPU_TESTS[@]}")
-      # the quantized-product and kernel tests (the last three) take minutes in the interpreter
-      ((DRY)) && CMD=("${CMD[@]:0:${#CMD[@]}-3}") ;;
+      # the persistent-step, quantized-product and kernel tests (the last four) take minutes in
+      # the interpreter
+      ((DRY)) && CMD=("${CMD[@]:0:${#CMD[@]}-4}") ;;
     kernels)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.kernels --context 1024)
       ((DRY)) && CMD+=(--dry-run --reps 1 --trials 1) ;;
@@ -100,6 +102,10 @@ stage_command() {
       ((DRY)) && CMD+=(--dry-run) ;;
     barrier)  # a kernel boundary against a grid barrier: the persistent kernel's first question
       LIMIT=120; CMD=("$PY" -m expresslane.bench.barrier --model laneformer-2b --layers 4)
+      ((DRY)) && CMD+=(--dry-run) ;;
+    persistent)  # the whole step in one launch against the fused step: bits, then tok/s
+      LIMIT=180; CMD=("$PY" -m expresslane.bench.persistent --preset laneformer-2b
+                      --contexts 1024 128 4000 --programs-per-sm 1 2 3)
       ((DRY)) && CMD+=(--dry-run) ;;
     sweep)  # every kernel variant checked, then timed; the winners: sweep.json's result.table
       LIMIT=480; CMD=("$PY" -m expresslane.bench.sweep --model ${SWEEP_MODELS:-laneformer-2b

@@ -39,7 +39,7 @@ def test_dry_run_of_every_stage(tmp_path):
     calls = [
         ("smoke", "bench-2b", "bench-1b", "ttft"),
         ("tests", "kernels", "profile", "sweep"),
-        ("structured", "spec-replay", "barrier"),
+        ("structured", "spec-replay", "barrier", "persistent"),
     ]
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
@@ -84,6 +84,9 @@ def test_dry_run_of_every_stage(tmp_path):
     assert {r["variant"] for r in barrier["rows"]} == {"stream", "launches", "persistent",
                                                        "persistent+prefetch"}  # fmt: skip
     assert all(r["ok"] and r["spin_error"] == 0 for r in barrier["rows"])
+    persistent = results["persistent"]["result"]  # the one-launch step gives the fused bits
+    steps = [r for r in persistent["rows"] if r["step"] != "fused"]
+    assert steps and all(r["bitwise"] and r["same_pick"] and not r["failed_waits"] for r in steps)
     spec = results["spec-replay"]["result"]
     assert spec["bench"] == "spec_replay" and set(spec["by_kind"]) == {"edit", "quote", "free"}
     tests = results["tests"]["tests"]
@@ -122,14 +125,14 @@ def test_dry_run_of_every_stage(tmp_path):
 
 def test_the_tests_stage_runs_every_module_with_a_gpu_test():
     """A GPU test outside the stage's list would never run on a GPU; the interpreter-bound ones
-    (quantized products, kernels, the kernels' token axis) are last: the dry run leaves them out."""
+    (the persistent step, quantized products, kernels, the kernels' token axis) are last: the dry run leaves them out."""
     script = SCRIPT.read_text()
     listed = re.search(r"^GPU_TESTS=\(([^)]*)\)", script, re.M).group(1).split()
     marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                     if re.search(r"pytest\.mark\.gpu\b", p.read_text()))  # fmt: skip
     assert sorted(listed) == marked
-    assert listed[-3:] == ["tests/test_qgemv.py", "tests/test_kernels.py",
-                           "tests/test_kernels_tokens.py"]  # fmt: skip
+    assert listed[-4:] == ["tests/test_persistent.py", "tests/test_qgemv.py",
+                           "tests/test_kernels.py", "tests/test_kernels_tokens.py"]  # fmt: skip
 
 
 def test_stage_arguments_are_checked(tmp_path):

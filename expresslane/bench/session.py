@@ -103,6 +103,18 @@ def headline(res: dict) -> str:
         bad = sum(1 for x in r["rows"] if not x.get("ok"))
         return ", ".join(f"{k} {v:.2f} us/boundary" for k, v in best.items()) + (
             f"; {bad} rows not ok" if bad else "")  # fmt: skip
+    if r.get("bench") == "persistent":  # per context: fused, then the best persistent grid
+        out = []
+        for ctx in dict.fromkeys(x["context"] for x in r["rows"]):
+            rows = [x for x in r["rows"] if x["context"] == ctx]
+            fused = next(x for x in rows if x["step"] == "fused")
+            best = max((x for x in rows if x["step"] != "fused"), key=lambda x: x["tok_s"])
+            same = all(x.get("bitwise") and not x.get("failed_waits") for x in rows[1:])
+            out.append(
+                f"ctx {ctx}: fused {fused['tok_s']:.0f}, {best['step']} "
+                f"{best['tok_s']:.0f} tok/s" + ("" if same else " (NOT EQUAL)")
+            )
+        return "; ".join(out)
     if r.get("bench") == "sweep":
         won = sum(len(v) for v in r["table"]["kernels"].values())
         return (f"{r['variants']} variants, {r['rejected']} rejected, {r['inexact']} not "

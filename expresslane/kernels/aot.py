@@ -188,13 +188,15 @@ def recording(sms: int = 132, pdl: bool = True, arch: int | None = 90):
 
 def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits: bool = True,
                        arch: int | None = 90, dtype: torch.dtype = torch.bfloat16,
-                       tokens: int = 1):  # fmt: skip
+                       tokens: int = 1, persistent: bool = False):  # fmt: skip
     """The launches of one greedy decode step of the model, then (`logits`) of its logits path;
-    tokens > 1: of a step of that many tokens (a speculative verify's width)."""
+    tokens > 1: of a step of that many tokens (a speculative verify's width); `persistent`: of
+    the one-launch step (step/persistent.py) instead of the fused kernels."""
     from ..cache import KVCache
     from ..config import SamplingParams
     from ..model import Laneformer
     from ..step.fused import FusedDecoder
+    from ..step.persistent import PersistentDecoder
 
     cfg = load_model_config(model_ref)  # every layer: meta tensors cost nothing
     with torch.device("meta"):
@@ -203,7 +205,10 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
     token = torch.zeros((tokens,), dtype=torch.long, device="meta")
     position = torch.zeros((1,), dtype=torch.long, device="meta")
     with recording(sms, pdl, arch) as launches:
-        decoder = FusedDecoder(model, cache, kernels=True)
+        if persistent:
+            decoder = PersistentDecoder(model, cache)
+        else:
+            decoder = FusedDecoder(model, cache, kernels=True)
         decoder.next_token(token, position, SamplingParams(temperature=0.0), None)
         if logits:
             decoder.forward(token, position)[0]
@@ -367,12 +372,15 @@ def compile_decode_step(
     only: str | None = None,
     quant: tuple[str, ...] = (),
     tokens: int = 1,
+    persistent: bool = False,
 ) -> list[dict]:
-    """Every distinct kernel of the model's fused decode step, then of its quantized products
-    in the `quant` formats, compiled for sm_`arch` (`only`: the kernels whose name starts so)."""
+    """Every distinct kernel of the model's fused decode step (or of its persistent step), then
+    of its quantized products in the `quant` formats, compiled for sm_`arch` (`only`: the
+    kernels whose name starts so)."""
     pdl = arch >= 90
     spec = arch if specialise else None
-    launches = record_decode_step(model_ref, max_len, sms, pdl, arch=spec, tokens=tokens)
+    launches = record_decode_step(model_ref, max_len, sms, pdl, arch=spec, tokens=tokens,
+                                  persistent=persistent)  # fmt: skip
     if quant:
         launches += record_quant_products(model_ref, list(quant), sms, pdl, arch=spec)
     launches = distinct(launches)
@@ -462,6 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant", nargs="+", default=[], metavar="FORMAT",
                     help="also the quantized products (kernels/qgemv.py) in these --quantization "
                          "formats (int8 int4 ...), 1 and 8 tokens")  # fmt: skip
+    ap.add_argument(
+        "--persistent",
+        action="store_true",
+        help="the one-launch step's kernel (step/persistent.py), not the fused ones",
+    )
     ap.add_argument("--json", action="store_true", help="only the JSON line")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -482,10 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     greedy = len(record_decode_step(args.model, args.max_len, args.sms, True, logits=False,
-                                    arch=None))  # fmt: skip
+                                    arch=None, persistent=args.persistent))  # fmt: skip
     rows = compile_decode_step(args.model, args.arch, args.max_len, args.sms,
                                not args.unspecialised, args.kernel, tuple(args.quant),
-                               args.tokens)  # fmt: skip
+                               args.tokens, args.persistent)  # fmt: skip
     if not args.json:
         print(f"{'kernel':54} {'grid':>10} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
               f"{'blk/SM':>6} {'waves':>5} cvt pdl  global loads (bits x count)")  # fmt: skip

@@ -41,12 +41,21 @@ from .lm_head import argmax_combine_task, head_argmax_task, head_logits_task
 from .norm_qkv import norm_qkv_task
 from .swiglu import norm_swiglu_task
 
-# Task kinds (column 0 of the task list).
-EMBED, QKV, ATTN0, ATTN1, WO0, WO1, SWIGLU, W20, W21, LOGITS, ARGMAX, COMBINE = range(12)
+# Task kinds (column 0 of the task list); the kernel reads them as constexprs.
+EMBED, QKV, ATTN0, ATTN1, WO0, WO1, SWIGLU, W20, W21, LOGITS, ARGMAX, COMBINE = (
+    tl.constexpr(k) for k in range(12)
+)
 TASK_COLS = 8  # kind, layer, a, b, c, wait phase, wait target, arrive phase
 # Per-layer tensors, in the order of `offs`' columns.
 LAYER_TENSORS = ("attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2",
                  "k_cache", "v_cache", "pos_cache")  # fmt: skip
+
+
+@triton.jit
+def _at(base, lw, col):
+    """Layer tensor `col` of the layer whose offsets start at lw: 16-byte aligned (the plan
+    checks), which the compiler must know to load its weights 16 bytes at a time."""
+    return base + tl.multiple_of(tl.load(lw + col), 8)
 
 
 @triton.jit
@@ -69,7 +78,7 @@ def _project_task(kind, layer, a, b, wait, target, S, L, D, K, sqrt_l, in_ptr, w
     """wo (col 4, partial slot 0) or w2 (col 8, slot 1) of one layer: kind FIRST for the
     layers before broadcast_delay, FIRST + 1 after; y goes to the layer's partial slot and the
     past partials come from its source layer's."""
-    w = w_ptr + tl.load(offs_ptr + layer * 12 + col)
+    w = _at(w_ptr, offs_ptr + layer * 12, col)
     src = tl.load(ints_ptr + layer * 4 + 2)
     n = S * L * D
     y = part_ptr + (layer * 2 + slot) * n
@@ -93,8 +102,8 @@ def _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr, posi
                BLOCK_D: tl.constexpr):  # fmt: skip
     """Program (token a, KV head b, split c) of one layer's attention, in one configuration."""
     row = offs_ptr + layer * 12
-    attention_task(q_ptr, kc_ptr + tl.load(row + 9), vc_ptr + tl.load(row + 10),
-                   pc_ptr + tl.load(row + 11), position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr,
+    attention_task(q_ptr, _at(kc_ptr, row, 9), _at(vc_ptr, row, 10),
+                   _at(pc_ptr, row, 11), position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr,
                    o_ptr, tl.load(ints_ptr + layer * 4), n_kv, tl.load(ints_ptr + layer * 4 + 1),
                    qk_scale, a, b, c, cnt_ptr + wait, target, max_spin, err_ptr, GROUP,
                    HEAD_DIM, NS, WIN, BLOCK_G, BN, BLOCK_D, P2, BC, PF, False,
@@ -144,10 +153,10 @@ def decode_step_kernel(
         if kind == EMBED:  # the first phase: nothing to wait for
             _embed_task(tokens_ptr, embed_ptr, h_ptr, L, D, a, b, BLOCK_E)
         elif kind == QKV:
-            norm_qkv_task(h_ptr, anw_ptr + tl.load(lw), wq_ptr + tl.load(lw + 1),
-                          wk_ptr + tl.load(lw + 2), wv_ptr + tl.load(lw + 3), cos_ptr, sin_ptr,
-                          position_ptr, q_ptr, kc_ptr + tl.load(lw + 9), vc_ptr + tl.load(lw + 10),
-                          pc_ptr + tl.load(lw + 11), S, L, D, tl.load(ints_ptr + layer * 4), eps,
+            norm_qkv_task(h_ptr, _at(anw_ptr, lw, 0), _at(wq_ptr, lw, 1),
+                          _at(wk_ptr, lw, 2), _at(wv_ptr, lw, 3), cos_ptr, sin_ptr,
+                          position_ptr, q_ptr, _at(kc_ptr, lw, 9), _at(vc_ptr, lw, 10),
+                          _at(pc_ptr, lw, 11), S, L, D, tl.load(ints_ptr + layer * 4), eps,
                           stride_nwl, HQ_LANE, HKV_LANE, N_KV, a, b, cnt_ptr + wait, target,
                           max_spin, err_ptr, HEAD_DIM, INTERLEAVED, BLOCK_S, QKV_P, QKV_K,
                           QKV_PF, False, True)  # fmt: skip
@@ -167,8 +176,8 @@ def decode_step_kernel(
                           max_spin, err_ptr, WO0_MODE, WO0_PAST, WO0_O, WO0_K, WO0_PF, WO1_MODE,
                           WO1_PAST, WO1_O, WO1_K, WO1_PF, BLOCK_S, BLOCK_L, WO0)  # fmt: skip
         elif kind == SWIGLU:
-            norm_swiglu_task(h_ptr, fnw_ptr + tl.load(lw + 5), w1_ptr + tl.load(lw + 6),
-                             w3_ptr + tl.load(lw + 7), g_ptr, S, L, D, FL, eps, stride_nwl, a, b,
+            norm_swiglu_task(h_ptr, _at(fnw_ptr, lw, 5), _at(w1_ptr, lw, 6),
+                             _at(w3_ptr, lw, 7), g_ptr, S, L, D, FL, eps, stride_nwl, a, b,
                              cnt_ptr + wait, target, max_spin, err_ptr, BLOCK_S, SW_O, SW_K,
                              SW_PF, False, True)  # fmt: skip
         elif (kind == W20) | (kind == W21):

@@ -59,12 +59,12 @@ class _Tasks:
         self.rows: list[list[int]] = []
         self.counts: list[int] = []
 
-    def phase(self, kind_of_layer, layer: int, coords: list[tuple[int, ...]]) -> None:
+    def phase(self, kind, layer: int, coords: list[tuple[int, ...]]) -> None:
         p = len(self.counts)
         wait, target = (p - 1, self.counts[-1]) if p else (0, 0)
         for c in coords:
             a, b, cc = (tuple(c) + (0, 0, 0))[:3]
-            self.rows.append([kind_of_layer, layer, a, b, cc, wait, target, p])
+            self.rows.append([int(kind), layer, a, b, cc, wait, target, p])
         self.counts.append(len(coords))
 
 

@@ -1,0 +1,174 @@
+"""The persistent decode step against the fused step, at a preset's shapes (issue 23, item 3).
+
+    python -m expresslane.bench.persistent [--preset laneformer-2b] [--contexts 1024 128 4000]
+        [--programs-per-sm 1 2 3] [--steps 16] [--trials 5] [--dry-run]
+
+On the preset's random weights (bf16 on a GPU) with `context` positions in the cache (random
+keys and values, the positions a prefill would leave, rings included), for each context:
+- **checked**: the logits and the greedy pick of one step, persistent against fused from the
+  same cache (bitwise, else the largest difference), and the counts of waits that gave up;
+- **timed**: a CUDA graph of `--steps` greedy steps (each writes the same slot, so the cache
+  does not grow), replayed `--trials` times: the fused step (77 launches a step for the 2B) and
+  the persistent step at each programs-per-SM (one launch a step; tasks come from a queue, so
+  any grid is correct, and the compiled kernel keeps 3 programs of 4 warps an SM resident:
+  `python -m expresslane.kernels.aot --persistent`).
+GB/s counts the bytes a step must read (bench/ceiling.py: weights once, the scanned KV) and
+%copy sets them against a copy measured in the same run. One table, then one JSON line.
+--dry-run runs laneformer-tiny on the CPU through the Triton interpreter, timed by a host
+clock: the wiring, not a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from ..cache import KVCache
+from ..errors import ExpressLaneError
+from ..presets import load_model_config
+
+
+def fill_cache(cache: KVCache, context: int, seed: int = 0) -> None:
+    """Positions 0 .. context-1 as a prefill leaves them (rings hold the last cap), random K/V."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for k, v, pos in zip(cache.k, cache.v, cache.pos, strict=True):
+        cap = k.shape[0]
+        held = torch.arange(max(0, context - cap), context)
+        pos.fill_(-1)
+        pos[held % cap] = held.to(pos.device)
+        k.copy_((torch.randn(k.shape, generator=g) * 0.5).to(k.dtype))
+        v.copy_((torch.randn(v.shape, generator=g) * 0.5).to(v.dtype))
+
+
+def _snapshot(cache: KVCache) -> list[torch.Tensor]:
+    return [t.clone() for t in cache.k + cache.v + cache.pos]
+
+
+def _restore(cache: KVCache, snap: list[torch.Tensor]) -> None:
+    for t, s in zip(cache.k + cache.v + cache.pos, snap, strict=True):
+        t.copy_(s)
+
+
+def check(fused, persistent, cache: KVCache, position: torch.Tensor) -> dict:
+    """One step from the same cache both ways: logits and picks equal, waits that gave up."""
+    token = torch.tensor([3], device=position.device)
+    snap = _snapshot(cache)
+    want = fused.forward(token, position)
+    want_pick = fused.pick(token, position)
+    _restore(cache, snap)
+    got = persistent.forward(token, position)
+    got_pick = persistent.pick(token, position)
+    _restore(cache, snap)
+    return {"bitwise": bool(torch.equal(want, got)),
+            "max_diff": float((want - got).abs().max()),
+            "same_pick": bool(torch.equal(want_pick, got_pick)),
+            "failed_waits": persistent.errors()}  # fmt: skip
+
+
+def seconds_per_step(step, steps: int, trials: int, gpu: bool) -> float:
+    from .kernels import _time_calls, _time_graph
+
+    calls = [step] * steps
+    return _time_graph(calls, trials) if gpu else _time_calls(calls, trials)
+
+
+def measure(args) -> dict:
+    from ..checkpoint import resolve_device
+    from ..step.fused import FusedDecoder
+    from ..step.persistent import PersistentDecoder
+    from .bandwidth import copy_bandwidth_gb_s
+    from .ceiling import bytes_per_token
+    from .weights import random_model
+
+    cfg = load_model_config(args.preset)
+    dev = resolve_device(args.device)
+    gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    model = random_model(cfg, dev, dtype)
+    cache = KVCache(cfg, max(args.contexts) + 8, dev, dtype)
+    fused = FusedDecoder(model, cache, kernels=True)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if gpu else 1
+    copy = copy_bandwidth_gb_s(dev) if gpu else None
+    token = torch.tensor([3], device=dev)
+    rows = []
+    for ctx in args.contexts:
+        fill_cache(cache, ctx)
+        position = torch.tensor([ctx], device=dev)
+        nbytes = bytes_per_token(cfg, ctx + 1, torch.finfo(dtype).bits // 8)["total"]
+        variants = [("fused", fused, None)]
+        for per_sm in args.programs_per_sm:
+            step = PersistentDecoder(model, cache, programs=per_sm * sms)
+            variants.append((f"persistent x{per_sm}", step, per_sm))
+        for name, step, per_sm in variants:
+            row = {"context": ctx, "step": name, "programs": None if per_sm is None
+                   else per_sm * sms}  # fmt: skip
+            if per_sm is not None:
+                row.update(check(fused, step, cache, position))
+            if per_sm is None:
+                run = lambda s=step, p=position: s.pick(token, p)  # noqa: E731
+            else:
+                run = lambda s=step, p=position: s.run(token, p, True)  # noqa: E731
+            sec = seconds_per_step(run, args.steps, args.trials, gpu)
+            gb_s = nbytes / sec / 1e9
+            row.update(us_per_step=sec * 1e6, tok_s=1 / sec, gb_s=gb_s,
+                       pct_copy=100 * gb_s / copy if copy else None)  # fmt: skip
+            rows.append(row)
+    return {"device": torch.cuda.get_device_name(dev) if gpu else "cpu (interpreter)",
+            "copy_gb_s": copy, "rows": rows}  # fmt: skip
+
+
+def _line(r: dict) -> str:
+    pct = f"{r['pct_copy']:.0f}%" if r["pct_copy"] is not None else "-"
+    ok = "-" if "bitwise" not in r else (
+        "bitwise" if r["bitwise"] else f"diff {r['max_diff']:.1e}") + (
+        "" if r.get("same_pick", True) else " PICK DIFFERS") + (
+        f" {r['failed_waits']} FAILED WAITS" if r.get("failed_waits") else "")  # fmt: skip
+    return (f"{r['context']:>6} {r['step']:<16}{r['programs'] or '-':>9}{r['us_per_step']:>10.1f}"
+            f"{r['tok_s']:>9.0f}{r['gb_s']:>8.0f}{pct:>7}  {ok}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m expresslane.bench.persistent",
+                                 description=__doc__.split("\n")[0])  # fmt: skip
+    ap.add_argument("--preset", default="laneformer-2b")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 128, 4000])
+    ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--steps", type=int, default=16, help="greedy steps in one timed graph")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dry-run", action="store_true", help="laneformer-tiny on the CPU")
+    args = ap.parse_args(argv)
+    if args.dry_run:  # before triton is first imported
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            print("error: --dry-run runs the kernels in the interpreter, and triton was imported "
+                  "without it", file=sys.stderr)  # fmt: skip
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["EXPRESSLANE_FORCE_TRITON"] = "1"
+        args.preset, args.device, args.contexts = "laneformer-tiny", "cpu", [40]
+        args.programs_per_sm, args.steps, args.trials = [2], 1, 1
+    if min(args.contexts + args.programs_per_sm + [args.steps, args.trials]) < 1:
+        print("error: --contexts, --programs-per-sm, --steps and --trials must be >= 1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        m = measure(args)
+    except ExpressLaneError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    copy = f"{m['copy_gb_s']:.0f} GB/s" if m["copy_gb_s"] else "not measured"
+    print(f"{args.preset} on {m['device']}, copy {copy}, {args.steps} steps a graph")
+    print(f"{'ctx':>6} {'step':<16}{'programs':>9}{'us/step':>10}{'tok/s':>9}{'GB/s':>8}"
+          f"{'%copy':>7}  vs fused")  # fmt: skip
+    for r in m["rows"]:
+        print(_line(r))
+    print(json.dumps({"bench": "persistent", "preset": args.preset, **m}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
