@@ -125,7 +125,8 @@ def test_dry_run_of_every_stage(tmp_path):
 
 def test_the_tests_stage_runs_every_module_with_a_gpu_test():
     """A GPU test outside the stage's list would never run on a GPU; the interpreter-bound ones
-    (the persistent step, quantized products, kernels, the kernels' token axis) are last: the dry run leaves them out."""
+    (the persistent step, quantized products, kernels, the kernels' token axis) are last: the
+    dry run leaves them out."""
     script = SCRIPT.read_text()
     listed = re.search(r"^GPU_TESTS=\(([^)]*)\)", script, re.M).group(1).split()
     marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
