@@ -110,3 +110,25 @@ def test_persistent_refuses_what_it_does_not_cover():
     step = PersistentDecoder(llama, KVCache(llama.cfg, 8, DEVICE, torch.float32))
     with pytest.raises(ValueError, match="at most 8"):
         step.forward(torch.zeros(9, dtype=torch.long, device=DEVICE), at(0))
+
+
+def test_engine_decodes_through_the_persistent_step(monkeypatch):
+    """`kernels="persistent"`: the engine's greedy tokens, speculation included, are the
+    model's; asked for on a model it does not cover, or without the static step, it says why."""
+    from expresslane.engine import Engine, reference_generate
+    from expresslane.errors import RequestError
+    from expresslane.speculative.drafting import SpeculativeConfig
+
+    monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
+    model = tiny.laneformer(seed=2, sliding_window=4, max_position_embeddings=64).to(DEVICE)
+    prompt = [1, 5, 9, 1, 5, 9, 1]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1)
+    engine = Engine(model, max_model_len=24, decode="graph", kernels="persistent",
+                    speculative=spec)  # fmt: skip
+    assert engine.step_name == "persistent kernel"
+    want = reference_generate(model, prompt, params, stop_ids=set())
+    assert list(engine.generate(prompt, params)) == want
+    assert engine.stats.extra["speculative"]["verify_steps"] > 0
+    with pytest.raises(RequestError, match="decode='eager'"):
+        Engine(model, max_model_len=24, decode="eager", kernels="persistent")

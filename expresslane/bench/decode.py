@@ -240,6 +240,8 @@ def _variant_name(cfg: BenchConfig, compiled: bool, kernels: str) -> str:
     name = "expresslane" + ("+compile" if compiled else "")
     if cfg.kernels == "both":
         name += "+kernels" if kernels == "on" else " (no kernels)"
+    elif kernels == "persistent":
+        name += "+persistent"
     return name
 
 

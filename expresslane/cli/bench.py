@@ -97,9 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kernels",
-        choices=("auto", "on", "off", "both"),
+        choices=("auto", "on", "off", "both", "persistent"),
         default="auto",
-        help="the fused Triton decode step: auto = on CUDA; both = a row each (what they buy)",
+        help="the fused Triton decode step: auto = on CUDA; both = a row each (what they buy); "
+        "persistent = the fused kernels' bodies as one launch a step",
     )
     p.add_argument(
         "--devices",

@@ -5,9 +5,11 @@ runs a step on static buffers (graph.py: captured on CUDA, eager elsewhere), "ea
 loop over the model's forward, "auto" graph on CUDA and eager on a CPU, unless compilation, the
 fused kernels or quantized packed weights need the static step. `kernels` "auto" puts the fused
 Triton step where triton runs (CUDA), "on" forces it (their references elsewhere), "off" keeps
-the model's forward. On a CPU the static step is the packed one (packed.py). The CLI's default
-(`default_decode`) asks for the packed step on a CPU where the C layers are built, as it needs
-no compilation. `choose_prefill` picks the prefill's forward by the same `kernels` flag.
+the model's forward, "persistent" runs the fused kernels' bodies as one launch a step
+(persistent.py; Triton only: on CUDA, or the interpreter). On a CPU the static step is the
+packed one (packed.py). The CLI's default (`default_decode`) asks for the packed step on a CPU
+where the C layers are built, as it needs no compilation. `choose_prefill` picks the prefill's
+forward by the same `kernels` flag.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .fused import FusedDecoder, supports
 from .native import native_step_built
 from .packed import PackedDecoder
 from .packed import supports as packed_supports
+from .persistent import PersistentDecoder, unsupported
 from .prefill import FusedPrefill, StepPrefill
 from .prefill import supports as prefill_supports
 from .protocol import EagerStep, Step
@@ -49,11 +52,12 @@ def _decode_mode(model: Laneformer, device: torch.device, decode: str, kernels: 
                  compile: bool) -> str:  # fmt: skip
     if decode not in ("auto", "graph", "eager"):
         raise RequestError(f"decode={decode!r}: expected auto, graph or eager", "decode")
-    if kernels not in ("auto", "on", "off"):
-        raise RequestError(f"kernels={kernels!r}: expected auto, on or off", "kernels")
+    if kernels not in ("auto", "on", "off", "persistent"):
+        raise RequestError(f"kernels={kernels!r}: expected auto, on, off or persistent",
+                           "kernels")  # fmt: skip
     packed = getattr(model, "packed", None)  # quantized weights: the packed step reads them
     quantized = packed is not None and packed.formats != {"float32"}
-    if decode == "auto" and (compile or kernels == "on" or quantized):
+    if decode == "auto" and (compile or kernels in ("on", "persistent") or quantized):
         return "graph"  # compilation, the fused and the packed steps need the static step
     if decode == "auto":
         return "graph" if device.type == "cuda" else "eager"
@@ -71,6 +75,8 @@ def choose_step(model: Laneformer, cache: KVCache, decode: str = "auto", kernels
         )
         raise RequestError(f"kernels='on': the fused decode step cannot run with {why}",
                            "kernels")  # fmt: skip
+    if kernels == "persistent":
+        return _persistent(model, cache, mode, compile)
     fused = kernels == "on" or (kernels == "auto" and use_triton(p) and supports(model))
     if mode == "graph" and fused:
         return Choice(FusedDecoder(model, cache), mode, compile, "fused kernels")
@@ -82,6 +88,15 @@ def choose_step(model: Laneformer, cache: KVCache, decode: str = "auto", kernels
         step = PackedDecoder(model, cache, compile=compile)
         return Choice(step, mode, False, "packed, C layers" if step.step else "packed")
     return Choice(EagerStep(model, cache), mode, compile, "forward")
+
+
+def _persistent(model: Laneformer, cache: KVCache, mode: str, compile: bool) -> Choice:
+    """The one-launch step (persistent.py), asked for by name: never a silent fallback."""
+    why = "decode='eager'" if mode != "graph" else unsupported(model, cache)
+    if why:
+        raise RequestError(f"kernels='persistent': the persistent decode step cannot run with "
+                           f"{why}", "kernels")  # fmt: skip
+    return Choice(PersistentDecoder(model, cache), mode, compile, "persistent kernel")
 
 
 def choose_prefill(model: Laneformer, kernels: str = "auto", step: Step | None = None):
