@@ -9,8 +9,9 @@ barrier of CUDA's cooperative groups, written in Triton:
   one `atomic_add(sem="release", scope="gpu")` (Triton performs a scalar atomic from one
   thread). PTX's release is cumulative: it orders the stores the barrier made visible to that
   thread before the count, for any program that acquires the count.
-- `wait_count`: polls the counter with an acquiring atomic read until it reaches the target,
-  then `debug_barrier` so every thread of the program is ordered after the acquire. Inputs
+- `wait_count`: polls the counter with volatile loads until it reaches the target, reads it
+  once more with an acquiring atomic, then `debug_barrier` so every thread of the program is
+  ordered after the acquire. Inputs
   written by other programs are then read with `cache_modifier=".cg"` (L2, not a stale L1).
   The poll gives up after `max_spin` reads and returns False: a program spinning on producers
   that never got an SM (a grid larger than the resident blocks) would otherwise hang the GPU,
@@ -36,20 +37,27 @@ import triton.language as tl
 
 
 @triton.jit
-def arrive(counter_ptr):
-    """Count this program's stores so far as done, for every program that waits on the count."""
+def arrive(counter_ptr, count):
+    """Count `count` parts of this program's stores so far as done, for every program that waits
+    on the count."""
     tl.debug_barrier()
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    tl.atomic_add(counter_ptr, count, sem="release", scope="gpu")
 
 
 @triton.jit
 def wait_count(counter_ptr, target, max_spin):
-    """Wait until *counter_ptr >= target; False if it did not within max_spin polls."""
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    """Wait until *counter_ptr >= target; False if it did not within max_spin polls.
+
+    The polls are volatile loads (L2, no read-modify-write: hundreds of programs polling one
+    count would otherwise queue their atomics behind the producers' adds); the one acquiring
+    read-modify-write after the count is reached orders this program after every add it saw
+    (an RMW continues each add's release sequence)."""
+    seen = tl.load(counter_ptr, volatile=True)
     spins = 0
     while (seen < target) & (spins < max_spin):
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        seen = tl.load(counter_ptr, volatile=True)
         spins += 1
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
     return seen >= target
 
@@ -116,7 +124,7 @@ def chain_persistent(w_ptr, act_ptr, meta_ptr, cnt_ptr, err_ptr, P, max_spin,
                           BLOCK_N, BLOCK_K)  # fmt: skip
         if BARRIER:
             if p < P - 1:
-                arrive(cnt_ptr + p)
+                arrive(cnt_ptr + p, 1)
     if BARRIER:  # the last program through resets the counts for the next launch
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + P - 1, 1, sem="acq_rel", scope="gpu") == G - 1:

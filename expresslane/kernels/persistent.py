@@ -10,7 +10,8 @@ kernel's program computes, in the same order, and the step keeps its bits.
 - **A task list** (int32 (n_tasks, 8): kind, layer, three coordinates, the phase it waits for,
   that phase's task count, the phase it counts in), built at load in dependency order: the
   embedding rows, then per layer qkv, attention, wo, swiglu, w2, then the head.
-- **A queue, not a static split**: each program takes the next task with one atomic add. A
+- **A queue, not a static split**: each program takes the next CHUNK tasks with one atomic add
+  (and counts the tasks of a phase with one add, before any task of the next phase waits). A
   task's inputs come from tasks earlier in the list, all taken by programs that are running, so
   the step makes progress whatever the grid and however many programs are resident; the wait is
   a spin on the count of the phase before (grid_sync.wait_count), after the task has loaded its
@@ -138,69 +139,84 @@ def decode_step_kernel(
     W21_K: tl.constexpr, W21_PF: tl.constexpr,
     HEAD_MODE: tl.constexpr, HEAD_V: tl.constexpr, HEAD_K: tl.constexpr,
     COMBINE_BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,  # tasks taken from the queue at once (their counts added at once)
 ):  # fmt: skip
-    t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
-    while t < n_tasks:
-        row = tasks_ptr + t * 8
-        kind = tl.load(row)
-        layer = tl.load(row + 1)
-        a = tl.load(row + 2)
-        b = tl.load(row + 3)
-        c = tl.load(row + 4)
-        wait = tl.load(row + 5)
-        target = tl.load(row + 6)
-        lw = offs_ptr + layer * 12
-        if kind == EMBED:  # the first phase: nothing to wait for
-            _embed_task(tokens_ptr, embed_ptr, h_ptr, L, D, a, b, BLOCK_E)
-        elif kind == QKV:
-            norm_qkv_task(h_ptr, _at(anw_ptr, lw, 0), _at(wq_ptr, lw, 1),
-                          _at(wk_ptr, lw, 2), _at(wv_ptr, lw, 3), cos_ptr, sin_ptr,
-                          position_ptr, q_ptr, _at(kc_ptr, lw, 9), _at(vc_ptr, lw, 10),
-                          _at(pc_ptr, lw, 11), S, L, D, tl.load(ints_ptr + layer * 4), eps,
-                          stride_nwl, HQ_LANE, HKV_LANE, N_KV, a, b, cnt_ptr + wait, target,
-                          max_spin, err_ptr, HEAD_DIM, INTERLEAVED, BLOCK_S, QKV_P, QKV_K,
-                          QKV_PF, False, True)  # fmt: skip
-        elif kind == ATTN0:
-            _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr, position_ptr,
-                       m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr, ints_ptr, N_KV,
-                       qk_scale, cnt_ptr, max_spin, err_ptr, GROUP, HEAD_DIM, A0_NS, A0_WIN,
-                       A0_BN, A0_P2, A0_BC, A0_PF, BLOCK_G, BLOCK_D)  # fmt: skip
-        elif kind == ATTN1:
-            _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr, position_ptr,
-                       m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr, ints_ptr, N_KV,
-                       qk_scale, cnt_ptr, max_spin, err_ptr, GROUP, HEAD_DIM, A1_NS, A1_WIN,
-                       A1_BN, A1_P2, A1_BC, A1_PF, BLOCK_G, BLOCK_D)  # fmt: skip
-        elif (kind == WO0) | (kind == WO1):
-            _project_task(kind, layer, a, b, wait, target, S, L, D, HQ_LANE * HEAD_DIM, sqrt_l,
-                          o_ptr, wo_ptr, h_ptr, part_ptr, offs_ptr, ints_ptr, 4, 0, cnt_ptr,
-                          max_spin, err_ptr, WO0_MODE, WO0_PAST, WO0_O, WO0_K, WO0_PF, WO1_MODE,
-                          WO1_PAST, WO1_O, WO1_K, WO1_PF, BLOCK_S, BLOCK_L, WO0)  # fmt: skip
-        elif kind == SWIGLU:
-            norm_swiglu_task(h_ptr, _at(fnw_ptr, lw, 5), _at(w1_ptr, lw, 6),
-                             _at(w3_ptr, lw, 7), g_ptr, S, L, D, FL, eps, stride_nwl, a, b,
-                             cnt_ptr + wait, target, max_spin, err_ptr, BLOCK_S, SW_O, SW_K,
-                             SW_PF, False, True)  # fmt: skip
-        elif (kind == W20) | (kind == W21):
-            _project_task(kind, layer, a, b, wait, target, S, L, D, FL, sqrt_l, g_ptr, w2_ptr,
-                          h_ptr, part_ptr, offs_ptr, ints_ptr, 8, 1, cnt_ptr, max_spin, err_ptr,
-                          W20_MODE, W20_PAST, W20_O, W20_K, W20_PF, W21_MODE, W21_PAST, W21_O,
-                          W21_K, W21_PF, BLOCK_S, BLOCK_L, W20)  # fmt: skip
-        elif kind == LOGITS:
-            head_logits_task(h_ptr, final_nw_ptr, head_w_ptr, logits_ptr, S, L, D, VL, V, eps,
-                             stride_final, a, b, cnt_ptr + wait, target, max_spin, err_ptr,
-                             HEAD_MODE, BLOCK_S, HEAD_V, HEAD_K, BLOCK_L, False,
-                             True)  # fmt: skip
-        elif kind == ARGMAX:
-            head_argmax_task(h_ptr, final_nw_ptr, head_w_ptr, part_val_ptr, part_idx_ptr, S, L,
-                             D, VL, eps, stride_final, a, b, head_lanes, head_nv, cnt_ptr + wait,
-                             target, max_spin, err_ptr, HEAD_MODE, BLOCK_S, HEAD_V, HEAD_K,
-                             BLOCK_L, False, True)  # fmt: skip
-        else:  # COMBINE
-            argmax_combine_task(part_val_ptr, part_idx_ptr, token_ptr, n_parts, a, cnt_ptr + wait,
-                                target, max_spin, err_ptr, COMBINE_BLOCK, False,
-                                True)  # fmt: skip
-        arrive(cnt_ptr + tl.load(row + 7))
-        t = tl.atomic_add(queue_ptr, 1, sem="relaxed", scope="gpu")
+    t0 = tl.atomic_add(queue_ptr, CHUNK, sem="relaxed", scope="gpu")
+    pend_phase = tl.full((), -1, tl.int32)  # the phase of the tasks done but not yet counted
+    pending = tl.full((), 0, tl.int32)
+    while t0 < n_tasks:
+        for t in range(t0, tl.minimum(t0 + CHUNK, n_tasks)):
+            row = tasks_ptr + t * 8
+            kind = tl.load(row)
+            layer = tl.load(row + 1)
+            a = tl.load(row + 2)
+            b = tl.load(row + 3)
+            c = tl.load(row + 4)
+            wait = tl.load(row + 5)
+            target = tl.load(row + 6)
+            phase = tl.load(row + 7)
+            if phase != pend_phase:  # count those before this task may wait for their phase
+                if pending > 0:
+                    arrive(cnt_ptr + pend_phase, pending)
+                pend_phase = phase
+                pending = 0
+            lw = offs_ptr + layer * 12
+            if kind == EMBED:  # the first phase: nothing to wait for
+                _embed_task(tokens_ptr, embed_ptr, h_ptr, L, D, a, b, BLOCK_E)
+            elif kind == QKV:
+                norm_qkv_task(h_ptr, _at(anw_ptr, lw, 0), _at(wq_ptr, lw, 1),
+                              _at(wk_ptr, lw, 2), _at(wv_ptr, lw, 3), cos_ptr, sin_ptr,
+                              position_ptr, q_ptr, _at(kc_ptr, lw, 9), _at(vc_ptr, lw, 10),
+                              _at(pc_ptr, lw, 11), S, L, D, tl.load(ints_ptr + layer * 4), eps,
+                              stride_nwl, HQ_LANE, HKV_LANE, N_KV, a, b, cnt_ptr + wait, target,
+                              max_spin, err_ptr, HEAD_DIM, INTERLEAVED, BLOCK_S, QKV_P, QKV_K,
+                              QKV_PF, False, True)  # fmt: skip
+            elif kind == ATTN0:
+                _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr,
+                           position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr,
+                           ints_ptr, N_KV, qk_scale, cnt_ptr, max_spin, err_ptr, GROUP, HEAD_DIM,
+                           A0_NS, A0_WIN, A0_BN, A0_P2, A0_BC, A0_PF, BLOCK_G,
+                           BLOCK_D)  # fmt: skip
+            elif kind == ATTN1:
+                _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr,
+                           position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr,
+                           ints_ptr, N_KV, qk_scale, cnt_ptr, max_spin, err_ptr, GROUP, HEAD_DIM,
+                           A1_NS, A1_WIN, A1_BN, A1_P2, A1_BC, A1_PF, BLOCK_G,
+                           BLOCK_D)  # fmt: skip
+            elif (kind == WO0) | (kind == WO1):
+                _project_task(kind, layer, a, b, wait, target, S, L, D, HQ_LANE * HEAD_DIM, sqrt_l,
+                              o_ptr, wo_ptr, h_ptr, part_ptr, offs_ptr, ints_ptr, 4, 0, cnt_ptr,
+                              max_spin, err_ptr, WO0_MODE, WO0_PAST, WO0_O, WO0_K, WO0_PF, WO1_MODE,
+                              WO1_PAST, WO1_O, WO1_K, WO1_PF, BLOCK_S, BLOCK_L, WO0)  # fmt: skip
+            elif kind == SWIGLU:
+                norm_swiglu_task(h_ptr, _at(fnw_ptr, lw, 5), _at(w1_ptr, lw, 6),
+                                 _at(w3_ptr, lw, 7), g_ptr, S, L, D, FL, eps, stride_nwl, a, b,
+                                 cnt_ptr + wait, target, max_spin, err_ptr, BLOCK_S, SW_O, SW_K,
+                                 SW_PF, False, True)  # fmt: skip
+            elif (kind == W20) | (kind == W21):
+                _project_task(kind, layer, a, b, wait, target, S, L, D, FL, sqrt_l, g_ptr, w2_ptr,
+                              h_ptr, part_ptr, offs_ptr, ints_ptr, 8, 1, cnt_ptr, max_spin, err_ptr,
+                              W20_MODE, W20_PAST, W20_O, W20_K, W20_PF, W21_MODE, W21_PAST, W21_O,
+                              W21_K, W21_PF, BLOCK_S, BLOCK_L, W20)  # fmt: skip
+            elif kind == LOGITS:
+                head_logits_task(h_ptr, final_nw_ptr, head_w_ptr, logits_ptr, S, L, D, VL, V, eps,
+                                 stride_final, a, b, cnt_ptr + wait, target, max_spin, err_ptr,
+                                 HEAD_MODE, BLOCK_S, HEAD_V, HEAD_K, BLOCK_L, False,
+                                 True)  # fmt: skip
+            elif kind == ARGMAX:
+                head_argmax_task(h_ptr, final_nw_ptr, head_w_ptr, part_val_ptr, part_idx_ptr, S,
+                                 L, D, VL, eps, stride_final, a, b, head_lanes, head_nv,
+                                 cnt_ptr + wait, target, max_spin, err_ptr, HEAD_MODE, BLOCK_S,
+                                 HEAD_V, HEAD_K, BLOCK_L, False, True)  # fmt: skip
+            else:  # COMBINE
+                argmax_combine_task(part_val_ptr, part_idx_ptr, token_ptr, n_parts, a,
+                                    cnt_ptr + wait, target, max_spin, err_ptr, COMBINE_BLOCK,
+                                    False, True)  # fmt: skip
+            pending += 1
+        if pending > 0:  # the chunk's last tasks, before taking the next chunk
+            arrive(cnt_ptr + pend_phase, pending)
+            pending = 0
+        t0 = tl.atomic_add(queue_ptr, CHUNK, sem="relaxed", scope="gpu")
     # Out of tasks: the last program out finds every task done and resets the counts.
     G = tl.num_programs(0)
     if tl.atomic_add(queue_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:

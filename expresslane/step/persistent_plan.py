@@ -142,7 +142,7 @@ def build_plan(dec, S: int, argmax: bool):
     head_nv = triton.cdiv(vl, block_v)
     n_parts = head_lanes * head_nv
     consts |= {"HEAD_MODE": mode, "HEAD_V": block_v, "HEAD_K": block_k,
-               "COMBINE_BLOCK": triton.next_power_of_2(n_parts)}  # fmt: skip
+               "COMBINE_BLOCK": triton.next_power_of_2(n_parts), "CHUNK": dec.chunk}  # fmt: skip
 
     t = _Tasks()
     t.phase(pk.EMBED, 0, _coords(S, L))
