@@ -60,6 +60,7 @@ quiet(launches.main, "--model", "laneformer-tiny", "--context", "64")
 quiet(cli, "ceiling", "--model", "laneformer-2b")
 import expresslane.bench.kernels, expresslane.bench.profile, expresslane.kernels.aot  # noqa
 import expresslane.bench.session, expresslane.step.graph, expresslane.step.fused  # noqa
+import expresslane.bench.persistent, expresslane.step.persistent, expresslane.bench.barrier  # noqa
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r})
 assert not loaded, loaded
 print("entry points ok")
