@@ -110,6 +110,10 @@ def measure(args) -> dict:
                    else per_sm * sms}  # fmt: skip
             if per_sm is not None:
                 row.update(check(fused, step, cache, position))
+                if row["failed_waits"]:  # a broken launch's time says nothing
+                    rows.append(row | {"us_per_step": None, "tok_s": None, "gb_s": None,
+                                       "pct_copy": None})  # fmt: skip
+                    continue
             if per_sm is None:
                 run = lambda s=step, p=position: s.pick(token, p)  # noqa: E731
             else:
@@ -124,6 +128,11 @@ def measure(args) -> dict:
 
 
 def _line(r: dict) -> str:
+    if r["us_per_step"] is None:
+        return (
+            f"{r['context']:>6} {r['step']:<20}{r['programs']:>9}  not timed: "
+            f"{r['failed_waits']} waits gave up (max diff {r['max_diff']:.1e})"
+        )
     pct = f"{r['pct_copy']:.0f}%" if r["pct_copy"] is not None else "-"
     ok = "-" if "bitwise" not in r else (
         "bitwise" if r["bitwise"] else f"diff {r['max_diff']:.1e}") + (

@@ -108,7 +108,11 @@ def headline(res: dict) -> str:
         for ctx in dict.fromkeys(x["context"] for x in r["rows"]):
             rows = [x for x in r["rows"] if x["context"] == ctx]
             fused = next(x for x in rows if x["step"] == "fused")
-            best = max((x for x in rows if x["step"] != "fused"), key=lambda x: x["tok_s"])
+            timed = [x for x in rows if x["step"] != "fused" and x["tok_s"]]
+            if not timed:
+                out.append(f"ctx {ctx}: fused {fused['tok_s']:.0f} tok/s, persistent FAILED")
+                continue
+            best = max(timed, key=lambda x: x["tok_s"])
             same = all(x.get("bitwise") and not x.get("failed_waits") for x in rows[1:])
             out.append(
                 f"ctx {ctx}: fused {fused['tok_s']:.0f}, {best['step']} "

@@ -340,8 +340,7 @@ def await_inputs(USE_PDL: tl.constexpr, SYNC: tl.constexpr, dep_ptr, dep_target,
     persistent decode kernel (SYNC), the count of the phase it reads (grid_sync.wait_count); a
     wait that gave up is flagged in err_ptr. A kernel passes SYNC=False and None for the rest."""
     if SYNC:
-        if wait_count(dep_ptr, dep_target, max_spin) == 0:
-            tl.atomic_max(err_ptr, 1)
+        wait_count(dep_ptr, dep_target, max_spin, err_ptr)
     else:
         pdl_wait(USE_PDL)
 

@@ -11,12 +11,14 @@ barrier of CUDA's cooperative groups, written in Triton:
   thread before the count, for any program that acquires the count.
 - `wait_count`: polls the counter with volatile loads until it reaches the target, reads it
   once more with an acquiring atomic, then `debug_barrier` so every thread of the program is
-  ordered after the acquire. Inputs
-  written by other programs are then read with `cache_modifier=".cg"` (L2, not a stale L1).
-  The poll gives up after `max_spin` reads and returns False: a program spinning on producers
-  that never got an SM (a grid larger than the resident blocks) would otherwise hang the GPU,
-  so callers size the grid to the resident blocks (`aot.blocks_per_sm` from the compiled
-  kernel's registers) and report a False as an error.
+  ordered after the acquire. Inputs written by other programs may be read with
+  `cache_modifier=".cg"` (L2, not a stale L1) besides. The poll gives up after `max_spin`
+  reads (or once another program gave up), flags the launch's error count and returns False:
+  a program spinning on producers that never got an SM (the prototype's static split on a grid
+  larger than the resident blocks) would otherwise hang the GPU, so the prototype sizes its grid
+  to the resident blocks (`aot.blocks_per_sm` from the compiled kernel's registers); the
+  persistent decode kernel takes its tasks from a queue in dependency order and needs no such
+  bound (kernels/persistent.py).
 
 Under the Triton interpreter programs run one after the other, so a wait on a later program
 never ends: CPU tests run these kernels with one program (tests/test_grid_sync.py).
@@ -45,20 +47,27 @@ def arrive(counter_ptr, count):
 
 
 @triton.jit
-def wait_count(counter_ptr, target, max_spin):
-    """Wait until *counter_ptr >= target; False if it did not within max_spin polls.
+def wait_count(counter_ptr, target, max_spin, err_ptr):
+    """Wait until *counter_ptr >= target; on a wait of max_spin polls, or once any program of
+    the launch flagged *err_ptr, give up: flag it and return False.
 
     The polls are volatile loads (L2, no read-modify-write: hundreds of programs polling one
     count would otherwise queue their atomics behind the producers' adds); the one acquiring
     read-modify-write after the count is reached orders this program after every add it saw
-    (an RMW continues each add's release sequence)."""
+    (an RMW continues each add's release sequence). The error flag is read every 1024 polls, so
+    that one failed wait ends the launch in one wait's time, not one per waiting task."""
     seen = tl.load(counter_ptr, volatile=True)
     spins = 0
     while (seen < target) & (spins < max_spin):
         seen = tl.load(counter_ptr, volatile=True)
         spins += 1
+        if spins % 1024 == 0:
+            if tl.load(err_ptr, volatile=True) != 0:
+                spins = max_spin
     seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+    if seen < target:
+        tl.atomic_max(err_ptr, 1)
     return seen >= target
 
 
@@ -108,9 +117,7 @@ def chain_persistent(w_ptr, act_ptr, meta_ptr, cnt_ptr, err_ptr, P, max_spin,
                             other=0.0)  # fmt: skip
         if BARRIER:
             if p > 0:
-                ok = wait_count(cnt_ptr + p - 1, G, max_spin)
-                if ok == 0:
-                    tl.atomic_max(err_ptr, 1)
+                wait_count(cnt_ptr + p - 1, G, max_spin, err_ptr)
         for t in range(pid, tl.cdiv(N, BLOCK_N), G):
             if PREFETCH:
                 if t == pid:  # the tile whose first weights are already in registers
