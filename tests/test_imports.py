@@ -114,7 +114,7 @@ LAYERS = [
     ("step.choose",),
     ("step.graph", "step.split"),
     ("step.packed", "step.prefill"),
-    ("step.persistent", "step.persistent_plan", "kernels.aot"),
+    ("step.persistent", "step.persistent_plan", "step.persistent_tasks", "kernels.aot"),
     ("step.fused", "step.native"),
     ("step.protocol",),
     ("kernels", "kernels.prefill_norm"),

@@ -85,6 +85,76 @@ def test_persistent_equals_fused(name, S, programs, chunk):
     assert torch.equal(out["persistent"][1], out["persistent"][0].argmax(-1))
 
 
+def waits_order(rows: torch.Tensor, seed: int | None) -> torch.Tensor:
+    """The tasks in another order that their waits allow: random (seed), or (None) the latest
+    ready task first, lane 1's last of all: lanes run as far apart as the waits let them, which
+    a missing wait does not survive."""
+    import random
+
+    rows = rows.tolist()
+    got: dict[int, int] = {}  # count -> tasks added to it so far
+
+    def ready(r):
+        return all(t == 0 or got.get(s, 0) >= t for s, t in ((r[5], r[6]), (r[7], r[8])))
+
+    def lagging(r):  # lane 1's tasks (a laned task adds to its lane's count, total + 1 + lane)
+        return r[10] >= 0 and r[9] - r[10] - 1 == 1
+
+    rng, left, out = random.Random(seed), list(range(len(rows))), []
+    while left:
+        can = [j for j in left if ready(rows[j])]
+        ahead = [j for j in can if not lagging(rows[j])]
+        j = rng.choice(can) if seed is not None else (ahead or can)[-1]
+        left.remove(j)
+        out.append(rows[j])
+        for slot in (rows[j][9], rows[j][10]):
+            if slot >= 0:
+                got[slot] = got.get(slot, 0) + 1
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _deep():  # layers 2-4 past-mode: lane chains meet only through layer i - 2's partials
+    return tiny.laneformer(seed=5, sliding_window=4, num_hidden_layers=5,
+                           sliding_window_n_layers=3).to(DEVICE)  # fmt: skip
+
+
+def _lane_run(model, order, drop=()):
+    """The lane-deps step's logits of 3 tokens, its tasks in `order` (waits_order), with the
+    second waits of the `drop` kinds taken away first."""
+    prompt, tokens = [1, 5, 9, 13, 17, 21], torch.tensor([7, 30, 4], device=DEVICE)
+    step = PersistentDecoder(model, _prefilled(model, prompt), programs=2, deps="lane")
+    plan = step.plan(3, False)
+    for kind in drop:
+        plan.tasks[plan.tasks[:, 0] == int(kind), 8] = 0
+    plan.tasks.copy_(waits_order(plan.tasks, order))
+    return step.forward(tokens, at(6)), step.errors()
+
+
+@pytest.mark.parametrize("order", [None, 1])
+def test_lane_waits_are_enough_in_any_order_they_allow(order):
+    """Each lane runs its own chain (deps="lane"), meeting the others only through the
+    partials of layer i - delay: in any order those waits allow, the fused step's bits."""
+    model = _deep()
+    cache = _prefilled(model, [1, 5, 9, 13, 17, 21])
+    want = FusedDecoder(model, cache, kernels=True).forward(torch.tensor([7, 30, 4]).to(DEVICE),
+                                                            at(6))  # fmt: skip
+    got, errors = _lane_run(model, order)
+    assert torch.equal(got, want) and errors == 0
+
+
+def test_a_missing_wait_shows_in_the_lagging_order():
+    """The check above can fail: without attention's wait on lane 0's qkv (which records the
+    slots' positions), or without wo's and w2's on layer i - delay's partials, the order that
+    runs lanes apart gives other bits."""
+    from expresslane.kernels import persistent as pk
+
+    model = _deep()
+    want, _ = _lane_run(model, None)
+    for drop in ((pk.ATTN0, pk.ATTN1), (pk.WO1, pk.W21)):
+        got, _ = _lane_run(model, None, drop)
+        assert not torch.equal(got, want), drop
+
+
 def test_persistent_rows_are_lone_steps_and_sampling_works():
     """Row j of S tokens equals a lone step of token j (the verify is the decode step), and a
     sampled next_token comes from those logits."""

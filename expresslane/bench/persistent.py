@@ -1,7 +1,8 @@
 """The persistent decode step against the fused step, at a preset's shapes (issue 23, item 3).
 
     python -m expresslane.bench.persistent [--preset laneformer-2b] [--contexts 1024 128 4000]
-        [--programs-per-sm 1 2 3] [--chunks 1 4] [--steps 16] [--trials 5] [--dry-run]
+        [--programs-per-sm 1 2 3] [--chunks 1 4] [--deps phase lane] [--steps 16] [--trials 5]
+        [--dry-run]
 
 On the preset's random weights (bf16 on a GPU) with `context` positions in the cache (random
 keys and values, the positions a prefill would leave, rings included), for each context:
@@ -9,8 +10,9 @@ keys and values, the positions a prefill would leave, rings included), for each 
   same cache (bitwise, else the largest difference), and the counts of waits that gave up;
 - **timed**: a CUDA graph of `--steps` greedy steps (each writes the same slot, so the cache
   does not grow), replayed `--trials` times: the fused step (77 launches a step for the 2B) and
-  the persistent step (one launch a step) at each programs-per-SM and each chunk (the tasks a
-  program takes from the queue at once). Tasks come from a queue, so any grid is correct; the
+  the persistent step (one launch a step) at each programs-per-SM, each chunk (the tasks a
+  program takes from the queue at once) and each form of waits (whole phases, or each lane's own
+  chain: step/persistent_tasks.py). Tasks come from a queue, so any grid is correct; the
   compiled kernel keeps 3 programs of 4 warps an SM resident (`python -m
   expresslane.kernels.aot --persistent`).
 GB/s counts the bytes a step must read (bench/ceiling.py: weights once, the scanned KV) and
@@ -103,8 +105,10 @@ def measure(args) -> dict:
         variants = [("fused", fused, None)]
         for per_sm in args.programs_per_sm:
             for chunk in args.chunks:
-                step = PersistentDecoder(model, cache, programs=per_sm * sms, chunk=chunk)
-                variants.append((f"persistent x{per_sm} c{chunk}", step, per_sm))
+                for deps in args.deps:
+                    step = PersistentDecoder(model, cache, programs=per_sm * sms, chunk=chunk,
+                                             deps=deps)  # fmt: skip
+                    variants.append((f"persistent x{per_sm} c{chunk} {deps}", step, per_sm))
         for name, step, per_sm in variants:
             row = {"context": ctx, "step": name, "programs": None if per_sm is None
                    else per_sm * sms}  # fmt: skip
@@ -130,7 +134,7 @@ def measure(args) -> dict:
 def _line(r: dict) -> str:
     if r["us_per_step"] is None:
         return (
-            f"{r['context']:>6} {r['step']:<20}{r['programs']:>9}  not timed: "
+            f"{r['context']:>6} {r['step']:<26}{r['programs']:>9}  not timed: "
             f"{r['failed_waits']} waits gave up (max diff {r['max_diff']:.1e})"
         )
     pct = f"{r['pct_copy']:.0f}%" if r["pct_copy"] is not None else "-"
@@ -138,7 +142,7 @@ def _line(r: dict) -> str:
         "bitwise" if r["bitwise"] else f"diff {r['max_diff']:.1e}") + (
         "" if r.get("same_pick", True) else " PICK DIFFERS") + (
         f" {r['failed_waits']} FAILED WAITS" if r.get("failed_waits") else "")  # fmt: skip
-    return (f"{r['context']:>6} {r['step']:<20}{r['programs'] or '-':>9}{r['us_per_step']:>10.1f}"
+    return (f"{r['context']:>6} {r['step']:<26}{r['programs'] or '-':>9}{r['us_per_step']:>10.1f}"
             f"{r['tok_s']:>9.0f}{r['gb_s']:>8.0f}{pct:>7}  {ok}")  # fmt: skip
 
 
@@ -150,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4],
                     help="tasks a program takes from the queue at once")  # fmt: skip
+    ap.add_argument(
+        "--deps",
+        nargs="+",
+        default=["phase", "lane"],
+        choices=["phase", "lane"],
+        help="what a task waits for: the whole previous phase, or its lane's",
+    )
     ap.add_argument("--steps", type=int, default=16, help="greedy steps in one timed graph")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--device", default="auto")
@@ -164,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["EXPRESSLANE_FORCE_TRITON"] = "1"
         args.preset, args.device, args.contexts = "laneformer-tiny", "cpu", [40]
         args.programs_per_sm, args.chunks, args.steps, args.trials = [2], [3], 1, 1
+        args.deps = ["lane"]
     if min(args.contexts + args.programs_per_sm + args.chunks + [args.steps, args.trials]) < 1:
         print("error: --contexts, --programs-per-sm, --chunks, --steps and --trials must be >= 1",
               file=sys.stderr)  # fmt: skip
@@ -175,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     copy = f"{m['copy_gb_s']:.0f} GB/s" if m["copy_gb_s"] else "not measured"
     print(f"{args.preset} on {m['device']}, copy {copy}, {args.steps} steps a graph")
-    print(f"{'ctx':>6} {'step':<20}{'programs':>9}{'us/step':>10}{'tok/s':>9}{'GB/s':>8}"
+    print(f"{'ctx':>6} {'step':<26}{'programs':>9}{'us/step':>10}{'tok/s':>9}{'GB/s':>8}"
           f"{'%copy':>7}  vs fused")  # fmt: skip
     for r in m["rows"]:
         print(_line(r))

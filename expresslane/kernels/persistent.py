@@ -7,15 +7,18 @@ all. Each kernel's body is a `@triton.jit` task (`norm_qkv_task`, `attention_tas
 program ids, this kernel with a task's coordinates, so a task computes exactly what the
 kernel's program computes, in the same order, and the step keeps its bits.
 
-- **A task list** (int32 (n_tasks, 8): kind, layer, three coordinates, the phase it waits for,
-  that phase's task count, the phase it counts in), built at load in dependency order: the
-  embedding rows, then per layer qkv, attention, wo, swiglu, w2, then the head.
+- **A task list** (int32 (n_tasks, 12), `TASK_COLS` below), built at load in dependency order:
+  the embedding rows, then per layer qkv, attention, wo, swiglu, w2, then the head. Each task
+  names the counts it waits for and the counts it adds to, so the plan chooses the
+  dependencies (step/persistent_plan.py): whole phases, as kernel boundaries give, or each
+  lane's own chain, as DTP allows (a lane waits for the other lanes only through the partials
+  of layer i - broadcast_delay).
 - **A queue, not a static split**: each program takes the next CHUNK tasks with one atomic add
-  (and counts the tasks of a phase with one add, before any task of the next phase waits). A
+  (and adds a run of tasks with the same counts at once, before any later task may wait). A
   task's inputs come from tasks earlier in the list, all taken by programs that are running, so
   the step makes progress whatever the grid and however many programs are resident; the wait is
-  a spin on the count of the phase before (grid_sync.wait_count), after the task has loaded its
-  first weight tile (the weight stream does not wait for the previous phase).
+  a spin on a count (grid_sync.wait_count), after the task has loaded its first weight tile
+  (the weight stream does not wait for the previous phase).
 - **Counts reset by the last program out**: a program that finds the queue empty counts itself
   out; the last one zeroes every count, the queue and the exit count for the next replay.
 - **Per-layer tensors** are reached through element offsets from layer 0's tensor of the same
@@ -37,7 +40,7 @@ import triton.language as tl
 
 from .decode_attention import attention_task
 from .gemv_reduce import gemv_reduce_task
-from .grid_sync import arrive
+from .grid_sync import arrive, wait_count
 from .lm_head import argmax_combine_task, head_argmax_task, head_logits_task
 from .norm_qkv import norm_qkv_task
 from .swiglu import norm_swiglu_task
@@ -46,10 +49,21 @@ from .swiglu import norm_swiglu_task
 EMBED, QKV, ATTN0, ATTN1, WO0, WO1, SWIGLU, W20, W21, LOGITS, ARGMAX, COMBINE = (
     tl.constexpr(k) for k in range(12)
 )
-TASK_COLS = 8  # kind, layer, a, b, c, wait phase, wait target, arrive phase
+# A task: kind, layer, coordinates a, b, c; the count it waits for (inside its body, after its
+# weight prefetch) and its target; a second count and target (0: none) waited for first; the
+# count it adds to, and a second one (-1: none); one int32 of padding.
+TASK_COLS = tl.constexpr(12)
 # Per-layer tensors, in the order of `offs`' columns.
 LAYER_TENSORS = ("attention_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w1", "w3", "w2",
                  "k_cache", "v_cache", "pos_cache")  # fmt: skip
+
+
+@triton.jit
+def _count(cnt_ptr, slot, total, n):
+    """n tasks done: add them to their count and, where it has one, to the second."""
+    arrive(cnt_ptr + slot, n)
+    if total >= 0:
+        tl.atomic_add(cnt_ptr + total, n, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -113,7 +127,7 @@ def _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr, posi
 
 @triton.jit
 def decode_step_kernel(
-    tasks_ptr, n_tasks, cnt_ptr, n_phases, queue_ptr, err_ptr, max_spin,
+    tasks_ptr, n_tasks, cnt_ptr, n_counts, queue_ptr, err_ptr, max_spin,
     tokens_ptr, embed_ptr, position_ptr, cos_ptr, sin_ptr,
     h_ptr, q_ptr, o_ptr, g_ptr, part_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr,
     offs_ptr, ints_ptr, anw_ptr, wq_ptr, wk_ptr, wv_ptr, wo_ptr, fnw_ptr, w1_ptr, w3_ptr, w2_ptr,
@@ -142,11 +156,12 @@ def decode_step_kernel(
     CHUNK: tl.constexpr,  # tasks taken from the queue at once (their counts added at once)
 ):  # fmt: skip
     t0 = tl.atomic_add(queue_ptr, CHUNK, sem="relaxed", scope="gpu")
-    pend_phase = tl.full((), -1, tl.int32)  # the phase of the tasks done but not yet counted
+    pend_slot = tl.full((), -1, tl.int32)  # the counts of the tasks done but not yet counted
+    pend_total = tl.full((), -1, tl.int32)
     pending = tl.full((), 0, tl.int32)
     while t0 < n_tasks:
         for t in range(t0, tl.minimum(t0 + CHUNK, n_tasks)):
-            row = tasks_ptr + t * 8
+            row = tasks_ptr + t * TASK_COLS
             kind = tl.load(row)
             layer = tl.load(row + 1)
             a = tl.load(row + 2)
@@ -154,12 +169,17 @@ def decode_step_kernel(
             c = tl.load(row + 4)
             wait = tl.load(row + 5)
             target = tl.load(row + 6)
-            phase = tl.load(row + 7)
-            if phase != pend_phase:  # count those before this task may wait for their phase
+            slot = tl.load(row + 9)
+            total = tl.load(row + 10)
+            if (slot != pend_slot) | (total != pend_total):  # count those before a wait on them
                 if pending > 0:
-                    arrive(cnt_ptr + pend_phase, pending)
-                pend_phase = phase
+                    _count(cnt_ptr, pend_slot, pend_total, pending)
+                pend_slot = slot
+                pend_total = total
                 pending = 0
+            target2 = tl.load(row + 8)
+            if target2 > 0:  # the other lanes' partials of layer i - d: done long ago, as a rule
+                wait_count(cnt_ptr + tl.load(row + 7), target2, max_spin, err_ptr)
             lw = offs_ptr + layer * 12
             if kind == EMBED:  # the first phase: nothing to wait for
                 _embed_task(tokens_ptr, embed_ptr, h_ptr, L, D, a, b, BLOCK_E)
@@ -214,13 +234,13 @@ def decode_step_kernel(
                                     False, True)  # fmt: skip
             pending += 1
         if pending > 0:  # the chunk's last tasks, before taking the next chunk
-            arrive(cnt_ptr + pend_phase, pending)
+            _count(cnt_ptr, pend_slot, pend_total, pending)
             pending = 0
         t0 = tl.atomic_add(queue_ptr, CHUNK, sem="relaxed", scope="gpu")
     # Out of tasks: the last program out finds every task done and resets the counts.
     G = tl.num_programs(0)
     if tl.atomic_add(queue_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
-        for p in range(n_phases):
+        for p in range(n_counts):
             tl.store(cnt_ptr + p, 0)
         tl.store(queue_ptr, 0)
         tl.store(queue_ptr + 1, 0)

@@ -28,13 +28,14 @@ from .fused import FusedDecoder
 from .fused import supports as fused_supports
 from .persistent_plan import Plan, build_plan
 
-PROGRAMS_PER_SM = 2  # starting points: bench/persistent.py sweeps both
+PROGRAMS_PER_SM = 2  # starting points: bench/persistent.py sweeps all three
 TASKS_PER_FETCH = 1
+DEPS = "lane"  # persistent_tasks.py
 
 
 class PersistentDecoder:
     def __init__(self, model: Laneformer, cache: KVCache, programs: int | None = None,
-                 chunk: int = TASKS_PER_FETCH):  # fmt: skip
+                 chunk: int = TASKS_PER_FETCH, deps: str = DEPS):  # fmt: skip
         self.fused = FusedDecoder(model, cache, kernels=True)  # the weights, tables and reference
         self.cfg, self.cache, self.model = model.cfg, cache, model
         why = unsupported(model, cache)
@@ -45,6 +46,7 @@ class PersistentDecoder:
         sms = num_sms(self.fused.embed)
         self.programs = programs or (PROGRAMS_PER_SM * sms if sms else 2)
         self.chunk = chunk  # tasks a program takes from the queue at once
+        self.deps = deps  # what a task waits for: whole phases, or its lane's chain
         self.plans: dict[tuple[int, bool], Plan] = {}
         self.offsets = self._layer_offsets()
         self.plan(1, True)  # a model the task kinds do not cover fails here, at load

@@ -1,13 +1,10 @@
-"""The persistent step's plan for S tokens: its task list, buffers and per-kind configurations.
+"""The persistent step's plan for S tokens: its buffers, per-kind configurations and task list.
 
 Each task kind is configured by the fused kernel's own configuration function at S tokens
 (norm_qkv_config, attention_config, gemv_reduce_config, norm_swiglu_config, the head's blocks),
 so the GPU tuning table and the token-axis fitting apply to both steps alike, and the tasks of a
-phase are the programs of that kernel's grid, in CUDA's block order. Phases run in the fused
-step's order (embedding, then per layer qkv, attention, wo, swiglu, w2, then the head and, for
-greedy, the argmax combine); every task waits for the whole phase before it, the dependency a
-kernel boundary gives today (per-lane counts, which let DTP lanes run ahead, are the next
-refinement: docs/persistent-kernel.md).
+phase are the programs of that kernel's grid. The task list and its waits (whole phases, or
+each lane's own chain) are persistent_tasks.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import torch
 import triton
 
 from ..kernels import MAX_TOKENS
-from ..kernels import persistent as pk
 from ..kernels.decode_attention import LOG2E, attention_config
 from ..kernels.gemv import assert_norm_weight
 from ..kernels.gemv_reduce import MODES, gemv_reduce_config
@@ -27,6 +23,7 @@ from ..kernels.lm_head import _blocks, _prepare
 from ..kernels.norm_qkv import norm_qkv_config
 from ..kernels.swiglu import norm_swiglu_config
 from ..kernels.tuning import split
+from .persistent_tasks import decode_tasks
 
 MAX_SPIN = 1 << 24  # polls before a wait gives up and flags the error count
 
@@ -37,35 +34,11 @@ class Plan:
 
     S: int
     argmax: bool
-    tasks: torch.Tensor  # int32 (n_tasks, 8): persistent_plan.py
-    n_phases: int
+    tasks: torch.Tensor  # int32 (n_tasks, 12): persistent_tasks.py
+    n_counts: int
     args: dict  # the kernel's tensor and scalar arguments, by name (all but the tokens)
     consts: dict  # its constexprs
     num_warps: int
-
-
-def _coords(*sizes: int) -> list[tuple[int, ...]]:
-    """Every coordinate of a grid, the first axis fastest (CUDA's block order)."""
-    out: list[tuple[int, ...]] = [()]
-    for n in sizes:
-        out = [c + (i,) for i in range(n) for c in out]
-    return out
-
-
-class _Tasks:
-    """The task list, phase by phase: each task waits for the whole previous phase."""
-
-    def __init__(self):
-        self.rows: list[list[int]] = []
-        self.counts: list[int] = []
-
-    def phase(self, kind, layer: int, coords: list[tuple[int, ...]]) -> None:
-        p = len(self.counts)
-        wait, target = (p - 1, self.counts[-1]) if p else (0, 0)
-        for c in coords:
-            a, b, cc = (tuple(c) + (0, 0, 0))[:3]
-            self.rows.append([int(kind), layer, a, b, cc, wait, target, p])
-        self.counts.append(len(coords))
 
 
 def _slots(keys: list) -> tuple[list, list[int]]:
@@ -144,19 +117,11 @@ def build_plan(dec, S: int, argmax: bool):
     consts |= {"HEAD_MODE": mode, "HEAD_V": block_v, "HEAD_K": block_k,
                "COMBINE_BLOCK": triton.next_power_of_2(n_parts), "CHUNK": dec.chunk}  # fmt: skip
 
-    t = _Tasks()
-    t.phase(pk.EMBED, 0, _coords(S, L))
-    for i in range(cfg.num_layers):
-        t.phase(pk.QKV, i, _coords(*qkv_grid))
-        t.phase(pk.ATTN0 + attn_slot[i], i, _coords(S, n_kv, n_splits[attn_slot[i]]))
-        t.phase(pk.WO0 + proj_slot[i], i, _coords(*grids["WO", proj_slot[i]]))
-        t.phase(pk.SWIGLU, i, _coords(L, triton.cdiv(FL, consts["SW_O"])))
-        t.phase(pk.W20 + proj_slot[i], i, _coords(*grids["W2", proj_slot[i]]))
-    if argmax:
-        t.phase(pk.ARGMAX, 0, _coords(head_lanes, head_nv))
-        t.phase(pk.COMBINE, 0, _coords(S))
-    else:
-        t.phase(pk.LOGITS, 0, _coords(head_lanes, head_nv))
+    grids["QKV"], grids["splits"] = qkv_grid, n_splits
+    grids["SWIGLU"] = (L, triton.cdiv(FL, consts["SW_O"]))
+    grids["HEAD"] = (head_lanes, head_nv)
+    slots = {"attention": attn_slot, "projection": proj_slot}
+    t = decode_tasks(cfg, S, argmax, dec.deps, grids, slots)
 
     ns = max(n_splits)
     ints = [[cache.k[i].shape[0], cfg.window(i) or 0,
@@ -165,7 +130,7 @@ def build_plan(dec, S: int, argmax: bool):
     zeros = lambda *shape, dtype=torch.int32: torch.zeros(shape, device=dev, dtype=dtype)  # noqa: E731
     args = {
         "tasks_ptr": torch.tensor(t.rows, dtype=torch.int32, device=dev),
-        "n_tasks": len(t.rows), "cnt_ptr": zeros(len(t.counts)), "n_phases": len(t.counts),
+        "n_tasks": len(t.rows), "cnt_ptr": zeros(t.n_counts), "n_counts": t.n_counts,
         "queue_ptr": zeros(2), "err_ptr": zeros(1), "max_spin": MAX_SPIN,
         "embed_ptr": f.embed, "cos_ptr": f.cos, "sin_ptr": f.sin,
         "h_ptr": h, "q_ptr": q, "o_ptr": o, "g_ptr": g,
@@ -190,4 +155,4 @@ def build_plan(dec, S: int, argmax: bool):
         "qk_scale": hd**-0.5 * LOG2E, "sqrt_l": math.sqrt(L),
         "head_lanes": head_lanes, "head_nv": head_nv, "n_parts": n_parts,
     }  # fmt: skip
-    return Plan(S, argmax, args["tasks_ptr"], len(t.counts), args, consts, max(warps))
+    return Plan(S, argmax, args["tasks_ptr"], t.n_counts, args, consts, max(warps))
