@@ -105,7 +105,7 @@ stage_command() {
       ((DRY)) && CMD+=(--dry-run) ;;
     persistent)  # the whole step in one launch against the fused step: bits, then tok/s
       LIMIT=240; CMD=("$PY" -m expresslane.bench.persistent --preset laneformer-2b
-                      --contexts 1024 128 4000 --programs-per-sm 1 2 3 --chunks 1 4
+                      --contexts 1024 4000 128 --programs-per-sm 2 4 --chunks 1 4 --warps 2 4
                       --deps phase lane)
       ((DRY)) && CMD+=(--dry-run) ;;
     sweep)  # every kernel variant checked, then timed; the winners: sweep.json's result.table

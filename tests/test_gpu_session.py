@@ -87,6 +87,7 @@ def test_dry_run_of_every_stage(tmp_path):
     persistent = results["persistent"]["result"]  # the one-launch step gives the fused bits
     steps = [r for r in persistent["rows"] if r["step"] != "fused"]
     assert steps and all(r["bitwise"] and r["same_pick"] and not r["failed_waits"] for r in steps)
+    assert steps[0]["rows_are_lone_steps"]
     spec = results["spec-replay"]["result"]
     assert spec["bench"] == "spec_replay" and set(spec["by_kind"]) == {"edit", "quote", "free"}
     tests = results["tests"]["tests"]

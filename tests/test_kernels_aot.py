@@ -173,3 +173,33 @@ def test_compiled_reductions_do_not_depend_on_the_token_count():
     }
     for kernel, (one, eight) in report.items():
         assert one and one == eight, f"{kernel}: 1 token {one}, 8 tokens {eight}"
+
+
+PERSISTENT = """
+import json, tempfile
+from pathlib import Path
+from expresslane.kernels.aot import compile_launch, distinct, persistent_invariance
+from expresslane.kernels.aot import record_decode_step
+one, eight = persistent_invariance("laneformer-2b")
+(greedy,) = distinct(record_decode_step("laneformer-2b", 4096, 132, True, logits=False,
+                                        persistent=True))
+with tempfile.TemporaryDirectory() as tmp:
+    row = compile_launch(greedy, 90, Path(tmp))  # the S = 1 build above, from triton's cache
+print(json.dumps({"one": one, "eight": eight, "row": row}))
+"""
+
+
+def test_persistent_kernel_builds_and_sums_alike_for_1_and_8_tokens():
+    """The one-launch step (kernels/persistent.py) compiles for sm_90, streams its weights 16
+    bytes at a time (its per-layer offsets carry their alignment), keeps more than one program
+    an SM, and at its one warp count sums every row alike in the 1- and the 8-token builds: a
+    verify's rows are lone steps, which the interpreter cannot show."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", PERSISTENT], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["one"] and report["one"] == report["eight"], report
+    row = report["row"]
+    assert row["loads"].get("128", 0) >= 16 and row["spill_bytes"] == 0, row
+    assert row["blocks_per_sm"] >= 2 and row["grid"][0] >= 132, row

@@ -1,29 +1,32 @@
 """The persistent decode step against the fused step, at a preset's shapes (issue 23, item 3).
 
     python -m expresslane.bench.persistent [--preset laneformer-2b] [--contexts 1024 128 4000]
-        [--programs-per-sm 1 2 3] [--chunks 1 4] [--deps phase lane] [--steps 16] [--trials 5]
-        [--dry-run]
+        [--programs-per-sm 2 4] [--chunks 1 4] [--warps 2 4] [--deps phase lane]
+        [--steps 16] [--trials 5] [--dry-run]
 
 On the preset's random weights (bf16 on a GPU) with `context` positions in the cache (random
 keys and values, the positions a prefill would leave, rings included), for each context:
 - **checked**: the logits and the greedy pick of one step, persistent against fused from the
-  same cache (bitwise, else the largest difference), and the counts of waits that gave up;
+  same cache (bitwise, else the largest difference), the counts of waits that gave up, and for
+  each warp count once, a verify of 4 tokens against 4 lone steps (bitwise: the batch
+  invariance exact speculation needs, of the compiled build);
 - **timed**: a CUDA graph of `--steps` greedy steps (each writes the same slot, so the cache
   does not grow), replayed `--trials` times: the fused step (77 launches a step for the 2B) and
-  the persistent step (one launch a step) at each programs-per-SM, each chunk (the tasks a
-  program takes from the queue at once) and each form of waits (whole phases, or each lane's own
-  chain: step/persistent_tasks.py). Tasks come from a queue, so any grid is correct; the
-  compiled kernel keeps 3 programs of 4 warps an SM resident (`python -m
+  the persistent step (one launch a step) at each programs-per-SM, chunk (the tasks a program
+  takes from the queue at once), warp count and form of waits (whole phases, or each lane's own
+  chain: step/persistent_tasks.py). Tasks come from a queue, so any grid is correct; the sm_90
+  build keeps 4 programs of 2 warps an SM resident, or 3 of 4 (`python -m
   expresslane.kernels.aot --persistent`).
 GB/s counts the bytes a step must read (bench/ceiling.py: weights once, the scanned KV) and
 %copy sets them against a copy measured in the same run. One table, then one JSON line.
---dry-run runs laneformer-tiny on the CPU through the Triton interpreter, timed by a host
-clock: the wiring, not a figure.
+--dry-run runs a narrowed laneformer-tiny (DRY_MODEL) on the CPU through the Triton
+interpreter, timed by a host clock: the wiring, not a figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -31,8 +34,14 @@ import sys
 import torch
 
 from ..cache import KVCache
+from ..config import ModelConfig
 from ..errors import ExpressLaneError
-from ..presets import load_model_config
+from ..presets import load_model_config, preset_hf_dict
+
+# --dry-run's model: laneformer-tiny's layout (rings, delay 2: past-mode layers whose lanes meet
+# only through partials, a vocab-parallel head) at a quarter of its width, for the interpreter.
+DRY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_lanes": 4, "vocab_size": 128,
+             "num_attention_heads": 8, "num_key_value_heads": 4, "sliding_window": 16}  # fmt: skip
 
 
 def fill_cache(cache: KVCache, context: int, seed: int = 0) -> None:
@@ -72,6 +81,18 @@ def check(fused, persistent, cache: KVCache, position: torch.Tensor) -> dict:
             "failed_waits": persistent.errors()}  # fmt: skip
 
 
+def rows_are_lone_steps(persistent, cache: KVCache, position: torch.Tensor) -> bool:
+    """A verify of 4 tokens against 4 lone steps from the same cache, bitwise: the batch
+    invariance that makes greedy speculation plain decoding (the compiled build's, here)."""
+    tokens = torch.tensor([3, 9, 4, 7], device=position.device)
+    snap = _snapshot(cache)
+    wide = persistent.forward(tokens, position)
+    _restore(cache, snap)
+    lone = torch.cat([persistent.forward(tokens[j : j + 1], position + j) for j in range(4)])
+    _restore(cache, snap)
+    return bool(torch.equal(wide, lone))
+
+
 def seconds_per_step(step, steps: int, trials: int, gpu: bool) -> float:
     from .kernels import _time_calls, _time_graph
 
@@ -87,12 +108,15 @@ def measure(args) -> dict:
     from .ceiling import bytes_per_token
     from .weights import random_model
 
-    cfg = load_model_config(args.preset)
+    if args.dry_run:
+        cfg = ModelConfig.from_hf_dict({**preset_hf_dict("laneformer-tiny"), **DRY_MODEL})
+    else:
+        cfg = load_model_config(args.preset)
     dev = resolve_device(args.device)
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     model = random_model(cfg, dev, dtype)
-    cache = KVCache(cfg, max(args.contexts) + 8, dev, dtype)
+    cache = KVCache(cfg, max(args.contexts) + 8, dev, dtype, headroom=7)  # as the engine
     fused = FusedDecoder(model, cache, kernels=True)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if gpu else 1
     copy = copy_bandwidth_gb_s(dev) if gpu else None
@@ -103,17 +127,21 @@ def measure(args) -> dict:
         position = torch.tensor([ctx], device=dev)
         nbytes = bytes_per_token(cfg, ctx + 1, torch.finfo(dtype).bits // 8)["total"]
         variants = [("fused", fused, None)]
-        for per_sm in args.programs_per_sm:
-            for chunk in args.chunks:
-                for deps in args.deps:
-                    step = PersistentDecoder(model, cache, programs=per_sm * sms, chunk=chunk,
-                                             deps=deps)  # fmt: skip
-                    variants.append((f"persistent x{per_sm} c{chunk} {deps}", step, per_sm))
+        for per_sm, chunk, warps, deps in itertools.product(
+            args.programs_per_sm, args.chunks, args.warps, args.deps
+        ):
+            step = PersistentDecoder(model, cache, programs=per_sm * sms, chunk=chunk,
+                                     deps=deps, warps=warps)  # fmt: skip
+            variants.append((f"persistent x{per_sm} c{chunk} w{warps} {deps}", step, per_sm))
+        checked_rows = set()  # one verify check per warp count (a compile each)
         for name, step, per_sm in variants:
             row = {"context": ctx, "step": name, "programs": None if per_sm is None
                    else per_sm * sms}  # fmt: skip
             if per_sm is not None:
                 row.update(check(fused, step, cache, position))
+                if step.warps not in checked_rows:
+                    checked_rows.add(step.warps)
+                    row["rows_are_lone_steps"] = rows_are_lone_steps(step, cache, position)
                 if row["failed_waits"]:  # a broken launch's time says nothing
                     rows.append(row | {"us_per_step": None, "tok_s": None, "gb_s": None,
                                        "pct_copy": None})  # fmt: skip
@@ -134,15 +162,17 @@ def measure(args) -> dict:
 def _line(r: dict) -> str:
     if r["us_per_step"] is None:
         return (
-            f"{r['context']:>6} {r['step']:<26}{r['programs']:>9}  not timed: "
+            f"{r['context']:>6} {r['step']:<30}{r['programs']:>9}  not timed: "
             f"{r['failed_waits']} waits gave up (max diff {r['max_diff']:.1e})"
         )
     pct = f"{r['pct_copy']:.0f}%" if r["pct_copy"] is not None else "-"
     ok = "-" if "bitwise" not in r else (
         "bitwise" if r["bitwise"] else f"diff {r['max_diff']:.1e}") + (
         "" if r.get("same_pick", True) else " PICK DIFFERS") + (
-        f" {r['failed_waits']} FAILED WAITS" if r.get("failed_waits") else "")  # fmt: skip
-    return (f"{r['context']:>6} {r['step']:<26}{r['programs'] or '-':>9}{r['us_per_step']:>10.1f}"
+        f" {r['failed_waits']} FAILED WAITS" if r.get("failed_waits") else "") + (
+        "" if "rows_are_lone_steps" not in r else "; verify rows = lone steps"
+        if r["rows_are_lone_steps"] else "; VERIFY ROWS DIFFER")  # fmt: skip
+    return (f"{r['context']:>6} {r['step']:<30}{r['programs'] or '-':>9}{r['us_per_step']:>10.1f}"
             f"{r['tok_s']:>9.0f}{r['gb_s']:>8.0f}{pct:>7}  {ok}")  # fmt: skip
 
 
@@ -151,9 +181,16 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n")[0])  # fmt: skip
     ap.add_argument("--preset", default="laneformer-2b")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 128, 4000])
-    ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--programs-per-sm", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--chunks", type=int, nargs="+", default=[1, 4],
                     help="tasks a program takes from the queue at once")  # fmt: skip
+    ap.add_argument(
+        "--warps",
+        type=int,
+        nargs="+",
+        default=[2, 4],
+        help="warps a program (2: batch-invariant; step/persistent.py WARPS)",
+    )
     ap.add_argument(
         "--deps",
         nargs="+",
@@ -173,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["EXPRESSLANE_FORCE_TRITON"] = "1"
-        args.preset, args.device, args.contexts = "laneformer-tiny", "cpu", [40]
+        args.preset, args.device, args.contexts = "laneformer-tiny (narrowed)", "cpu", [24]
         args.programs_per_sm, args.chunks, args.steps, args.trials = [2], [3], 1, 1
-        args.deps = ["lane"]
-    if min(args.contexts + args.programs_per_sm + args.chunks + [args.steps, args.trials]) < 1:
-        print("error: --contexts, --programs-per-sm, --chunks, --steps and --trials must be >= 1",
+        args.deps, args.warps = ["lane"], [2]
+    if min(args.contexts + args.programs_per_sm + args.chunks + args.warps
+           + [args.steps, args.trials]) < 1:  # fmt: skip
+        print("error: --contexts, --programs-per-sm, --chunks, --warps, --steps and --trials "
+              "must be >= 1",
               file=sys.stderr)  # fmt: skip
         return 2
     try:
@@ -187,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     copy = f"{m['copy_gb_s']:.0f} GB/s" if m["copy_gb_s"] else "not measured"
     print(f"{args.preset} on {m['device']}, copy {copy}, {args.steps} steps a graph")
-    print(f"{'ctx':>6} {'step':<26}{'programs':>9}{'us/step':>10}{'tok/s':>9}{'GB/s':>8}"
+    print(f"{'ctx':>6} {'step':<30}{'programs':>9}{'us/step':>10}{'tok/s':>9}{'GB/s':>8}"
           f"{'%copy':>7}  vs fused")  # fmt: skip
     for r in m["rows"]:
         print(_line(r))

@@ -393,10 +393,11 @@ def compile_decode_step(
 _S_DEPENDENT = ("S", "BLOCK_S", "BLOCK_O", "BLOCK_P", "BLOCK_V")
 
 
-def reduce_layouts(launch: Launch, arch: int = 90) -> list[tuple]:
+def reduce_layouts(launch: Launch, arch: int = 90, sums_only: bool = False) -> list[tuple]:
     """Every reduction of the launch's sm_`arch` build, in program order, as (axis, the reduced
     axis's sizePerThread, threadsPerWarp, warpsPerCTA, its rank in `order`): what fixes the
-    order in which a row's values are summed."""
+    order in which a row's values are summed. `sums_only`: the floating-point sums alone (a
+    max, a min or an argmax gives the same answer in any order)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -410,22 +411,41 @@ def reduce_layouts(launch: Launch, arch: int = 90) -> list[tuple]:
         layouts[name] = {k: [int(v) for v in vals.split(",")]
                          for k, vals in re.findall(r"(\w+) = \[([\d, ]+)\]", body)}  # fmt: skip
     out = []
-    for axis, shape, layout in re.findall(
-        r'"tt\.reduce".*?<\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<([^,]*), (#\w+)>',
+    for axis, body, shape, layout in re.findall(
+        r'"tt\.reduce".*?<\{axis = (\d+) : i32\}>(.*?)\}\) : \(tensor<([^,]*), (#\w+)>',
         ttgir,
         re.S,
     ):
+        if sums_only and "arith.addf" not in body:
+            continue
         a, lay = int(axis), layouts.get(layout)
         if lay is None:
             out.append((a, layout))
             continue
         # Threads and warps beyond the axis's extent hold copies, which the reduction skips:
         # a 32-wide sum is one warp's whatever num_warps is (gemv.rms_rstd relies on it).
-        extent = int(shape.split("x")[a])
+        dims = [int(d) for d in shape.split("x") if d.isdigit()]  # "32x256xf32" -> [32, 256]
+        if a >= len(dims):  # not a tensor this pattern reads (a reduction of a scalar's type)
+            out.append((a, layout))
+            continue
+        extent = dims[a]
         spt = min(lay["sizePerThread"][a], extent)
         lanes = min(lay["threadsPerWarp"][a], max(1, extent // spt))
         warps = min(lay["warpsPerCTA"][a], max(1, extent // (spt * lanes)))
         out.append((a, spt, lanes, warps, lay["order"].index(a)))
+    return out
+
+
+def persistent_invariance(model_ref: str, tokens: tuple[int, int] = (1, 8),
+                          arch: int = 90) -> list[list]:  # fmt: skip
+    """The distinct sum layouts (reduce_layouts) of the persistent decode kernel's builds for
+    `tokens[0]` and `tokens[1]` tokens: the same set in both means that every row is summed in
+    the same order whatever S is, as one launch's single warp count must allow."""
+    out = []
+    for n in tokens:
+        (launch,) = distinct(record_decode_step(model_ref, 4096, 132, True, logits=False,
+                                                arch=arch, tokens=n, persistent=True))  # fmt: skip
+        out.append(sorted(set(reduce_layouts(launch, arch, sums_only=True)), key=str))
     return out
 
 

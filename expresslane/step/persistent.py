@@ -31,11 +31,21 @@ from .persistent_plan import Plan, build_plan
 PROGRAMS_PER_SM = 2  # starting points: bench/persistent.py sweeps all three
 TASKS_PER_FETCH = 1
 DEPS = "lane"  # persistent_tasks.py
+# One launch has one warp count, and a body's reduction order follows it where its tile is
+# small: at S = 8 the products' tiles shrink to 2-4 rows (gemv.fit_rows), which 4 warps would
+# split along K (another order than S = 1's), so the fused kernels take 2 warps there
+# (gemv.fit_warps). 2 warps for every S keeps every row's order independent of S (the sm_90
+# builds at S = 1 and 8 reduce with the same layouts: `aot.reduce_layouts`), so a verify's rows
+# are lone steps and greedy speculation is plain decoding. The price: the attention's sums over
+# keys and splits follow the warps too, so the logits are the fused step's to rounding, not
+# bitwise, on a GPU; 4 warps give the fused step's bits at S = 1 and no batch invariance.
+WARPS = 2
 
 
 class PersistentDecoder:
     def __init__(self, model: Laneformer, cache: KVCache, programs: int | None = None,
-                 chunk: int = TASKS_PER_FETCH, deps: str = DEPS):  # fmt: skip
+                 chunk: int = TASKS_PER_FETCH, deps: str = DEPS,
+                 warps: int = WARPS):  # fmt: skip
         self.fused = FusedDecoder(model, cache, kernels=True)  # the weights, tables and reference
         self.cfg, self.cache, self.model = model.cfg, cache, model
         why = unsupported(model, cache)
@@ -47,6 +57,7 @@ class PersistentDecoder:
         self.programs = programs or (PROGRAMS_PER_SM * sms if sms else 2)
         self.chunk = chunk  # tasks a program takes from the queue at once
         self.deps = deps  # what a task waits for: whole phases, or its lane's chain
+        self.warps = warps
         self.plans: dict[tuple[int, bool], Plan] = {}
         self.offsets = self._layer_offsets()
         self.plan(1, True)  # a model the task kinds do not cover fails here, at load

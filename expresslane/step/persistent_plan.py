@@ -61,12 +61,9 @@ def build_plan(dec, S: int, argmax: bool):
     q = torch.empty((S, n_q, hd), device=dev, dtype=dt)
     o = torch.empty_like(q)
     g = torch.empty((S, L, FL), device=dev, dtype=dt)
-    warps = []
 
     def take(c: dict, *names: str) -> list:
-        consts, opts = split(c)
-        warps.append(opts.get("num_warps", 4))
-        return [consts[n] for n in names]
+        return [split(c)[0][n] for n in names]  # the warps are the step's (persistent.WARPS)
 
     consts = {"BLOCK_S": triton.next_power_of_2(S), "BLOCK_L": triton.next_power_of_2(L),
               "BLOCK_E": min(triton.next_power_of_2(D), 1024), "HEAD_DIM": hd,
@@ -83,8 +80,7 @@ def build_plan(dec, S: int, argmax: bool):
     consts |= {"GROUP": n_q // n_kv}
     n_splits = []
     for j, (cap, windowed) in enumerate(distinct + distinct[:1] * (2 - len(distinct))):
-        c, opts = attention_config(q, cap, n_kv, n_q // n_kv, hd)
-        warps.append(opts.get("num_warps", 4))
+        c, _ = attention_config(q, cap, n_kv, n_q // n_kv, hd)
         consts |= {f"A{j}_NS": c["NUM_SPLITS"], f"A{j}_WIN": windowed, f"A{j}_BN": c["BLOCK_N"],
                    f"A{j}_P2": c["SPLITS_P2"], f"A{j}_BC": c["BLOCK_C"],
                    f"A{j}_PF": c["PREFETCH"], "BLOCK_G": c["BLOCK_G"],
@@ -155,4 +151,4 @@ def build_plan(dec, S: int, argmax: bool):
         "qk_scale": hd**-0.5 * LOG2E, "sqrt_l": math.sqrt(L),
         "head_lanes": head_lanes, "head_nv": head_nv, "n_parts": n_parts,
     }  # fmt: skip
-    return Plan(S, argmax, args["tasks_ptr"], t.n_counts, args, consts, max(warps))
+    return Plan(S, argmax, args["tasks_ptr"], t.n_counts, args, consts, dec.warps)
