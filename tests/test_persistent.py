@@ -187,13 +187,15 @@ def test_persistent_refuses_what_it_does_not_cover():
 
 def test_a_wait_that_cannot_end_is_flagged_and_the_launch_ends():
     """A task waiting for more than its phase can count (a broken plan) gives up after
-    max_spin polls, flags the launch, and every other wait then gives up too: no hang."""
+    max_spin polls, flags the launch, and every other wait then gives up too: no hang; the
+    plan's first launch (at load, in the engine's warm-up) says so."""
     model = MODELS["llama"]().to(DEVICE)
     step = PersistentDecoder(model, _prefilled(model, [1, 2, 3]), programs=2)
     plan = step.plan(1, False)
     plan.args["max_spin"] = 2048
     plan.tasks[len(plan.tasks) // 2, 6] += 1000  # one task waits for 1000 tasks too many
-    step.forward(torch.tensor([4], device=DEVICE), at(3))
+    with pytest.raises(RuntimeError, match="waits gave up"):
+        step.forward(torch.tensor([4], device=DEVICE), at(3))
     assert step.errors() >= 1
 
 

@@ -72,8 +72,13 @@ def check(fused, persistent, cache: KVCache, position: torch.Tensor) -> dict:
     want = fused.forward(token, position)
     want_pick = fused.pick(token, position)
     _restore(cache, snap)
-    got = persistent.forward(token, position)
-    got_pick = persistent.pick(token, position)
+    try:
+        got = persistent.forward(token, position)
+        got_pick = persistent.pick(token, position)
+    except RuntimeError as e:  # its waits gave up (step/persistent.py): the row says so
+        _restore(cache, snap)
+        return {"bitwise": False, "max_diff": float("nan"), "same_pick": False,
+                "failed_waits": max(1, persistent.errors()), "error": str(e)}  # fmt: skip
     _restore(cache, snap)
     return {"bitwise": bool(torch.equal(want, got)),
             "max_diff": float((want - got).abs().max()),
@@ -139,7 +144,7 @@ def measure(args) -> dict:
                    else per_sm * sms}  # fmt: skip
             if per_sm is not None:
                 row.update(check(fused, step, cache, position))
-                if step.warps not in checked_rows:
+                if step.warps not in checked_rows and not row["failed_waits"]:
                     checked_rows.add(step.warps)
                     row["rows_are_lone_steps"] = rows_are_lone_steps(step, cache, position)
                 if row["failed_waits"]:  # a broken launch's time says nothing

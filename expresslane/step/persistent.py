@@ -59,6 +59,7 @@ class PersistentDecoder:
         self.deps = deps  # what a task waits for: whole phases, or its lane's chain
         self.warps = warps
         self.plans: dict[tuple[int, bool], Plan] = {}
+        self.launched: set[tuple[int, bool]] = set()
         self.offsets = self._layer_offsets()
         self.plan(1, True)  # a model the task kinds do not cover fails here, at load
 
@@ -99,9 +100,17 @@ class PersistentDecoder:
         if room is not None and S > room:
             raise ValueError(f"{S} tokens need a KV cache with headroom >= {S - 1} on its "
                              f"sliding layers (it has room for {room})")  # fmt: skip
+        first = (S, argmax) not in self.launched
+        self.launched.add((S, argmax))
         p = self.plan(S, argmax)
         args = {**p.args, "tokens_ptr": tokens.view(S), "position_ptr": position}
         decode_step_kernel[(self.programs,)](**args, **p.consts, num_warps=p.num_warps)
+        if first and p.args["err_ptr"].item():  # a plan's first launch: at load (warm-up), so
+            # a broken launch stops the engine there instead of decoding garbage afterwards
+            raise RuntimeError(
+                f"the persistent decode step's waits gave up ({S} tokens, "
+                f"{self.programs} programs): decode with kernels='on' instead"
+            )
         return p
 
     def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
