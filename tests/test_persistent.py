@@ -219,3 +219,7 @@ def test_engine_decodes_through_the_persistent_step(monkeypatch):
     assert engine.stats.extra["speculative"]["verify_steps"] > 0
     with pytest.raises(RequestError, match="decode='eager'"):
         Engine(model, max_model_len=24, decode="eager", kernels="persistent")
+    if not torch.cuda.is_available():  # triton's kernels run nowhere else (but the interpreter)
+        monkeypatch.delenv("EXPRESSLANE_FORCE_TRITON")
+        with pytest.raises(RequestError, match="no triton on this device"):
+            Engine(model, max_model_len=24, decode="graph", kernels="persistent")

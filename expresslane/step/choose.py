@@ -92,7 +92,9 @@ def choose_step(model: Laneformer, cache: KVCache, decode: str = "auto", kernels
 
 def _persistent(model: Laneformer, cache: KVCache, mode: str, compile: bool) -> Choice:
     """The one-launch step (persistent.py), asked for by name: never a silent fallback."""
-    why = "decode='eager'" if mode != "graph" else unsupported(model, cache)
+    p = next(model.parameters())
+    why = ("decode='eager'" if mode != "graph" else "no triton on this device (a CUDA GPU)"
+           if not use_triton(p) else unsupported(model, cache))  # fmt: skip
     if why:
         raise RequestError(f"kernels='persistent': the persistent decode step cannot run with "
                            f"{why}", "kernels")  # fmt: skip
