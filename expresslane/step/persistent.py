@@ -28,7 +28,9 @@ from .fused import FusedDecoder
 from .fused import supports as fused_supports
 from .persistent_plan import Plan, build_plan
 
-PROGRAMS_PER_SM = 2  # starting points: bench/persistent.py sweeps all three
+# Starting points until a GPU measures them (bench/persistent.py sweeps each): every program the
+# sm_90 build keeps resident at 2 warps (4 an SM: `aot --persistent`), one task a fetch.
+PROGRAMS_PER_SM = 4
 TASKS_PER_FETCH = 1
 DEPS = "lane"  # persistent_tasks.py
 # One launch has one warp count, and a body's reduction order follows it where its tile is
