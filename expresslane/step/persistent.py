@@ -107,8 +107,9 @@ class PersistentDecoder:
         p = self.plan(S, argmax)
         args = {**p.args, "tokens_ptr": tokens.view(S), "position_ptr": position}
         decode_step_kernel[(self.programs,)](**args, **p.consts, num_warps=p.num_warps)
-        if first and p.args["err_ptr"].item():  # a plan's first launch: at load (warm-up), so
-            # a broken launch stops the engine there instead of decoding garbage afterwards
+        err = p.args["err_ptr"]
+        if first and not err.is_meta and err.item():  # a plan's first launch: at load (the
+            # warm-up), so a broken launch stops the engine there, not decoding garbage later
             raise RuntimeError(
                 f"the persistent decode step's waits gave up ({S} tokens, "
                 f"{self.programs} programs): decode with kernels='on' instead"
