@@ -201,6 +201,31 @@ def normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, mask_k, rstd, HAS_NOR
 
 
 @triton.jit
+def normed_tile(x_ptr, row_stride, n_rows, nw_ptr, offs_k, mask_k, rstd,
+                HAS_NORM: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """normed_rows as a (BLOCK_S, 1, BLOCK_K) operand of the (BLOCK_S, rows, BLOCK_K) product.
+
+    With several tokens the chunk is loaded with the rows' axis in place (size 1, broadcast over
+    the tile's rows), as first_tile loads the weights with the tokens' axis: the 8-token sm_90
+    builds of norm_qkv and norm_swiglu then convert nothing through shared memory on each trip
+    (the 2-D chunk expanded with [:, None, :] was converted every trip). One token keeps the
+    2-D load: loaded 3-D, the 1-token builds gained two conversions a trip instead (tried
+    2026-11-27); those builds are the decode step, and stay as they were, bit for bit."""
+    if BLOCK_S == 1:
+        x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, mask_k, rstd, HAS_NORM,
+                        BLOCK_S)[:, None, :]  # fmt: skip
+    else:
+        offs_s = tl.arange(0, BLOCK_S)
+        m = (offs_s[:, None, None] < n_rows) & mask_k[None, None, :]
+        x = tl.load(x_ptr + offs_s[:, None, None] * row_stride + offs_k[None, None, :], mask=m,
+                    other=0.0).to(tl.float32)  # fmt: skip
+        if HAS_NORM:
+            w = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            x = round_as(x * rstd[:, None, None] * w[None, None, :], x_ptr)
+    return x
+
+
+@triton.jit
 def rms_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
     """rsqrt(mean(x^2) + eps) of the K-vector at x_ptr, in fp32.
 
@@ -267,21 +292,21 @@ def stream_rows(w_rows, mask_o, w_first, x_ptr, row_stride, n_rows, nw_ptr, rstd
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w_next = first_tile(w_rows, mask_o, k0 + BLOCK_K, k_hi, BLOCK_K)
-            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
+            x = normed_tile(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
                             HAS_NORM, BLOCK_S)  # fmt: skip
-            acc += w.to(tl.float32) * x[:, None, :]
+            acc += w.to(tl.float32) * x
             w = w_next
     else:
         offs_k = k_lo + tl.arange(0, BLOCK_K)
-        x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
+        x = normed_tile(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
                         HAS_NORM, BLOCK_S)  # fmt: skip
-        acc += w_first.to(tl.float32) * x[:, None, :]
+        acc += w_first.to(tl.float32) * x
         for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             w = first_tile(w_rows, mask_o, k0, k_hi, BLOCK_K)
-            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
+            x = normed_tile(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < k_hi, rstd,
                             HAS_NORM, BLOCK_S)  # fmt: skip
-            acc += w.to(tl.float32) * x[:, None, :]
+            acc += w.to(tl.float32) * x
     return tl.sum(acc, 2)
 
 
@@ -300,24 +325,24 @@ def stream_pair(a_rows, b_rows, mask_o, a_first, b_first, x_ptr, row_stride, n_r
             offs_k = k0 + tl.arange(0, BLOCK_K)
             na = first_tile(a_rows, mask_o, k0 + BLOCK_K, K, BLOCK_K)
             nb = first_tile(b_rows, mask_o, k0 + BLOCK_K, K, BLOCK_K)
-            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
-                            BLOCK_S)[:, None, :]  # fmt: skip
+            x = normed_tile(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
+                            BLOCK_S)  # fmt: skip
             acc_a += wa.to(tl.float32) * x
             acc_b += wb.to(tl.float32) * x
             wa = na
             wb = nb
     else:
         offs_k = tl.arange(0, BLOCK_K)
-        x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
-                        BLOCK_S)[:, None, :]  # fmt: skip
+        x = normed_tile(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
+                        BLOCK_S)  # fmt: skip
         acc_a += a_first.to(tl.float32) * x
         acc_b += b_first.to(tl.float32) * x
         for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             wa = first_tile(a_rows, mask_o, k0, K, BLOCK_K)
             wb = first_tile(b_rows, mask_o, k0, K, BLOCK_K)
-            x = normed_rows(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
-                            BLOCK_S)[:, None, :]  # fmt: skip
+            x = normed_tile(x_ptr, row_stride, n_rows, nw_ptr, offs_k, offs_k < K, rstd, True,
+                            BLOCK_S)  # fmt: skip
             acc_a += wa.to(tl.float32) * x
             acc_b += wb.to(tl.float32) * x
     return tl.sum(acc_a, 2), tl.sum(acc_b, 2)
