@@ -109,20 +109,29 @@ def _project_task(kind, layer, a, b, wait, target, S, L, D, K, sqrt_l, in_ptr, w
 
 
 @triton.jit
-def _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr, position_ptr, m_ptr,
-               l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr, ints_ptr, n_kv, qk_scale, cnt_ptr,
-               max_spin, err_ptr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-               NS: tl.constexpr, WIN: tl.constexpr, BN: tl.constexpr, P2: tl.constexpr,
-               BC: tl.constexpr, PF: tl.constexpr, BLOCK_G: tl.constexpr,
-               BLOCK_D: tl.constexpr):  # fmt: skip
-    """Program (token a, KV head b, split c) of one layer's attention, in one configuration."""
+def _attention(kind, layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr, position_ptr,
+               m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr, ints_ptr, n_kv, qk_scale,
+               cnt_ptr, max_spin, err_ptr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, NS0: tl.constexpr,
+               WIN0: tl.constexpr, BN0: tl.constexpr, P20: tl.constexpr, BC0: tl.constexpr,
+               PF0: tl.constexpr, NS1: tl.constexpr, WIN1: tl.constexpr, BN1: tl.constexpr,
+               P21: tl.constexpr, BC1: tl.constexpr, PF1: tl.constexpr):  # fmt: skip
+    """Program (token a, KV head b, split c) of one layer's attention: kind ATTN0 in the first
+    configuration (constexprs ...0), ATTN1 in the second."""
     row = offs_ptr + layer * 12
-    attention_task(q_ptr, _at(kc_ptr, row, 9), _at(vc_ptr, row, 10),
-                   _at(pc_ptr, row, 11), position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr,
-                   o_ptr, tl.load(ints_ptr + layer * 4), n_kv, tl.load(ints_ptr + layer * 4 + 1),
-                   qk_scale, a, b, c, cnt_ptr + wait, target, max_spin, err_ptr, GROUP,
-                   HEAD_DIM, NS, WIN, BLOCK_G, BN, BLOCK_D, P2, BC, PF, False,
-                   True)  # fmt: skip
+    kc, vc, pc = _at(kc_ptr, row, 9), _at(vc_ptr, row, 10), _at(pc_ptr, row, 11)
+    cap, window = tl.load(ints_ptr + layer * 4), tl.load(ints_ptr + layer * 4 + 1)
+    dep = cnt_ptr + wait
+    if kind == ATTN0:
+        attention_task(q_ptr, kc, vc, pc, position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr,
+                       cap, n_kv, window, qk_scale, a, b, c, dep, target, max_spin, err_ptr, GROUP,
+                       HEAD_DIM, NS0, WIN0, BLOCK_G, BN0, BLOCK_D, P20, BC0, PF0, False,
+                       True)  # fmt: skip
+    else:
+        attention_task(q_ptr, kc, vc, pc, position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr,
+                       cap, n_kv, window, qk_scale, a, b, c, dep, target, max_spin, err_ptr, GROUP,
+                       HEAD_DIM, NS1, WIN1, BLOCK_G, BN1, BLOCK_D, P21, BC1, PF1, False,
+                       True)  # fmt: skip
 
 
 @triton.jit
@@ -191,18 +200,12 @@ def decode_step_kernel(
                               stride_nwl, HQ_LANE, HKV_LANE, N_KV, a, b, cnt_ptr + wait, target,
                               max_spin, err_ptr, HEAD_DIM, INTERLEAVED, BLOCK_S, QKV_P, QKV_K,
                               QKV_PF, False, True)  # fmt: skip
-            elif kind == ATTN0:
-                _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr,
+            elif (kind == ATTN0) | (kind == ATTN1):
+                _attention(kind, layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr,
                            position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr,
                            ints_ptr, N_KV, qk_scale, cnt_ptr, max_spin, err_ptr, GROUP, HEAD_DIM,
-                           A0_NS, A0_WIN, A0_BN, A0_P2, A0_BC, A0_PF, BLOCK_G,
-                           BLOCK_D)  # fmt: skip
-            elif kind == ATTN1:
-                _attention(layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr,
-                           position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr,
-                           ints_ptr, N_KV, qk_scale, cnt_ptr, max_spin, err_ptr, GROUP, HEAD_DIM,
-                           A1_NS, A1_WIN, A1_BN, A1_P2, A1_BC, A1_PF, BLOCK_G,
-                           BLOCK_D)  # fmt: skip
+                           BLOCK_G, BLOCK_D, A0_NS, A0_WIN, A0_BN, A0_P2, A0_BC, A0_PF, A1_NS,
+                           A1_WIN, A1_BN, A1_P2, A1_BC, A1_PF)  # fmt: skip
             elif (kind == WO0) | (kind == WO1):
                 _project_task(kind, layer, a, b, wait, target, S, L, D, HQ_LANE * HEAD_DIM, sqrt_l,
                               o_ptr, wo_ptr, h_ptr, part_ptr, offs_ptr, ints_ptr, 4, 0, cnt_ptr,
