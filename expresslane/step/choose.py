@@ -98,7 +98,11 @@ def _persistent(model: Laneformer, cache: KVCache, mode: str, compile: bool) -> 
     if why:
         raise RequestError(f"kernels='persistent': the persistent decode step cannot run with "
                            f"{why}", "kernels")  # fmt: skip
-    return Choice(PersistentDecoder(model, cache), mode, compile, "persistent kernel")
+    try:
+        step = PersistentDecoder(model, cache)  # its first plan: a split-K projection fails here
+    except ValueError as e:
+        raise RequestError(f"kernels='persistent': {e}", "kernels") from e
+    return Choice(step, mode, compile, "persistent kernel")
 
 
 def choose_prefill(model: Laneformer, kernels: str = "auto", step: Step | None = None):

@@ -33,6 +33,17 @@ def supports(model: Laneformer) -> bool:
     return not (model.cfg.attention_bias or model.cfg.qk_norm or quantized)
 
 
+def check_width(cache: KVCache, S: int, step: str) -> None:
+    """S tokens in one forward of the kernels' steps: at most MAX_TOKENS, and no more than a
+    ring's headroom lets it write (cache.forward_room)."""
+    if S > MAX_TOKENS:
+        raise ValueError(f"{S} tokens: {step} takes at most {MAX_TOKENS}")
+    room = cache.forward_room()  # a ring must keep token 0's window to the last write
+    if room is not None and S > room:
+        raise ValueError(f"{S} tokens need a KV cache with headroom >= {S - 1} on its "
+                         f"sliding layers (it has room for {room})")  # fmt: skip
+
+
 class FusedDecoder:
     def __init__(self, model: Laneformer, cache: KVCache, kernels: bool | None = None):
         if not supports(model):
@@ -123,13 +134,7 @@ class FusedDecoder:
     def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """The `Step`: tokens (S,), S <= MAX_TOKENS, from position (1,) -> fp32 logits (S, V).
         One pass of every kernel for all S rows; row j equals a decode step of token j."""
-        S = tokens.numel()
-        if S > MAX_TOKENS:
-            raise ValueError(f"{S} tokens: the fused step takes at most {MAX_TOKENS}")
-        room = self.cache.forward_room()  # a ring must keep token 0's window to the last write
-        if room is not None and S > room:
-            raise ValueError(f"{S} tokens need a KV cache with headroom >= {S - 1} on its "
-                             f"sliding layers (it has room for {room})")  # fmt: skip
+        check_width(self.cache, tokens.numel(), "the fused step")
         return self._head("lm_head_logits", self.hidden(tokens, position))
 
     def pick(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ A plan is built per (S, head): the task list, the phase counts, the buffers (sta
 graph captures a launch, and its replays reuse them) and the constexprs. The grid is the
 resident programs (`programs_per_sm` x SMs; any grid is correct, as tasks are taken from a
 queue in dependency order). A model the kinds do not cover (more than two attention or
-projection configurations, a split-K projection) is refused by `supports`.
+projection configurations, a split-K projection) is refused by `unsupported` (and a split-K
+projection when the first plan is built, at load).
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import torch
 
 from ..cache import KVCache
 from ..config import SamplingParams
-from ..kernels import MAX_TOKENS
 from ..model import Laneformer
 from ..sampler import SamplerKnobs, sample
-from .fused import FusedDecoder
+from .fused import FusedDecoder, check_width
 from .fused import supports as fused_supports
-from .persistent_plan import Plan, build_plan
+from .persistent_plan import KINDS_PER_CONFIG, Plan, attention_keys, build_plan, projection_keys
 
 # Starting points until a GPU measures them (bench/persistent.py sweeps each): every program the
 # sm_90 build keeps resident at 2 warps (4 an SM: `aot --persistent`), one task a fetch.
@@ -49,7 +49,7 @@ class PersistentDecoder:
                  chunk: int = TASKS_PER_FETCH, deps: str = DEPS,
                  warps: int = WARPS):  # fmt: skip
         self.fused = FusedDecoder(model, cache, kernels=True)  # the weights, tables and reference
-        self.cfg, self.cache, self.model = model.cfg, cache, model
+        self.cfg, self.cache = model.cfg, cache
         why = unsupported(model, cache)
         if why:
             raise ValueError(f"the persistent decode step does not cover {why}")
@@ -96,12 +96,7 @@ class PersistentDecoder:
         from ..kernels.persistent import decode_step_kernel
 
         S = tokens.numel()
-        if S > MAX_TOKENS:
-            raise ValueError(f"{S} tokens: the persistent step takes at most {MAX_TOKENS}")
-        room = self.cache.forward_room()
-        if room is not None and S > room:
-            raise ValueError(f"{S} tokens need a KV cache with headroom >= {S - 1} on its "
-                             f"sliding layers (it has room for {room})")  # fmt: skip
+        check_width(self.cache, S, "the persistent step")
         first = (S, argmax) not in self.launched
         self.launched.add((S, argmax))
         p = self.plan(S, argmax)
@@ -140,11 +135,8 @@ def unsupported(model: Laneformer, cache: KVCache) -> str | None:
     """What the persistent step cannot run on this model and cache, or None."""
     if not fused_supports(model):
         return "attention biases, q/k norms or quantized projections"
-    cfg = model.cfg
-    caches = {(k.shape[0], cfg.window(i) is not None) for i, k in enumerate(cache.k)}
-    if len(caches) > 2:
-        return f"{len(caches)} attention configurations (at most 2)"
-    kinds = {(cfg.reduce_mode(i), cfg.past_source(i) is not None) for i in range(cfg.num_layers)}
-    if len(kinds) > 2:
-        return f"{len(kinds)} reduce configurations (at most 2)"
+    for what, keys in (("attention", attention_keys(model.cfg, cache)),
+                       ("reduce", projection_keys(model.cfg))):  # fmt: skip
+        if len(set(keys)) > KINDS_PER_CONFIG:
+            return f"{len(set(keys))} {what} configurations (at most {KINDS_PER_CONFIG})"
     return None

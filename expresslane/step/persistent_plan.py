@@ -4,7 +4,8 @@ Each task kind is configured by the fused kernel's own configuration function at
 (norm_qkv_config, attention_config, gemv_reduce_config, norm_swiglu_config, the head's blocks),
 so the GPU tuning table and the token-axis fitting apply to both steps alike, and the tasks of a
 phase are the programs of that kernel's grid. The task list and its waits (whole phases, or
-each lane's own chain) are persistent_tasks.py's.
+each lane's own chain) are persistent_tasks.py's. The kernel modules (and triton) are imported
+when a plan is built, not with this module: the engine imports it on machines without triton.
 """
 
 from __future__ import annotations
@@ -13,113 +14,120 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..kernels import MAX_TOKENS
-from ..kernels.decode_attention import LOG2E, attention_config
-from ..kernels.gemv import assert_norm_weight
-from ..kernels.gemv_reduce import MODES, gemv_reduce_config
-from ..kernels.lm_head import _blocks, _prepare
-from ..kernels.norm_qkv import norm_qkv_config
-from ..kernels.swiglu import norm_swiglu_config
-from ..kernels.tuning import split
-from .persistent_tasks import decode_tasks
 
 MAX_SPIN = 1 << 24  # polls before a wait gives up and flags the error count
+KINDS_PER_CONFIG = 2  # the kernel's configurations of one kind (kernels/persistent.py)
 
 
 @dataclass
 class Plan:
     """Everything one launch needs for S tokens and one head (logits or argmax)."""
 
-    S: int
-    argmax: bool
-    tasks: torch.Tensor  # int32 (n_tasks, 12): persistent_tasks.py
-    n_counts: int
     args: dict  # the kernel's tensor and scalar arguments, by name (all but the tokens)
     consts: dict  # its constexprs
     num_warps: int
 
+    @property
+    def tasks(self) -> torch.Tensor:
+        """int32 (n_tasks, 12): the task list (persistent_tasks.py)."""
+        return self.args["tasks_ptr"]
+
+
+def attention_keys(cfg, cache) -> list[tuple[int, bool]]:
+    """Each layer's attention configuration: its cache's capacity, and whether it slides."""
+    return [(cache.k[i].shape[0], cfg.window(i) is not None) for i in range(cfg.num_layers)]
+
+
+def projection_keys(cfg) -> list[tuple[str, bool]]:
+    """Each layer's wo / w2 configuration: its reduce mode, and whether partials reach it."""
+    return [(cfg.reduce_mode(i), cfg.past_source(i) is not None) for i in range(cfg.num_layers)]
+
 
 def _slots(keys: list) -> tuple[list, list[int]]:
-    """The distinct keys in order of first use (at most 2), and each layer's slot."""
+    """The distinct keys in order of first use, padded to KINDS_PER_CONFIG with the first (an
+    unused kind still needs constexprs), and each layer's slot (persistent.unsupported has
+    refused more)."""
     distinct = list(dict.fromkeys(keys))
-    if len(distinct) > 2:
-        raise ValueError(f"{len(distinct)} configurations of one kind (the kernel has 2)")
-    return distinct, [distinct.index(k) for k in keys]
+    slots = [distinct.index(k) for k in keys]
+    return distinct + distinct[:1] * (KINDS_PER_CONFIG - len(distinct)), slots
 
 
-def build_plan(dec, S: int, argmax: bool):
+def _configs(dec, S: int, h: torch.Tensor, q: torch.Tensor) -> tuple[dict, dict, dict, tuple]:
+    """(constexprs, grids, slots, head): each task kind configured as its fused kernel at S
+    tokens; head: lm_head._prepare's (mode, lanes, rows a lane, norm stride, vocabulary)."""
+    import triton
+
+    from ..kernels.decode_attention import attention_config
+    from ..kernels.gemv_reduce import MODES, gemv_reduce_config
+    from ..kernels.lm_head import _blocks, _prepare
+    from ..kernels.norm_qkv import norm_qkv_config
+    from ..kernels.swiglu import norm_swiglu_config
+    from ..kernels.tuning import split
+
+    cfg, f = dec.cfg, dec.fused
+    L, D, hd, n_kv = cfg.num_lanes, cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
+    QL, FL = f.layers[0]["wq"].shape[1], f.layers[0]["w1"].shape[1]
+
+    def take(c: dict, *names: str) -> list:
+        return [split(c)[0][n] for n in names]  # the warps are the step's (persistent.WARPS)
+
+    c = {"BLOCK_S": triton.next_power_of_2(S), "BLOCK_L": triton.next_power_of_2(L),
+         "BLOCK_E": min(triton.next_power_of_2(D), 1024), "HEAD_DIM": hd,
+         "INTERLEAVED": cfg.rope_style == "interleaved", "GROUP": cfg.num_heads // n_kv,
+         "CHUNK": dec.chunk}  # fmt: skip
+    qkv = norm_qkv_config(h, S, D, L, QL // hd, n_kv // L, hd)
+    c["QKV_P"], c["QKV_K"], c["QKV_PF"] = take(qkv, "BLOCK_P", "BLOCK_K", "PREFETCH")
+    grids = {"QKV": (L, (QL // hd + 2 * (n_kv // L)) * (hd // 2 // c["QKV_P"])), "splits": []}
+    configs, attn_slot = _slots(attention_keys(cfg, dec.cache))
+    for j, (cap, windowed) in enumerate(configs):
+        a, _ = attention_config(q, cap, n_kv, c["GROUP"], hd)
+        c |= {f"A{j}_NS": a["NUM_SPLITS"], f"A{j}_WIN": windowed, f"A{j}_BN": a["BLOCK_N"],
+              f"A{j}_P2": a["SPLITS_P2"], f"A{j}_BC": a["BLOCK_C"], f"A{j}_PF": a["PREFETCH"],
+              "BLOCK_G": a["BLOCK_G"], "BLOCK_D": a["BLOCK_D"]}  # fmt: skip
+        grids["splits"].append(a["NUM_SPLITS"])
+    configs, proj_slot = _slots(projection_keys(cfg))
+    for name, K in (("WO", QL), ("W2", FL)):
+        for j, (mode, past) in enumerate(configs):
+            p = gemv_reduce_config(h, mode, S, L, D, K)
+            if p["SPLIT_K"] != 1:
+                raise ValueError(f"{name.lower()} splits K ({p['SPLIT_K']}): not a task kind")
+            bo, bk, pf = take(p, "BLOCK_O", "BLOCK_K", "PREFETCH")
+            c |= {f"{name}{j}_MODE": MODES[mode], f"{name}{j}_PAST": past, f"{name}{j}_O": bo,
+                  f"{name}{j}_K": bk, f"{name}{j}_PF": pf}  # fmt: skip
+            grids[name, j] = (triton.cdiv(D, bo), 1 if mode == "present" else L)
+    sw = norm_swiglu_config(h, S, L, D, FL)
+    c["SW_O"], c["SW_K"], c["SW_PF"] = take(sw, "BLOCK_O", "BLOCK_K", "PREFETCH")
+    grids["SWIGLU"] = (L, triton.cdiv(FL, c["SW_O"]))
+    head = _prepare(h, f.final_norm, f.head_w, cfg.lm_head_type, cfg.pre_norm_lane_agg)
+    mode, lanes, vl = head[:3]
+    block_v, block_k = _blocks(h, vl, lanes)
+    grids["HEAD"] = (lanes, triton.cdiv(vl, block_v))
+    c |= {"HEAD_MODE": mode, "HEAD_V": block_v, "HEAD_K": block_k,
+          "COMBINE_BLOCK": triton.next_power_of_2(lanes * grids["HEAD"][1])}  # fmt: skip
+    return c, grids, {"attention": attn_slot, "projection": proj_slot}, head
+
+
+def build_plan(dec, S: int, argmax: bool) -> Plan:
+    """The plan of PersistentDecoder `dec` for S tokens, greedy (argmax) or logits."""
+    from ..kernels.decode_attention import LOG2E
+    from ..kernels.gemv import assert_norm_weight
+    from .persistent_tasks import decode_tasks
+
     cfg, cache, f = dec.cfg, dec.cache, dec.fused
     assert 1 <= S <= MAX_TOKENS
-    L, D, hd = cfg.num_lanes, cfg.hidden_size, cfg.head_dim
-    n_q, n_kv = cfg.num_heads, cfg.num_kv_heads
+    L, D, hd, n_q, n_kv = (cfg.num_lanes, cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                           cfg.num_kv_heads)  # fmt: skip
     w0 = f.layers[0]
     QL, FL = w0["wq"].shape[1], w0["w1"].shape[1]
     dev, dt = f.embed.device, f.embed.dtype
     h = torch.empty((S, L, D), device=dev, dtype=dt)
     q = torch.empty((S, n_q, hd), device=dev, dtype=dt)
-    o = torch.empty_like(q)
-    g = torch.empty((S, L, FL), device=dev, dtype=dt)
-
-    def take(c: dict, *names: str) -> list:
-        return [split(c)[0][n] for n in names]  # the warps are the step's (persistent.WARPS)
-
-    consts = {"BLOCK_S": triton.next_power_of_2(S), "BLOCK_L": triton.next_power_of_2(L),
-              "BLOCK_E": min(triton.next_power_of_2(D), 1024), "HEAD_DIM": hd,
-              "INTERLEAVED": cfg.rope_style == "interleaved"}  # fmt: skip
-    hq_lane, hkv_lane = QL // hd, n_kv // L
-    qkv = norm_qkv_config(h, S, D, L, hq_lane, hkv_lane, hd)
-    consts["QKV_P"], consts["QKV_K"], consts["QKV_PF"] = take(qkv, "BLOCK_P", "BLOCK_K",
-                                                              "PREFETCH")  # fmt: skip
-    qkv_grid = (L, (hq_lane + 2 * hkv_lane) * (hd // 2 // consts["QKV_P"]))
-
-    # attention: a configuration per distinct (capacity, window) of the layers' caches
-    keys = [(cache.k[i].shape[0], cfg.window(i) is not None) for i in range(cfg.num_layers)]
-    distinct, attn_slot = _slots(keys)
-    consts |= {"GROUP": n_q // n_kv}
-    n_splits = []
-    for j, (cap, windowed) in enumerate(distinct + distinct[:1] * (2 - len(distinct))):
-        c, _ = attention_config(q, cap, n_kv, n_q // n_kv, hd)
-        consts |= {f"A{j}_NS": c["NUM_SPLITS"], f"A{j}_WIN": windowed, f"A{j}_BN": c["BLOCK_N"],
-                   f"A{j}_P2": c["SPLITS_P2"], f"A{j}_BC": c["BLOCK_C"],
-                   f"A{j}_PF": c["PREFETCH"], "BLOCK_G": c["BLOCK_G"],
-                   "BLOCK_D": c["BLOCK_D"]}  # fmt: skip
-        n_splits.append(c["NUM_SPLITS"])
-
-    # column projections: a configuration per distinct (reduce mode, has past) of the layers
-    keys = [(cfg.reduce_mode(i), cfg.past_source(i) is not None) for i in range(cfg.num_layers)]
-    distinct, proj_slot = _slots(keys)
-    grids = {}
-    for name, K in (("WO", QL), ("W2", FL)):
-        for j, (mode, past) in enumerate(distinct + distinct[:1] * (2 - len(distinct))):
-            c = gemv_reduce_config(h, mode, S, L, D, K)
-            if c["SPLIT_K"] != 1:
-                raise ValueError(f"{name.lower()} splits K ({c['SPLIT_K']}): not a task kind")
-            bo, bk, pf = take(c, "BLOCK_O", "BLOCK_K", "PREFETCH")
-            consts |= {f"{name}{j}_MODE": MODES[mode], f"{name}{j}_PAST": past,
-                       f"{name}{j}_O": bo, f"{name}{j}_K": bk, f"{name}{j}_PF": pf}  # fmt: skip
-            lanes = 1 if mode == "present" else L
-            grids[name, j] = (triton.cdiv(D, bo), lanes)
-    sw = norm_swiglu_config(h, S, L, D, FL)
-    consts["SW_O"], consts["SW_K"], consts["SW_PF"] = take(sw, "BLOCK_O", "BLOCK_K", "PREFETCH")
-
-    mode, head_lanes, vl, stride_final, V = _prepare(
-        h, f.final_norm, f.head_w, cfg.lm_head_type, cfg.pre_norm_lane_agg
-    )
-    block_v, block_k = _blocks(h, vl, head_lanes)
-    head_nv = triton.cdiv(vl, block_v)
-    n_parts = head_lanes * head_nv
-    consts |= {"HEAD_MODE": mode, "HEAD_V": block_v, "HEAD_K": block_k,
-               "COMBINE_BLOCK": triton.next_power_of_2(n_parts), "CHUNK": dec.chunk}  # fmt: skip
-
-    grids["QKV"], grids["splits"] = qkv_grid, n_splits
-    grids["SWIGLU"] = (L, triton.cdiv(FL, consts["SW_O"]))
-    grids["HEAD"] = (head_lanes, head_nv)
-    slots = {"attention": attn_slot, "projection": proj_slot}
+    consts, grids, slots, (_, head_lanes, vl, stride_final, V) = _configs(dec, S, h, q)
     t = decode_tasks(cfg, S, argmax, dec.deps, grids, slots)
-
-    ns = max(n_splits)
+    n_parts = head_lanes * grids["HEAD"][1]
+    ns = max(grids["splits"])
     ints = [[cache.k[i].shape[0], cfg.window(i) or 0,
              -1 if cfg.past_source(i) is None else cfg.past_source(i), 0]
             for i in range(cfg.num_layers)]  # fmt: skip
@@ -129,7 +137,8 @@ def build_plan(dec, S: int, argmax: bool):
         "n_tasks": len(t.rows), "cnt_ptr": zeros(t.n_counts), "n_counts": t.n_counts,
         "queue_ptr": zeros(2), "err_ptr": zeros(1), "max_spin": MAX_SPIN,
         "embed_ptr": f.embed, "cos_ptr": f.cos, "sin_ptr": f.sin,
-        "h_ptr": h, "q_ptr": q, "o_ptr": o, "g_ptr": g,
+        "h_ptr": h, "q_ptr": q, "o_ptr": torch.empty_like(q),
+        "g_ptr": torch.empty((S, L, FL), device=dev, dtype=dt),
         "part_ptr": torch.zeros((cfg.num_layers, 2, S, L, D), device=dev, dtype=dt),
         "m_ptr": zeros(S * n_q, ns, dtype=torch.float32),
         "l_ptr": zeros(S * n_q, ns, dtype=torch.float32),
@@ -147,8 +156,8 @@ def build_plan(dec, S: int, argmax: bool):
         "token_ptr": zeros(S, dtype=torch.int64),
         "S": S, "L": L, "D": D, "FL": FL, "V": V, "VL": vl, "eps": cfg.norm_eps,
         "stride_nwl": assert_norm_weight(w0["attention_norm"], L, D, "attention_norm"),
-        "stride_final": stride_final, "HQ_LANE": hq_lane, "HKV_LANE": hkv_lane, "N_KV": n_kv,
+        "stride_final": stride_final, "HQ_LANE": QL // hd, "HKV_LANE": n_kv // L, "N_KV": n_kv,
         "qk_scale": hd**-0.5 * LOG2E, "sqrt_l": math.sqrt(L),
-        "head_lanes": head_lanes, "head_nv": head_nv, "n_parts": n_parts,
+        "head_lanes": head_lanes, "head_nv": grids["HEAD"][1], "n_parts": n_parts,
     }  # fmt: skip
-    return Plan(S, argmax, args["tasks_ptr"], t.n_counts, args, consts, dec.warps)
+    return Plan(args, consts, dec.warps)
