@@ -60,11 +60,10 @@ class TaskList:
             return p.total, p.n
         return p.lanes[lane], p.per_lane[lane]
 
-    def phase(self, kind, layer: int, grid: tuple[int, ...], lane_of, after=None,
-              also=None) -> Phase:  # fmt: skip
-        """Appends a phase: a task per coordinate of `grid`; lane_of(coord) -> its lane or None;
-        after: the phase it reads (its own lane's part; default the previous phase), also(coord)
-        -> (phase, lane or None) or None: a second wait, for the "lane" deps only."""
+    def phase(self, kind, layer: int, grid: tuple[int, ...], lane_of, also=None) -> Phase:
+        """Appends a phase: a task per coordinate of `grid`, waiting for the previous phase (its
+        own lane's part); lane_of(coord) -> its lane or None; also(coord) -> (phase, lane or
+        None) or None: a second wait, for the "lane" deps only."""
         L = self.L
         p = Phase(self.n_counts, list(range(self.n_counts + 1, self.n_counts + 1 + L)))
         self.n_counts += 1 + L
@@ -74,7 +73,7 @@ class TaskList:
         p.per_lane = [lanes.count(x) for x in range(L)]
         order = sorted(range(len(coords)), key=lambda j: lanes[j] or 0) if self.deps == "lane" \
             else range(len(coords))  # fmt: skip
-        before = after or self.last
+        before = self.last
         for j in order:
             c, lane = coords[j], lanes[j]
             a, b, cc = (c + (0, 0, 0))[:3]
