@@ -221,3 +221,11 @@ def test_engine_decodes_through_the_persistent_step(monkeypatch):
         monkeypatch.delenv("EXPRESSLANE_FORCE_TRITON")
         with pytest.raises(RequestError, match="no triton on this device"):
             Engine(model, max_model_len=24, decode="graph", kernels="persistent")
+
+
+@pytest.mark.parametrize("args", [["--chunks", "0"], ["--warps", "0"], ["--contexts", "-1"]])
+def test_bench_refuses_bad_counts(args, capsys):
+    from expresslane.bench import persistent as bench
+
+    assert bench.main(args) == 2
+    assert "must be >= 1" in capsys.readouterr().err

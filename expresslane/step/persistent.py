@@ -8,7 +8,7 @@ computes, in the same order, so where the launch options agree (the warps: one l
 count) the two steps give the same bits; the CPU tests check that under the interpreter, and
 the GPU stage `persistent` on the real build.
 
-A plan is built per (S, head): the task list, the phase counts, the buffers (static: a CUDA
+A plan is built per (S, head): the task list and its counts, the buffers (static: a CUDA
 graph captures a launch, and its replays reuse them) and the constexprs. The grid is the
 resident programs (`programs_per_sm` x SMs; any grid is correct, as tasks are taken from a
 queue in dependency order). A model the kinds do not cover (more than two attention or
