@@ -84,12 +84,10 @@ def test_persistent_equals_fused(name, S, programs, chunk):
     assert torch.equal(out["persistent"][1], out["persistent"][0].argmax(-1))
 
 
-def waits_order(rows: torch.Tensor, seed: int | None) -> torch.Tensor:
-    """The tasks in another order that their waits allow: random (seed), or (None) the latest
-    ready task first, lane 1's last of all: lanes run as far apart as the waits let them, which
-    a missing wait does not survive."""
-    import random
-
+def waits_order(rows: torch.Tensor) -> torch.Tensor:
+    """The tasks in another order that their waits allow: the latest ready task first, lane 1's
+    last of all, so that lanes run as far apart as the waits let them, which a missing wait
+    does not survive."""
     rows = rows.tolist()
     got: dict[int, int] = {}  # count -> tasks added to it so far
 
@@ -99,11 +97,10 @@ def waits_order(rows: torch.Tensor, seed: int | None) -> torch.Tensor:
     def lagging(r):  # lane 1's tasks (a laned task adds to its lane's count, total + 1 + lane)
         return r[10] >= 0 and r[9] - r[10] - 1 == 1
 
-    rng, left, out = random.Random(seed), list(range(len(rows))), []
+    left, out = list(range(len(rows))), []
     while left:
         can = [j for j in left if ready(rows[j])]
-        ahead = [j for j in can if not lagging(rows[j])]
-        j = rng.choice(can) if seed is not None else (ahead or can)[-1]
+        j = ([j for j in can if not lagging(rows[j])] or can)[-1]
         left.remove(j)
         out.append(rows[j])
         for slot in (rows[j][9], rows[j][10]):
@@ -117,22 +114,22 @@ def _deep():  # layers 2-4 past-mode: lane chains meet only through layer i - 2'
                            sliding_window_n_layers=3).to(DEVICE)  # fmt: skip
 
 
-def _lane_run(model, order, drop=()):
-    """The lane-deps step's logits of 3 tokens, its tasks in `order` (waits_order), with the
+def _lane_run(model, drop=()):
+    """The lane-deps step's logits of 3 tokens, its tasks in waits_order's order, with the
     second waits of the `drop` kinds taken away first."""
     prompt, tokens = [1, 5, 9, 13, 17, 21], torch.tensor([7, 30, 4], device=DEVICE)
     step = PersistentDecoder(model, _prefilled(model, prompt), programs=2, deps="lane")
     plan = step.plan(3, False)
     for kind in drop:
         plan.tasks[plan.tasks[:, 0] == int(kind), 8] = 0
-    plan.tasks.copy_(waits_order(plan.tasks, order))
+    plan.tasks.copy_(waits_order(plan.tasks))
     return step.forward(tokens, at(6)), step.errors()
 
 
-def test_lane_waits_are_enough_in_orders_they_allow_and_each_is_needed():
+def test_lane_waits_are_enough_in_an_order_they_allow_and_each_is_needed():
     """Each lane runs its own chain (deps="lane"), meeting the others only through the
     partials of layer i - delay: run in an order that keeps lanes as far apart as those waits
-    allow, and in a random one, the fused step's bits. The check can fail: without attention's
+    allow, the fused step's bits. The check can fail: without attention's
     wait on lane 0's qkv (which records the slots' positions), or without wo's and w2's on
     layer i - delay's partials, the lagging order gives other bits."""
     from expresslane.kernels import persistent as pk
@@ -141,33 +138,29 @@ def test_lane_waits_are_enough_in_orders_they_allow_and_each_is_needed():
     cache = _prefilled(model, [1, 5, 9, 13, 17, 21])
     want = FusedDecoder(model, cache, kernels=True).forward(torch.tensor([7, 30, 4]).to(DEVICE),
                                                             at(6))  # fmt: skip
-    for order in (None, 1):
-        got, errors = _lane_run(model, order)
-        assert torch.equal(got, want) and errors == 0, order
+    got, errors = _lane_run(model)
+    assert torch.equal(got, want) and errors == 0
     for drop in ((pk.ATTN0, pk.ATTN1), (pk.WO1, pk.W21)):
-        got, _ = _lane_run(model, None, drop)
+        got, _ = _lane_run(model, drop)
         assert not torch.equal(got, want), drop
 
 
-def test_persistent_rows_are_lone_steps_and_sampling_works():
-    """Row j of S tokens equals a lone step of token j (the verify is the decode step), and a
-    sampled next_token comes from those logits."""
+def test_persistent_logits_are_the_models_and_sampling_works():
+    """The step's logits are the model's forward (the fused step's bits, and so a verify's rows
+    lone steps, are the tests above with test_kernels_tokens'), and a sampled next_token comes
+    from them."""
     model = MODELS["laneformer"]().to(DEVICE)
     prompt, tokens = [3, 8, 2, 11], torch.tensor([9, 14, 6], device=DEVICE)
     step = PersistentDecoder(model, _prefilled(model, prompt), programs=2)
     wide = step.forward(tokens, at(len(prompt)))
-    step = PersistentDecoder(model, _prefilled(model, prompt), programs=2)
-    lone = torch.stack([step.forward(tokens[j : j + 1], at(len(prompt) + j))[0]
-                        for j in range(len(tokens))])  # fmt: skip
-    assert torch.equal(wide, lone)
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + tokens.tolist()], device=DEVICE))[0, len(prompt) :]
+    torch.testing.assert_close(wide, full.float(), rtol=1e-4, atol=1e-4)
     g = torch.Generator(device=DEVICE).manual_seed(0)
     t = step.next_token(
         tokens[-1:], at(len(prompt) + 2), SamplingParams(temperature=0.8, top_p=0.9), g
     )
     assert t.dim() == 0 and 0 <= t.item() < model.cfg.vocab_size
-    with torch.no_grad():
-        full = model(torch.tensor([prompt + tokens.tolist()], device=DEVICE))[0, len(prompt) :]
-    torch.testing.assert_close(wide, full.float(), rtol=1e-4, atol=1e-4)
 
 
 def test_persistent_refuses_what_it_does_not_cover():

@@ -15,8 +15,8 @@ lane; the head reads them all). What a task waits for is the plan's choice, `dep
   are lane by lane, so lane 0's next phase can start while the last lane's tasks still run.
 
 Write-after-read needs no waits of its own: every buffer a task writes was last read by a task
-that its own chain of waits already covers (tests/test_persistent.py runs random orders that
-respect the waits, and would see a missing one as other bits).
+that its own chain of waits already covers (tests/test_persistent.py runs the tasks in an order
+that respects the waits and keeps lanes apart, and would see a missing one as other bits).
 """
 
 from __future__ import annotations
