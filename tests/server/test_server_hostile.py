@@ -119,12 +119,27 @@ def test_health_answers_while_a_request_is_tokenized_or_templated(server):
             assert req.response.status_code == 200, req.response.text
 
 
-def _refused_while_health_polled(url: str, body: bytes) -> tuple[httpx.Response, list, float]:
-    """POST `body` to completions while polling /health; (response, health answers, end)."""
-    req = Post(url + C, content=body, headers={"Content-Type": "application/json"})
+def _refused_while_health_polled(url: str, body: bytes, paced: bool = False):
+    """POST `body` to completions while polling /health; (response, health answers, end).
+
+    Paced, the body goes as a chunked stream whose rest waits until /health has answered after
+    its first MiB was sent: an answer then comes while the server reads the body, whatever the
+    scheduling (unpaced, on a loaded 2-core machine the refusal can beat the first poll).
+    """
+    answered, first = threading.Event(), 1 << 20
+
+    def stream():
+        yield body[:first]
+        assert answered.wait(30), "/health did not answer while the body was being sent"
+        for at in range(first, len(body), first):
+            yield body[at : at + first]
+
+    content = stream() if paced else body
+    req = Post(url + C, content=content, headers={"Content-Type": "application/json"})
     answers = []
     while req.is_alive():
         answers.append((httpx.get(url + "/health", timeout=10).status_code, time.monotonic()))
+        answered.set()
     req.join()
     return req.response, answers, req.done_at
 
@@ -136,14 +151,15 @@ def test_12mb_body_refused_while_health_answers_and_memory_stays(server):
              (ServeLimits(max_request_bytes=64 << 20), 400, "context")]  # fmt: skip
     for limits, status, words in cases:
         with own_server(server, tok=gate, limits=limits) as s:
-            r, answers, end = _refused_while_health_polled(s.url, body)  # warm-up
-            assert r.status_code == status and words in r.json()["error"]["message"]
+            r, answers, end = _refused_while_health_polled(s.url, body, paced=True)
+            assert r is not None and r.status_code == status, r
+            assert words in r.json()["error"]["message"]
             assert answers and all(code == 200 for code, _ in answers)
             assert any(t < end for _, t in answers)  # answered while the body was refused
             before = rss_bytes()
-            for _ in range(4):
+            for _ in range(4):  # declared by Content-Length: refused before it is read
                 r, answers, _ = _refused_while_health_polled(s.url, body)
-                assert r.status_code == status
+                assert r.status_code == status and all(code == 200 for code, _ in answers)
             grown = rss_bytes() - before
             m = metrics(s)
         assert grown < 48 << 20, f"RSS grew {grown >> 20} MB over 4 bodies of 12 MB"
