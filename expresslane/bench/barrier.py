@@ -234,9 +234,10 @@ def measure(chain: Chain, args, sms: int, pdl: bool, copy_gb_s: float) -> list[d
     return rows
 
 
-def record_aot(model: str, layers: int, sms: int) -> list[dict]:
+def record_aot(model: str, layers: int, sms: int, tiles: int = len(TILES)) -> list[dict]:
     """Compile every variant for sm_90 on the meta device (kernels/aot.py): registers, spills,
-    blocks per SM, and the atomics' memory semantics in the PTX."""
+    blocks per SM, and the atomics' memory semantics in the PTX. `tiles`: the first so many
+    of TILES (each compiles every form again)."""
     import tempfile
     from pathlib import Path
 
@@ -244,7 +245,7 @@ def record_aot(model: str, layers: int, sms: int) -> list[dict]:
 
     chain = Chain(model_shapes(model, layers), torch.bfloat16, torch.device("meta"))
     with recording(sms=sms, pdl=True) as launches:
-        for tile in TILES:
+        for tile in TILES[:tiles]:
             for kind, grid in variants(sms, (1,), pdl=True):
                 launcher(kind, chain, tile, grid)()
     with tempfile.TemporaryDirectory() as tmp:
@@ -261,9 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=10, help="replays; the median is kept")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, Triton interpreter")
     ap.add_argument("--aot", action="store_true", help="compile every variant for sm_90 only")
+    ap.add_argument("--tiles", type=int, default=len(TILES),
+                    help=f"--aot: the first N of the {len(TILES)} tile shapes")  # fmt: skip
     args = ap.parse_args(argv)
-    if args.layers < 1 or args.reps < 1 or args.trials < 1 or min(args.blocks) < 1:
-        print("barrier: --layers, --reps, --trials and --blocks must be >= 1", file=sys.stderr)
+    if min(args.layers, args.reps, args.trials, args.tiles, *args.blocks) < 1:
+        print("barrier: --layers, --reps, --trials, --tiles and --blocks must be >= 1",
+              file=sys.stderr)  # fmt: skip
         return 2
     try:
         shapes = model_shapes(args.model, args.layers)  # the model is checked in a dry run too
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"barrier: --model {args.model}: {e}", file=sys.stderr)
         return 2
     if args.aot:
-        results = record_aot(args.model, args.layers, 132)
+        results = record_aot(args.model, args.layers, 132, args.tiles)
         for r in results:
             print(f"{r['kernel']:<48} regs {r['registers']:>4} spill {r['spill_bytes']:>4} "
                   f"blocks/SM {r['blocks_per_sm']} atomics {' '.join(r['atomics'])}")  # fmt: skip

@@ -86,14 +86,14 @@ def check(fused, persistent, cache: KVCache, position: torch.Tensor) -> dict:
             "failed_waits": persistent.errors()}  # fmt: skip
 
 
-def rows_are_lone_steps(persistent, cache: KVCache, position: torch.Tensor) -> bool:
-    """A verify of 4 tokens against 4 lone steps from the same cache, bitwise: the batch
-    invariance that makes greedy speculation plain decoding (the compiled build's, here)."""
-    tokens = torch.tensor([3, 9, 4, 7], device=position.device)
+def rows_are_lone_steps(persistent, cache: KVCache, position: torch.Tensor, width: int = 4) -> bool:
+    """A verify of `width` tokens against as many lone steps from the same cache, bitwise: the
+    batch invariance that makes greedy speculation plain decoding (the compiled build's)."""
+    tokens = torch.tensor([3, 9, 4, 7, 1, 8, 2, 6][:width], device=position.device)
     snap = _snapshot(cache)
     wide = persistent.forward(tokens, position)
     _restore(cache, snap)
-    lone = torch.cat([persistent.forward(tokens[j : j + 1], position + j) for j in range(4)])
+    lone = torch.cat([persistent.forward(tokens[j : j + 1], position + j) for j in range(width)])
     _restore(cache, snap)
     return bool(torch.equal(wide, lone))
 
@@ -146,7 +146,9 @@ def measure(args) -> dict:
                 row.update(check(fused, step, cache, position))
                 if step.warps not in checked_rows and not row["failed_waits"]:
                     checked_rows.add(step.warps)
-                    row["rows_are_lone_steps"] = rows_are_lone_steps(step, cache, position)
+                    row["rows_are_lone_steps"] = rows_are_lone_steps(
+                        step, cache, position, 2 if args.dry_run else 4
+                    )  # the interpreter's dry run: 2 rows, a step of 2 s each
                 if row["failed_waits"]:  # a broken launch's time says nothing
                     rows.append(row | {"us_per_step": None, "tok_s": None, "gb_s": None,
                                        "pct_copy": None})  # fmt: skip
