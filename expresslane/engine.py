@@ -27,9 +27,10 @@ from .config import ModelConfig, SamplingParams
 from .errors import RequestError
 from .model import Laneformer
 from .prefix import PrefixReuse
-from .sampler import logprobs_of, make_generator, sample, structure_key
+from .sampler import logprobs_of, make_generator, sample
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.drafting import SpeculativeConfig
+from .step.captures import Captures
 from .step.choose import choose_prefill, choose_step
 from .step.fused import MAX_OVERRUN
 from .step.graph import DecodeGraph, committed_tokens
@@ -38,7 +39,7 @@ from .structured.decoding import constrained_steps
 from .weights.packing import load_packed
 
 # The sampler structures captured at load on a GPU: greedy, plain sampling and top-p (what chat
-# UIs send). Others (top-k, min-p) run uncaptured until the engine is idle (`capture_pending`).
+# UIs send). Others (top-k, min-p) run uncaptured until the engine is idle (`idle`).
 PREPARED = (SamplingParams(), SamplingParams(temperature=1.0),
             SamplingParams(temperature=1.0, top_p=0.9))  # fmt: skip
 
@@ -128,7 +129,6 @@ class Engine:
         # the step (step/choose.py): eager forward, packed CPU (C layers) or fused GPU kernels
         choice = choose_step(model, self.cache, decode, kernels, compile)
         self.step, self.decode, self.step_name = choice.step, choice.decode, choice.name
-        self._compile_graph = choice.compile_graph
         # the prefill's forward: the fused residual + norm kernels on CUDA, else the model
         self._prefill = choose_prefill(model, kernels, self.step)
         self.compile = compile
@@ -138,17 +138,16 @@ class Engine:
             capture_verify = self.capture and self.decode == "graph"
             self.speculator = SpeculativeDecoder(self.step, self.cache, speculative,
                                                  capture=capture_verify)  # fmt: skip
-        self._graphs: dict[tuple, DecodeGraph] = {}
-        self.compile_s = 0.0  # seconds spent compiling decode steps: at load, not in requests
-        self.capture_s = 0.0  # seconds spent capturing graphs: at load or between requests
-        if compile and self.decode == "graph":
-            self._graph_for(SamplingParams())  # the greedy step; other samplers at first use
         # constrained decoding's forward and masked pick on graphs of their own (step/split.py)
-        self.split_steps = None
+        split = None
+        if self.capture and self.decode == "graph" and grammar_graphs:
+            split = SplitSteps(self.step, self.cfg.vocab_size, capture=True)
+        self.captures = Captures(self.step, steps_per_replay, self.capture, compile,
+                                 choice.compile_graph, self.speculator, split)  # fmt: skip
+        if compile and self.decode == "graph":
+            self.captures.graph_for(SamplingParams())  # the greedy step; others at first use
         if self.capture and self.decode == "graph":
-            if grammar_graphs:
-                self.split_steps = SplitSteps(self.step, self.cfg.vocab_size, capture=True)
-            self.capture_graphs(PREPARED)
+            self.captures.capture(PREPARED)
         self.warmup_s = 0.0  # seconds spent in prefill warm-up at load
         if prefill_warmup is None:
             prefill_warmup = self.capture and self.device.type == "cuda"
@@ -162,38 +161,24 @@ class Engine:
         chosen = self._prefill
         return chosen if getattr(chosen, "model", chosen) is self.model else self.model
 
-    def _graph_for(self, params: SamplingParams) -> DecodeGraph:
-        """One graph per sampler structure; values and seed are loaded per request. Making
-        one captures nothing (`capture_graphs` does, off the request path)."""
-        key = structure_key(params)
-        if key not in self._graphs:
-            t = time.perf_counter()
-            self._graphs[key] = DecodeGraph(
-                self.step, params, steps=self.steps_per_replay, capture=self.capture,
-                compile=self._compile_graph,
-            )  # fmt: skip
-            if self.compile:  # compile now (the graph or the step's layer), before the clock
-                self._graphs[key].warm_up(runs=1)
-                self.compile_s += time.perf_counter() - t
-        graph = self._graphs[key]
-        graph.set_params(params)
-        return graph
+    # compile_s: seconds spent compiling decode steps (at load, not in requests); capture_s:
+    # capturing graphs (at load or between requests); split_steps: constrained decoding's
+    # graphs (step/split.py) or None. All three are the captures' (step/captures.py).
+    compile_s = property(lambda self: self.captures.compile_s)
+    capture_s = property(lambda self: self.captures.capture_s)
+
+    @property
+    def split_steps(self):
+        return self.captures.split_steps
+
+    @split_steps.setter
+    def split_steps(self, split) -> None:
+        self.captures.split_steps = split
 
     def capture_graphs(self, structures=PREPARED) -> float:
-        """Capture every live bucket of the decode (and verify) graphs of these sampler
-        structures; at load (`PREPARED`) and whenever the engine is idle (`capture_pending`),
-        never inside a request. Returns the seconds spent (also added to `capture_s`)."""
-        spent = 0.0
-        for params in structures:
-            graph = self._graph_for(params)
-            spent += graph.capture_buckets()
-            if self.speculator is not None:
-                vg = self.speculator.verify_graph(params, graph.generator, capture=True)
-                spent += vg.capture_buckets()
-        if self.split_steps is not None:
-            spent += self.split_steps.capture_all(structures)
-        self.capture_s += spent
-        return spent
+        """Capture every live bucket of these sampler structures' graphs (step/captures.py):
+        at load (`PREPARED`), never inside a request. Returns the seconds spent."""
+        return self.captures.capture(structures)
 
     def warm_up_prefill(self) -> float:
         """Prefill a few prompt lengths once, at load, then forget them: the cache emptied and
@@ -217,26 +202,15 @@ class Engine:
         self.warmup_s += spent
         return spent
 
-    def _pending(self) -> list[tuple[DecodeGraph, int]]:
-        spec = self.speculator.graphs.values() if self.speculator is not None else ()
-        split = self.split_steps.graphs() if self.split_steps is not None else ()
-        return [(g, b) for g in (*self._graphs.values(), *spec, *split) for b in g.pending()]
-
-    def capture_pending(self, limit: int | None = 1) -> float:
-        """Capture up to `limit` buckets that requests ran uncaptured (a sampler structure not
-        prepared at load: all its buckets follow), for an idle engine: a request arriving
-        meanwhile waits for one capture at most."""
-        spent = sum(g.capture_buckets([b]) for g, b in self._pending()[:limit])
-        self.capture_s += spent
-        return spent
-
     # the server's engine thread calls idle() every idle_interval seconds while it has no job
     @property
     def idle_interval(self) -> float | None:
-        return 0.01 if self._pending() else None
+        return 0.01 if self.captures.pending() else None
 
     def idle(self) -> None:
-        self.capture_pending()
+        """Capture one bucket a request ran uncaptured: a request arriving meanwhile waits for
+        one capture at most."""
+        self.captures.capture_pending()
 
     @classmethod
     def from_pretrained(
@@ -345,7 +319,7 @@ class Engine:
             st.finish_reason = "length"
             return
         use_graph = self.decode == "graph" and params.logprobs is None and params.grammar is None
-        graph = self._graph_for(params) if use_graph else None  # may compile: before the clock
+        graph = self.captures.graph_for(params) if use_graph else None  # may compile: no clock yet
         # logprobs on the split graphs (step/split.py): the forward, then a pick that computes
         # the logprobs in the same replay (the first token's come from the prefill's logits)
         lp_pick = None

@@ -108,7 +108,7 @@ def test_every_graph_is_captured_at_load_and_no_request_captures(model, captures
             verified += eng.stats.extra.get("speculative", {}).get("verify_steps", 0)
             assert got == list(plain.generate(prompt, params)), (prompt, params)
             assert len(captures) == at_load, "a request captured a graph"
-        graphs = list(eng._graphs.values())
+        graphs = list(eng.captures.graphs.values())
         if speculative is not None:
             assert verified > 0  # the verify graphs were replayed
             graphs += list(eng.speculator.graphs.values())

@@ -149,7 +149,7 @@ def test_warm_up_leaves_cache_inputs_and_rng_as_they_were(model):
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
     eng = Engine(model, max_model_len=64, decode="graph", steps_per_replay=4)
     prompt = list(range(3, 3 + 30))  # longer than the 16-slot ring of the sliding layers
-    graph = eng._graph_for(params)
+    graph = eng.captures.graph_for(params)
     logits = eng.prefill(prompt)
     graph.load(logits.argmax(), position=len(prompt))
 
@@ -175,7 +175,7 @@ def test_one_graph_serves_every_temperature_and_top_p(model):
         p = SamplingParams(max_tokens=24, temperature=temperature, top_p=top_p, min_p=min_p,
                            seed=9, ignore_eos=True)  # fmt: skip
         assert list(eng.generate(PROMPT, p)) == list(eager.generate(PROMPT, p))
-    assert len(eng._graphs) == 1
+    assert len(eng.captures.graphs) == 1
 
 
 def chi_square_critical(df: int, z: float = 3.09) -> float:

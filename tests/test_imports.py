@@ -111,7 +111,7 @@ LAYERS = [
     ("parallel",),
     ("engine", "structured.decoding"),
     ("speculative.decoder",),
-    ("step.choose",),
+    ("step.choose", "step.captures"),
     ("step.graph", "step.split"),
     ("step.packed", "step.prefill"),
     ("step.persistent", "step.persistent_plan", "step.persistent_tasks", "kernels.aot"),

@@ -155,11 +155,13 @@ def test_engine_int8_step_equals_reference_and_reads_only_live_slots():
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = reference_generate(model, PROMPT, params, stop_ids=set())
     eng = Engine(model, max_model_len=96, compile=True, steps_per_replay=2)
-    assert len(eng._graphs) == 1  # the greedy step is built at load, not in the first request
+    assert (
+        len(eng.captures.graphs) == 1
+    )  # the greedy step is built at load, not in the first request
     assert list(_poisoned(eng, len(PROMPT) + 26).generate(PROMPT, params)) == ref
     short = reference_generate(model, PROMPT[:2], params, stop_ids=set())
     assert list(eng.generate(PROMPT[:2], params)) == short
-    assert len(eng._graphs) == 1
+    assert len(eng.captures.graphs) == 1
 
 
 def test_captured_graphs_bucket_the_live_bound():

@@ -269,7 +269,7 @@ def test_cuda_grammar_requests_replay_captured_graphs(kit):
             finally:
                 gpu.split_steps = split
             assert captured == plain, (kind, base)
-    assert not gpu._pending(), gpu._pending()
+    assert not gpu.captures.pending(), gpu.captures.pending()
 
 
 # --- the engine's captures, with a fake capture (as tests/test_capture.py) -----------------------
@@ -318,13 +318,13 @@ def test_engine_captures_the_split_graphs_at_load_and_when_idle(kit, monkeypatch
         for base_params in SAMPLERS:
             got = _decode(eng, tok, grammar, base_params, prompt)
             assert got == _decode(plain, tok, grammar, base_params, prompt), (kind, base_params)
-    assert len(captured) == loaded and not eng._pending()  # nothing captured in a request
+    assert len(captured) == loaded and not eng.captures.pending()  # nothing captured in a request
     top_k = SamplingParams(temperature=0.7, top_k=5, seed=2)
     grammar = comp.compile(_spec_of(*GRAMMARS[0]))
     assert _decode(eng, tok, grammar, top_k, prompt) == _decode(plain, tok, grammar, top_k, prompt)
-    assert [type(g).__name__ for g, _ in eng._pending()] == ["PickGraph"]
+    assert [type(g).__name__ for g, _ in eng.captures.pending()] == ["PickGraph"]
     eng.idle()
-    assert not eng._pending() and captured[-1] == ("PickGraph", 0, 0)
+    assert not eng.captures.pending() and captured[-1] == ("PickGraph", 0, 0)
 
 
 @pytest.mark.parametrize("top_n", [0, 3])
@@ -364,5 +364,5 @@ def test_cuda_logprob_requests_replay_their_pick_once_captured(lane):
     assert run(split) == want  # the pick uncaptured: a request never waits for a capture
     while eng.idle_interval is not None:
         eng.idle()
-    assert not eng._pending()
+    assert not eng.captures.pending()
     assert run(split) == want  # now replayed from its graph

@@ -136,7 +136,7 @@ class EngineRunner:
     def flags(self) -> dict:
         """What this variant really ran: a captured CUDA graph, Triton kernels, PDL."""
         eng = self.engine
-        graph = any(g.graphs for g in eng._graphs.values())
+        graph = any(g.graphs for g in eng.captures.graphs.values())
         if eng.step_name.startswith("packed"):  # a CPU
             return {"cuda_graph": graph, "fused_kernels": False, "pdl": False,
                     "step": eng.step_name}  # fmt: skip

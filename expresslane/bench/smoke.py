@@ -179,7 +179,7 @@ def graph_check(model, steps: int) -> dict:
             tok = dec.next_token(tok.view(1, 1), pos, params, None)
             pos += 1
             eager.append(int(tok))
-    captured = any(g.graph is not None for g in eng._graphs.values())
+    captured = any(g.graph is not None for g in eng.captures.graphs.values())
     return {
         "captured": captured,
         "steps": steps,

@@ -124,7 +124,7 @@ def measure(preset: str, device: str, dtype: str, context: int, k: int, reps: in
                     prefill_warmup=False, grammar_graphs=False)  # fmt: skip
     engine.prefill(prompt_ids(cfg.vocab_size, context, torch.device("cpu"))[0].tolist())
     greedy = SamplingParams(temperature=0.0)
-    t1 = plain_ms(engine._graph_for(greedy), context, reps)
+    t1 = plain_ms(engine.captures.graph_for(greedy), context, reps)
     widths = {}
     for w in range(2, k + 2):
         graph = DecodeGraph(engine.step, greedy, width=w, capture=engine.capture)

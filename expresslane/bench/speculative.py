@@ -110,7 +110,7 @@ def verify_cost(engine: Engine, ids: list[int], k: int, repeats: int = 7) -> dic
     cache = engine.cache
     engine.prefill(ids)
     pos = len(ids)
-    graph = engine._graph_for(SamplingParams()) if engine.decode == "graph" else None
+    graph = engine.captures.graph_for(SamplingParams()) if engine.decode == "graph" else None
     tokens = (ids * (k + 1))[: k + 1]
     at = torch.tensor([pos], device=engine.device)
 
