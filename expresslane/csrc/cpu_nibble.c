@@ -33,11 +33,12 @@ typedef struct {
     __m512 dv, dh;
 } group_t;
 
-/* a group's masks of one high bit: 2 n bytes for the low nibbles, then for the high (n blocks) */
-INLINE void masks(const uint8_t *p, int64_t n, uint64_t *ml, uint64_t *mh) {
-    *ml = *mh = 0;
-    memcpy(ml, p, (size_t)(2 * n));
-    memcpy(mh, p + 2 * n, (size_t)(2 * n));
+/* a group's masks of one high bit: 2 n bytes for the low nibbles, then for the high (n blocks);
+   masked loads, as a memcpy of a size known only at run time is a call */
+T_VNNI INLINE void masks(const uint8_t *p, int64_t n, uint64_t *ml, uint64_t *mh) {
+    const __mmask16 m = (__mmask16)((1u << (2 * n)) - 1);
+    *ml = (uint64_t)_mm_cvtsi128_si64(_mm_maskz_loadu_epi8(m, p));
+    *mh = (uint64_t)_mm_cvtsi128_si64(_mm_maskz_loadu_epi8(m, p + 2 * n));
 }
 
 T_VNNI INLINE void add_bit(group_t *G, const uint8_t *p, int64_t n, char bit) {
@@ -83,9 +84,7 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
         G.dv = k_scales(d[g / 2], _mm_shuffle_epi8(s, ev), 1);
         G.dh = k_scales(d[g / 2], _mm_shuffle_epi8(s, od), 1);
     } else {
-        int64_t dd = 0;
-        memcpy(&dd, d + g * 4, (size_t)(2 * n));
-        G.dv = quarter_scales(_mm_cvtsi64_si128(dd));
+        G.dv = quarter_scales(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), d + g * 4));
     }
     return G;
 }
@@ -109,11 +108,11 @@ T_VNNI INLINE __m512 group_tok(const int FMT, const group_t *G, const char *p) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(t), G->dv);
 }
 
-/* sum_b m_b (sum of x over block b), xs: the token's block sums then half-block sums */
-T_VNNI INLINE float offsets(const int FMT, const uint16_t *d, const uint16_t *mn,
-                            const int8_t *sub, const float *xs, int64_t nb, int64_t Kp) {
+/* sum_b m_b (sum of x over block b) as 16 lanes to be summed, xs: the token's block sums then
+   half-block sums */
+T_VNNI INLINE __m512 offset_lanes(const int FMT, const uint16_t *d, const uint16_t *mn,
+                                  const int8_t *sub, const float *xs, int64_t nb, int64_t Kp) {
     __m512 acc = _mm512_setzero_ps();
-    float m = 0.0f;
     if (FMT == FMT_Q4_K || FMT == FMT_Q5_K) { /* - dmin m_j per superblock of 8 blocks */
         __m256 a8 = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nb / 8; sb++) {
@@ -123,9 +122,7 @@ T_VNNI INLINE float offsets(const int FMT, const uint16_t *d, const uint16_t *mn
             __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(mn[sb])), mf);
             a8 = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs + sb * 8), a8);
         }
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a8), _mm256_extractf128_ps(a8, 1));
-        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        return -_mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+        return _mm512_zextps256_ps512(_mm256_sub_ps(_mm256_setzero_ps(), a8));
     }
     if (FMT == FMT_Q6_K) { /* - 32 d s_j per 16 values */
         const float *half = xs + Kp / 32;
@@ -135,25 +132,24 @@ T_VNNI INLINE float offsets(const int FMT, const uint16_t *d, const uint16_t *mn
             __m512 ds = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[sb])), sf);
             acc = _mm512_fmadd_ps(ds, _mm512_loadu_ps(half + sb * 16), acc);
         }
-        return -32.0f * _mm512_reduce_add_ps(acc);
+        return _mm512_mul_ps(acc, _mm512_set1_ps(-32.0f));
     }
     const uint16_t *src = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 ? mn : d;
     const float k = FMT == FMT_Q4_0 ? -8.0f : FMT == FMT_Q5_0 ? -16.0f : 1.0f;
-    int64_t b = 0;
-    for (; b + 16 <= nb; b += 16) {
-        __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + b)));
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(k)), _mm512_loadu_ps(xs + b), acc);
+    for (int64_t b = 0; b < nb; b += 16) { /* the last 16 masked */
+        const __mmask16 m = MASK(nb, b);
+        __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + b));
+        acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(m, xs + b), acc);
     }
-    m = _mm512_reduce_add_ps(acc);
-    for (; b < nb; b++) m += _cvtsh_ss(src[b]) * k * xs[b];
-    return m;
+    return k == 1.0f ? acc : _mm512_mul_ps(acc, _mm512_set1_ps(k));
 }
 
-/* one row for T tokens: dot[t] (in units of x's scale) and the offsets' sum mdot[t] */
+/* one row for T tokens: res[t] = sx[t] (its dot in units of x's scale) + its offsets, summed
+   across lanes once */
 T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
                           const uint8_t *high, const int8_t *sub, const char *xp,
-                          const float *const *xs, int64_t K, int64_t Kp, float *dot, float *mdot,
-                          const int T) {
+                          const float *const *xs, const float *sx, int64_t K, int64_t Kp,
+                          float *res, const int T) {
     const int64_t CB = 256, nb = K / 32;
     __m512 acc0[TMAX], acc1[TMAX];
     for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
@@ -172,8 +168,9 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
             acc0[t] = _mm512_add_ps(acc0[t], group_tok(FMT, &G, xp + (g * T + t) * CB));
     }
     for (int t = 0; t < T; t++) {
-        mdot[t] = offsets(FMT, d, mn, sub, xs[t], nb, Kp);
-        dot[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
+        const __m512 off = offset_lanes(FMT, d, mn, sub, xs[t], nb, Kp);
+        const __m512 dot = _mm512_add_ps(acc0[t], acc1[t]);
+        res[t] = _mm512_reduce_add_ps(_mm512_fmadd_ps(dot, _mm512_set1_ps(sx[t]), off));
     }
 }
 
@@ -193,10 +190,12 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
                             ? (const int8_t *)w->sub + r * (K / 16)
                             : NULL;
     const float *bsum[TMAX];
-    float dot[TMAX], mdot[TMAX];
-    for (int t = 0; t < T; t++) bsum[t] = sp->P->xs + v[t] * (Kp / 32 + Kp / 16);
-    rows_t(FMT, (const uint8_t *)wr, d, mn, high, sub, xp, bsum, K, Kp, dot, mdot, T);
-    for (int t = 0; t < T; t++) res[t] = sp->P->sx[v[t]] * dot[t] + mdot[t];
+    float sx[TMAX];
+    for (int t = 0; t < T; t++) {
+        bsum[t] = sp->P->xs + v[t] * (Kp / 32 + Kp / 16);
+        sx[t] = sp->P->sx[v[t]];
+    }
+    rows_t(FMT, (const uint8_t *)wr, d, mn, high, sub, xp, bsum, sx, K, Kp, res, T);
 }
 
 #define SPAN(F)                                                                  \
