@@ -201,3 +201,42 @@ def test_python_verify_path_through_the_engine_and_rings_after_rejections(monkey
     assert (continuation_logits(model, eng.cache, ref) - fresh).abs().max() < 1e-4
     fig = eng.stats.extra["speculative"]
     assert fig["verify_steps"] > 10 and 0 < fig["accepted_tokens"] < fig["draft_tokens"]
+
+
+@needs["float32"]
+@pytest.mark.parametrize("window", [None, 70])
+def test_c_attention_in_chunks_gives_every_row_the_same_bits(window):
+    """The C attention runs in 64-slot chunks merged in slot order (csrc/cpu_layer.c): past 128
+    slots, a verify of 7 tokens that straddles a chunk boundary has the bits of 7 lone steps
+    (which read fewer slots), 1 and 2 threads give the same bits, and the logits stay those of
+    the Python layer (which attends in one piece) to rounding; with and without a window."""
+    over = dict(max_position_embeddings=256, vocab_size=67, num_attention_heads=6,
+                num_key_value_heads=2, hidden_size=96)  # head_dim 16: the generic path
+    model = llama(seed=5, **over) if window is None else llama(
+        seed=5, model_type="mistral", sliding_window=window, **over)  # fmt: skip
+    pack_model(model, "float32")
+    prompt = [(7 * i + 3) % 67 for i in range(124)]
+    new = [5, 9, 30, 7, 7, 12, 3]  # positions 124..130: across the chunk boundary at 128
+
+    def run(native: bool, one_call: bool, threads: int) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        cache = KVCache(model.cfg, max_len=200, headroom=len(new))
+        dec = PackedDecoder(model, cache, native=native)
+        with torch.no_grad():
+            for i, t in enumerate(prompt):
+                cache.live = i + 1
+                dec.forward(torch.tensor([t]), torch.tensor([i]))
+            p = len(prompt)
+            if one_call:
+                cache.live = None
+                return dec.forward(torch.tensor(new), torch.tensor([p]))
+            rows = []
+            for j, t in enumerate(new):
+                cache.live = p + j + 1
+                rows.append(dec.forward(torch.tensor([t]), torch.tensor([p + j])))
+            return torch.cat(rows)
+
+    lone = run(True, False, 1)
+    assert torch.equal(run(True, True, 1), lone)
+    assert torch.equal(run(True, True, 2), lone) and torch.equal(run(True, False, 2), lone)
+    torch.testing.assert_close(lone, run(False, True, 1), rtol=1e-4, atol=1e-4)

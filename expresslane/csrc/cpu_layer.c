@@ -44,11 +44,15 @@ int el_layer_fields(const char *const **names) {
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
 /* floats of, per token: qkv, attention output, normed input, gate/up, product output; once:
-   scores; then the products' activation parts (bytes) */
+   scores, the attention's chunk parts; then the products' activation parts (bytes) */
+static int64_t att_parts(int64_t Hq, int64_t hd, int64_t slots) {
+    return ((slots + 63) / 64) * Hq * (hd + 2); /* 64: ATT_CHUNK */
+}
 int64_t el_layer_scratch(int64_t D, int64_t Hq, int64_t Hkv, int64_t hd, int64_t F,
                              int64_t slots, int64_t S) {
     int64_t per = (Hq + 2 * Hkv) * hd + Hq * hd + max3(D, F, Hq * hd) + 2 * F + D;
-    return (S * per + Hq * slots) * 4 + 64 + el_matmul_scratch(S, 1, max3(D, F, Hq * hd));
+    int64_t once = Hq * slots + att_parts(Hq, hd, slots);
+    return (S * per + once) * 4 + 64 + el_matmul_scratch(S, 1, max3(D, F, Hq * hd));
 }
 
 #ifdef EL_X86
@@ -98,82 +102,140 @@ T_F static inline __m512 exp_neg(__m512 x) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), r);
 }
 
-/* softmax(q k / sqrt(hd)) v for the G query heads of KV head g, over n slots: each key and value
-   row is read once for the G heads. sc: G * n floats; o: G * hd floats, G * ceil(hd/16) <= 32. */
-T_F static inline __attribute__((always_inline)) void attend_group_impl(
-    const float *q, int64_t G, const float *kc, const float *vc, const int64_t *pc, int64_t Hkv,
-    int64_t g, int64_t hd, int64_t n, int64_t position, int64_t win, float *sc, float *o,
-    const int64_t chunks) {
+/* Attention is split into chunks of ATT_CHUNK slots at fixed offsets (flash-decoding): each
+   chunk is a task with, per query head, its own max, sum and unnormalised output, and the
+   chunks are merged in slot order. A chunk's sums depend only on its own slots, and a chunk
+   holding no visible key is skipped, so a row's bits depend neither on the live bound n (a
+   verify step reads past a lone step's n: masked slots add exact zeros) nor on the thread
+   count; and the tasks spread the fp32 cache's stream (its bytes pass the weights' near 2,000
+   slots of SmolLM2) over every thread.
+
+   A task reads each slot's key row (every KV head: Hkv hd floats, front to back) once for the
+   scores of all heads, and fetches the value row ATT_AHEAD slots on meanwhile, so that the
+   values are in cache when each head sums them. Read a KV head at a time, rows Hkv hd floats
+   apart, the loads waited on memory (perf: the slowest instructions were loads of a row's
+   third and fourth cache lines), at about 8 GB/s a thread. */
+#define ATT_CHUNK 64
+#define ATT_AHEAD 4
+
+/* partial floats of one chunk: per query head its max, its sum, then Hq * hd outputs */
+static int64_t att_part(int64_t Hq, int64_t hd) { return Hq * (hd + 2); }
+
+T_F static inline void prefetch_floats(const float *p, int64_t count) {
+    for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* The Hq query heads (G per KV head) over slots [s0, s1): scores in sc (head h at sc + h n),
+   part = m[Hq], l[Hq], o[Hq][hd] with o = sum_s e^(score_s - m) v_s. chunks = ceil(hd / 16)
+   <= 32 accumulators (a constant for head_dim 64 and 128). */
+T_F static inline __attribute__((always_inline)) void attend_chunk_impl(
+    const float *q, int64_t Hq, int64_t Hkv, const float *kc, const float *vc, const int64_t *pc,
+    int64_t hd, int64_t n, int64_t s0, int64_t s1, int64_t position, int64_t win, float *sc,
+    float *part, const int64_t chunks) {
     const float scale = 1.0f / sqrtf((float)hd);
-    for (int64_t s = 0; s < n; s++) {
+    const int64_t G = Hq / Hkv, row = Hkv * hd;
+    float *m = part, *l = part + Hq, *o = part + 2 * Hq;
+    for (int64_t s = s0; s < s1; s++) {
         const int64_t p = pc[s];
         const int ok = p >= 0 && p <= position && (win == 0 || p > position - win);
-        const float *k = kc + (s * Hkv + g) * hd;
-        for (int64_t j = 0; j < G; j++) {
+        prefetch_floats(kc + (s + ATT_AHEAD) * row, row);
+        prefetch_floats(vc + (s + ATT_AHEAD) * row, row);
+        for (int64_t h = 0; h < Hq; h++) {
             if (!ok) {
-                sc[j * n + s] = -INFINITY;
+                sc[h * n + s] = -INFINITY;
                 continue;
             }
+            const float *k = kc + s * row + (h / G) * hd;
             __m512 acc = _mm512_setzero_ps();
-            for (int64_t i = 0; i < hd; i += 16)
-                acc = _mm512_fmadd_ps(load16(q + j * hd, hd, i), load16(k, hd, i), acc);
-            sc[j * n + s] = _mm512_reduce_add_ps(acc) * scale;
+            for (int64_t c = 0; c < chunks; c++)
+                acc = _mm512_fmadd_ps(load16(q + h * hd, hd, 16 * c), load16(k, hd, 16 * c), acc);
+            sc[h * n + s] = _mm512_reduce_add_ps(acc) * scale;
         }
     }
-    for (int64_t j = 0; j < G; j++) { /* softmax of row j, in place; padding lanes give 0 */
-        float *r = sc + j * n;
+    for (int64_t h = 0; h < Hq; h++) { /* e^(score - max) in place; lanes by s - s0 */
+        float *r = sc + h * n;
         __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-        for (int64_t s = 0; s < n; s += 16)
-            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), MASK(n, s), r + s));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        for (int64_t s = 0; s < n; s += 16) {
-            __m512 e = exp_neg(_mm512_sub_ps(_mm512_mask_loadu_ps(m, MASK(n, s), r + s), m));
-            if (n - s >= 16) _mm512_storeu_ps(r + s, e);
-            else _mm512_mask_storeu_ps(r + s, MASK(n, s), e);
-            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(MASK(n, s), e));
+        for (int64_t s = s0; s < s1; s += 16)
+            mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY),
+                                                        MASK(s1, s), r + s));
+        m[h] = _mm512_reduce_max_ps(mx);
+        const __m512 mv = _mm512_set1_ps(m[h]);
+        for (int64_t s = s0; s < s1; s += 16) {
+            __m512 e = exp_neg(_mm512_sub_ps(_mm512_mask_loadu_ps(mv, MASK(s1, s), r + s), mv));
+            _mm512_mask_storeu_ps(r + s, MASK(s1, s), e);
+            sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(MASK(s1, s), e));
         }
-        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-        for (int64_t s = 0; s < n; s++) r[s] *= inv;
+        l[h] = m[h] == -INFINITY ? 0.0f : _mm512_reduce_add_ps(sum);
     }
-    __m512 acc[32];
-    for (int64_t a = 0; a < G * chunks; a++) acc[a] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < n; s++) {
-        const float *v = vc + (s * Hkv + g) * hd;
-        for (int64_t c = 0; c < chunks; c++) {
-            const __m512 vv = load16(v, hd, 16 * c);
-            for (int64_t j = 0; j < G; j++)
-                acc[j * chunks + c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[j * n + s]), vv,
-                                                      acc[j * chunks + c]);
+    for (int64_t h = 0; h < Hq; h++) { /* head by head: its accumulators in registers */
+        __m512 acc[32];
+        for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t s = s0; s < s1; s++) {
+            const float *v = vc + s * row + (h / G) * hd;
+            const __m512 e = _mm512_set1_ps(sc[h * n + s]);
+            for (int64_t c = 0; c < chunks; c++)
+                acc[c] = _mm512_fmadd_ps(e, load16(v, hd, 16 * c), acc[c]);
         }
+        for (int64_t c = 0; c < chunks; c++)
+            _mm512_mask_storeu_ps(o + h * hd + 16 * c, MASK(hd, 16 * c), acc[c]);
     }
-    for (int64_t j = 0; j < G; j++)
-        for (int64_t c = 0; c < chunks; c++) {
-            if (hd - 16 * c >= 16) _mm512_storeu_ps(o + j * hd + 16 * c, acc[j * chunks + c]);
-            else _mm512_mask_storeu_ps(o + j * hd + 16 * c, MASK(hd, 16 * c), acc[j * chunks + c]);
-        }
 }
 
 /* head_dim 64 and 128 (most models) with the chunk count known: the accumulators stay in registers */
-T_F static void attend_group(const float *q, int64_t G, const float *kc, const float *vc,
-                             const int64_t *pc, int64_t Hkv, int64_t g, int64_t hd, int64_t n,
-                             int64_t position, int64_t win, float *sc, float *o) {
+T_F static void attend_chunk(const float *q, int64_t Hq, int64_t Hkv, const float *kc,
+                             const float *vc, const int64_t *pc, int64_t hd, int64_t n,
+                             int64_t s0, int64_t s1, int64_t position, int64_t win, float *sc,
+                             float *part) {
     if (hd == 64)
-        attend_group_impl(q, G, kc, vc, pc, Hkv, g, 64, n, position, win, sc, o, 4);
+        attend_chunk_impl(q, Hq, Hkv, kc, vc, pc, 64, n, s0, s1, position, win, sc, part, 4);
     else if (hd == 128)
-        attend_group_impl(q, G, kc, vc, pc, Hkv, g, 128, n, position, win, sc, o, 8);
+        attend_chunk_impl(q, Hq, Hkv, kc, vc, pc, 128, n, s0, s1, position, win, sc, part, 8);
     else
-        attend_group_impl(q, G, kc, vc, pc, Hkv, g, hd, n, position, win, sc, o, (hd + 15) / 16);
+        attend_chunk_impl(q, Hq, Hkv, kc, vc, pc, hd, n, s0, s1, position, win, sc, part,
+                          (hd + 15) / 16);
 }
 
+/* o (Hq hd): the chunks' parts merged in slot order. A chunk with no visible key (max -inf)
+   weighs 0 and is skipped; each max is overwritten by its chunk's weight. */
+T_F static void merge_chunks(float *parts, int64_t nch, int64_t Hq, int64_t hd, float *o) {
+    const int64_t stride = att_part(Hq, hd);
+    for (int64_t h = 0; h < Hq; h++) {
+        float M = -INFINITY, L = 0.0f;
+        for (int64_t c = 0; c < nch; c++) M = fmaxf(M, parts[c * stride + h]);
+        for (int64_t c = 0; c < nch; c++) {
+            float *w = parts + c * stride + h;
+            *w = *w == -INFINITY ? 0.0f : _mm512_cvtss_f32(exp_neg(_mm512_set1_ps(*w - M)));
+            L += *w * parts[c * stride + Hq + h];
+        }
+        const __m512 inv = _mm512_set1_ps(L > 0.0f ? 1.0f / L : 0.0f);
+        for (int64_t i = 0; i < hd; i += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < nch; c++) {
+                const float w = parts[c * stride + h];
+                if (w != 0.0f)
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(w),
+                                          load16(parts + c * stride + 2 * Hq + h * hd, hd, i), acc);
+            }
+            _mm512_mask_storeu_ps(o + h * hd + i, MASK(hd, i), _mm512_mul_ps(acc, inv));
+        }
+    }
+}
+
+/* o (Hq hd) for one query at `position` over the first n slots; sc: Hq n scores, parts:
+   ceil(n / ATT_CHUNK) chunks' parts */
 static void attend(const int64_t *d, const float *q, int64_t position, int64_t n, float *sc,
-                   float *o, int threads) {
-    const int64_t Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim], G = Hq / Hkv;
+                   float *parts, float *o, int threads) {
+    const int64_t Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim];
     const float *kc = PTR(d, k_cache, const float), *vc = PTR(d, v_cache, const float);
     const int64_t *pc = PTR(d, pos_cache, const int64_t);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= 512)
-    for (int64_t g = 0; g < Hkv; g++)
-        attend_group(q + g * G * hd, G, kc, vc, pc, Hkv, g, hd, n, position, d[F_window],
-                     sc + g * G * n, o + g * G * hd);
+    const int64_t nch = (n + ATT_CHUNK - 1) / ATT_CHUNK, stride = att_part(Hq, hd);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && nch >= 2)
+    for (int64_t c = 0; c < nch; c++) {
+        const int64_t s0 = c * ATT_CHUNK, s1 = s0 + ATT_CHUNK < n ? s0 + ATT_CHUNK : n;
+        attend_chunk(q, Hq, Hkv, kc, vc, pc, hd, n, s0, s1, position, d[F_window], sc,
+                     parts + c * stride);
+    }
+    merge_chunks(parts, nch, Hq, hd, o);
 }
 
 /* W x for S tokens: x (S, K) -> y (S, N), part by part (a part's rows into y's columns) */
@@ -213,11 +275,12 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
                      int64_t position, int64_t live, float eps, char *scratch, int threads) {
     const int64_t D = d[F_dim], Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim];
     const int64_t F = d[F_ffn], cap = d[F_cap], nq = (Hq + 2 * Hkv) * hd, half = hd / 2;
-    if ((Hq / Hkv) * ((hd + 15) / 16) > 32) return -2; /* attend_group's accumulators */
+    if ((hd + 15) / 16 > 32) return -2; /* attend_chunk's accumulators */
     const int64_t n = live < cap ? live : cap;
     float *qkv = (float *)scratch, *o = qkv + S * nq, *xn = o + S * Hq * hd;
     float *gu = xn + S * max3(D, F, Hq * hd), *y = gu + S * 2 * F, *sc = y + S * D;
-    char *work = (char *)(((uintptr_t)(sc + Hq * cap) + 63) & ~(uintptr_t)63);
+    float *parts = sc + Hq * cap;
+    char *work = (char *)(((uintptr_t)(parts + att_parts(Hq, hd, cap)) + 63) & ~(uintptr_t)63);
     int rc = 0;
     for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, PTR(d, attention_norm, const float), D, eps, xn + t * D);
     rc |= PRODUCT(d, qkv, xn, qkv, S, nq, D, threads, work);
@@ -233,7 +296,8 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
         for (int64_t i = 0; i < Hkv * hd; i++) kc[slot * Hkv * hd + i] = k[i], vc[slot * Hkv * hd + i] = v[i];
         PTR(d, pos_cache, int64_t)[slot] = position + t;
     }
-    for (int64_t t = 0; t < S; t++) attend(d, qkv + t * nq, position + t, n, sc, o + t * Hq * hd, threads);
+    for (int64_t t = 0; t < S; t++)
+        attend(d, qkv + t * nq, position + t, n, sc, parts, o + t * Hq * hd, threads);
     rc |= PRODUCT(d, wo, o, y, S, D, Hq * hd, threads, work);
     for (int64_t i = 0; i < S * D; i++) h[i] += y[i];
     for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, PTR(d, ffn_norm, const float), D, eps, xn + t * D);
