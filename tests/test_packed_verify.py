@@ -210,8 +210,13 @@ def test_c_attention_in_chunks_gives_every_row_the_same_bits(window):
     slots, a verify of 7 tokens that straddles a chunk boundary has the bits of 7 lone steps
     (which read fewer slots), 1 and 2 threads give the same bits, and the logits stay those of
     the Python layer (which attends in one piece) to rounding; with and without a window."""
-    over = dict(max_position_embeddings=256, vocab_size=67, num_attention_heads=6,
-                num_key_value_heads=2, hidden_size=96)  # head_dim 16: the generic path
+    over = dict(
+        max_position_embeddings=256,
+        vocab_size=67,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        hidden_size=96,
+    )  # head_dim 16: the generic path
     model = llama(seed=5, **over) if window is None else llama(
         seed=5, model_type="mistral", sliding_window=window, **over)  # fmt: skip
     pack_model(model, "float32")
