@@ -175,11 +175,6 @@ class Engine:
     def split_steps(self, split) -> None:
         self.captures.split_steps = split
 
-    def capture_graphs(self, structures=PREPARED) -> float:
-        """Capture every live bucket of these sampler structures' graphs (step/captures.py):
-        at load (`PREPARED`), never inside a request. Returns the seconds spent."""
-        return self.captures.capture(structures)
-
     def warm_up_prefill(self) -> float:
         """Prefill a few prompt lengths once, at load, then forget them: the cache emptied and
         prefix reuse started afresh. On the H200 the process's first 1,024-token prefill of

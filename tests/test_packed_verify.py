@@ -109,6 +109,24 @@ def test_verify_equals_the_forward_on_the_same_weights(name, fmt):
         torch.testing.assert_close(got, full, rtol=1e-4, atol=_tolerance(fmt, full) + 1e-4)
 
 
+def prompt_then_new(dec, cache, prompt, new, one_call: bool) -> torch.Tensor:
+    """The prompt by plain steps, then the logits of `new`: one verify call (live bound None,
+    as the verify step reads), or a plain step each (live bound its own position + 1)."""
+    with torch.no_grad():
+        for i, t in enumerate(prompt):
+            cache.live = i + 1
+            dec.forward(torch.tensor([t]), torch.tensor([i]))
+        p = len(prompt)
+        if one_call:
+            cache.live = None
+            return dec.forward(torch.tensor(new), torch.tensor([p]))
+        rows = []
+        for j, t in enumerate(new):
+            cache.live = p + j + 1
+            rows.append(dec.forward(torch.tensor([t]), torch.tensor([p + j])))
+        return torch.cat(rows)
+
+
 @pytest.mark.parametrize("fmt", [pytest.param(f, marks=needs[f]) for f in ALL])
 def test_c_verify_rows_are_the_bits_of_single_steps(fmt):
     """S tokens in one call (a ring that wraps, GQA) against S packed decode steps on another
@@ -121,21 +139,7 @@ def test_c_verify_rows_are_the_bits_of_single_steps(fmt):
             cache = KVCache(model.cfg, max_len=40, headroom=S)
             dec = PackedDecoder(model, cache)
             assert dec.step is not None
-            with torch.no_grad():
-                for i, t in enumerate(PROMPT):  # the prompt by plain steps
-                    cache.live = i + 1
-                    dec.forward(torch.tensor([t]), torch.tensor([i]))
-                p = len(PROMPT)
-                if one_call:
-                    cache.live = None
-                    logits = dec.forward(torch.tensor(NEW[:S]), torch.tensor([p]))
-                else:
-                    rows = []
-                    for j, t in enumerate(NEW[:S]):
-                        cache.live = p + j + 1
-                        rows.append(dec.forward(torch.tensor([t]), torch.tensor([p + j])))
-                    logits = torch.cat(rows)
-            out.append((logits, cache))
+            out.append((prompt_then_new(dec, cache, PROMPT, NEW[:S], one_call), cache))
         (a, ca), (b, cb) = out
         assert torch.equal(a, b), (S, (a - b).abs().max().item())
         for i in range(len(ca.k)):
@@ -226,20 +230,8 @@ def test_c_attention_in_chunks_gives_every_row_the_same_bits(window):
     def run(native: bool, one_call: bool, threads: int) -> torch.Tensor:
         torch.set_num_threads(threads)
         cache = KVCache(model.cfg, max_len=200, headroom=len(new))
-        dec = PackedDecoder(model, cache, native=native)
-        with torch.no_grad():
-            for i, t in enumerate(prompt):
-                cache.live = i + 1
-                dec.forward(torch.tensor([t]), torch.tensor([i]))
-            p = len(prompt)
-            if one_call:
-                cache.live = None
-                return dec.forward(torch.tensor(new), torch.tensor([p]))
-            rows = []
-            for j, t in enumerate(new):
-                cache.live = p + j + 1
-                rows.append(dec.forward(torch.tensor([t]), torch.tensor([p + j])))
-            return torch.cat(rows)
+        return prompt_then_new(PackedDecoder(model, cache, native=native), cache, prompt, new,
+                               one_call)  # fmt: skip
 
     lone = run(True, False, 1)
     assert torch.equal(run(True, True, 1), lone)

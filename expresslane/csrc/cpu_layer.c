@@ -43,10 +43,15 @@ int el_layer_fields(const char *const **names) {
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
+#define ATT_CHUNK 64 /* slots of one attention task (below, with attend) */
+
+/* partial floats of one chunk: per query head its max, its sum, then Hq * hd outputs */
+static int64_t att_part(int64_t Hq, int64_t hd) { return Hq * (hd + 2); }
+
 /* floats of, per token: qkv, attention output, normed input, gate/up, product output; once:
    scores, the attention's chunk parts; then the products' activation parts (bytes) */
 static int64_t att_parts(int64_t Hq, int64_t hd, int64_t slots) {
-    return ((slots + 63) / 64) * Hq * (hd + 2); /* 64: ATT_CHUNK */
+    return ((slots + ATT_CHUNK - 1) / ATT_CHUNK) * att_part(Hq, hd);
 }
 int64_t el_layer_scratch(int64_t D, int64_t Hq, int64_t Hkv, int64_t hd, int64_t F,
                              int64_t slots, int64_t S) {
@@ -115,11 +120,7 @@ T_F static inline __m512 exp_neg(__m512 x) {
    values are in cache when each head sums them. Read a KV head at a time, rows Hkv hd floats
    apart, the loads waited on memory (perf: the slowest instructions were loads of a row's
    third and fourth cache lines), at about 8 GB/s a thread. */
-#define ATT_CHUNK 64
 #define ATT_AHEAD 4
-
-/* partial floats of one chunk: per query head its max, its sum, then Hq * hd outputs */
-static int64_t att_part(int64_t Hq, int64_t hd) { return Hq * (hd + 2); }
 
 T_F static inline void prefetch_floats(const float *p, int64_t count) {
     for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(p + i, 0, 3);
@@ -138,8 +139,10 @@ T_F static inline __attribute__((always_inline)) void attend_chunk_impl(
     for (int64_t s = s0; s < s1; s++) {
         const int64_t p = pc[s];
         const int ok = p >= 0 && p <= position && (win == 0 || p > position - win);
-        prefetch_floats(kc + (s + ATT_AHEAD) * row, row);
-        prefetch_floats(vc + (s + ATT_AHEAD) * row, row);
+        if (s + ATT_AHEAD < n) { /* rows of the cache only */
+            prefetch_floats(kc + (s + ATT_AHEAD) * row, row);
+            prefetch_floats(vc + (s + ATT_AHEAD) * row, row);
+        }
         for (int64_t h = 0; h < Hq; h++) {
             if (!ok) {
                 sc[h * n + s] = -INFINITY;
