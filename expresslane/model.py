@@ -311,12 +311,23 @@ class Laneformer(nn.Module):
         last_only: bool = False,
     ) -> torch.Tensor:
         """tokens (B, S) -> logits (B, S, V) (or (B, 1, V) with last_only), fp32 or model dtype."""
+        h = self.hidden(tokens, positions, cache)
+        return self.finish(h, tokens.shape[1], cache, last_only)
+
+    def hidden(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, S) -> the residual stream after the last layer (B, S, L, D), the keys and
+        values written to the cache (which `finish` then advances)."""
         h, positions, cos, sin = self.embed(tokens, positions, cache)
         partials = Partials(self.cfg)
         for i, block in enumerate(self.model.layers):
             h, a, m = block(h, cos, sin, positions, cache, *partials.arriving(i))
             partials.keep(i, a, m)
-        return self.finish(h, tokens.shape[1], cache, last_only)
+        return h
 
     def finish(self, h: torch.Tensor, n: int, cache: KVCache | None, last_only: bool):
         """After the layers: the cache counts the `n` new positions, then the head's logits."""

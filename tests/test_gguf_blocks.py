@@ -81,6 +81,23 @@ def test_product_equals_the_dequantized_reference(ggml_type, shape):
     assert torch.equal(one, got[1])
 
 
+@pytest.mark.parametrize(
+    "ggml_type, shape", [pytest.param(t, s, marks=_needs(t)) for t, s in CASES],
+    ids=[f"{t}-{s}" for t, s in CASES],
+)  # fmt: skip
+def test_c_dequantize_is_the_reference_bit_for_bit(ggml_type, shape):
+    """The C decoder (a long prefill's weights): fp32 the reference's bits, bf16 their round to
+    nearest even, for row views and lanes too."""
+    N, K = shape
+    q = from_gguf(ggml_type, random_blocks(ggml_type, N, K, 3 * N + K), shape)
+    ref = q.dequantize()
+    assert torch.equal(native.native_dequantize(q), ref)
+    assert torch.equal(native.native_dequantize(q, torch.bfloat16), ref.bfloat16())
+    assert torch.equal(native.native_dequantize(q.rows(1, N)), ref[1:])
+    lanes = q.map(lambda t: torch.stack([t, t.flip(0)]))  # (2, N, K): the rows reversed
+    assert torch.equal(native.native_dequantize(lanes), torch.stack([ref, ref.flip(0)]))
+
+
 @pytest.mark.parametrize("ggml_type", [pytest.param(t, marks=_needs(t)) for t in TYPES])
 def test_s_token_rows_are_the_single_token_bits(ggml_type):
     N, K = (19, 512) if ggml_type in KQUANTS else (19, 352)

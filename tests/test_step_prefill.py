@@ -3,8 +3,9 @@
 Against the model's forward on the same weights: the last position's logits, the cache the
 decode steps then read (keys and values to fp32 rounding, positions exactly) and the greedy
 tokens, for a Llama and for a Mistral whose ring is smaller than the prompt (chunks bounded by
-the ring's headroom); the long chunks, every-row logits and hooked models going through the
-forward.
+the ring's headroom); the long chunks through the model's layers and the step's head (fp32
+weights: the forward's cache bit for bit; quantized ones: bf16 products, the C decoder's weights
+against the reference's bit for bit), every-row logits and hooked models through the forward.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
-from expresslane.step.native import MAX_TOKENS, native_step_built
-from expresslane.step.prefill import StepPrefill
+from expresslane.step.native import MAX_TOKENS, available, native_step_built
+from expresslane.step.prefill import BF16_PRODUCTS, StepPrefill
+from expresslane.weights.packing import pack_model, products_in
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -107,6 +109,68 @@ def test_long_chunks_every_row_and_hooks_go_through_the_forward(model):
     assert used == [5]
 
 
+def _exact_cache(a, b) -> None:
+    for pa, pb, ka, kb, va, vb in zip(a.pos, b.pos, a.k, b.k, a.v, b.v, strict=True):
+        assert torch.equal(pa, pb) and torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_long_prompts_run_the_layers_then_the_steps_head(model):
+    """fp32 weights: the layers are the forward's own (the cache bit for bit), the head the
+    step's C head (the logits to fp32 rounding), and greedy decoding goes on the same."""
+    a, b = engines(model)
+    a._prefill.max_tokens = 8
+    assert a._prefill.products is None and a._prefill.layers_alone
+    heads = []
+    real = a._prefill.step.head_logits
+    a._prefill.step.head_logits = lambda h: (heads.append(h.shape), real(h))[1]
+    ids = prompt(30, seed=5)
+    la, lb = a.prefill(ids), b.model(torch.tensor([ids]), None, b.cache, True).view(-1)
+    assert heads == [(1, 1, model.cfg.hidden_size)]  # the last row only
+    torch.testing.assert_close(la.float(), lb.float(), rtol=1e-4, atol=1e-4)
+    _exact_cache(a.cache, b.cache)
+    assert a.cache.length == b.cache.length == 30
+
+
+@pytest.mark.skipif(not available("bfloat16"), reason="no AVX512_BF16: products stay fp32")
+def test_quantized_long_prompts_multiply_in_bf16_with_the_c_decoders_weights():
+    """Q8_0 weights: bf16 products. The C decoder's weights are the reference's bit for bit, so
+    the cache equals the forward's under the same bf16 products with the reference's weights,
+    bit for bit; the logits stay within bf16's rounding of the fp32 forward's."""
+    model = tiny.laneformer(seed=11, **MODELS["llama"])
+    pack_model(model, "q8_0")
+    a, b = engines(model)
+    a._prefill.max_tokens = 8
+    assert a._prefill.products == torch.bfloat16
+    ids = prompt(33, seed=2)
+    la = a.prefill(ids)
+    with torch.inference_mode(), products_in(torch.bfloat16):  # the reference's dequantize
+        h = b.model.hidden(torch.tensor([ids]), None, b.cache)
+    _exact_cache(a.cache, b.cache)
+    assert torch.equal(la.view(-1), b._prefill.step.head_logits(h[0, -1:].float()).view(-1))
+    b.cache.reset()
+    with torch.inference_mode():
+        fp32 = b.model(torch.tensor([ids]), None, b.cache, True).float().view(-1)
+    assert 0 < (la.float() - fp32).abs().max() < 0.05 * fp32.abs().max()
+    b.cache.reset()
+    with torch.inference_mode():
+        again = b.model(torch.tensor([ids]), None, b.cache, True).float().view(-1)
+    assert torch.equal(again, fp32)  # outside the block, the products are fp32 again
+
+
+def test_products_follow_the_weights_formats():
+    """bf16 products only where every format is quantized or bf16, and the CPU has bf16 dots."""
+    from types import SimpleNamespace
+
+    def products(*formats):
+        step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
+        return StepPrefill(None, step).products
+
+    bf16 = torch.bfloat16 if available("bfloat16") else None
+    assert products("q4_k", "q6_k") == products("q8_0", "bfloat16") == bf16
+    assert products("float32") is None and products("q8_0", "float16") is None
+    assert {"float32", "float16"}.isdisjoint(BF16_PRODUCTS)
+
+
 def test_the_bound_follows_the_weights_formats():
     """The measured crossings (step/prefill.py STEP_PREFILL_MAX): a mix takes its smallest."""
     from types import SimpleNamespace
@@ -117,9 +181,10 @@ def test_the_bound_follows_the_weights_formats():
         step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
         return StepPrefill(None, step).max_tokens
 
-    assert bound("float32") == STEP_PREFILL_MAX["float32"] < bound("bfloat16")
-    assert bound("q4_k", "q6_k") == STEP_PREFILL_MAX_DEFAULT
-    assert bound("q8_0", "float32") == STEP_PREFILL_MAX["float32"]  # a mix: its smallest
+    assert bound("float32") == STEP_PREFILL_MAX["float32"] < bound("float16")
+    assert bound("q4_k") == STEP_PREFILL_MAX_DEFAULT < bound("q6_k") == STEP_PREFILL_MAX["q6_k"]
+    assert bound("q4_k", "q6_k") == STEP_PREFILL_MAX_DEFAULT  # a mix: its smallest
+    assert bound("q8_0", "float32") == STEP_PREFILL_MAX["q8_0"]
 
 
 def test_cpu_prefill_bench_refuses_bad_counts(capsys):

@@ -1,18 +1,25 @@
-"""Prefill on a CPU: the model's forward against the packed decode step, by prompt length.
+"""Prefill on a CPU: the three ways a prompt can go, by prompt length, against the fp32 forward.
 
-The model's forward computes in fp32 from weights its packed projections dequantize on every
-call (a fixed ~0.2-0.3 s for SmolLM2's quantized blocks, whatever the prompt's length); the
-packed step (step/packed.py, its C layers) reads the blocks as stored, 40 tokens a call. Short
-prompts, and the new part of a prompt whose prefix the cache holds (an agent's next turn), are
-faster through the step; long ones through the forward's GEMMs. This bench measures where the
-two cross for each weight format; `step/prefill.py` STEP_PREFILL_MAX holds the result.
+- `forward`: the model's own forward in fp32 (the reference): its packed projections dequantize
+  their blocks on every call, and its head dequantizes the vocabulary's matrix;
+- `layers`: StepPrefill's path for long prompts: the model's layers with their products in the
+  policy's dtype (bf16 for quantized or bf16 weights where the CPU multiplies bf16, the weights
+  from the C decoder), then the step's C head on the last row;
+- `step`: the packed decode step (step/packed.py, its C layers), 40 tokens a call, the blocks
+  read as stored.
+
+StepPrefill takes the step up to `STEP_PREFILL_MAX` tokens (step/prefill.py) and `layers` above:
+this bench measures where they cross for each weight format. Per file and length: the best of
+`--repeats` cold prefills (an empty cache) each way, ms, and each way's largest |logit|
+difference from the fp32 forward's last position, and whether its argmax agrees. With `--peer
+llama.cpp`, llama.cpp's own prefill of the same file and ids too (llama-cpp-python, the same
+threads): its time and its difference from our fp32 forward, the yardstick for `layers`' bf16.
 
     python -m expresslane.bench.cpu_prefill [FILE.gguf ...] [--lengths 16 40 ...] [--threads 2]
+        [--peer llama.cpp]
 
 Default files: SmolLM2-135M-Instruct as F32, Q8_0 and Q4_K_M (llama.cpp's quantizer writes
-them: gguf/variants.py). Per file and length: the best of `--repeats` cold prefills (an empty
-cache) each way, ms, and whether the step's last-position argmax agrees with the forward's.
-One table, then one JSON line.
+them: gguf/variants.py). One table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -22,27 +29,40 @@ import json
 import sys
 import time
 
+import numpy as np
 import torch
 
 LENGTHS = (16, 40, 64, 128, 192, 256, 384, 512)
+WAYS = ("forward", "layers", "step")
 
 
-def _cold(engine, ids: list[int], use_step: bool) -> tuple[float, torch.Tensor]:
-    """Seconds of one prefill of `ids` into an empty cache, and its last logits."""
+def _cold(engine, ids: list[int], way: str) -> tuple[float, torch.Tensor]:
+    """Seconds of one prefill of `ids` into an empty cache `way`, and its last logits."""
     engine.cache.reset()
     engine.prefix.enabled = False
     prefill = engine._prefill
     old = prefill.max_tokens
-    prefill.max_tokens = len(ids) if use_step else 0  # the policy forced one way
+    prefill.max_tokens = len(ids) if way == "step" else 0  # the policy forced one way
     try:
         t = time.perf_counter()
-        logits = engine.prefill(ids)
-        return time.perf_counter() - t, logits.float()
+        if way == "forward":
+            logits = engine.model(torch.tensor([ids]), None, engine.cache, True)
+        else:
+            logits = engine.prefill(ids)
+        return time.perf_counter() - t, logits.float().flatten()
     finally:
         prefill.max_tokens = old
 
 
-def measure(path: str, lengths, repeats: int) -> list[dict]:
+def _peer_cold(llm, ids: list[int], n_vocab: int) -> tuple[float, torch.Tensor]:
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(ids)
+    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()
+    return time.perf_counter() - t, torch.from_numpy(logits)
+
+
+def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int = 2) -> list[dict]:
     from ..engine import Engine
     from ..step.prefill import StepPrefill
 
@@ -50,21 +70,32 @@ def measure(path: str, lengths, repeats: int) -> list[dict]:
     if not isinstance(engine._prefill, StepPrefill):
         raise SystemExit(f"{path}: its step cannot prefill (not the packed C step)")
     fmt = "+".join(sorted(engine.step.weights.formats))
+    products = str(engine._prefill.products or torch.float32).replace("torch.", "")
+    llm = None
+    if peer:
+        from llama_cpp import Llama
+
+        llm = Llama(model_path=path, n_ctx=max(lengths) + 8, n_threads=threads,
+                    n_threads_batch=threads, n_batch=max(lengths), verbose=False)  # fmt: skip
     rows = []
     for n in lengths:
         ids = [(i * 37 + 11) % engine.cfg.vocab_size for i in range(n)]
-        fwd = min(_cold(engine, ids, False)[0] for _ in range(repeats))
-        stp = min(_cold(engine, ids, True)[0] for _ in range(repeats))
-        agree = int(_cold(engine, ids, False)[1].argmax()) == int(
-            _cold(engine, ids, True)[1].argmax()
-        )
-        rows.append({"file": path.rsplit("/", 1)[-1], "formats": fmt, "tokens": n,
-                     "forward_ms": fwd * 1e3, "step_ms": stp * 1e3,
-                     "argmax_agrees": agree})  # fmt: skip
-        r = rows[-1]
-        print(f"{r['file'][:36]:<36} {fmt[:18]:<18} {n:>6} {r['forward_ms']:>10.0f} "
-              f"{r['step_ms']:>9.0f} {r['forward_ms'] / r['step_ms']:>7.2f} {agree!s:>6}",
-              flush=True)  # fmt: skip
+        ref = _cold(engine, ids, "forward")[1]
+        row = {"file": path.rsplit("/", 1)[-1], "formats": fmt, "products": products, "tokens": n}
+        runs = {w: (lambda w=w, ids=ids: _cold(engine, ids, w)) for w in WAYS}
+        if llm is not None:
+            runs["llama.cpp"] = lambda ids=ids: _peer_cold(llm, ids, engine.cfg.vocab_size)
+        for way, run in runs.items():
+            best = min(run()[0] for _ in range(repeats))
+            logits = run()[1]
+            row[way] = {"ms": best * 1e3, "max_abs_diff": float((logits - ref).abs().max()),
+                        "argmax_agrees": int(logits.argmax()) == int(ref.argmax())}  # fmt: skip
+        rows.append(row)
+        cells = "".join(f" {row[w]['ms']:>8.0f} {row[w]['max_abs_diff']:>6.3f}"
+                        f"{'' if row[w]['argmax_agrees'] else '*'}" for w in runs)  # fmt: skip
+        print(f"{row['file'][:36]:<36} {fmt[:18]:<18} {products:<8} {n:>6}{cells}", flush=True)
+    if llm is not None:
+        llm.close()
     return rows
 
 
@@ -74,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--peer",
+        choices=["llama.cpp"],
+        default=None,
+        help="llama.cpp's prefill of the same files too (llama-cpp-python)",
+    )
     args = ap.parse_args(argv)
     if min(args.lengths) < 1 or args.repeats < 1 or args.threads < 1:
         print("cpu_prefill: --lengths, --repeats and --threads must be >= 1", file=sys.stderr)
@@ -84,11 +121,19 @@ def main(argv: list[str] | None = None) -> int:
         from ..gguf.variants import ensure
 
         files = [str(ensure(t)) for t in ("F32", "Q8_0", "Q4_K_M")]
-    print(f"{'file':<36} {'formats':<18} {'tokens':>6} {'forward ms':>10} {'step ms':>9} "
-          f"{'x fwd':>7} {'argmax':>6}")  # fmt: skip
+    if args.peer:
+        from .llamacpp import available
+
+        if not available():
+            print("cpu_prefill: --peer llama.cpp needs llama-cpp-python", file=sys.stderr)
+            return 2
+    ways = [*WAYS, *([args.peer] if args.peer else [])]
+    head = "".join(f" {w + ' ms':>8} {'|d|':>6}" for w in ways)
+    print(f"{'file':<36} {'formats':<18} {'products':<8} {'tokens':>6}{head}  (* argmax differs)")
     rows = []
-    for f in files:
-        rows += measure(f, args.lengths, args.repeats)
+    with torch.inference_mode():  # as the engine prefills
+        for f in files:
+            rows += measure(f, args.lengths, args.repeats, args.peer is not None, args.threads)
     print(json.dumps({"bench": "cpu_prefill", "threads": args.threads, "rows": rows}))
     return 0
 

@@ -105,6 +105,11 @@ typedef struct {
 
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1);
 
+/* The N rows of a q8_0 or nibble-format matrix (K values each) as values: fp32, or with bf16
+   their round to nearest even, N K of them to out. Returns 0, or -1 for another format, a K the
+   format's blocks do not divide, or a CPU without AVX512_VNNI. */
+int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int threads);
+
 /* y[s, l, n] = sum_k W[l, n, k] x[s, l, k] for S tokens: every weight row read from memory once
    for all S, and each (row, token) computed by the same instructions in the same order whatever
    S is (one token is S = 1), so a row's bits do not depend on S. `work`:

@@ -26,6 +26,23 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     return PyLong_FromLong(rc);
 }
 
+/* a block-format matrix's N rows of K values -> out (fp32, or bf16 with bf16 != 0) */
+static PyObject *py_dequant(PyObject *self, PyObject *args) {
+    int fmt, bf16, threads;
+    unsigned long long w, scale, rowsum, mins, high, sub, out;
+    long long N, K;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iKKKKKKKLLii", &fmt, &w, &scale, &rowsum, &mins, &high, &sub,
+                          &out, &N, &K, &bf16, &threads))
+        return NULL;
+    qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins), ADDR(high), ADDR(sub)};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = el_dequant(&m, N, K, ADDR(out), bf16, threads);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
 static PyObject *py_layer(PyObject *self, PyObject *args) {
     unsigned long long d, h, c, s, scratch;
     long long position, live, S;
@@ -86,6 +103,8 @@ static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI"},
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(fmt, w, scale, rowsum, mins, high, sub, x, y, S, L, N, K, threads) -> status"},
+    {"dequant", py_dequant, METH_VARARGS,
+     "dequant(fmt, w, scale, rowsum, mins, high, sub, out, N, K, bf16, threads) -> status"},
     {"layer_fields", py_layer_fields, METH_NOARGS, "names of a layer descriptor's int64 entries"},
     {"layer_scratch", py_layer_scratch, METH_VARARGS,
      "layer_scratch(D, Hq, Hkv, hd, F, slots, S) -> bytes of scratch a layer (or the head) "

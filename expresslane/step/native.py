@@ -12,6 +12,7 @@ at run time: fp32 and fp16 AVX-512F, bf16 AVX512_BF16, int8 and the GGUF block f
   is read once for all S, and a token's row has the same bits whatever S (the one-token product
   is the S = 1 case of the same kernels, csrc/cpu_matmul.c). Used by PackedDecoder where it
   applies (`NativeStep.supports`).
+- `native_dequantize`: a block-format matrix's values (fp32 or bf16) for a long prefill's GEMM.
 - `native_matmul`: the products alone; `cpu_matvec`, the one-token case as the operator
   `torch.ops.expresslane.cpu_matvec`, which the compiled multi-lane step calls in place of
   quant.matvec.
@@ -35,13 +36,14 @@ from ..cache import KVCache
 from ..config import ModelConfig
 from ..rope import cos_sin
 from ..weights.packing import PackedWeights
-from ..weights.quant import QTensor
+from ..weights.quant import GGUF_FORMATS, QTensor
 
 try:
     from .. import _cpu_kernels as _native
 except ImportError:  # not built (no compiler at install time): the compiled Python path runs
     _native = None
 
+DEQUANT_DTYPES = (torch.float32, torch.bfloat16)  # what csrc's el_dequant writes
 MAX_TOKENS = 40  # tokens of one call: a verify step (k + 1), a prefill chunk (cpu_matmul.c: 8 x 5)
 # csrc/cpu_kernels.h's FMT_* codes, and the feature bits (HAS_*) each format needs
 CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "q8_0": 4, "q4_1": 5, "q4_0": 6,
@@ -127,6 +129,24 @@ def native_matmul(w: QTensor, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([native_matmul(p, x) for p in w.stack], dim=-1)
     return _matmul(QTensor(w.fmt, *(None if t is None else t.contiguous() for t in w.parts)),
                    x, x.shape[0])  # fmt: skip
+
+
+def native_dequantize(w: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w.dequantize() (fp32), or its round to bf16, for the GGUF block formats through the C
+    decoder (csrc/cpu_nibble.c: the products' own group loader, several times the speed of the
+    reference's tensor operations); other formats, or without AVX512_VNNI, the reference."""
+    if w.stack is not None:
+        return torch.cat([native_dequantize(p, dtype) for p in w.stack], dim=-2)
+    if w.fmt not in GGUF_FORMATS or not available(w.fmt) or dtype not in DEQUANT_DTYPES:
+        return w.dequantize().to(dtype)
+    K = w.shape[-1]
+    out = torch.empty(w.shape, dtype=dtype)
+    q = QTensor(w.fmt, *(None if t is None else t.contiguous() for t in w.parts))
+    rc = _native.dequant(*_matrix(q), out.data_ptr(), out.numel() // K, K,
+                         int(dtype == torch.bfloat16), torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"cpu_dequant({w.fmt}, K={K}): the decoder refused (status {rc})")
+    return out
 
 
 # --- whole layers of a one-lane model -------------------------------------------------------

@@ -246,6 +246,13 @@ class PackedDecoder:
         finally:
             cache.static, cache.live = was
 
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (S, V) of final residual streams h (S, L, D) fp32 (a prefill's last
+        rows), through the step's head: the C head where built, else the packed products."""
+        if self.step is not None and h.shape[1] == 1:
+            return self.step.head(h[:, 0].contiguous())[1].clone()
+        return self._run_head(h, greedy=False)
+
     def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """fp32 logits (S, V): row j for tokens[j] at position + j. Writes the S keys/values."""
         tokens = tokens.view(-1)

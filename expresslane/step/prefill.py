@@ -23,16 +23,27 @@ import torch
 from ..cache import KVCache
 from ..kernels import ref, use_triton
 from ..model import Block, FeedForward, Laneformer, Partials, RMSNorm
+from ..weights.packing import products_in
+from ..weights.quant import GGUF_FORMATS
+from .native import available, native_dequantize
 from .packed import PackedDecoder
 
 # The longest chunk of new prompt tokens that prefills through the packed step rather than the
-# model's forward, by the weights' formats: where the two crossed in `python -m
+# model's layers, by the weights' formats: where the two crossed in `python -m
 # expresslane.bench.cpu_prefill` (the 2-vCPU VM, 2 threads, SmolLM2-135M as F32, BF16, F16,
-# Q8_0 and Q4_K_M; BENCHMARKS.md "Prefill on a CPU"). The forward dequantizes packed blocks on
-# every call, a fixed cost a short chunk does not repay; fp32 weights have none. A mix takes
-# its smallest entry; the block formats cross at 256-350 tokens.
-STEP_PREFILL_MAX = {"float32": 48, "bfloat16": 128, "float16": 192}
-STEP_PREFILL_MAX_DEFAULT = 256
+# Q8_0, Q4_0, Q4_K_M and Q6_K, lengths 16-128; BENCHMARKS.md "Prefill on a CPU"). The layers
+# dequantize every block per call (C, ~20 ms for SmolLM2) and then run GEMMs, bf16 ones for
+# quantized and bf16 weights; the step reads the blocks as stored, ~2 ms a token. A mix takes
+# its smallest entry; the other block formats cross at 32-48 tokens.
+STEP_PREFILL_MAX = {"float32": 80, "bfloat16": 80, "float16": 112, "q8_0": 56, "q6_k": 56}
+STEP_PREFILL_MAX_DEFAULT = 40
+
+# Weight formats whose long prompts multiply in bf16, where the CPU has AVX512_BF16 (oneDNN's
+# bf16 GEMM ran 2.2x its fp32 one on the VM's AMD EPYC, SmolLM2's shapes at 1,000 tokens):
+# quantized weights (a block's own rounding step is far coarser than bf16's 2^-9) and bf16
+# weights (exact in bf16); the inputs round to bf16, about as fine as llama.cpp's 8-bit blocks
+# of activations. fp32 and fp16 weights keep fp32 products.
+BF16_PRODUCTS = frozenset({"bfloat16", "int8", *GGUF_FORMATS})
 
 
 def supports(model) -> bool:
@@ -114,25 +125,49 @@ class FusedPrefill:
 
 
 class StepPrefill:
-    """Callable like the model. A chunk of at most `max_tokens` new tokens that wants only its
-    last position's logits (a prompt, or the new part of one whose prefix the cache holds: an
-    agent's next turn) goes through the packed decode step (step/packed.py: the C layers read
-    the weights as stored, and the cache then holds the bits decode steps write); anything else
-    (longer chunks, every row's logits, explicit positions, hooks) through the model."""
+    """Callable like the model. A prompt's chunk that wants only its last position's logits, in
+    the step's own cache (a prompt, or the new part of one whose prefix the cache holds: an
+    agent's next turn), prefills here:
 
-    def __init__(self, model, step: PackedDecoder, max_tokens: int | None = None):
+    - at most `max_tokens` new tokens: through the packed decode step (step/packed.py: the C
+      layers read the weights as stored, and the cache then holds the bits decode steps write);
+    - longer: the model's layers, their products in `products` (bf16 where the weights are
+      quantized or bf16 and the CPU multiplies bf16: BF16_PRODUCTS; else None, fp32) with the
+      weights from the C decoder (native_dequantize), then the step's own head on the last row
+      (the model's head would dequantize the whole vocabulary's matrix on every prompt).
+
+    Anything else (every row's logits, explicit positions, another cache, hooks) runs the model
+    itself, in fp32."""
+
+    def __init__(self, model, step: PackedDecoder, max_tokens: int | None = None,
+                 products: torch.dtype | None | str = "auto"):  # fmt: skip
         self.model, self.step = model, step
+        fmts = step.weights.formats
         if max_tokens is None:
-            fmts = step.weights.formats
             max_tokens = min(STEP_PREFILL_MAX.get(f, STEP_PREFILL_MAX_DEFAULT) for f in fmts)
         self.max_tokens = max_tokens
+        if products == "auto":
+            products = torch.bfloat16 if fmts <= BF16_PRODUCTS and available("bfloat16") else None
+        self.products = products
+        # the layers alone (Laneformer.hidden, then the step's head) only where the model's
+        # forward is Laneformer's: hidden then finish
+        own = isinstance(model, Laneformer) and type(model).forward is Laneformer.forward
+        self.layers_alone = own and type(model).hidden is Laneformer.hidden
 
     def __call__(self, tokens, positions=None, cache=None, last_only=False) -> torch.Tensor:
         S = tokens.shape[-1]
-        short = 0 < S <= self.max_tokens and tokens.shape[0] == 1
         mine = cache is self.step.cache and positions is None and not cache.static
-        if not (short and mine and last_only) or _hooked(self.model):
+        prompt = mine and last_only and tokens.shape[0] == 1 and S > 0
+        if not prompt or _hooked(self.model):
             return self.model(tokens, positions, cache, last_only)
-        logits = self.step.prefill_logits(tokens[0], cache.length)
+        if S <= self.max_tokens:
+            logits = self.step.prefill_logits(tokens[0], cache.length)
+        elif not self.layers_alone:
+            with products_in(self.products, native_dequantize):
+                return self.model(tokens, None, cache, True)
+        else:
+            with products_in(self.products, native_dequantize):
+                h = self.model.hidden(tokens, None, cache)  # (1, S, L, D)
+            logits = self.step.head_logits(h[0, -1:].float())
         cache.advance(S)
         return logits.view(1, 1, -1)

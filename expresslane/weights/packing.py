@@ -20,6 +20,9 @@ The result is kept on the model (`model.packed`), so packing twice returns the s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +49,28 @@ from .quant import (
 # scale per 32 weights: 98% top-1 agreement with fp32 on SmolLM2, against 96% for one scale per
 # row, BENCHMARKS.md); "int8-row" (one fp32 scale per output row) is the per-channel variant.
 QUANTIZATIONS = {"int8": "q8_0", "int8-row": "int8"}
+
+# How PackedProj computes inside `products_in`: (dtype or None for the input's, the dequantizer
+# that writes its weights), or None outside. A context variable: one thread's prefill does not
+# change another's forward.
+_PRODUCTS: ContextVar[tuple | None] = ContextVar("products", default=None)
+
+
+@contextmanager
+def products_in(dtype: torch.dtype | None, dequantize: Callable | None = None) -> Iterator[None]:
+    """Inside the block, every PackedProj takes its weights as `dequantize(q, dtype)` (default:
+    the reference's, rounded), rounds its input to `dtype` (None: the input's own), multiplies
+    in it, and returns the product in the input's dtype, biases added there. step/prefill.py
+    runs a long prompt's products in bf16 this way, the weights from the C decoder."""
+    token = _PRODUCTS.set((dtype, dequantize or _rounded))
+    try:
+        yield
+    finally:
+        _PRODUCTS.reset(token)
+
+
+def _rounded(q: QTensor, dtype: torch.dtype) -> torch.Tensor:
+    return q.dequantize().to(dtype)
 
 
 def packed_format(name: str) -> str:
@@ -327,10 +352,19 @@ class PackedProj(_Packed):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        products = _PRODUCTS.get()
+        if products is not None:
+            dt, dequantize = products[0] or x.dtype, products[1]
+            y = self._product(x.to(dt), dequantize(self.q, dt), None).to(x.dtype)
+            return y if self.bias is None else y + self.bias.to(x.dtype)
         w = self.weight.to(x.dtype)
+        return self._product(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    @staticmethod
+    def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         if w.dim() == 2:  # an nn.Linear's place (the lane head)
-            return F.linear(x, w)
-        return lane_linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+            return F.linear(x, w, b)
+        return lane_linear(x, w, b)
 
 
 class PackedEmbedding(_Packed):
