@@ -31,7 +31,7 @@ from .sampler import logprobs_of, make_generator, sample
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.drafting import SpeculativeConfig
 from .step.captures import Captures
-from .step.choose import choose_prefill, choose_step
+from .step.choose import check_prefill_dtype, choose_prefill, choose_step
 from .step.fused import MAX_OVERRUN
 from .step.graph import DecodeGraph, committed_tokens
 from .step.split import STEP_TOKENS, SplitSteps, forward_logits
@@ -92,13 +92,16 @@ class Engine:
         prefill_warmup: bool | None = None,
         ring_headroom: int | None = None,
         grammar_graphs: bool = True,
+        prefill_dtype: str = "float32",
     ):
         """`capture`: CUDA graphs for the static step (default: on CUDA), all captured at load.
         `prefill_warmup`: a few prefills at load (`warm_up_prefill`; default: with capture on
         CUDA). `ring_headroom`: slots each sliding layer's ring keeps beyond its window
         (default: what a forward of the most tokens needs; below). `grammar_graphs`: capture
         constrained decoding's graphs at load too (step/split.py; benches that send no grammar
-        leave them out of their load time)."""
+        leave them out of their load time). `prefill_dtype` "bfloat16": a CPU prefills long
+        prompts with bf16 products where the weights are quantized or bf16 (step/prefill.py:
+        faster, the logits within bf16's rounding of fp32's); "float32" (default): exact."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.max_len = max_model_len or self.cfg.max_position_embeddings
@@ -130,7 +133,8 @@ class Engine:
         choice = choose_step(model, self.cache, decode, kernels, compile)
         self.step, self.decode, self.step_name = choice.step, choice.decode, choice.name
         # the prefill's forward: the fused residual + norm kernels on CUDA, else the model
-        self._prefill = choose_prefill(model, kernels, self.step)
+        self.prefill_dtype = check_prefill_dtype(prefill_dtype)
+        self._prefill = choose_prefill(model, kernels, self.step, self.prefill_dtype)
         self.compile = compile
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.speculator = None

@@ -131,14 +131,30 @@ def test_long_prompts_run_the_layers_then_the_steps_head(model):
     assert a.cache.length == b.cache.length == 30
 
 
-@pytest.mark.skipif(not available("bfloat16"), reason="no AVX512_BF16: products stay fp32")
-def test_quantized_long_prompts_multiply_in_bf16_with_the_c_decoders_weights():
-    """Q8_0 weights: bf16 products. The C decoder's weights are the reference's bit for bit, so
-    the cache equals the forward's under the same bf16 products with the reference's weights,
-    bit for bit; the logits stay within bf16's rounding of the fp32 forward's."""
+def test_quantized_long_prompts_are_exact_by_default():
+    """Q8_0 weights, fp32 products (the default): the C decoder's weights are the reference's
+    bit for bit, so the layers write the fp32 forward's cache bit for bit."""
     model = tiny.laneformer(seed=11, **MODELS["llama"])
     pack_model(model, "q8_0")
     a, b = engines(model)
+    a._prefill.max_tokens = 8
+    assert a._prefill.products is None
+    ids = prompt(33, seed=2)
+    la = a.prefill(ids)
+    with torch.inference_mode():
+        lb = b.model(torch.tensor([ids]), None, b.cache, True).view(-1)
+    _exact_cache(a.cache, b.cache)
+    torch.testing.assert_close(la.float(), lb.float(), rtol=1e-4, atol=1e-4)  # the C head
+
+
+@pytest.mark.skipif(not available("bfloat16"), reason="no AVX512_BF16: products stay fp32")
+def test_prefill_dtype_bfloat16_multiplies_in_bf16_with_the_c_decoders_weights():
+    """Q8_0 weights, `prefill_dtype="bfloat16"`: the cache equals the forward's under the same
+    bf16 products with the reference's weights, bit for bit; the logits stay within bf16's
+    rounding of the fp32 forward's, and outside the block the products are fp32 again."""
+    model = tiny.laneformer(seed=11, **MODELS["llama"])
+    pack_model(model, "q8_0")
+    a, b = engines(model, prefill_dtype="bfloat16")
     a._prefill.max_tokens = 8
     assert a._prefill.products == torch.bfloat16
     ids = prompt(33, seed=2)
@@ -154,37 +170,47 @@ def test_quantized_long_prompts_multiply_in_bf16_with_the_c_decoders_weights():
     b.cache.reset()
     with torch.inference_mode():
         again = b.model(torch.tensor([ids]), None, b.cache, True).float().view(-1)
-    assert torch.equal(again, fp32)  # outside the block, the products are fp32 again
+    assert torch.equal(again, fp32)
 
 
-def test_products_follow_the_weights_formats():
-    """bf16 products only where every format is quantized or bf16, and the CPU has bf16 dots."""
+def test_products_follow_the_request_and_the_weights_formats():
+    """bf16 products only when asked for, where every format is quantized or bf16 and the CPU
+    has bf16 dot products; an unknown prefill_dtype is refused by name."""
     from types import SimpleNamespace
 
-    def products(*formats):
+    from expresslane.errors import RequestError
+
+    def products(*formats, dtype=torch.bfloat16):
         step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
-        return StepPrefill(None, step).products
+        return StepPrefill(None, step, products=dtype).products
 
     bf16 = torch.bfloat16 if available("bfloat16") else None
     assert products("q4_k", "q6_k") == products("q8_0", "bfloat16") == bf16
+    assert products("q4_k", dtype=torch.float32) is None  # the default: fp32
     assert products("float32") is None and products("q8_0", "float16") is None
     assert {"float32", "float16"}.isdisjoint(BF16_PRODUCTS)
+    with pytest.raises(RequestError, match="prefill_dtype"):
+        Engine(tiny.laneformer(seed=1, **MODELS["llama"]), max_model_len=32, prefill_dtype="fp8")
 
 
-def test_the_bound_follows_the_weights_formats():
+def test_the_bound_follows_the_products_and_the_weights_formats():
     """The measured crossings (step/prefill.py STEP_PREFILL_MAX): a mix takes its smallest."""
     from types import SimpleNamespace
 
-    from expresslane.step.prefill import STEP_PREFILL_MAX, STEP_PREFILL_MAX_DEFAULT
+    from expresslane.step.prefill import STEP_PREFILL_MAX
 
-    def bound(*formats):
+    def bound(*formats, dtype=torch.float32):
         step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
-        return StepPrefill(None, step).max_tokens
+        return StepPrefill(None, step, products=dtype).max_tokens
 
-    assert bound("float32") == STEP_PREFILL_MAX["float32"] < bound("float16")
-    assert bound("q4_k") == STEP_PREFILL_MAX_DEFAULT < bound("q6_k") == STEP_PREFILL_MAX["q6_k"]
-    assert bound("q4_k", "q6_k") == STEP_PREFILL_MAX_DEFAULT  # a mix: its smallest
-    assert bound("q8_0", "float32") == STEP_PREFILL_MAX["q8_0"]
+    fp32 = STEP_PREFILL_MAX[None]
+    assert bound("float32") == fp32["float32"] < bound("q8_0") == fp32["q8_0"]
+    assert bound("q4_k") == fp32[None] < bound("q6_k") == fp32["q6_k"]
+    assert bound("q4_k", "q6_k") == fp32[None]  # a mix: its smallest
+    if available("bfloat16"):
+        bf16 = STEP_PREFILL_MAX[torch.bfloat16]
+        assert bound("q4_k", dtype=torch.bfloat16) == bf16[None] < bound("q4_k")
+        assert bound("float32", dtype=torch.bfloat16) == fp32["float32"]  # fp32 weights: fp32
 
 
 def test_cpu_prefill_bench_refuses_bad_counts(capsys):

@@ -62,11 +62,13 @@ def _peer_cold(llm, ids: list[int], n_vocab: int) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t, torch.from_numpy(logits)
 
 
-def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int = 2) -> list[dict]:
+def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int = 2,
+            prefill_dtype: str = "float32") -> list[dict]:  # fmt: skip
     from ..engine import Engine
     from ..step.prefill import StepPrefill
 
-    engine = Engine.from_pretrained(path, progress=False, decode="graph")
+    engine = Engine.from_pretrained(path, progress=False, decode="graph",
+                                    prefill_dtype=prefill_dtype)  # fmt: skip
     if not isinstance(engine._prefill, StepPrefill):
         raise SystemExit(f"{path}: its step cannot prefill (not the packed C step)")
     fmt = "+".join(sorted(engine.step.weights.formats))
@@ -111,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="llama.cpp's prefill of the same files too (llama-cpp-python)",
     )
+    ap.add_argument(
+        "--prefill-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the layers' products (bfloat16: for quantized or bf16 weights)",
+    )
     args = ap.parse_args(argv)
     if min(args.lengths) < 1 or args.repeats < 1 or args.threads < 1:
         print("cpu_prefill: --lengths, --repeats and --threads must be >= 1", file=sys.stderr)
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with torch.inference_mode():  # as the engine prefills
         for f in files:
-            rows += measure(f, args.lengths, args.repeats, args.peer is not None, args.threads)
+            rows += measure(f, args.lengths, args.repeats, args.peer is not None, args.threads,
+                            args.prefill_dtype)  # fmt: skip
     print(json.dumps({"bench": "cpu_prefill", "threads": args.threads, "rows": rows}))
     return 0
 

@@ -52,6 +52,7 @@ class BenchConfig:
     compile: bool = False  # also run our engine with the torch.compile'd static step
     kernels: str = "auto"  # the fused Triton step: auto (on CUDA), on, off, or both (ablation)
     compile_backend: str = "inductor"  # the compiled peers' torch.compile backend
+    prefill_dtype: str = "float32"  # a CPU's long prompts: fp32 or bf16 products (Engine)
 
 
 def bench_engine(engine: Engine, cfg: BenchConfig, context: int) -> dict:
@@ -97,7 +98,8 @@ class EngineRunner:
         decode = default_decode(next(self.model.parameters()).device)
         self.engine = Engine(self.model, max_model_len=context_needed(self.cfg), decode=decode,
                              compile=self.compiled, kernels=self.kernels,
-                             prefix_reuse=False, grammar_graphs=False)  # fmt: skip
+                             prefix_reuse=False, grammar_graphs=False,
+                             prefill_dtype=self.cfg.prefill_dtype)  # fmt: skip
         # one-time costs (imports, torch.compile, graph capture) stay out of the measured rows
         warm = SamplingParams(max_tokens=self.cfg.warmup_tokens, ignore_eos=True)
         list(self.engine.generate([1, 2, 3], warm))

@@ -35,7 +35,7 @@ from ..parallel import launch
 from ..presets import get_preset, preset_names
 from ..speculative.drafting import SpeculativeConfig
 from ..step.threads import choose_threads
-from .run import add_speculative_argument, speculative_from_args
+from .run import add_prefill_dtype_argument, add_speculative_argument, speculative_from_args
 
 HELP = "benchmark time to first token, prefill and batch-1 decode speed (with a peer baseline)"
 
@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    add_prefill_dtype_argument(p)
     p.add_argument("--no-peer", action="store_true", help="skip the transformers baseline")
     p.add_argument(
         "--peer",
@@ -214,6 +215,7 @@ def _bench_config(args: argparse.Namespace, device: str, peer: bool) -> BenchCon
         compile=args.compile,
         kernels=args.kernels,
         compile_backend=args.peer_compile_backend,
+        prefill_dtype=args.prefill_dtype,
     )
 
 

@@ -46,6 +46,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "cpu, cuda, cuda:N",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    add_prefill_dtype_argument(p)
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -81,6 +82,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     rendezvous.add_arguments(p)  # --nnodes, --node-rank, --rdzv-endpoint: N over several hosts
     add_speculative_argument(p)
+
+
+def add_prefill_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefill-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="a CPU's long prompts: bfloat16 multiplies quantized or bf16 weights in bf16 "
+        "(~1.5x faster prefill, logits within bf16's rounding); float32 (default) is exact",
+    )
 
 
 def add_prefix_argument(p: argparse.ArgumentParser) -> None:
@@ -177,6 +188,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
         prefix_reuse=not getattr(args, "no_prefix_reuse", False),
         speculative=speculative_from_args(args),
         quantization=quantization,
+        prefill_dtype=getattr(args, "prefill_dtype", "float32"),
     )
     return engine, Tokenizer.from_dir(path)
 

@@ -105,14 +105,27 @@ def _persistent(model: Laneformer, cache: KVCache, mode: str, compile: bool) -> 
     return Choice(step, mode, compile, "persistent kernel")
 
 
-def choose_prefill(model: Laneformer, kernels: str = "auto", step: Step | None = None):
+PREFILL_DTYPES = ("float32", "bfloat16")
+
+
+def check_prefill_dtype(name: str) -> str:
+    if name not in PREFILL_DTYPES:
+        raise RequestError(f"prefill_dtype={name!r}: expected one of {', '.join(PREFILL_DTYPES)}",
+                           "prefill_dtype")  # fmt: skip
+    return name
+
+
+def choose_prefill(
+    model: Laneformer, kernels: str = "auto", step: Step | None = None, dtype: str = "float32"
+):
     """The forward that prefills, called like the model: FusedPrefill (prefill.py) where the
     fused Triton kernels run (`kernels` "auto" or "on", triton on the model's device) on a model
     it supports; StepPrefill where the step is the packed CPU step with its C layers (short
-    chunks through it); else the model itself (the eager forward, bit for bit)."""
+    chunks through it, long ones through the layers with `dtype` products where it applies);
+    else the model itself (the eager forward, bit for bit)."""
     p = next(model.parameters())
     if kernels != "off" and use_triton(p) and prefill_supports(model):
         return FusedPrefill(model)
     if isinstance(step, PackedDecoder) and step.step is not None:  # the one-call C layers
-        return StepPrefill(model, step)
+        return StepPrefill(model, step, products=getattr(torch, check_prefill_dtype(dtype)))
     return model

@@ -29,14 +29,16 @@ from .native import available, native_dequantize
 from .packed import PackedDecoder
 
 # The longest chunk of new prompt tokens that prefills through the packed step rather than the
-# model's layers, by the weights' formats: where the two crossed in `python -m
-# expresslane.bench.cpu_prefill` (the 2-vCPU VM, 2 threads, SmolLM2-135M as F32, BF16, F16,
-# Q8_0, Q4_0, Q4_K_M and Q6_K, lengths 16-128; BENCHMARKS.md "Prefill on a CPU"). The layers
-# dequantize every block per call (C, ~20 ms for SmolLM2) and then run GEMMs, bf16 ones for
-# quantized and bf16 weights; the step reads the blocks as stored, ~2 ms a token. A mix takes
-# its smallest entry; the other block formats cross at 32-48 tokens.
-STEP_PREFILL_MAX = {"float32": 80, "bfloat16": 80, "float16": 112, "q8_0": 56, "q6_k": 56}
-STEP_PREFILL_MAX_DEFAULT = 40
+# model's layers, by the layers' products and the weights' formats: where the two crossed in
+# `python -m expresslane.bench.cpu_prefill [--prefill-dtype bfloat16]` (the 2-vCPU VM, 2
+# threads, SmolLM2-135M as F32, BF16, F16, Q8_0, Q4_0, Q4_K_M and Q6_K; BENCHMARKS.md "Prefill
+# on a CPU"). The layers dequantize every block per call (C, ~10 ms for SmolLM2) and run GEMMs,
+# bf16 ones 2.2x faster than fp32 ones; the step reads the blocks as stored, ~2 ms a token. A
+# mix takes its smallest entry.
+STEP_PREFILL_MAX = {  # by the layers' products (None: fp32), then format (None: the others)
+    None: {"float32": 80, "float16": 112, "bfloat16": 192, "q8_0": 384, "q6_k": 256, None: 160},
+    torch.bfloat16: {"bfloat16": 80, "q8_0": 56, "q6_k": 56, None: 40},
+}
 
 # Weight formats whose long prompts multiply in bf16, where the CPU has AVX512_BF16 (oneDNN's
 # bf16 GEMM ran 2.2x its fp32 one on the VM's AMD EPYC, SmolLM2's shapes at 1,000 tokens):
@@ -140,15 +142,15 @@ class StepPrefill:
     itself, in fp32."""
 
     def __init__(self, model, step: PackedDecoder, max_tokens: int | None = None,
-                 products: torch.dtype | None | str = "auto"):  # fmt: skip
+                 products: torch.dtype = torch.float32):  # fmt: skip
         self.model, self.step = model, step
         fmts = step.weights.formats
+        bf16 = products == torch.bfloat16 and fmts <= BF16_PRODUCTS and available("bfloat16")
+        self.products = torch.bfloat16 if bf16 else None  # None: the activations' fp32
         if max_tokens is None:
-            max_tokens = min(STEP_PREFILL_MAX.get(f, STEP_PREFILL_MAX_DEFAULT) for f in fmts)
+            table = STEP_PREFILL_MAX[self.products]
+            max_tokens = min(table.get(f, table[None]) for f in fmts)
         self.max_tokens = max_tokens
-        if products == "auto":
-            products = torch.bfloat16 if fmts <= BF16_PRODUCTS and available("bfloat16") else None
-        self.products = products
         # the layers alone (Laneformer.hidden, then the step's head) only where the model's
         # forward is Laneformer's: hidden then finish
         own = isinstance(model, Laneformer) and type(model).forward is Laneformer.forward
