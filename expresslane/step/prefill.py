@@ -1,5 +1,6 @@
 """The prefill forwards: FusedPrefill (a GPU's, the residual stream fused) and StepPrefill (a
-CPU's, short chunks through the packed decode step); each called like the model.
+CPU's: short chunks through the packed decode step, long ones through the model's layers on
+weights from the C decoder, then the step's head); each called like the model.
 
 Applied to a loaded model from outside (the model stays pure math; its forward is the
 reference). A prefill is the model's forward with every `h + reduce(y)` and the RMSNorm after it
