@@ -6,11 +6,11 @@ records the token behind every position a completed forward wrote (`cache.commit
 Cancellation is checked between prefill chunks, after the last one and between decode steps: set
 the `cancel` event or simply stop iterating. `generate_steps` is the one generation loop: the
 parallel engine changes it through small hooks (request start, go on?, token pick, early end).
-`reference_generate` beside it recomputes the whole sequence at every step with no cache: the
-slow path every fast path is compared with. With a `SpeculativeConfig` the tokens after the first
-come from speculative/decoder.py (prompt-lookup drafts verified in one call), through the same loop.
-A request with a grammar (`SamplingParams.grammar`) takes its tokens from structured/decoding.py,
-on graphs of their own where the engine captures (step/split.py).
+Its slow reference is generation.py's `reference_generate`. With a `SpeculativeConfig` the
+tokens after the first come from speculative/decoder.py (prompt-lookup drafts verified in one
+call), through the same loop. A request with a grammar (`SamplingParams.grammar`) takes its
+tokens from structured/decoding.py, on graphs of their own where the engine captures
+(step/split.py).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from .cache import KVCache
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
+from .generation import Stats, Step
 from .model import Laneformer
 from .prefix import PrefixReuse
-from .sampler import logprobs_of, make_generator, sample
+from .sampler import make_generator, sample
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.drafting import SpeculativeConfig
 from .step.captures import Captures
@@ -42,36 +42,6 @@ from .weights.packing import load_packed
 # UIs send). Others (top-k, min-p) run uncaptured until the engine is idle (`idle`).
 PREPARED = (SamplingParams(), SamplingParams(temperature=1.0),
             SamplingParams(temperature=1.0, top_p=0.9))  # fmt: skip
-
-
-@dataclass
-class Step:
-    """One generated token, with its logprob data when requested."""
-
-    token: int
-    finish_reason: str | None = None  # "stop", "length" or None while going on
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None  # prompt tokens the cache held (None: no prefill ran)
-    generated_tokens: int = 0
-    ttft_s: float = 0.0  # request start -> first token sampled
-    decode_s: float = 0.0  # first token -> last token
-    finish_reason: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = self.generated_tokens - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
 
 
 class Engine:
@@ -383,35 +353,9 @@ class Engine:
         graph.load(torch.tensor(token, device=self.device), position=len(prompt_ids))
         return ((t, None) for t in committed_tokens(graph, self.cache, token, n))
 
-    def make_step(
-        self,
-        tok: torch.Tensor | int,
-        logits: torch.Tensor | None,
-        params: SamplingParams,
-        stops: set[int],
-        last: bool,
-        t0: float,
-        lps: tuple[float, list | None] | None = None,
-    ) -> Step:
-        """A sampled token as a Step (logprobs from `logits` when given, or `lps`: already
-        computed, (logprob, top n)); updates self.stats."""
-        st = self.stats
-        step = Step(token=int(tok))  # the one host copy per token
-        now = time.perf_counter()
-        if st.generated_tokens == 0:
-            st.ttft_s = now - t0
-        if logits is not None:
-            lp, ids, vals = logprobs_of(logits, tok, params.logprobs)
-            step.logprob = float(lp)
-            if ids is not None:
-                step.top_logprobs = list(zip(ids.tolist(), vals.tolist(), strict=True))
-        elif lps is not None:
-            step.logprob, step.top_logprobs = lps
-        st.generated_tokens += 1
-        st.decode_s = now - t0 - st.ttft_s
-        step.finish_reason = "stop" if step.token in stops else "length" if last else None
-        st.finish_reason = step.finish_reason
-        return step
+    def make_step(self, tok, logits, params, stops, last, t0, lps=None) -> Step:
+        """A sampled token as a Step, counted in self.stats (Stats.record: the arguments)."""
+        return self.stats.record(tok, logits, params, stops, last, t0, lps)
 
     def generate(
         self,
@@ -442,29 +386,6 @@ class Engine:
             out.append(self.prefill_forward(chunk, cache=self.cache)[0])
             self.cache.commit(prompt_ids[s : s + self.prefill_chunk])
         return torch.cat(out).float().log_softmax(-1)
-
-
-@torch.inference_mode()
-def reference_generate(
-    model: Laneformer,
-    prompt_ids: Sequence[int],
-    params: SamplingParams,
-    stop_ids: set[int] | None = None,
-) -> list[int]:
-    """The naive path: no cache, the whole sequence recomputed for every token."""
-    device = next(model.parameters()).device
-    stops = set(model.cfg.eos_token_ids) if stop_ids is None else stop_ids
-    gen = make_generator(params, device)
-    ids = list(prompt_ids)
-    out: list[int] = []
-    for _ in range(params.max_tokens):
-        logits = model(torch.tensor([ids], device=device))[0, -1]
-        tok = int(sample(logits, params, gen))
-        out.append(tok)
-        ids.append(tok)
-        if tok in stops:
-            break
-    return out
 
 
 def _on_gpu(model) -> bool:

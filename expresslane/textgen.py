@@ -12,7 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from .config import SamplingParams
-from .engine import Engine, Step
+from .engine import Engine
+from .generation import Step
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 

@@ -9,7 +9,8 @@ import tiny
 import torch
 
 from expresslane.config import SamplingParams
-from expresslane.engine import Engine, reference_generate
+from expresslane.engine import Engine
+from expresslane.generation import reference_generate
 from expresslane.step.fused import FusedDecoder
 from expresslane.step.protocol import EagerStep
 

@@ -358,7 +358,8 @@ def test_engine_with_fused_kernels_equals_reference_generate(monkeypatch):
     import tiny
 
     from expresslane.config import SamplingParams
-    from expresslane.engine import Engine, reference_generate
+    from expresslane.engine import Engine
+    from expresslane.generation import reference_generate
 
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
     model = tiny.laneformer(seed=2, sliding_window=4, max_position_embeddings=64).to(DEVICE)

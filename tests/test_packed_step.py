@@ -11,7 +11,8 @@ import torch
 
 from expresslane.cache import KVCache
 from expresslane.config import ModelConfig, SamplingParams
-from expresslane.engine import Engine, reference_generate
+from expresslane.engine import Engine
+from expresslane.generation import reference_generate
 from expresslane.model import Laneformer, init_weights
 from expresslane.step.graph import MIN_BUCKET, DecodeGraph, live_bucket
 from expresslane.step.packed import PackedDecoder

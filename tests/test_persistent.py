@@ -193,8 +193,9 @@ def test_a_wait_that_cannot_end_is_flagged_and_the_launch_ends():
 def test_engine_decodes_through_the_persistent_step(monkeypatch):
     """`kernels="persistent"`: the engine's greedy tokens, speculation included, are the
     model's; asked for on a model it does not cover, or without the static step, it says why."""
-    from expresslane.engine import Engine, reference_generate
+    from expresslane.engine import Engine
     from expresslane.errors import RequestError
+    from expresslane.generation import reference_generate
     from expresslane.speculative.drafting import SpeculativeConfig
 
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")

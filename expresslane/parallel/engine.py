@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import SamplingParams
-from ..engine import Engine, Step
+from ..engine import Engine
+from ..generation import Step
 from ..sampler import sample
 from .exchange import gather_vocab, sample_sharded
 from .model import ParallelLaneformer
