@@ -103,8 +103,8 @@ class Engine:
         choice = choose_step(model, self.cache, decode, kernels, compile)
         self.step, self.decode, self.step_name = choice.step, choice.decode, choice.name
         # the prefill's forward: the fused residual + norm kernels on CUDA, else the model
-        self.prefill_dtype = check_prefill_dtype(prefill_dtype)
-        self._prefill = choose_prefill(model, kernels, self.step, self.prefill_dtype)
+        prefill_dtype = check_prefill_dtype(prefill_dtype)
+        self._prefill = choose_prefill(model, kernels, self.step, prefill_dtype)
         self.compile = compile
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.speculator = None

@@ -49,12 +49,13 @@ def engines(model, **kw):
     return a, b
 
 
-def same_cache(a, b) -> None:
+def same_cache(a, b, tol: float = 1e-5) -> None:
+    """The same positions, and keys and values at them to `tol` (0: bit for bit)."""
     for pa, pb, ka, kb, va, vb in zip(a.pos, b.pos, a.k, b.k, a.v, b.v, strict=True):
         assert torch.equal(pa, pb)
         held = pa >= 0
-        torch.testing.assert_close(ka[held], kb[held], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(va[held], vb[held], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ka[held], kb[held], rtol=tol, atol=tol)
+        torch.testing.assert_close(va[held], vb[held], rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("n", [1, 5, 23, 40])
@@ -109,11 +110,6 @@ def test_long_chunks_every_row_and_hooks_go_through_the_forward(model):
     assert used == [5]
 
 
-def _exact_cache(a, b) -> None:
-    for pa, pb, ka, kb, va, vb in zip(a.pos, b.pos, a.k, b.k, a.v, b.v, strict=True):
-        assert torch.equal(pa, pb) and torch.equal(ka, kb) and torch.equal(va, vb)
-
-
 def test_long_prompts_run_the_layers_then_the_steps_head(model):
     """fp32 weights: the layers are the forward's own (the cache bit for bit), the head the
     step's C head (the logits to fp32 rounding), and greedy decoding goes on the same."""
@@ -127,14 +123,17 @@ def test_long_prompts_run_the_layers_then_the_steps_head(model):
     la, lb = a.prefill(ids), b.model(torch.tensor([ids]), None, b.cache, True).view(-1)
     assert heads == [(1, 1, model.cfg.hidden_size)]  # the last row only
     torch.testing.assert_close(la.float(), lb.float(), rtol=1e-4, atol=1e-4)
-    _exact_cache(a.cache, b.cache)
+    same_cache(a.cache, b.cache, tol=0)
     assert a.cache.length == b.cache.length == 30
 
 
-def test_quantized_long_prompts_are_exact_by_default():
+@pytest.mark.parametrize("biases", [False, True])
+def test_quantized_long_prompts_are_exact_by_default(biases):
     """Q8_0 weights, fp32 products (the default): the C decoder's weights are the reference's
-    bit for bit, so the layers write the fp32 forward's cache bit for bit."""
-    model = tiny.laneformer(seed=11, **MODELS["llama"])
+    bit for bit, so the layers write the fp32 forward's cache bit for bit (with qwen2's
+    attention biases too)."""
+    kw = dict(MODELS["llama"], model_type="qwen2", attention_bias=True) if biases else {}
+    model = tiny.laneformer(seed=11, **(kw or MODELS["llama"]))
     pack_model(model, "q8_0")
     a, b = engines(model)
     a._prefill.max_tokens = 8
@@ -143,7 +142,7 @@ def test_quantized_long_prompts_are_exact_by_default():
     la = a.prefill(ids)
     with torch.inference_mode():
         lb = b.model(torch.tensor([ids]), None, b.cache, True).view(-1)
-    _exact_cache(a.cache, b.cache)
+    same_cache(a.cache, b.cache, tol=0)
     torch.testing.assert_close(la.float(), lb.float(), rtol=1e-4, atol=1e-4)  # the C head
 
 
@@ -161,7 +160,7 @@ def test_prefill_dtype_bfloat16_multiplies_in_bf16_with_the_c_decoders_weights()
     la = a.prefill(ids)
     with torch.inference_mode(), products_in(torch.bfloat16):  # the reference's dequantize
         h = b.model.hidden(torch.tensor([ids]), None, b.cache)
-    _exact_cache(a.cache, b.cache)
+    same_cache(a.cache, b.cache, tol=0)
     assert torch.equal(la.view(-1), b._prefill.step.head_logits(h[0, -1:].float()).view(-1))
     b.cache.reset()
     with torch.inference_mode():

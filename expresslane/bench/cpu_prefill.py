@@ -29,8 +29,9 @@ import json
 import sys
 import time
 
-import numpy as np
 import torch
+
+from ..step.choose import PREFILL_DTYPES
 
 LENGTHS = (16, 40, 64, 128, 192, 256, 384, 512)
 WAYS = ("forward", "layers", "step")
@@ -54,12 +55,12 @@ def _cold(engine, ids: list[int], way: str) -> tuple[float, torch.Tensor]:
         prefill.max_tokens = old
 
 
-def _peer_cold(llm, ids: list[int], n_vocab: int) -> tuple[float, torch.Tensor]:
-    llm.reset()
+def _peer_cold(peer, ids: list[int]) -> tuple[float, torch.Tensor]:
+    """The same for llama.cpp (bench/llamacpp.py's peer on the same file)."""
+    peer.llm.reset()
     t = time.perf_counter()
-    llm.eval(ids)
-    logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).copy()
-    return time.perf_counter() - t, torch.from_numpy(logits)
+    peer.llm.eval(ids)
+    return time.perf_counter() - t, torch.from_numpy(peer.last_logits().copy())
 
 
 def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int = 2,
@@ -75,10 +76,11 @@ def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int =
     products = str(engine._prefill.products or torch.float32).replace("torch.", "")
     llm = None
     if peer:
-        from llama_cpp import Llama
+        from pathlib import Path
 
-        llm = Llama(model_path=path, n_ctx=max(lengths) + 8, n_threads=threads,
-                    n_threads_batch=threads, n_batch=max(lengths), verbose=False)  # fmt: skip
+        from .llamacpp import LlamaCppPeer
+
+        llm = LlamaCppPeer(Path(path), threads, n_ctx=max(lengths) + 8)
     rows = []
     for n in lengths:
         ids = [(i * 37 + 11) % engine.cfg.vocab_size for i in range(n)]
@@ -86,7 +88,7 @@ def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int =
         row = {"file": path.rsplit("/", 1)[-1], "formats": fmt, "products": products, "tokens": n}
         runs = {w: (lambda w=w, ids=ids: _cold(engine, ids, w)) for w in WAYS}
         if llm is not None:
-            runs["llama.cpp"] = lambda ids=ids: _peer_cold(llm, ids, engine.cfg.vocab_size)
+            runs["llama.cpp"] = lambda ids=ids: _peer_cold(llm, ids)
         for way, run in runs.items():
             best = min(run()[0] for _ in range(repeats))
             logits = run()[1]
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--prefill-dtype",
-        choices=["float32", "bfloat16"],
+        choices=PREFILL_DTYPES,
         default="float32",
         help="the layers' products (bfloat16: for quantized or bf16 weights)",
     )

@@ -183,9 +183,12 @@ class LlamaCppPeer:
     def close(self) -> None:
         self.llm.close()  # now, not in __del__ at interpreter exit (llama.cpp is gone by then)
 
+    def last_logits(self) -> np.ndarray:
+        """The logits after the last eval (a view of llama.cpp's buffer)."""
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
+
     def _argmax(self) -> int:
-        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
-        return int(logits.argmax())
+        return int(self.last_logits().argmax())
 
     def generate(self, prompt: list[int], n: int, warmup: int) -> dict:
         """Greedy decode of n tokens after the prompt: TTFT, median decode step, token ids."""

@@ -21,7 +21,7 @@ from ..engine import Engine
 from ..errors import ConfigError, ExpressLaneError
 from ..parallel import launch, rendezvous
 from ..speculative.drafting import SpeculativeConfig
-from ..step.choose import default_decode
+from ..step.choose import PREFILL_DTYPES, default_decode
 from ..step.threads import set_threads
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..textgen import stream_text
@@ -88,7 +88,7 @@ def add_prefill_dtype_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-dtype",
         default="float32",
-        choices=["float32", "bfloat16"],
+        choices=PREFILL_DTYPES,
         help="a CPU's long prompts: bfloat16 multiplies quantized or bf16 weights in bf16 "
         "(~1.5x faster prefill, logits within bf16's rounding); float32 (default) is exact",
     )

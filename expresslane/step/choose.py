@@ -121,11 +121,12 @@ def choose_prefill(
     """The forward that prefills, called like the model: FusedPrefill (prefill.py) where the
     fused Triton kernels run (`kernels` "auto" or "on", triton on the model's device) on a model
     it supports; StepPrefill where the step is the packed CPU step with its C layers (short
-    chunks through it, long ones through the layers with `dtype` products where it applies);
+    chunks through it, long ones through the layers with `dtype` products where it applies:
+    one of PREFILL_DTYPES, which the engine checked);
     else the model itself (the eager forward, bit for bit)."""
     p = next(model.parameters())
     if kernels != "off" and use_triton(p) and prefill_supports(model):
         return FusedPrefill(model)
     if isinstance(step, PackedDecoder) and step.step is not None:  # the one-call C layers
-        return StepPrefill(model, step, products=getattr(torch, check_prefill_dtype(dtype)))
+        return StepPrefill(model, step, products=getattr(torch, dtype))
     return model

@@ -131,29 +131,15 @@ def native_matmul(w: QTensor, x: torch.Tensor) -> torch.Tensor:
                    x, x.shape[0])  # fmt: skip
 
 
-def native_dequantize(
-    w: QTensor, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def native_dequantize(w: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w.dequantize() (fp32), or its round to bf16, for the GGUF block formats through the C
     decoder (csrc/cpu_nibble.c: the products' own group loader, several times the speed of the
-    reference's tensor operations); other formats, or without AVX512_VNNI, the reference.
-    `out`: a contiguous tensor of w's shape and `dtype` to write into (a reused buffer: fresh
-    megabytes a projection cost a long prefill ~0.5 ms each in page faults)."""
-    if out is None:
-        out = torch.empty(w.shape, dtype=dtype)
+    reference's tensor operations); other formats, or without AVX512_VNNI, the reference."""
     if w.stack is not None:
-        at = 0
-        for p in w.stack:  # rows of the parts in order (a lane axis: each lane's rows apart)
-            n = p.shape[-2]
-            part = out.narrow(-2, at, n)
-            if part.is_contiguous():
-                native_dequantize(p, dtype, part)
-            else:
-                part.copy_(native_dequantize(p, dtype))
-            at += n
-        return out
+        return torch.cat([native_dequantize(p, dtype) for p in w.stack], dim=-2)
     if w.fmt not in GGUF_FORMATS or not available(w.fmt) or dtype not in DEQUANT_DTYPES:
-        return out.copy_(w.dequantize())
+        return w.dequantize().to(dtype)
+    out = torch.empty(w.shape, dtype=dtype)
     K = w.shape[-1]
     q = QTensor(w.fmt, *(None if t is None else t.contiguous() for t in w.parts))
     rc = _native.dequant(*_matrix(q), out.data_ptr(), out.numel() // K, K,

@@ -156,16 +156,6 @@ class StepPrefill:
         # forward is Laneformer's: hidden then finish
         own = isinstance(model, Laneformer) and type(model).forward is Laneformer.forward
         self.layers_alone = own and type(model).hidden is Laneformer.hidden
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}  # the layers' weights, reused
-
-    def _weights(self, q, dtype: torch.dtype) -> torch.Tensor:
-        """A projection's weights decoded into this prefill's buffer (one at a time: each
-        product ends before the next projection's weights are written)."""
-        n = q.shape.numel()
-        buf = self._scratch.get(dtype)
-        if buf is None or buf.numel() < n:
-            buf = self._scratch[dtype] = torch.empty(n, dtype=dtype)
-        return native_dequantize(q, dtype, buf[:n].view(q.shape))
 
     def __call__(self, tokens, positions=None, cache=None, last_only=False) -> torch.Tensor:
         S = tokens.shape[-1]
@@ -176,10 +166,10 @@ class StepPrefill:
         if S <= self.max_tokens:
             logits = self.step.prefill_logits(tokens[0], cache.length)
         elif not self.layers_alone:
-            with products_in(self.products, self._weights):
+            with products_in(self.products, native_dequantize):
                 return self.model(tokens, None, cache, True)
         else:
-            with products_in(self.products, self._weights):
+            with products_in(self.products, native_dequantize):
                 h = self.model.hidden(tokens, None, cache)  # (1, S, L, D)
             logits = self.step.head_logits(h[0, -1:].float())
         cache.advance(S)

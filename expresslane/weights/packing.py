@@ -352,13 +352,13 @@ class PackedProj(_Packed):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        products = _PRODUCTS.get()
-        if products is not None:
-            dt, dequantize = products[0] or x.dtype, products[1]
-            y = self._product(x.to(dt), dequantize(self.q, dt), None).to(x.dtype)
-            return y if self.bias is None else y + self.bias.to(x.dtype)
-        w = self.weight.to(x.dtype)
-        return self._product(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        products = _PRODUCTS.get()  # (dtype or None, dequantize) inside products_in
+        dt = (products[0] or x.dtype) if products else x.dtype
+        w = products[1](self.q, dt) if products else self.weight.to(dt)
+        if dt == x.dtype:  # the product the model's own projection computes, bias and all
+            return self._product(x, w, None if self.bias is None else self.bias.to(dt))
+        y = self._product(x.to(dt), w, None).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
 
     @staticmethod
     def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
