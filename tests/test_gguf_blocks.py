@@ -108,6 +108,28 @@ def test_s_token_rows_are_the_single_token_bits(ggml_type):
         assert torch.equal(native.native_matmul(q, x[:S]), single[:S]), S
 
 
+@pytest.mark.parametrize("ggml_type", [pytest.param(t, marks=_needs(t)) for t in TYPES])
+def test_a_rows_bits_do_not_depend_on_its_place_or_the_threads(ggml_type):
+    """The kernels sum each row's lanes 16 rows at a time (csrc EL_TILES): a row gives the same
+    bits in any slot of a tile, in any lane, with 1 or 2 threads (which split the rows
+    elsewhere), for 1 token or a verify's 7."""
+    N, K = (37, 512) if ggml_type in KQUANTS else (37, 352)
+    q = from_gguf(ggml_type, random_blocks(ggml_type, N, K, 11), (N, K))
+    lanes = q.map(lambda t: torch.stack([t, t.flip(0)]))  # (2, N, K): the rows reversed
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(4))
+    before, first = torch.get_num_threads(), {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for S in (1, 7):
+                one = native.native_matmul(q, x[:S])  # (S, N)
+                two = native.native_matmul(lanes, x[:S, None].expand(S, 2, K).contiguous())
+                assert torch.equal(two[:, 0], one) and torch.equal(two[:, 1], one.flip(-1))
+                assert torch.equal(one, first.setdefault(S, one)), (threads, S)
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- whole GGUF files through the packed step ------------------------------------------------
 MIXES = {  # tensor kind -> GGUF type, as llama.cpp's quantizer mixes them
     **{t: dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down", "embd"), t) for t in TYPES},

@@ -21,6 +21,9 @@
                scales): as int8, per block (the 128 sum w correction from a third vpdpbusd),
                each block's integer dot scaled by its d in fp32.
 
+   The q8_0 and nibble kernels sum each row's lanes 16 rows at a time (EL_TILES); the others
+   one row at a time.
+
    Every (row, token) is computed by the same instructions in the same order whatever the block
    it is in and whatever S: the kernels are instantiated per block size T, and T only repeats
    the per-token work. So a verify step over S tokens gives the bits of S single-token steps
@@ -218,7 +221,7 @@ T_VNNI INLINE __m512i q8_0_corr(__m512i wv) {
 }
 
 T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *xp, int64_t K,
-                               float *out, const int T) {
+                               const float *sx, __m512 *out, const int T) {
     const int64_t CB = 128;
     __m512 acc0[TMAX], acc1[TMAX];
     for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
@@ -250,7 +253,8 @@ T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *x
             acc0[t] = _mm512_add_ps(acc0[t],
                                     q8_0_tok(wv, c, dv, XI(k / 64, t, 0), XI(k / 64, t, 64)));
     }
-    for (int t = 0; t < T; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
+    for (int t = 0; t < T; t++)
+        out[t] = _mm512_mul_ps(_mm512_add_ps(acc0[t], acc1[t]), _mm512_set1_ps(sx[t]));
 }
 
 /* ---- rows for a block of T tokens, T a constant inside each case ------------------------ */
@@ -280,16 +284,17 @@ T_VNNI INLINE void row_i8(const span_t *sp, int64_t r, const char *wr, const cha
 }
 
 T_VNNI INLINE void row_q8_0(const span_t *sp, int64_t r, const char *wr, const char *xp,
-                            const int64_t *v, float *res, const int T) {
+                            const int64_t *v, __m512 *lanes, const int T) {
     const uint16_t *d = (const uint16_t *)sp->w->scale + r * (sp->K / 32);
-    rows_q8_0_t((const int8_t *)wr, d, xp, sp->K, res, T);
-    for (int t = 0; t < T; t++) res[t] = sp->P->sx[v[t]] * res[t];
+    float sx[TMAX];
+    for (int t = 0; t < T; t++) sx[t] = sp->P->sx[v[t]];
+    rows_q8_0_t((const int8_t *)wr, d, xp, sp->K, sx, lanes, T);
 }
 
 T_VNNI static void span_int(const span_t *sp, int64_t r0, int64_t r1) {
     const int64_t rb = sp->K;
 #define I8(n) EL_ROWS(sp, r0, r1, rb, n, row_i8(sp, r, wr, xp, v, res, n))
-#define Q8(n) EL_ROWS(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, res, n))
+#define Q8(n) EL_TILES(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, lanes, n))
     if (sp->w->fmt == FMT_I8) BY_T(sp->T, I8) else BY_T(sp->T, Q8)
 }
 
@@ -351,8 +356,10 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
     const int64_t t = threads > 1 ? threads : 1;
     int64_t groups = ((rows + most - 1) / most + t - 1) / t * t;
     /* one block of tokens (S <= 5, the integer and nibble formats) re-reads nothing, so the
-       rows go one by one, each thread a contiguous half */
-    const int64_t per = blocks == 1 ? 1 : (rows + groups - 1) / groups;
+       rows go one by one (a tile at a time where the kernel sums in tiles), each thread a
+       contiguous half */
+    const int tiled = IS_NIBBLE(fmt) || fmt == FMT_Q8_0; /* EL_TILES */
+    const int64_t per = blocks == 1 ? (tiled ? TILE_ROWS : 1) : (rows + groups - 1) / groups;
     groups = (rows + per - 1) / per;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t gi = 0; gi < groups; gi++) {

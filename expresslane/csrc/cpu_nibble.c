@@ -93,8 +93,9 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
     return G;
 }
 
-/* one token's part of a group: p its chunk a_lo a_hi b_lo b_hi */
-T_VNNI INLINE __m512 group_tok(const int FMT, const group_t *G, const char *p) {
+/* acc plus one token's part of a group (one fused multiply-add by the scales): p its chunk
+   a_lo a_hi b_lo b_hi */
+T_VNNI INLINE __m512 group_tok(const int FMT, const group_t *G, const char *p, __m512 acc) {
     const __m512i z = _mm512_setzero_si512();
     const __m512i al = _mm512_loadu_si512(p), ah = _mm512_loadu_si512(p + 64);
     const __m512i bl = _mm512_loadu_si512(p + 128), bh = _mm512_loadu_si512(p + 192);
@@ -104,12 +105,12 @@ T_VNNI INLINE __m512 group_tok(const int FMT, const group_t *G, const char *p) {
         __m512i th = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, G->hi, ah), 8),
                                       _mm512_dpbusd_epi32(z, G->hi, bh));
         return _mm512_fmadd_ps(_mm512_cvtepi32_ps(th), G->dh,
-                               _mm512_mul_ps(_mm512_cvtepi32_ps(tl), G->dv));
+                               _mm512_fmadd_ps(_mm512_cvtepi32_ps(tl), G->dv, acc));
     }
     __m512i A = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, G->lo, al), G->hi, ah);
     __m512i B = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, G->lo, bl), G->hi, bh);
     __m512i t = _mm512_add_epi32(_mm512_slli_epi32(A, 8), B);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(t), G->dv);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), G->dv, acc);
 }
 
 /* sum_b m_b (sum of x over block b) as 16 lanes to be summed, xs: the token's block sums then
@@ -148,12 +149,12 @@ T_VNNI INLINE __m512 offset_lanes(const int FMT, const uint16_t *d, const uint16
     return k == 1.0f ? acc : _mm512_mul_ps(acc, _mm512_set1_ps(k));
 }
 
-/* one row for T tokens: res[t] = sx[t] (its dot in units of x's scale) + its offsets, summed
-   across lanes once */
+/* one row for T tokens: res[t] = sx[t] (its dot in units of x's scale) + its offsets, as 16
+   lanes (EL_TILES sums them, 16 rows at once) */
 T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
                           const uint8_t *high, const int8_t *sub, const char *xp,
                           const float *const *xs, const float *sx, int64_t K, int64_t Kp,
-                          float *res, const int T) {
+                          __m512 *res, const int T) {
     const int64_t CB = 256, nb = K / 32;
     __m512 acc0[TMAX], acc1[TMAX];
     for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
@@ -162,25 +163,25 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
         const group_t G0 = load_group(FMT, q, d, high, sub, g, 4);
         const group_t G1 = load_group(FMT, q, d, high, sub, g + 1, 4);
         for (int t = 0; t < T; t++) {
-            acc0[t] = _mm512_add_ps(acc0[t], group_tok(FMT, &G0, xp + (g * T + t) * CB));
-            acc1[t] = _mm512_add_ps(acc1[t], group_tok(FMT, &G1, xp + ((g + 1) * T + t) * CB));
+            acc0[t] = group_tok(FMT, &G0, xp + (g * T + t) * CB, acc0[t]);
+            acc1[t] = group_tok(FMT, &G1, xp + ((g + 1) * T + t) * CB, acc1[t]);
         }
     }
     for (; g * 4 < nb; g++) { /* the last 1-4 blocks (legacy formats: K % 256 may be nonzero) */
         const group_t G = load_group(FMT, q, d, high, sub, g, nb - g * 4 >= 4 ? 4 : nb - g * 4);
         for (int t = 0; t < T; t++)
-            acc0[t] = _mm512_add_ps(acc0[t], group_tok(FMT, &G, xp + (g * T + t) * CB));
+            acc0[t] = group_tok(FMT, &G, xp + (g * T + t) * CB, acc0[t]);
     }
     for (int t = 0; t < T; t++) {
         const __m512 off = offset_lanes(FMT, d, mn, sub, xs[t], nb, Kp);
         const __m512 dot = _mm512_add_ps(acc0[t], acc1[t]);
-        res[t] = _mm512_reduce_add_ps(_mm512_fmadd_ps(dot, _mm512_set1_ps(sx[t]), off));
+        res[t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(sx[t]), off);
     }
 }
 
 /* one row for the T tokens of a span */
 T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char *wr,
-                         const char *xp, const int64_t *v, float *res, const int T) {
+                         const char *xp, const int64_t *v, __m512 *res, const int T) {
     const qmat_t *w = sp->w;
     const int64_t K = sp->K, Kp = sp->P->Kp;
     const int64_t per = FMT == FMT_Q4_K || FMT == FMT_Q5_K || FMT == FMT_Q6_K ? K / 256 : K / 32;
@@ -207,7 +208,7 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
         const int64_t rb = sp->K / 2;                                            \
         BY_T(sp->T, ROW_##F)                                                     \
     }
-#define ROWS(F, n) EL_ROWS(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, res, n))
+#define ROWS(F, n) EL_TILES(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, lanes, n))
 #define ROW_Q4_0(n) ROWS(Q4_0, n)
 #define ROW_Q4_1(n) ROWS(Q4_1, n)
 #define ROW_Q5_0(n) ROWS(Q5_0, n)

@@ -52,5 +52,24 @@ T_VNNI INLINE __m512 quarter_scales(__m128i d4) {
     const __m512i pick = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(d4)));
 }
+/* the lane sums of 16 vectors at once: lane j of the result is the sum of v[j]'s 16 lanes, in
+   the same order for every j, (l0 + l2) + (l1 + l3) in each quarter, then (q0 + q1) + (q2 +
+   q3): a row's bits do not depend on its slot. 45 instructions for 16 sums, and no chain of
+   dependent ones as long as one _mm512_reduce_add_ps's per sum. */
+T_F INLINE __m512 pair_sums(__m512 a, __m512 b) { /* per quarter: a0+a2 b0+b2 a1+a3 b1+b3 */
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+T_F INLINE __m512 quad_sums(__m512 p, __m512 q) { /* per quarter: 4 vectors' quarter sums */
+    return _mm512_add_ps(_mm512_shuffle_ps(p, q, 0x44), _mm512_shuffle_ps(p, q, 0xEE));
+}
+T_F INLINE __m512 half_sums(__m512 a, __m512 b) { /* quarters 0 + 1 and 2 + 3, a's then b's */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+T_F INLINE __m512 sums16(const __m512 *v) {
+    __m512 s[4];
+    for (int i = 0; i < 4; i++)
+        s[i] = quad_sums(pair_sums(v[4 * i], v[4 * i + 1]), pair_sums(v[4 * i + 2], v[4 * i + 3]));
+    return half_sums(half_sums(s[0], s[1]), half_sums(s[2], s[3]));
+}
 #endif
 #endif
