@@ -3,6 +3,7 @@ products in every format, and whole one-lane layers against the Python layer the
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -118,3 +119,18 @@ def test_environment_switch_turns_the_c_kernels_off():
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_cpu_products_bench_times_every_product_and_refuses_bad_counts(capsys):
+    from pathlib import Path
+
+    from expresslane.bench import cpu_products
+
+    assert cpu_products.main(["--tokens", "0"]) == 2
+    assert "cpu_products:" in capsys.readouterr().err
+    model = Path(cpu_products.__file__).parents[1] / "assets" / "laneformer-py"
+    assert cpu_products.main([str(model), "--tokens", "1", "3", "--repeats", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    names = {r["matrix"] for r in rows}
+    assert {"wqkv", "wo", "w13", "w2", "head"} <= names and {r["tokens"] for r in rows} == {1, 3}
+    assert all(r["ms"] > 0 and r["gops"] > 0 for r in rows)
