@@ -113,40 +113,50 @@ T_VNNI INLINE __m512 group_tok(const int FMT, const group_t *G, const char *p, _
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), G->dv, acc);
 }
 
-/* sum_b m_b (sum of x over block b) as 16 lanes to be summed, xs: the token's block sums then
-   half-block sums */
-T_VNNI INLINE __m512 offset_lanes(const int FMT, const uint16_t *d, const uint16_t *mn,
-                                  const int8_t *sub, const float *xs, int64_t nb, int64_t Kp) {
-    __m512 acc = _mm512_setzero_ps();
+/* sum_b m_b (sum of x over block b) as 16 lanes to be summed, for each of T tokens (xs[t]: the
+   token's block sums then half-block sums): each scale vector is loaded and converted once for
+   all T, and every token's sum runs over the blocks in the same order whatever T is */
+T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t *mn,
+                                const int8_t *sub, const float *const *xs, int64_t nb,
+                                int64_t Kp, __m512 *off, const int T) {
+    __m512 acc[TMAX];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     if (FMT == FMT_Q4_K || FMT == FMT_Q5_K) { /* - dmin m_j per superblock of 8 blocks */
-        __m256 a8 = _mm256_setzero_ps();
+        __m256 a8[TMAX];
+        for (int t = 0; t < T; t++) a8[t] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nb / 8; sb++) {
             int64_t m8;
             memcpy(&m8, sub + sb * 16 + 8, 8);
             __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(m8)));
             __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(mn[sb])), mf);
-            a8 = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs + sb * 8), a8);
+            for (int t = 0; t < T; t++)
+                a8[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs[t] + sb * 8), a8[t]);
         }
-        return _mm512_zextps256_ps512(_mm256_sub_ps(_mm256_setzero_ps(), a8));
+        for (int t = 0; t < T; t++)
+            off[t] = _mm512_zextps256_ps512(_mm256_sub_ps(_mm256_setzero_ps(), a8[t]));
+        return;
     }
     if (FMT == FMT_Q6_K) { /* - 32 d s_j per 16 values */
-        const float *half = xs + Kp / 32;
         for (int64_t sb = 0; sb < nb / 8; sb++) {
             __m512 sf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)(sub + sb * 16))));
             __m512 ds = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[sb])), sf);
-            acc = _mm512_fmadd_ps(ds, _mm512_loadu_ps(half + sb * 16), acc);
+            for (int t = 0; t < T; t++)
+                acc[t] = _mm512_fmadd_ps(ds, _mm512_loadu_ps(xs[t] + Kp / 32 + sb * 16), acc[t]);
         }
-        return _mm512_mul_ps(acc, _mm512_set1_ps(-32.0f));
+        for (int t = 0; t < T; t++) off[t] = _mm512_mul_ps(acc[t], _mm512_set1_ps(-32.0f));
+        return;
     }
     const uint16_t *src = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 ? mn : d;
     const float k = FMT == FMT_Q4_0 ? -8.0f : FMT == FMT_Q5_0 ? -16.0f : 1.0f;
     for (int64_t b = 0; b < nb; b += 16) { /* the last 16 masked */
         const __mmask16 m = MASK(nb, b);
         __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + b));
-        acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(m, xs + b), acc);
+        for (int t = 0; t < T; t++)
+            acc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(m, xs[t] + b), acc[t]);
     }
-    return k == 1.0f ? acc : _mm512_mul_ps(acc, _mm512_set1_ps(k));
+    for (int t = 0; t < T; t++)
+        off[t] = k == 1.0f ? acc[t] : _mm512_mul_ps(acc[t], _mm512_set1_ps(k));
 }
 
 /* one row for T tokens: res[t] = sx[t] (its dot in units of x's scale) + its offsets, as 16
@@ -172,11 +182,10 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
         for (int t = 0; t < T; t++)
             acc0[t] = group_tok(FMT, &G, xp + (g * T + t) * CB, acc0[t]);
     }
-    for (int t = 0; t < T; t++) {
-        const __m512 off = offset_lanes(FMT, d, mn, sub, xs[t], nb, Kp);
-        const __m512 dot = _mm512_add_ps(acc0[t], acc1[t]);
-        res[t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(sx[t]), off);
-    }
+    __m512 off[TMAX];
+    offset_lanes(FMT, d, mn, sub, xs, nb, Kp, off, T);
+    for (int t = 0; t < T; t++)
+        res[t] = _mm512_fmadd_ps(_mm512_add_ps(acc0[t], acc1[t]), _mm512_set1_ps(sx[t]), off[t]);
 }
 
 /* one row for the T tokens of a span */
