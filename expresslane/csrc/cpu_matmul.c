@@ -210,10 +210,11 @@ T_VNNI INLINE __m512 q8_0_scales(__m128i d2) {
 /* c: 256 sum w 128 for the weight vector; t = 256 (sum w (a + 128)) - c + sum w b, which is
    256 (sum w (a + 128) - sum w 128) + sum w b = sum w q exactly (mod 2^32: shifts distribute),
    with the low-byte product accumulated onto it directly */
-T_VNNI INLINE __m512 q8_0_tok(__m512i wv, __m512i c, __m512 dv, __m512i xh, __m512i xl) {
+T_VNNI INLINE __m512 q8_0_tok(__m512i wv, __m512i c, __m512 dv, __m512i xh, __m512i xl,
+                              __m512 acc) {
     const __m512i z = _mm512_setzero_si512();
     __m512i hi = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, xh, wv), 8), c);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(hi, xl, wv)), dv);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(hi, xl, wv)), dv, acc);
 }
 T_VNNI INLINE __m512i q8_0_corr(__m512i wv) {
     const __m512i c128 = _mm512_set1_epi8((char)128);
@@ -235,9 +236,8 @@ T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *x
         const __m512i c0 = q8_0_corr(w0), c1 = q8_0_corr(w1);
         const __m512 dv0 = q8_0_scales(d4), dv1 = q8_0_scales(_mm_srli_si128(d4, 4));
         for (int t = 0; t < T; t++) {
-            acc0[t] = _mm512_add_ps(acc0[t], q8_0_tok(w0, c0, dv0, XI(c, t, 0), XI(c, t, 64)));
-            acc1[t] = _mm512_add_ps(acc1[t],
-                                    q8_0_tok(w1, c1, dv1, XI(c + 1, t, 0), XI(c + 1, t, 64)));
+            acc0[t] = q8_0_tok(w0, c0, dv0, XI(c, t, 0), XI(c, t, 64), acc0[t]);
+            acc1[t] = q8_0_tok(w1, c1, dv1, XI(c + 1, t, 0), XI(c + 1, t, 64), acc1[t]);
         }
     }
     for (; k < K; k += 64) { /* K is a multiple of 32; x parts are padded */
@@ -250,8 +250,7 @@ T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *x
         const __m512i c = q8_0_corr(wv);
         const __m512 dv = q8_0_scales(_mm_cvtsi32_si128(d2));
         for (int t = 0; t < T; t++)
-            acc0[t] = _mm512_add_ps(acc0[t],
-                                    q8_0_tok(wv, c, dv, XI(k / 64, t, 0), XI(k / 64, t, 64)));
+            acc0[t] = q8_0_tok(wv, c, dv, XI(k / 64, t, 0), XI(k / 64, t, 64), acc0[t]);
     }
     for (int t = 0; t < T; t++)
         out[t] = _mm512_mul_ps(_mm512_add_ps(acc0[t], acc1[t]), _mm512_set1_ps(sx[t]));
