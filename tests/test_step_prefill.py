@@ -204,8 +204,8 @@ def test_the_bound_follows_the_products_and_the_weights_formats():
 
     fp32 = STEP_PREFILL_MAX[None]
     assert bound("float32") == fp32["float32"] < bound("q8_0") == fp32["q8_0"]
-    assert bound("q4_k") == fp32[None] < bound("q6_k") == fp32["q6_k"]
-    assert bound("q4_k", "q6_k") == fp32[None]  # a mix: its smallest
+    assert bound("q4_k") == bound("q6_k") == fp32[None] < fp32["q8_0"]
+    assert bound("q4_k", "q8_0") == fp32[None]  # a mix: its smallest
     if available("bfloat16"):
         bf16 = STEP_PREFILL_MAX[torch.bfloat16]
         assert bound("q4_k", dtype=torch.bfloat16) == bf16[None] < bound("q4_k")
