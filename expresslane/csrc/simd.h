@@ -1,4 +1,5 @@
-/* The SIMD helpers every kernel file shares: target attributes, masks and loaders.
+/* The SIMD helpers every kernel file shares: target attributes, masks, loaders, and the lane
+   sums of a tile of rows.
 
    Each kernel is compiled for its instruction set with a target attribute (the rest of the
    extension stays baseline x86-64) and runs only where el_features() says the CPU has it.
