@@ -97,13 +97,16 @@ typedef struct {
    sums16: one order for every row, so its bits depend neither on its place in a tile nor on S)
    and stored together. A lane sum of its own per row, a chain of dependent instructions, took
    about a third of the time of SmolLM2's 576-wide Q4_0 rows (perf, 2026-11-27). */
+#define TILE_ROWS 16 /* rows of a tile: sums16's; a thread's share where one block of tokens
+                        reads them (matmul) is a whole tile */
 #define EL_TILES(sp, r0, r1, rb, T, BODY)                                                  \
     for (int64_t r_ = (r0); r_ < (r1);) {                                                 \
         const int64_t l = r_ / (sp)->N, lim = (l + 1) * (sp)->N;                          \
-        const int64_t e_ = r_ + 16 < (r1) ? r_ + 16 : (r1), end = e_ < lim ? e_ : lim;    \
+        const int64_t e_ = r_ + TILE_ROWS < (r1) ? r_ + TILE_ROWS : (r1);                 \
+        const int64_t end = e_ < lim ? e_ : lim;                                          \
         const char *xp = (sp)->pk + (l * (sp)->S + (sp)->s0) * (sp)->per_token;           \
         int64_t v[TMAX];                                                                  \
-        __m512 tile[TMAX][16];                                                            \
+        __m512 tile[TMAX][TILE_ROWS];                                                     \
         for (int t = 0; t < (T); t++) v[t] = ((sp)->s0 + t) * (sp)->L + l;                \
         for (int64_t r = r_; r < end; r++) {                                              \
             const char *wr = (const char *)(sp)->w->data + r * (rb);                      \
@@ -112,14 +115,12 @@ typedef struct {
             for (int t = 0; t < (T); t++) tile[t][r - r_] = lanes[t];                     \
         }                                                                                 \
         for (int t = 0; t < (T); t++) {                                                   \
-            for (int64_t i = end - r_; i < 16; i++) tile[t][i] = _mm512_setzero_ps();     \
+            for (int64_t i = end - r_; i < TILE_ROWS; i++) tile[t][i] = _mm512_setzero_ps(); \
             _mm512_mask_storeu_ps((sp)->y + v[t] * (sp)->ldy + (r_ - l * (sp)->N),         \
                                   MASK16(end - r_), sums16(tile[t]));                     \
         }                                                                                 \
         r_ = end;                                                                         \
     }
-/* rows a thread takes at a time where one block of tokens reads them (a whole tile) */
-#define TILE_ROWS 16
 
 /* a switch over T = 1..5 calling CALL(T) with T a constant (the kernels' accumulators then
    stay in registers) */
