@@ -128,6 +128,8 @@ def test_cpu_products_bench_times_every_product_and_refuses_bad_counts(capsys):
 
     assert cpu_products.main(["--tokens", "0"]) == 2
     assert "cpu_products:" in capsys.readouterr().err
+    assert cpu_products.main(["/no/such/model.gguf"]) == 2  # the message, not a traceback
+    assert "no such folder or file" in capsys.readouterr().err
     model = Path(cpu_products.__file__).parents[1] / "assets" / "laneformer-py"
     assert cpu_products.main([str(model), "--tokens", "1", "3", "--repeats", "1"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]

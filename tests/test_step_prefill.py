@@ -217,6 +217,8 @@ def test_cpu_prefill_bench_refuses_bad_counts(capsys):
 
     assert cpu_prefill.main(["--lengths", "0"]) == 2
     assert "cpu_prefill:" in capsys.readouterr().err
+    assert cpu_prefill.main(["/no/such/model.gguf"]) == 2  # the message, not a traceback
+    assert "no such folder or file" in capsys.readouterr().err
 
 
 def test_logprob_requests_decode_through_the_step(model):

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ..errors import ExpressLaneError
 from ..step.choose import PREFILL_DTYPES
 
 LENGTHS = (16, 40, 64, 128, 192, 256, 384, 512)
@@ -141,10 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     head = "".join(f" {w + ' ms':>8} {'|d|':>6}" for w in ways)
     print(f"{'file':<36} {'formats':<18} {'products':<8} {'tokens':>6}{head}  (* argmax differs)")
     rows = []
-    with torch.inference_mode():  # as the engine prefills
-        for f in files:
-            rows += measure(f, args.lengths, args.repeats, args.peer is not None, args.threads,
-                            args.prefill_dtype)  # fmt: skip
+    try:
+        with torch.inference_mode():  # as the engine prefills
+            for f in files:
+                rows += measure(f, args.lengths, args.repeats, args.peer is not None,
+                                args.threads, args.prefill_dtype)  # fmt: skip
+    except ExpressLaneError as e:  # a missing or malformed file: the message, not a traceback
+        print(f"cpu_prefill: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"bench": "cpu_prefill", "threads": args.threads, "rows": rows}))
     return 0
 

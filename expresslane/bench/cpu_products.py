@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from ..errors import ExpressLaneError
+
 TOKENS = (1, 5, 40, 160)
 
 
@@ -89,9 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'file':<36} {'matrix':<8} {'fmt':<6} {'rows':>6} {'K':>5} {'S':>5} {'ms':>9} "
           f"{'GOPS':>8}")  # fmt: skip
     rows = []
-    with torch.inference_mode():
-        for f in files:
-            rows += measure(f, args.tokens, args.repeats)
+    try:
+        with torch.inference_mode():
+            for f in files:
+                rows += measure(f, args.tokens, args.repeats)
+    except ExpressLaneError as e:  # a missing or malformed file: the message, not a traceback
+        print(f"cpu_products: {e}", file=sys.stderr)
+        return 2
     print(json.dumps({"bench": "cpu_products", "threads": args.threads, "rows": rows}))
     return 0
 
