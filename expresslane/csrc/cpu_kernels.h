@@ -95,8 +95,8 @@ typedef struct {
 /* the same in tiles of up to 16 rows of one lane, for kernels that leave each (row, token) as 16
    lanes to be summed: BODY sets lanes[t], and the tile's rows are summed at once (simd.h's
    sums16: one order for every row, so its bits depend neither on its place in a tile nor on S)
-   and stored together. A lane sum of its own per row, a chain of dependent instructions, took
-   about a third of the time of SmolLM2's 576-wide Q4_0 rows (perf, 2026-11-27). */
+   and stored together. A lane sum of its own per row, a chain of dependent instructions, was
+   a large part of the time of SmolLM2's 576-wide rows (BENCHMARKS.md, 2026-11-27). */
 #define TILE_ROWS 16 /* rows of a tile: sums16's; a thread's share where one block of tokens
                         reads them (matmul) is a whole tile */
 #define EL_TILES(sp, r0, r1, rb, T, BODY)                                                  \

@@ -34,7 +34,7 @@ from .packed import PackedDecoder
 # `python -m expresslane.bench.cpu_prefill [--prefill-dtype bfloat16]` (the 2-vCPU VM, 2
 # threads, SmolLM2-135M as F32, BF16, F16, Q8_0, Q4_0, Q4_K_M and Q6_K; BENCHMARKS.md "Prefill
 # on a CPU"). The layers dequantize every block per call (C, ~10 ms for SmolLM2) and run GEMMs,
-# bf16 ones 2.2x faster than fp32 ones; the step reads the blocks as stored, ~1.7 ms a token. A
+# bf16 ones 2.2x faster than fp32 ones; the step reads the blocks as stored, ~1.5-2 ms a token. A
 # mix takes its smallest entry. The 4- to 6-bit formats' fp32 bound moved 160 -> 256 with the
 # step's tiled row sums (0d7c20a: the step at most level with the layers up to 256 tokens on all
 # six, behind them at 384).
