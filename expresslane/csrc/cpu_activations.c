@@ -113,28 +113,35 @@ T_VNNI static float split_i16(const float *x, int64_t K, int64_t Kp, uint8_t *hi
 }
 
 /* per group of 4 blocks: [blocks' values 0-15 | values 16-31], like the nibbles; xs: the block
-   sums (Kp / 32), then the half-block sums (Kp / 16) */
+   sums (Kp / 32), then the half-block sums (Kp / 16). 16 values at a time, each half block's
+   sum by sums16 with 15 others (one order for every half block: its bits depend on its own
+   values only), each block's sum its two halves' (zeros past K) */
 T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *a_lo,
                                  int8_t *a_hi, int8_t *b_lo, int8_t *b_hi, float *xs) {
-    const float a = abs_max(x, K), sx = a > 0.0f ? a / 32639.0f : 1.0f, inv = 1.0f / sx;
-    for (int64_t k = 0; k < Kp; k++) {
-        int32_t q = k < K ? (int32_t)lrintf(x[k] * inv) : 0;
-        q = q > 32639 ? 32639 : q < -32639 ? -32639 : q;
-        int32_t ah = (q + 128) >> 8, bl = q - 256 * ah;
-        int64_t blk = k / 32, j = k % 32, at = (blk / 4) * 64 + (blk % 4) * 16 + (j % 16);
-        if (j < 16) a_lo[at] = (int8_t)ah, b_lo[at] = (int8_t)bl;
-        else a_hi[at] = (int8_t)ah, b_hi[at] = (int8_t)bl;
-    }
+    const float a = abs_max(x, K), sx = a > 0.0f ? a / 32639.0f : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / sx);
+    const __m512i lim = _mm512_set1_epi32(32639), neg = _mm512_set1_epi32(-32639);
     float *half = xs + Kp / 32;
-    for (int64_t b = 0; b < Kp / 32; b++) {
-        float s = 0.0f, h0 = 0.0f, h1 = 0.0f;
-        for (int64_t j = 0; j < 32 && b * 32 + j < K; j++) {
-            s += x[b * 32 + j];
-            if (j < 16) h0 += x[b * 32 + j];
-            else h1 += x[b * 32 + j];
+    __m512 v[16];
+    for (int64_t k = 0; k < Kp; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? MASK16(K - k) : 0;
+        v[(k / 16) % 16] = _mm512_maskz_loadu_ps(m, x + k);
+        /* round to nearest even, as lrintf: the same q as one value at a time */
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[(k / 16) % 16], inv));
+        q = _mm512_max_epi32(_mm512_min_epi32(q, lim), neg);
+        const __m512i ah = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+        const __m512i bl = _mm512_sub_epi32(q, _mm512_slli_epi32(ah, 8));
+        const int64_t blk = k / 32, at = (blk / 4) * 64 + (blk % 4) * 16;
+        int8_t *pa = k % 32 ? a_hi : a_lo, *pb = k % 32 ? b_hi : b_lo;
+        _mm_storeu_si128((__m128i *)(pa + at), _mm512_cvtepi32_epi8(ah));
+        _mm_storeu_si128((__m128i *)(pb + at), _mm512_cvtepi32_epi8(bl));
+        if ((k / 16) % 16 == 15 || k + 16 == Kp) { /* 16 half blocks (the last: zeros after) */
+            const int64_t h0 = k / 16 / 16 * 16, nh = k / 16 - h0 + 1;
+            for (int64_t i = nh; i < 16; i++) v[i] = _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(half + h0, MASK(nh, 0), sums16(v));
         }
-        xs[b] = s, half[2 * b] = h0, half[2 * b + 1] = h1;
     }
+    for (int64_t b = 0; b < Kp / 32; b++) xs[b] = half[2 * b] + half[2 * b + 1];
     return sx;
 }
 
@@ -143,7 +150,8 @@ int el_supports(int fmt) {
     return fmt >= FMT_F32 && fmt < FMT_COUNT && (el_features() & need) == need;
 }
 
-void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p) {
+void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p,
+                int threads) {
     const int64_t Kp = padded(K);
     p->Kp = Kp;
     p->a = p->b = NULL, p->xs = p->sx = NULL;
@@ -152,6 +160,8 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
     p->b = p->a + V * Kp * 2;
     p->xs = (float *)(p->b + V * Kp * 2);
     p->sx = p->xs + V * (Kp / 32 + Kp / 16);
+    /* each vector on its own: split by many threads where there are enough (a prompt's) */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && V >= SPLIT_MIN)
     for (int64_t v = 0; v < V; v++) {
         const float *xv = x + v * K;
         char *pa = p->a + v * Kp * 2, *pb = p->b + v * Kp * 2;
@@ -167,7 +177,8 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
 #else
 int el_features(void) { return 0; }
 int el_supports(int fmt) { (void)fmt; return 0; }
-void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p) {
-    (void)fmt, (void)x, (void)V, (void)K, (void)work, (void)p;
+void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p,
+                int threads) {
+    (void)fmt, (void)x, (void)V, (void)K, (void)work, (void)p, (void)threads;
 }
 #endif

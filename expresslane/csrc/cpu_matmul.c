@@ -330,17 +330,21 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
         if (!work) return -3;
     }
     xparts_t P;
-    el_split_x(fmt, x, S * L, K, work, &P); /* vector s L + l: token s, lane l */
+    el_split_x(fmt, x, S * L, K, work, &P, threads); /* vector s L + l: token s, lane l */
     int Ts[TMAX];
     const int64_t blocks = token_blocks(fmt, S, Ts);
     const int64_t per_token = el_chunks(fmt, K, P.Kp) * el_chunk_bytes(fmt);
     char *pk = (char *)work + (el_split_scratch(S * L, K) + 63) / 64 * 64;
-    for (int64_t l = 0; l < L; l++) /* lane l's tokens from l S per_token on, block by block */
-        for (int64_t b = 0, s0 = 0; b < blocks; s0 += Ts[b], b++) {
-            int64_t v[TMAX];
-            for (int t = 0; t < Ts[b]; t++) v[t] = (s0 + t) * L + l;
-            el_pack_block(fmt, &P, x, K, v, Ts[b], pk + (l * S + s0) * per_token);
-        }
+    int64_t starts[TMAX]; /* of the blocks */
+    for (int64_t b = 0, s0 = 0; b < blocks; s0 += Ts[b], b++) starts[b] = s0;
+    /* lane l's tokens from l S per_token on, block by block */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && S * L >= SPLIT_MIN)
+    for (int64_t lb = 0; lb < L * blocks; lb++) {
+        const int64_t l = lb / blocks, b = lb % blocks, s0 = starts[b];
+        int64_t v[TMAX];
+        for (int t = 0; t < Ts[b]; t++) v[t] = (s0 + t) * L + l;
+        el_pack_block(fmt, &P, x, K, v, Ts[b], pk + (l * S + s0) * per_token);
+    }
     if (blocks == 1 && (fmt == FMT_F32 || fmt == FMT_F16 || fmt == FMT_BF16)) {
         one_block(w, pk, y, ldy, S, L, N, K, per_token, Ts[0], threads);
         free(own);
