@@ -136,6 +136,13 @@ T_F static inline __attribute__((always_inline)) void attend_chunk_impl(
     const float scale = 1.0f / sqrtf((float)hd);
     const int64_t G = Hq / Hkv, row = Hkv * hd;
     float *m = part, *l = part + Hq, *o = part + 2 * Hq;
+    int any = 0; /* a visible key: else the chunk weighs 0 (merge_chunks), and nothing is summed */
+    for (int64_t s = s0; s < s1 && !any; s++)
+        any = pc[s] >= 0 && pc[s] <= position && (win == 0 || pc[s] > position - win);
+    if (!any) {
+        for (int64_t h = 0; h < Hq; h++) m[h] = -INFINITY, l[h] = 0.0f;
+        return;
+    }
     for (int64_t s = s0; s < s1; s++) {
         const int64_t p = pc[s];
         const int ok = p >= 0 && p <= position && (win == 0 || p > position - win);
@@ -285,10 +292,14 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
     float *parts = sc + Hq * cap;
     char *work = (char *)(((uintptr_t)(parts + att_parts(Hq, hd, cap)) + 63) & ~(uintptr_t)63);
     int rc = 0;
+    const int par = threads > 1 && S >= SPLIT_MIN; /* a prompt's tokens: each on any thread */
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, PTR(d, attention_norm, const float), D, eps, xn + t * D);
     rc |= PRODUCT(d, qkv, xn, qkv, S, nq, D, threads, work);
     const float *bias = PTR(d, qkv_bias, const float);
     float *kc = PTR(d, k_cache, float), *vc = PTR(d, v_cache, float);
+    /* slots of distinct tokens differ while S <= cap: the writes are then any thread's */
+#pragma omp parallel for schedule(static) num_threads(threads) if (par && S <= cap)
     for (int64_t t = 0; t < S; t++) {
         float *q = qkv + t * nq, *k = q + Hq * hd, *v = k + Hkv * hd;
         if (bias)
@@ -302,9 +313,13 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
     for (int64_t t = 0; t < S; t++)
         attend(d, qkv + t * nq, position + t, n, sc, parts, o + t * Hq * hd, threads);
     rc |= PRODUCT(d, wo, o, y, S, D, Hq * hd, threads, work);
-    for (int64_t i = 0; i < S * D; i++) h[i] += y[i];
-    for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, PTR(d, ffn_norm, const float), D, eps, xn + t * D);
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+    for (int64_t t = 0; t < S; t++) {
+        for (int64_t i = t * D; i < (t + 1) * D; i++) h[i] += y[i];
+        rms_norm(h + t * D, PTR(d, ffn_norm, const float), D, eps, xn + t * D);
+    }
     rc |= PRODUCT(d, w13, xn, gu, S, 2 * F, D, threads, work);
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (int64_t t = 0; t < S; t++) silu_mul(gu + t * 2 * F, gu + t * 2 * F + F, F, xn + t * F);
     rc |= PRODUCT(d, w2, xn, y, S, D, F, threads, work);
     for (int64_t i = 0; i < S * D; i++) h[i] += y[i];
