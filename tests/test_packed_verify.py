@@ -237,3 +237,41 @@ def test_c_attention_in_chunks_gives_every_row_the_same_bits(window):
     assert torch.equal(run(True, True, 1), lone)
     assert torch.equal(run(True, True, 2), lone) and torch.equal(run(True, False, 2), lone)
     torch.testing.assert_close(lone, run(False, True, 1), rtol=1e-4, atol=1e-4)
+
+
+@needs["float32"]
+@pytest.mark.parametrize("window", [None, 70])
+def test_a_prompt_in_one_call_on_two_threads_has_the_bits_of_lone_steps(window):
+    """A prompt's queries go round the threads (csrc/cpu_layer.c attend_tokens, where the scratch
+    holds a share per thread: a cache of 400 slots against 124 live ones), and its norms, RoPE,
+    cache writes and SiLU too: 124 tokens in one forward (calls of the step's 40) on two threads
+    give every row's logits and the cache with the bits of 124 lone steps on one thread; with
+    and without a window."""
+    over = dict(max_position_embeddings=512, vocab_size=67, num_attention_heads=6,
+                num_key_value_heads=2, hidden_size=96)  # fmt: skip
+    model = llama(seed=5, **over) if window is None else llama(
+        seed=5, model_type="mistral", sliding_window=window, **over)  # fmt: skip
+    pack_model(model, "float32")
+    prompt = torch.tensor([(7 * i + 3) % 67 for i in range(124)])
+    runs, before = [], torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        cache = KVCache(model.cfg, max_len=400, headroom=8)
+        dec = PackedDecoder(model, cache)
+        with torch.no_grad():
+            if threads == 1:
+                rows = []
+                for i in range(len(prompt)):
+                    cache.live = i + 1
+                    rows.append(dec.forward(prompt[i : i + 1], torch.tensor([i])))
+                logits = torch.cat(rows)
+            else:
+                cache.live = len(prompt)
+                logits = dec.forward(prompt, torch.tensor([0]))
+        runs.append((logits, cache))
+    torch.set_num_threads(before)
+    (a, ca), (b, cb) = runs
+    assert torch.equal(a, b), (a - b).abs().max().item()
+    for i in range(len(ca.k)):
+        assert torch.equal(ca.pos[i], cb.pos[i])
+        assert torch.equal(ca.k[i], cb.k[i]) and torch.equal(ca.v[i], cb.v[i])

@@ -16,6 +16,9 @@
 
 #include <math.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu_kernels.h"
 #include "cpu_layer.h"
@@ -248,6 +251,29 @@ static void attend(const int64_t *d, const float *q, int64_t position, int64_t n
     merge_chunks(parts, nch, Hq, hd, o);
 }
 
+/* o (S, Hq hd) for S queries at position .. position + S - 1 over the first n slots; sc: the
+   scores and parts of attend, Hq cap + att_parts(cap) floats. With threads and enough tokens
+   (a prompt's), the queries go round the threads, each query on one thread over its own share
+   of sc: one fork for all S rather than one per query, and short prompts (one chunk) in
+   parallel too. A query's bits do not depend on its thread (attend's chunks are fixed). */
+static void attend_tokens(const int64_t *d, const float *qkv, int64_t nq, int64_t position,
+                          int64_t S, int64_t n, float *sc, float *o, int threads) {
+    const int64_t Hq = d[F_heads], hd = d[F_head_dim], cap = d[F_cap];
+    const int64_t need = Hq * n + att_parts(Hq, hd, n), have = Hq * cap + att_parts(Hq, hd, cap);
+#ifdef _OPENMP
+    if (threads > 1 && S >= SPLIT_MIN && threads * need <= have) {
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+        for (int64_t t = 0; t < S; t++) {
+            float *mine = sc + omp_get_thread_num() * need;
+            attend(d, qkv + t * nq, position + t, n, mine, mine + Hq * n, o + t * Hq * hd, 1);
+        }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < S; t++)
+        attend(d, qkv + t * nq, position + t, n, sc, sc + Hq * cap, o + t * Hq * hd, threads);
+}
+
 /* W x for S tokens: x (S, K) -> y (S, N), part by part (a part's rows into y's columns) */
 static int product(const int64_t *part, const float *x, float *y, int64_t S, int64_t N, int64_t K,
                    int threads, void *work) {
@@ -289,8 +315,7 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
     const int64_t n = live < cap ? live : cap;
     float *qkv = (float *)scratch, *o = qkv + S * nq, *xn = o + S * Hq * hd;
     float *gu = xn + S * max3(D, F, Hq * hd), *y = gu + S * 2 * F, *sc = y + S * D;
-    float *parts = sc + Hq * cap;
-    char *work = (char *)(((uintptr_t)(parts + att_parts(Hq, hd, cap)) + 63) & ~(uintptr_t)63);
+    char *work = (char *)(((uintptr_t)(sc + Hq * cap + att_parts(Hq, hd, cap)) + 63) & ~(uintptr_t)63);
     int rc = 0;
     const int par = threads > 1 && S >= SPLIT_MIN; /* a prompt's tokens: each on any thread */
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
@@ -310,8 +335,7 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
         for (int64_t i = 0; i < Hkv * hd; i++) kc[slot * Hkv * hd + i] = k[i], vc[slot * Hkv * hd + i] = v[i];
         PTR(d, pos_cache, int64_t)[slot] = position + t;
     }
-    for (int64_t t = 0; t < S; t++)
-        attend(d, qkv + t * nq, position + t, n, sc, parts, o + t * Hq * hd, threads);
+    attend_tokens(d, qkv, nq, position, S, n, sc, o, threads);
     rc |= PRODUCT(d, wo, o, y, S, D, Hq * hd, threads, work);
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (int64_t t = 0; t < S; t++) {
