@@ -112,12 +112,13 @@ T_VNNI static float split_i16(const float *x, int64_t K, int64_t Kp, uint8_t *hi
     return sx;
 }
 
-/* per group of 4 blocks: [blocks' values 0-15 | values 16-31], like the nibbles; xs: the block
-   sums (Kp / 32), then the half-block sums (Kp / 16). 16 values at a time, each half block's
-   sum by sums16 with 15 others (one order for every half block: its bits depend on its own
-   values only), each block's sum its two halves' (zeros past K) */
+/* per group of 4 blocks: [blocks' values 0-15 | values 16-31], like the nibbles (q6: Q6_K's
+   order of the values); xs: the block sums (Kp / 32), then the half-block sums (Kp / 16). 16
+   values at a time, each half block's sum by sums16 with 15 others (one order for every half
+   block: its bits depend on its own values only), each block's sum its two halves' (zeros
+   past K) */
 T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *a_lo,
-                                 int8_t *a_hi, int8_t *b_lo, int8_t *b_hi, float *xs) {
+                                 int8_t *a_hi, int8_t *b_lo, int8_t *b_hi, float *xs, int q6) {
     const float a = abs_max(x, K), sx = a > 0.0f ? a / 32639.0f : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / sx);
     const __m512i lim = _mm512_set1_epi32(32639), neg = _mm512_set1_epi32(-32639);
@@ -132,9 +133,17 @@ T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *
         const __m512i ah = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
         const __m512i bl = _mm512_sub_epi32(q, _mm512_slli_epi32(ah, 8));
         const int64_t blk = k / 32, at = (blk / 4) * 64 + (blk % 4) * 16;
-        int8_t *pa = k % 32 ? a_hi : a_lo, *pb = k % 32 ? b_hi : b_lo;
-        _mm_storeu_si128((__m128i *)(pa + at), _mm512_cvtepi32_epi8(ah));
-        _mm_storeu_si128((__m128i *)(pb + at), _mm512_cvtepi32_epi8(bl));
+        const __m128i a8 = _mm512_cvtepi32_epi8(ah), b8 = _mm512_cvtepi32_epi8(bl);
+        if (q6) { /* Q6_K's order (weights/blocks.py): a half block's first 8 values low, 8 high */
+            const int64_t j = k % 32 ? 8 : 0;
+            _mm_storel_epi64((__m128i *)(a_lo + at + j), a8);
+            _mm_storel_epi64((__m128i *)(a_hi + at + j), _mm_unpackhi_epi64(a8, a8));
+            _mm_storel_epi64((__m128i *)(b_lo + at + j), b8);
+            _mm_storel_epi64((__m128i *)(b_hi + at + j), _mm_unpackhi_epi64(b8, b8));
+        } else {
+            _mm_storeu_si128((__m128i *)((k % 32 ? a_hi : a_lo) + at), a8);
+            _mm_storeu_si128((__m128i *)((k % 32 ? b_hi : b_lo) + at), b8);
+        }
         if ((k / 16) % 16 == 15 || k + 16 == Kp) { /* 16 half blocks (the last: zeros after) */
             const int64_t h0 = k / 16 / 16 * 16, nh = k / 16 - h0 + 1;
             for (int64_t i = nh; i < 16; i++) v[i] = _mm512_setzero_ps();
@@ -169,7 +178,8 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
             split_bf16(xv, K, Kp, (uint16_t *)pa, (uint16_t *)pb);
         else if (IS_NIBBLE(fmt))
             p->sx[v] = split_nibble(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (int8_t *)pb,
-                                    (int8_t *)pb + Kp / 2, p->xs + v * (Kp / 32 + Kp / 16));
+                                    (int8_t *)pb + Kp / 2, p->xs + v * (Kp / 32 + Kp / 16),
+                                    fmt == FMT_Q6_K);
         else
             p->sx[v] = split_i16(xv, K, Kp, (uint8_t *)pa, (uint8_t *)pb);
     }

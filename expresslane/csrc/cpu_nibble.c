@@ -15,8 +15,8 @@
    The nibbles are vpdpbusd's unsigned operand, x's two signed bytes (cpu_activations.c) the
    other: per block sum q x = 256 sum q a + sum q b exactly in int32 (< 2^24, so exact in fp32
    too), times d_b in fp32. The offsets are sum_b m_b sum_{k in b} x, from the fp32 block sums
-   of x. Q6_K's 16-value scales: the low and high half of a 32-value block (one byte's two
-   nibbles) are scaled apart. The high bits come as byte masks (vpmovm2b): for each group the
+   of x. Q6_K's blocks come with their middle 8-value quarters swapped (weights/blocks.py), so
+   that a byte's two nibbles share a 16-value scale: its lanes' scales go by halves of quarters. The high bits come as byte masks (vpmovm2b): for each group the
    mask of its low-nibble values, then of its high-nibble ones (per bit).
 
    `el_dequant` writes the values themselves (fp32 or bf16), decoded by the same group loader:
@@ -31,10 +31,10 @@
 #ifdef EL_X86
 
 /* per group: the values of its low and high nibbles (4 blocks x 16 bytes each), the scales of
-   the blocks (16 lanes, a block's on its quarter; Q6_K: dv for the low nibbles, dh the high) */
+   the blocks (16 lanes, a block's on its quarter; Q6_K: a 16-value scale on each half) */
 typedef struct {
     __m512i lo, hi;
-    __m512 dv, dh;
+    __m512 dv;
 } group_t;
 
 /* a group's masks of one high bit: 2 n bytes for the low nibbles, then for the high (n blocks);
@@ -53,11 +53,10 @@ T_VNNI INLINE void add_bit(group_t *G, const uint8_t *p, int64_t n, char bit) {
     G->hi = _mm512_or_si512(G->hi, _mm512_maskz_mov_epi8(mh, b));
 }
 
-/* f16 d of the superblock times 4 (Q6_K: 8) byte scales, each on its quarter */
-T_VNNI INLINE __m512 k_scales(uint16_t d, __m128i s4, int sign) {
+/* f16 d of the superblock times 4 byte scales, each on its quarter */
+T_VNNI INLINE __m512 k_scales(uint16_t d, __m128i s4) {
     const __m512i pick = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m128i si = sign ? _mm_cvtepi8_epi32(s4) : _mm_cvtepu8_epi32(s4);
-    const __m128 ds = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(d)), _mm_cvtepi32_ps(si));
+    const __m128 ds = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(d)), _mm_cvtepi32_ps(_mm_cvtepu8_epi32(s4)));
     return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(ds));
 }
 
@@ -78,15 +77,14 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
     if (FMT == FMT_Q4_K || FMT == FMT_Q5_K) { /* superblock g / 2, its scales 4 (g % 2) on */
         int32_t s;
         memcpy(&s, sub + (g / 2) * 16 + (g % 2) * 4, 4);
-        G.dv = k_scales(d[g / 2], _mm_cvtsi32_si128(s), 0);
-    } else if (FMT == FMT_Q6_K) { /* scales of 16 values: even ones the low nibbles' */
+        G.dv = k_scales(d[g / 2], _mm_cvtsi32_si128(s));
+    } else if (FMT == FMT_Q6_K) { /* 8 scales of 16 values, scale i on lanes 2i and 2i + 1 */
         int64_t s8;
         memcpy(&s8, sub + (g / 2) * 16 + (g % 2) * 8, 8);
-        const __m128i ev = _mm_set_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 6, 4, 2, 0);
-        const __m128i od = _mm_set_epi8(-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 7, 5, 3, 1);
-        const __m128i s = _mm_cvtsi64_si128(s8);
-        G.dv = k_scales(d[g / 2], _mm_shuffle_epi8(s, ev), 1);
-        G.dh = k_scales(d[g / 2], _mm_shuffle_epi8(s, od), 1);
+        const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d[g / 2])),
+                                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(s8))));
+        const __m512i pick = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        G.dv = _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(ds));
     } else {
         G.dv = quarter_scales(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), d + g * 4));
     }
@@ -95,18 +93,10 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
 
 /* acc plus one token's part of a group (one fused multiply-add by the scales): p its chunk
    a_lo a_hi b_lo b_hi */
-T_VNNI INLINE __m512 group_tok(const int FMT, const group_t *G, const char *p, __m512 acc) {
+T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc) {
     const __m512i z = _mm512_setzero_si512();
     const __m512i al = _mm512_loadu_si512(p), ah = _mm512_loadu_si512(p + 64);
     const __m512i bl = _mm512_loadu_si512(p + 128), bh = _mm512_loadu_si512(p + 192);
-    if (FMT == FMT_Q6_K) {
-        __m512i tl = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, G->lo, al), 8),
-                                      _mm512_dpbusd_epi32(z, G->lo, bl));
-        __m512i th = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, G->hi, ah), 8),
-                                      _mm512_dpbusd_epi32(z, G->hi, bh));
-        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(th), G->dh,
-                               _mm512_fmadd_ps(_mm512_cvtepi32_ps(tl), G->dv, acc));
-    }
     __m512i A = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, G->lo, al), G->hi, ah);
     __m512i B = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, G->lo, bl), G->hi, bh);
     __m512i t = _mm512_add_epi32(_mm512_slli_epi32(A, 8), B);
@@ -173,14 +163,14 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
         const group_t G0 = load_group(FMT, q, d, high, sub, g, 4);
         const group_t G1 = load_group(FMT, q, d, high, sub, g + 1, 4);
         for (int t = 0; t < T; t++) {
-            acc0[t] = group_tok(FMT, &G0, xp + (g * T + t) * CB, acc0[t]);
-            acc1[t] = group_tok(FMT, &G1, xp + ((g + 1) * T + t) * CB, acc1[t]);
+            acc0[t] = group_tok(&G0, xp + (g * T + t) * CB, acc0[t]);
+            acc1[t] = group_tok(&G1, xp + ((g + 1) * T + t) * CB, acc1[t]);
         }
     }
     for (; g * 4 < nb; g++) { /* the last 1-4 blocks (legacy formats: K % 256 may be nonzero) */
         const group_t G = load_group(FMT, q, d, high, sub, g, nb - g * 4 >= 4 ? 4 : nb - g * 4);
         for (int t = 0; t < T; t++)
-            acc0[t] = group_tok(FMT, &G, xp + (g * T + t) * CB, acc0[t]);
+            acc0[t] = group_tok(&G, xp + (g * T + t) * CB, acc0[t]);
     }
     __m512 off[TMAX];
     offset_lanes(FMT, d, mn, sub, xs, nb, Kp, off, T);
@@ -280,12 +270,13 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
         const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[blk])), m = _mm512_set1_ps(_cvtsh_ss(mn[blk]));
         w0 = _mm512_add_ps(_mm512_mul_ps(dv, q0), m);
         w1 = _mm512_add_ps(_mm512_mul_ps(dv, q1), m);
-    } else if (FMT == FMT_Q6_K) {
+    } else if (FMT == FMT_Q6_K) { /* values 0-15: the low nibbles' 0-7, the high ones' 0-7 */
         const float dd = _cvtsh_ss(d[sb]), c = 32.0f;
         const __m512 lo = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j]);
         const __m512 hi = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j + 1]);
-        w0 = _mm512_mul_ps(lo, _mm512_sub_ps(q0, _mm512_set1_ps(c)));
-        w1 = _mm512_mul_ps(hi, _mm512_sub_ps(q1, _mm512_set1_ps(c)));
+        const __m512 v0 = _mm512_shuffle_f32x4(q0, q1, 0x44), v1 = _mm512_shuffle_f32x4(q0, q1, 0xEE);
+        w0 = _mm512_mul_ps(lo, _mm512_sub_ps(v0, _mm512_set1_ps(c)));
+        w1 = _mm512_mul_ps(hi, _mm512_sub_ps(v1, _mm512_set1_ps(c)));
     } else { /* q4_K, q5_K */
         const uint8_t *s = (const uint8_t *)sub + sb * 16;
         const __m512 ds = _mm512_set1_ps(_cvtsh_ss(d[sb]) * (float)s[j]);

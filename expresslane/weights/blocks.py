@@ -16,7 +16,10 @@ gguf-py's order of operations, so the two agree bit for bit (tests/test_gguf_blo
            per 16 values                                             w = (d s) (q - 32)
 
 Nibbles: in each block of 32 values, byte j holds value j in its low nibble and value j + 16 in
-its high one (GGUF's Q4_0 / Q4_1 order; the K-quants are re-laid to it). High bits: per group of
+its high one (GGUF's Q4_0 / Q4_1 order; the K-quants are re-laid to it). Q6_K's block is stored
+with its middle quarters swapped (values 0-7, 16-23, 8-15, 24-31: `swap_quarters`), so that a
+byte's two nibbles share one of its two 16-value scales: the kernels then add them before
+scaling, as for the other formats, rather than scale each apart. High bits: per group of
 four blocks (n <= 4 in the last), the mask of the values in the low nibbles (2n bytes: block b's
 value j is bit 16 b + j), then of those in the high nibbles (value 16 + j); Q6_K has bit 4's two
 masks, then bit 5's.
@@ -112,8 +115,15 @@ def pack_high(q: torch.Tensor, fmt: str) -> torch.Tensor | None:
     return torch.cat((m4.reshape(*lead, -1, 16), m5.reshape(*lead, -1, 16)), -1).flatten(-2)
 
 
+def swap_quarters(q: torch.Tensor) -> torch.Tensor:
+    """q (..., K) with the middle two 8-value quarters of each 32-value block swapped (its own
+    inverse): Q6_K's stored order."""
+    b = q.reshape(*q.shape[:-1], -1, 4, 8)  # (..., K/32, quarter, 8)
+    return b[..., [0, 2, 1, 3], :].reshape(q.shape)
+
+
 def values(fmt: str, data: torch.Tensor, high: torch.Tensor | None) -> torch.Tensor:
-    """The unsigned values q (..., K) uint8 of a nibble format."""
+    """The unsigned values q (..., K) uint8 of a nibble format, in the matrix's order."""
     q = unpack_nibbles(data)
     K = q.shape[-1]
     if BITS[fmt] == 5:
@@ -121,7 +131,7 @@ def values(fmt: str, data: torch.Tensor, high: torch.Tensor | None) -> torch.Ten
     elif BITS[fmt] == 6:
         h = high.reshape(*high.shape[:-1], -1, 2, 16)  # (..., K/128, bit, 16)
         q = q | (unpack_masks(h[..., 0, :].flatten(-2), K) << 4)
-        q = q | (unpack_masks(h[..., 1, :].flatten(-2), K) << 5)
+        q = swap_quarters(q | (unpack_masks(h[..., 1, :].flatten(-2), K) << 5))
     return q
 
 
@@ -188,7 +198,7 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
             b[..., 128:192].reshape(N, -1, 2, 1, 32)
             >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
         )  # (N, K/256, half, 4, 32): value 128 half + 32 j + i
-        q = (ql & 0x0F).reshape(N, K) | ((qh & 0x03).reshape(N, K) << 4)
+        q = swap_quarters((ql & 0x0F).reshape(N, K) | ((qh & 0x03).reshape(N, K) << 4))
         sub = b[..., 192:208].reshape(N, -1).contiguous()  # int8 scales, as bytes
         return fmt, dict(data=pack_nibbles(q), high=pack_high(q, fmt), scale=_f16(b[..., 208:]),
                          sub=sub)  # fmt: skip
