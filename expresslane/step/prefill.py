@@ -34,13 +34,15 @@ from .packed import PackedDecoder
 # `python -m expresslane.bench.cpu_prefill [--prefill-dtype bfloat16]` (the 2-vCPU VM, 2
 # threads, SmolLM2-135M as F32, BF16, F16, Q8_0, Q4_0, Q4_K_M and Q6_K; BENCHMARKS.md "Prefill
 # on a CPU"). The layers dequantize every block per call (C, ~10 ms for SmolLM2) and run GEMMs,
-# bf16 ones 2.2x faster than fp32 ones; the step reads the blocks as stored, ~1.5-2 ms a token. A
+# bf16 ones 2.2x faster than fp32 ones; the step reads the blocks as stored, ~1-2 ms a token. A
 # mix takes its smallest entry. The 4- to 6-bit formats' fp32 bound moved 160 -> 256 with the
-# step's tiled row sums (0d7c20a: the step at most level with the layers up to 256 tokens on all
-# six, behind them at 384).
+# step's tiled row sums (0d7c20a), then with the vectorized split of x, a prompt's attention and
+# token work on every thread and Q6_K's re-layout, 256 -> 512 and Q8_0's 384 -> 768, F16's
+# 112 -> 160, and the bf16 bounds 40 -> 64 and 56 -> 96 (BENCHMARKS.md, "A prompt's work on
+# every thread").
 STEP_PREFILL_MAX = {  # by the layers' products (None: fp32), then format (None: the others)
-    None: {"float32": 80, "float16": 112, "bfloat16": 192, "q8_0": 384, None: 256},
-    torch.bfloat16: {"bfloat16": 80, "q8_0": 56, "q6_k": 56, None: 40},
+    None: {"float32": 80, "float16": 160, "bfloat16": 192, "q8_0": 768, None: 512},
+    torch.bfloat16: {"bfloat16": 80, "q8_0": 96, "q6_k": 96, None: 64},
 }
 
 # Weight formats whose long prompts multiply in bf16, where the CPU has AVX512_BF16 (oneDNN's
