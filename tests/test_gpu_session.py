@@ -33,7 +33,7 @@ def session_run(out: Path, *stages: str) -> subprocess.CompletedProcess:
 
 
 def test_dry_run_of_every_stage(tmp_path):
-    """Two calls (at most 4 stages a call: 8 files come back), run side by side: each stage
+    """Three calls (at most 4 stages a call: 8 files come back), two at a time: each stage
     leaves its whole log and a JSON result, the bench's rows stream before its table, and the
     summary line of each stage comes last."""
     calls = [
