@@ -24,15 +24,14 @@ them: gguf/variants.py). One table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 import torch
 
-from ..errors import ExpressLaneError
 from ..step.choose import PREFILL_DTYPES
+from .cpu_files import arguments, files, measure_all
 
 LENGTHS = (16, 40, 64, 128, 192, 256, 384, 512)
 WAYS = ("forward", "layers", "step")
@@ -105,11 +104,7 @@ def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="*", help="GGUF files or checkpoint folders")
-    ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = arguments(__doc__, "lengths", LENGTHS, repeats=3, threads=2)
     ap.add_argument(
         "--peer",
         choices=["llama.cpp"],
@@ -123,15 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the layers' products (bfloat16: for quantized or bf16 weights)",
     )
     args = ap.parse_args(argv)
-    if min(args.lengths) < 1 or args.repeats < 1 or args.threads < 1:
-        print("cpu_prefill: --lengths, --repeats and --threads must be >= 1", file=sys.stderr)
+    paths = files("cpu_prefill", args, "lengths", ["F32", "Q8_0", "Q4_K_M"])
+    if paths is None:
         return 2
-    torch.set_num_threads(args.threads)
-    files = args.files
-    if not files:
-        from ..gguf.variants import ensure
-
-        files = [str(ensure(t)) for t in ("F32", "Q8_0", "Q4_K_M")]
     if args.peer:
         from .llamacpp import available
 
@@ -141,14 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     ways = [*WAYS, *([args.peer] if args.peer else [])]
     head = "".join(f" {w + ' ms':>8} {'|d|':>6}" for w in ways)
     print(f"{'file':<36} {'formats':<18} {'products':<8} {'tokens':>6}{head}  (* argmax differs)")
-    rows = []
-    try:
-        with torch.inference_mode():  # as the engine prefills
-            for f in files:
-                rows += measure(f, args.lengths, args.repeats, args.peer is not None,
-                                args.threads, args.prefill_dtype)  # fmt: skip
-    except ExpressLaneError as e:  # a missing or malformed file: the message, not a traceback
-        print(f"cpu_prefill: {e}", file=sys.stderr)
+    rows = measure_all(
+        "cpu_prefill",
+        paths,
+        lambda f: measure(
+            f, args.lengths, args.repeats, args.peer is not None, args.threads, args.prefill_dtype
+        ),
+    )
+    if rows is None:
         return 2
     print(json.dumps({"bench": "cpu_prefill", "threads": args.threads, "rows": rows}))
     return 0

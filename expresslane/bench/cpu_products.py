@@ -17,14 +17,12 @@ One table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 
 import torch
 
-from ..errors import ExpressLaneError
+from .cpu_files import arguments, files, measure_all
 
 TOKENS = (1, 5, 40, 160)
 
@@ -73,30 +71,14 @@ def measure(path: str, tokens, repeats: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="*", help="GGUF files or checkpoint folders")
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
-    if min(args.tokens) < 1 or args.repeats < 1 or args.threads < 1:
-        print("cpu_products: --tokens, --repeats and --threads must be >= 1", file=sys.stderr)
+    args = arguments(__doc__, "tokens", TOKENS, repeats=9, threads=1).parse_args(argv)
+    paths = files("cpu_products", args, "tokens", ["Q4_0"])
+    if paths is None:
         return 2
-    torch.set_num_threads(args.threads)
-    files = args.files
-    if not files:
-        from ..gguf.variants import ensure
-
-        files = [str(ensure("Q4_0"))]
     print(f"{'file':<36} {'matrix':<8} {'fmt':<6} {'rows':>6} {'K':>5} {'S':>5} {'ms':>9} "
           f"{'GOPS':>8}")  # fmt: skip
-    rows = []
-    try:
-        with torch.inference_mode():
-            for f in files:
-                rows += measure(f, args.tokens, args.repeats)
-    except ExpressLaneError as e:  # a missing or malformed file: the message, not a traceback
-        print(f"cpu_products: {e}", file=sys.stderr)
+    rows = measure_all("cpu_products", paths, lambda f: measure(f, args.tokens, args.repeats))
+    if rows is None:
         return 2
     print(json.dumps({"bench": "cpu_products", "threads": args.threads, "rows": rows}))
     return 0

@@ -86,7 +86,7 @@ int el_features(void) {
 
 T_BF static void split_bf16(const float *x, int64_t K, int64_t Kp, uint16_t *hi, uint16_t *lo) {
     for (int64_t k = 0; k < Kp; k += 16) {
-        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? MASK16(K - k) : 0;
+        __mmask16 m = MASK_PAD(K, k);
         __m512 v = _mm512_maskz_loadu_ps(m, x + k);
         __m256bh h = _mm512_cvtneps_pbh(v); /* round to nearest even */
         __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
@@ -101,7 +101,7 @@ T_VNNI static float split_i16(const float *x, int64_t K, int64_t Kp, uint8_t *hi
     const __m512 inv = _mm512_set1_ps(1.0f / sx);
     const __m512i lim = _mm512_set1_epi32(32767), neg = _mm512_set1_epi32(-32767);
     for (int64_t k = 0; k < Kp; k += 16) {
-        __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? MASK16(K - k) : 0;
+        __mmask16 m = MASK_PAD(K, k);
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv));
         q = _mm512_max_epi32(_mm512_min_epi32(q, lim), neg);
         __m512i hb = _mm512_add_epi32(_mm512_srai_epi32(q, 8), _mm512_set1_epi32(128));
@@ -125,7 +125,7 @@ T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *
     float *half = xs + Kp / 32;
     __m512 v[16];
     for (int64_t k = 0; k < Kp; k += 16) {
-        const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : K > k ? MASK16(K - k) : 0;
+        const __mmask16 m = MASK_PAD(K, k);
         v[(k / 16) % 16] = _mm512_maskz_loadu_ps(m, x + k);
         /* round to nearest even, as lrintf: the same q as one value at a time */
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[(k / 16) % 16], inv));
@@ -170,7 +170,7 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
     p->xs = (float *)(p->b + V * Kp * 2);
     p->sx = p->xs + V * (Kp / 32 + Kp / 16);
     /* each vector on its own: split by many threads where there are enough (a prompt's) */
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && V >= SPLIT_MIN)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && V >= PARALLEL_MIN)
     for (int64_t v = 0; v < V; v++) {
         const float *xv = x + v * K;
         char *pa = p->a + v * Kp * 2, *pb = p->b + v * Kp * 2;

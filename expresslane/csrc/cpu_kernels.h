@@ -56,9 +56,10 @@ typedef struct {
 int64_t el_split_scratch(int64_t V, int64_t K);
 void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p,
                 int threads);
-/* vectors from which the split and the interleaving run on every thread (fewer: the first
-   thread alone, a fork costing more than a decode step's few vectors) */
-#define SPLIT_MIN 4
+/* vectors (a prompt's tokens) from which their own work runs on every thread: the split and
+   interleaving of x here, each token's norms, RoPE, SiLU and attention in cpu_layer.c (fewer:
+   the first thread alone, a fork costing more than a decode step's few vectors) */
+#define PARALLEL_MIN 4
 
 /* The tokens of a block side by side (cpu_activations.c): chunk c of token t of the block at
    (c T + t) chunk_bytes (bf16: two planes, the hi halves at (c T + t) 64, the lo halves after

@@ -125,6 +125,11 @@ T_F static inline __m512 exp_neg(__m512 x) {
    third and fourth cache lines), at about 8 GB/s a thread. */
 #define ATT_AHEAD 4
 
+/* a slot holding position p, to a query at `position` (window win, 0: none) */
+static inline int visible(int64_t p, int64_t position, int64_t win) {
+    return p >= 0 && p <= position && (win == 0 || p > position - win);
+}
+
 T_F static inline void prefetch_floats(const float *p, int64_t count) {
     for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
@@ -140,15 +145,13 @@ T_F static inline __attribute__((always_inline)) void attend_chunk_impl(
     const int64_t G = Hq / Hkv, row = Hkv * hd;
     float *m = part, *l = part + Hq, *o = part + 2 * Hq;
     int any = 0; /* a visible key: else the chunk weighs 0 (merge_chunks), and nothing is summed */
-    for (int64_t s = s0; s < s1 && !any; s++)
-        any = pc[s] >= 0 && pc[s] <= position && (win == 0 || pc[s] > position - win);
+    for (int64_t s = s0; s < s1 && !any; s++) any = visible(pc[s], position, win);
     if (!any) {
         for (int64_t h = 0; h < Hq; h++) m[h] = -INFINITY, l[h] = 0.0f;
         return;
     }
     for (int64_t s = s0; s < s1; s++) {
-        const int64_t p = pc[s];
-        const int ok = p >= 0 && p <= position && (win == 0 || p > position - win);
+        const int ok = visible(pc[s], position, win);
         if (s + ATT_AHEAD < n) { /* rows of the cache only */
             prefetch_floats(kc + (s + ATT_AHEAD) * row, row);
             prefetch_floats(vc + (s + ATT_AHEAD) * row, row);
@@ -261,7 +264,7 @@ static void attend_tokens(const int64_t *d, const float *qkv, int64_t nq, int64_
     const int64_t Hq = d[F_heads], hd = d[F_head_dim], cap = d[F_cap];
     const int64_t need = Hq * n + att_parts(Hq, hd, n), have = Hq * cap + att_parts(Hq, hd, cap);
 #ifdef _OPENMP
-    if (threads > 1 && S >= SPLIT_MIN && threads * need <= have) {
+    if (threads > 1 && S >= PARALLEL_MIN && threads * need <= have) {
 #pragma omp parallel for schedule(static, 1) num_threads(threads)
         for (int64_t t = 0; t < S; t++) {
             float *mine = sc + omp_get_thread_num() * need;
@@ -317,7 +320,7 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
     float *gu = xn + S * max3(D, F, Hq * hd), *y = gu + S * 2 * F, *sc = y + S * D;
     char *work = (char *)(((uintptr_t)(sc + Hq * cap + att_parts(Hq, hd, cap)) + 63) & ~(uintptr_t)63);
     int rc = 0;
-    const int par = threads > 1 && S >= SPLIT_MIN; /* a prompt's tokens: each on any thread */
+    const int par = threads > 1 && S >= PARALLEL_MIN; /* a prompt's tokens: each on any thread */
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, PTR(d, attention_norm, const float), D, eps, xn + t * D);
     rc |= PRODUCT(d, qkv, xn, qkv, S, nq, D, threads, work);

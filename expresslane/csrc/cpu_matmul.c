@@ -338,7 +338,7 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
     int64_t starts[TMAX]; /* of the blocks */
     for (int64_t b = 0, s0 = 0; b < blocks; s0 += Ts[b], b++) starts[b] = s0;
     /* lane l's tokens from l S per_token on, block by block */
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && S * L >= SPLIT_MIN)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && S * L >= PARALLEL_MIN)
     for (int64_t lb = 0; lb < L * blocks; lb++) {
         const int64_t l = lb / blocks, b = lb % blocks, s0 = starts[b];
         int64_t v[TMAX];

@@ -16,8 +16,9 @@
    other: per block sum q x = 256 sum q a + sum q b exactly in int32 (< 2^24, so exact in fp32
    too), times d_b in fp32. The offsets are sum_b m_b sum_{k in b} x, from the fp32 block sums
    of x. Q6_K's blocks come with their middle 8-value quarters swapped (weights/blocks.py), so
-   that a byte's two nibbles share a 16-value scale: its lanes' scales go by halves of quarters. The high bits come as byte masks (vpmovm2b): for each group the
-   mask of its low-nibble values, then of its high-nibble ones (per bit).
+   that a byte's two nibbles share a 16-value scale: its lanes' scales go by halves of
+   quarters. The high bits come as byte masks (vpmovm2b): for each group the mask of its
+   low-nibble values, then of its high-nibble ones (per bit).
 
    `el_dequant` writes the values themselves (fp32 or bf16), decoded by the same group loader:
    a long prefill multiplies them in bf16 (step/prefill.py); weights/blocks.py's `dequantize`

@@ -20,6 +20,8 @@
 #define MASK16(n) ((__mmask16)((1u << (n)) - 1))
 /* the lanes of 16 starting at i that are below n */
 #define MASK(n, i) ((n) - (i) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ((n) - (i))) - 1))
+/* the lanes of 16 starting at i that are below n, none where i >= n (a padded row's tail) */
+#define MASK_PAD(n, i) ((n) > (i) ? MASK(n, i) : (__mmask16)0)
 /* 32 bf16 values */
 #define BF(p) ((__m512bh)_mm512_loadu_si512(p))
 
