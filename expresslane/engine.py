@@ -71,7 +71,9 @@ class Engine:
         constrained decoding's graphs at load too (step/split.py; benches that send no grammar
         leave them out of their load time). `prefill_dtype` "bfloat16": a CPU prefills long
         prompts with bf16 products where the weights are quantized or bf16 (step/prefill.py:
-        faster, the logits within bf16's rounding of fp32's); "float32" (default): exact."""
+        faster, the logits within bf16's rounding of fp32's); "int8": that, and the C step's
+        GGUF block-format products with 8-bit activations for shorter prompts, as llama.cpp's;
+        "float32" (default): exact. Decode steps are exact whatever it is."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.max_len = max_model_len or self.cfg.max_position_embeddings

@@ -63,7 +63,7 @@ def test_short_prompts_through_the_step_equal_the_forward(model, n):
     a, b = engines(model)
     calls = []
     real = a._prefill.step.prefill_logits
-    a._prefill.step.prefill_logits = lambda t, p: (calls.append(t.numel()), real(t, p))[1]
+    a._prefill.step.prefill_logits = lambda t, p, x8: (calls.append(t.numel()), real(t, p, x8))[1]
     ids = prompt(n, seed=n)
     la, lb = a.prefill(ids), b.prefill(ids)
     assert calls == [n]  # the whole prompt in one call of the step
@@ -91,7 +91,7 @@ def test_long_chunks_every_row_and_hooks_go_through_the_forward(model):
     a._prefill.max_tokens = 8
     used = []
     real = a._prefill.step.prefill_logits
-    a._prefill.step.prefill_logits = lambda t, p: (used.append(t.numel()), real(t, p))[1]
+    a._prefill.step.prefill_logits = lambda t, p, x8: (used.append(t.numel()), real(t, p, x8))[1]
     a.prefill(prompt(9))  # one past the bound
     assert used == []
     a.cache.reset()
@@ -170,6 +170,42 @@ def test_prefill_dtype_bfloat16_multiplies_in_bf16_with_the_c_decoders_weights()
     with torch.inference_mode():
         again = b.model(torch.tensor([ids]), None, b.cache, True).float().view(-1)
     assert torch.equal(again, fp32)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_prefill_dtype_int8_is_the_forward_with_each_products_input_rounded_per_block(
+    fmt, monkeypatch
+):
+    """`prefill_dtype="int8"`: a prompt through the step with 8-bit activations is the model's
+    fp32 forward with every layer product's input rounded to 8 bits per 32-value block
+    (llama.cpp's q8_0 activations): logits and cache to fp32's rounding; not the exact
+    prefill's."""
+    from test_gguf_blocks import rounded_per_block
+
+    from expresslane.weights import packing
+
+    model = tiny.laneformer(seed=13, **MODELS["llama"])
+    pack_model(model, fmt)
+    a, b = engines(model, prefill_dtype="int8")
+    a._prefill.max_tokens = MAX_TOKENS
+    assert a._prefill.x8 and a._prefill.products == (
+        torch.bfloat16 if available("bfloat16") else None)  # fmt: skip
+    ids = prompt(33, seed=4)
+    la = a.prefill(ids).float().view(-1)
+    own, head = packing.PackedProj.forward, set(model.lm_head.modules())
+
+    def rounded(self, x):  # the layers' products, not the head's
+        return own(self, x if self in head else rounded_per_block(x))
+
+    with monkeypatch.context() as m, torch.inference_mode():
+        m.setattr(packing.PackedProj, "forward", rounded)
+        lb = b.model(torch.tensor([ids]), None, b.cache, True).float().view(-1)
+    torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+    same_cache(a.cache, b.cache, tol=1e-4)
+    exact = Engine(model, max_model_len=128, decode="graph")
+    exact._prefill.max_tokens = MAX_TOKENS
+    assert not exact._prefill.x8
+    assert not torch.equal(exact.prefill(ids).float().view(-1), la)  # 8 bits, not 16
 
 
 def test_products_follow_the_request_and_the_weights_formats():

@@ -10,6 +10,13 @@
                        |a|, |b| <= 128 fit in int8 (the nibbles are the unsigned operand),
                        arranged per group of four 32-value blocks like the nibbles; and the
                        fp32 sums of x per block and per half block (the blocks' offsets).
+     x8 (opt-in)       one byte a value, half the dot products, with a scale per 32-value
+                       block as llama.cpp's q8_0 activations (one per vector lost ~4x the
+                       precision to the outliers of real activations): q = round(x / sx_b),
+                       |q| <= 127, sx_b = max |x| over the block / 127; q8_0 as the byte
+                       q + 128, the nibble formats q itself arranged as above, with the sums
+                       of the rounded x (split_nibble8). In place of the `b` parts, per chunk the blocks'
+                       scales as 16 lanes (each block's on the lanes its products land on).
 
    For S tokens the parts of a block of tokens are then interleaved chunk by chunk
    (el_pack_block), the same bytes in another order. */
@@ -33,8 +40,8 @@ int64_t el_split_scratch(int64_t V, int64_t K) {
 }
 
 /* chunk: one token's parts side by side for one step of a kernel */
-int64_t el_chunk_bytes(int fmt) {
-    return fmt == FMT_F32 || fmt == FMT_F16 ? 64 : IS_NIBBLE(fmt) ? 256 : 128;
+int64_t el_chunk_bytes(int fmt, int x8) { /* x8: the bytes of x, then 16 lanes of scales */
+    return fmt == FMT_F32 || fmt == FMT_F16 ? 64 : IS_NIBBLE(fmt) ? (x8 ? 192 : 256) : 128;
 }
 int64_t el_chunks(int fmt, int64_t K, int64_t Kp) { /* per token */
     return fmt == FMT_F32 || fmt == FMT_F16 ? (K + 15) / 16 : fmt == FMT_BF16 ? Kp / 32
@@ -44,7 +51,7 @@ int64_t el_chunks(int fmt, int64_t K, int64_t Kp) { /* per token */
 
 void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const int64_t *v, int T,
                    char *dst) {
-    const int64_t Kp = P->Kp, n = el_chunks(fmt, K, Kp), cb = el_chunk_bytes(fmt);
+    const int64_t Kp = P->Kp, n = el_chunks(fmt, K, Kp), cb = el_chunk_bytes(fmt, P->x8);
     for (int64_t c = 0; c < n; c++)
         for (int t = 0; t < T; t++) {
             char *o = dst + (c * T + t) * cb;
@@ -56,13 +63,14 @@ void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const 
                 const char *a = P->a + v[t] * Kp * 2, *b = P->b + v[t] * Kp * 2;
                 memcpy(o, a + c * 64, 64);
                 memcpy(o + 64, a + Kp / 2 + c * 64, 64);
-                memcpy(o + 128, b + c * 64, 64);
+                memcpy(o + 128, b + c * 64, 64); /* x8: the group's 16 lanes of scales */
+                if (P->x8) continue;
                 memcpy(o + 192, b + Kp / 2 + c * 64, 64);
             } else if (fmt == FMT_BF16) { /* two planes: every hi chunk, then every lo chunk */
                 o = dst + (c * T + t) * 64;
                 memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
                 memcpy(o + n * T * 64, P->b + v[t] * Kp * 2 + c * 64, 64);
-            } else { /* 64 bytes of the hi part, then of the lo part */
+            } else { /* 64 bytes of the hi part, then of the lo part (x8: the scales) */
                 memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
                 memcpy(o + 64, P->b + v[t] * Kp * 2 + c * 64, 64);
             }
@@ -96,6 +104,33 @@ T_BF static void split_bf16(const float *x, int64_t K, int64_t Kp, uint16_t *hi,
     }
 }
 
+/* the 32 values of x from k in 8 bits with their block's scale (the x8 form): q to q[0..1]
+   (two vectors of 16), the scale returned (1 for a block of zeros) */
+T_VNNI INLINE float block8(const float *x, int64_t K, int64_t k, __m512i *q) {
+    const __m512 v0 = _mm512_maskz_loadu_ps(MASK_PAD(K, k), x + k);
+    const __m512 v1 = _mm512_maskz_loadu_ps(MASK_PAD(K, k + 16), x + k + 16);
+    const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float sx = a > 0.0f ? a / 127.0f : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / sx);
+    const __m512i lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
+    q[0] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), lim), neg);
+    q[1] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), lim), neg);
+    return sx;
+}
+
+/* x8 (q8_0): hi = q + 128 per block, and per 64 values the 16 lanes of their two blocks'
+   scales (8 each) to sv */
+T_VNNI static void split_q8(const float *x, int64_t K, int64_t Kp, uint8_t *hi, float *sv) {
+    for (int64_t k = 0; k < Kp; k += 32) {
+        __m512i q[2];
+        const float sx = block8(x, K, k, q);
+        for (int h = 0; h < 2; h++)
+            _mm_storeu_si128((__m128i *)(hi + k + 16 * h),
+                             _mm512_cvtepi32_epi8(_mm512_add_epi32(q[h], _mm512_set1_epi32(128))));
+        _mm256_storeu_ps(sv + k / 4, _mm256_set1_ps(sx)); /* block k / 32: lanes 8 (k / 32 % 2) */
+    }
+}
+
 T_VNNI static float split_i16(const float *x, int64_t K, int64_t Kp, uint8_t *hi, uint8_t *lo) {
     const float a = abs_max(x, K), sx = a > 0.0f ? a / 32767.0f : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / sx);
@@ -112,38 +147,14 @@ T_VNNI static float split_i16(const float *x, int64_t K, int64_t Kp, uint8_t *hi
     return sx;
 }
 
-/* per group of 4 blocks: [blocks' values 0-15 | values 16-31], like the nibbles (q6: Q6_K's
-   order of the values); xs: the block sums (Kp / 32), then the half-block sums (Kp / 16). 16
-   values at a time, each half block's sum by sums16 with 15 others (one order for every half
-   block: its bits depend on its own values only), each block's sum its two halves' (zeros
-   past K) */
-T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *a_lo,
-                                 int8_t *a_hi, int8_t *b_lo, int8_t *b_hi, float *xs, int q6) {
-    const float a = abs_max(x, K), sx = a > 0.0f ? a / 32639.0f : 1.0f;
-    const __m512 inv = _mm512_set1_ps(1.0f / sx);
-    const __m512i lim = _mm512_set1_epi32(32639), neg = _mm512_set1_epi32(-32639);
+/* the fp32 sums of x (zeros past K) per block (Kp / 32 to xs), then per half block (Kp / 16
+   after them): each half block's by sums16 with 15 others (one order for every half block, so
+   its bits depend on its own values only), each block's its two halves' */
+T_F static void block_sums(const float *x, int64_t K, int64_t Kp, float *xs) {
     float *half = xs + Kp / 32;
     __m512 v[16];
     for (int64_t k = 0; k < Kp; k += 16) {
-        const __mmask16 m = MASK_PAD(K, k);
-        v[(k / 16) % 16] = _mm512_maskz_loadu_ps(m, x + k);
-        /* round to nearest even, as lrintf: the same q as one value at a time */
-        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[(k / 16) % 16], inv));
-        q = _mm512_max_epi32(_mm512_min_epi32(q, lim), neg);
-        const __m512i ah = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
-        const __m512i bl = _mm512_sub_epi32(q, _mm512_slli_epi32(ah, 8));
-        const int64_t blk = k / 32, at = (blk / 4) * 64 + (blk % 4) * 16;
-        const __m128i a8 = _mm512_cvtepi32_epi8(ah), b8 = _mm512_cvtepi32_epi8(bl);
-        if (q6) { /* Q6_K's order (weights/blocks.py): a half block's first 8 values low, 8 high */
-            const int64_t j = k % 32 ? 8 : 0;
-            _mm_storel_epi64((__m128i *)(a_lo + at + j), a8);
-            _mm_storel_epi64((__m128i *)(a_hi + at + j), _mm_unpackhi_epi64(a8, a8));
-            _mm_storel_epi64((__m128i *)(b_lo + at + j), b8);
-            _mm_storel_epi64((__m128i *)(b_hi + at + j), _mm_unpackhi_epi64(b8, b8));
-        } else {
-            _mm_storeu_si128((__m128i *)((k % 32 ? a_hi : a_lo) + at), a8);
-            _mm_storeu_si128((__m128i *)((k % 32 ? b_hi : b_lo) + at), b8);
-        }
+        v[(k / 16) % 16] = _mm512_maskz_loadu_ps(MASK_PAD(K, k), x + k);
         if ((k / 16) % 16 == 15 || k + 16 == Kp) { /* 16 half blocks (the last: zeros after) */
             const int64_t h0 = k / 16 / 16 * 16, nh = k / 16 - h0 + 1;
             for (int64_t i = nh; i < 16; i++) v[i] = _mm512_setzero_ps();
@@ -151,7 +162,60 @@ T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *
         }
     }
     for (int64_t b = 0; b < Kp / 32; b++) xs[b] = half[2 * b] + half[2 * b + 1];
+}
+
+/* the 16 bytes of x's half block at k (k % 16 == 0) where the nibble kernels read them: per
+   group of 4 blocks [blocks' values 0-15 | values 16-31], like the nibbles (q6: Q6_K's order,
+   weights/blocks.py: a half block's first 8 values low, 8 high) */
+T_VNNI INLINE void put_nibble_order(__m128i b8, int64_t k, int8_t *lo, int8_t *hi, int q6) {
+    const int64_t blk = k / 32, at = (blk / 4) * 64 + (blk % 4) * 16;
+    if (q6) {
+        const int64_t j = k % 32 ? 8 : 0;
+        _mm_storel_epi64((__m128i *)(lo + at + j), b8);
+        _mm_storel_epi64((__m128i *)(hi + at + j), _mm_unpackhi_epi64(b8, b8));
+    } else {
+        _mm_storeu_si128((__m128i *)((k % 32 ? hi : lo) + at), b8);
+    }
+}
+
+/* x in 16-bit fixed point, q = 256 a + b, |q| <= 32639; the sums of x to xs (block_sums) */
+T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *a_lo,
+                                 int8_t *a_hi, int8_t *b_lo, int8_t *b_hi, float *xs, int q6) {
+    const float a = abs_max(x, K), sx = a > 0.0f ? a / 32639.0f : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / sx);
+    const __m512i lim = _mm512_set1_epi32(32639), neg = _mm512_set1_epi32(-32639);
+    for (int64_t k = 0; k < Kp; k += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(MASK_PAD(K, k), x + k);
+        /* round to nearest even, as lrintf: the same q as one value at a time */
+        __m512i q = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)), lim), neg);
+        const __m512i ah = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+        const __m512i bl = _mm512_sub_epi32(q, _mm512_slli_epi32(ah, 8));
+        put_nibble_order(_mm512_cvtepi32_epi8(ah), k, a_lo, a_hi, q6);
+        put_nibble_order(_mm512_cvtepi32_epi8(bl), k, b_lo, b_hi, q6);
+    }
+    block_sums(x, K, Kp, xs);
     return sx;
+}
+
+/* x8: q per block as a, in the same order, and per group of 4 blocks the 16 lanes of their
+   scales (block i's on lanes 4i..4i + 3, where its products land) to sv. The sums are those
+   of the rounded x, sx_b sum q (integer sums, exact): the offsets then see the x the products
+   see, so a row is sum w x' for x' = sx_b q. (With x's own sums the rounding error of x
+   multiplied the uncentred nibbles, 0..15, rather than the weights: Q4_0's last logits
+   measured ~2.5x further from fp32's than llama.cpp's.) */
+T_VNNI static void split_nibble8(const float *x, int64_t K, int64_t Kp, int8_t *a_lo,
+                                 int8_t *a_hi, float *sv, float *xs, int q6) {
+    float *half = xs + Kp / 32;
+    for (int64_t k = 0; k < Kp; k += 32) {
+        __m512i q[2];
+        const float sx = block8(x, K, k, q);
+        put_nibble_order(_mm512_cvtepi32_epi8(q[0]), k, a_lo, a_hi, q6);
+        put_nibble_order(_mm512_cvtepi32_epi8(q[1]), k + 16, a_lo, a_hi, q6);
+        _mm_storeu_ps(sv + k / 8, _mm_set1_ps(sx)); /* block k / 32: lanes 4 (k / 32 % 4) */
+        const int32_t h0 = _mm512_reduce_add_epi32(q[0]), h1 = _mm512_reduce_add_epi32(q[1]);
+        half[k / 16] = sx * (float)h0, half[k / 16 + 1] = sx * (float)h1;
+        xs[k / 32] = sx * (float)(h0 + h1);
+    }
 }
 
 int el_supports(int fmt) {
@@ -160,9 +224,10 @@ int el_supports(int fmt) {
 }
 
 void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p,
-                int threads) {
+                int threads, int x8) {
     const int64_t Kp = padded(K);
     p->Kp = Kp;
+    p->x8 = x8 && (IS_NIBBLE(fmt) || fmt == FMT_Q8_0);
     p->a = p->b = NULL, p->xs = p->sx = NULL;
     if (fmt == FMT_F32 || fmt == FMT_F16) return; /* x is read as it is */
     p->a = (char *)work; /* per vector 2 Kp bytes (nibble formats: a_lo, a_hi), then 2 Kp more */
@@ -174,12 +239,18 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
     for (int64_t v = 0; v < V; v++) {
         const float *xv = x + v * K;
         char *pa = p->a + v * Kp * 2, *pb = p->b + v * Kp * 2;
+        float *xs = p->xs + v * (Kp / 32 + Kp / 16);
+        p->sx[v] = 1.0f; /* x8: the scales are per block */
         if (fmt == FMT_BF16)
             split_bf16(xv, K, Kp, (uint16_t *)pa, (uint16_t *)pb);
+        else if (IS_NIBBLE(fmt) && p->x8)
+            split_nibble8(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (float *)pb, xs,
+                          fmt == FMT_Q6_K);
         else if (IS_NIBBLE(fmt))
             p->sx[v] = split_nibble(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (int8_t *)pb,
-                                    (int8_t *)pb + Kp / 2, p->xs + v * (Kp / 32 + Kp / 16),
-                                    fmt == FMT_Q6_K);
+                                    (int8_t *)pb + Kp / 2, xs, fmt == FMT_Q6_K);
+        else if (p->x8)
+            split_q8(xv, K, Kp, (uint8_t *)pa, (float *)pb);
         else
             p->sx[v] = split_i16(xv, K, Kp, (uint8_t *)pa, (uint8_t *)pb);
     }
@@ -188,7 +259,7 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
 int el_features(void) { return 0; }
 int el_supports(int fmt) { (void)fmt; return 0; }
 void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p,
-                int threads) {
-    (void)fmt, (void)x, (void)V, (void)K, (void)work, (void)p, (void)threads;
+                int threads, int x8) {
+    (void)fmt, (void)x, (void)V, (void)K, (void)work, (void)p, (void)threads, (void)x8;
 }
 #endif

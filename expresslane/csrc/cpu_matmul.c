@@ -19,7 +19,9 @@
                y = sx * scale[n] * that, the row sums of w precomputed.
      q8_0      GGUF's blocks of 32 int8 with an f16 scale each, stored planar (values, then
                scales): as int8, per block (the 128 sum w correction from a third vpdpbusd),
-               each block's integer dot scaled by its d in fp32.
+               each block's integer dot scaled by its d in fp32. With x in 8 bits (x8, a
+               prompt's opt-in) the hi part alone, sum w (q + 128) - 128 sum w, and a scale
+               of x per block.
 
    The q8_0 and nibble kernels sum each row's lanes 16 rows at a time (EL_TILES); the others
    one row at a time.
@@ -216,14 +218,26 @@ T_VNNI INLINE __m512 q8_0_tok(__m512i wv, __m512i c, __m512 dv, __m512i xh, __m5
     __m512i hi = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, xh, wv), 8), c);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(hi, xl, wv)), dv, acc);
 }
-T_VNNI INLINE __m512i q8_0_corr(__m512i wv) {
-    const __m512i c128 = _mm512_set1_epi8((char)128);
-    return _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv), 8);
+/* X8: sum w (q + 128) - c with c = 128 sum w, x's one byte (q + 128) at xh, times the
+   blocks' d and x's block scales xs (16 lanes: each block's on its 8) */
+T_VNNI INLINE __m512 q8_0_tok8(__m512i wv, __m512i c, __m512 dv, __m512i xh, __m512 xs,
+                               __m512 acc) {
+    const __m512i t = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xh, wv), c);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, xs), acc);
 }
+/* 128 sum w per 4 weights (X8), or 256 times that */
+T_VNNI INLINE __m512i q8_0_corr(__m512i wv, const int X8) {
+    const __m512i c128 = _mm512_set1_epi8((char)128);
+    const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv);
+    return X8 ? c : _mm512_slli_epi32(c, 8);
+}
+#define Q8_TOK(wv, c, dv, cc, t, acc)                                                       \
+    (X8 ? q8_0_tok8(wv, c, dv, XI(cc, t, 0), _mm512_loadu_ps((const float *)AT(cc, t, 64)), acc) \
+        : q8_0_tok(wv, c, dv, XI(cc, t, 0), XI(cc, t, 64), acc))
 
 T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *xp, int64_t K,
-                               const float *sx, __m512 *out, const int T) {
-    const int64_t CB = 128;
+                               const float *sx, __m512 *out, const int T, const int X8) {
+    const int64_t CB = 128; /* X8: 64 bytes of x, then its 16 lanes of block scales */
     __m512 acc0[TMAX], acc1[TMAX];
     for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     int64_t k = 0;
@@ -233,11 +247,11 @@ T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *x
         memcpy(&dd, d + k / 32, 8);
         const __m128i d4 = _mm_cvtsi64_si128(dd);
         const __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 64);
-        const __m512i c0 = q8_0_corr(w0), c1 = q8_0_corr(w1);
+        const __m512i c0 = q8_0_corr(w0, X8), c1 = q8_0_corr(w1, X8);
         const __m512 dv0 = q8_0_scales(d4), dv1 = q8_0_scales(_mm_srli_si128(d4, 4));
         for (int t = 0; t < T; t++) {
-            acc0[t] = q8_0_tok(w0, c0, dv0, XI(c, t, 0), XI(c, t, 64), acc0[t]);
-            acc1[t] = q8_0_tok(w1, c1, dv1, XI(c + 1, t, 0), XI(c + 1, t, 64), acc1[t]);
+            acc0[t] = Q8_TOK(w0, c0, dv0, c, t, acc0[t]);
+            acc1[t] = Q8_TOK(w1, c1, dv1, c + 1, t, acc1[t]);
         }
     }
     for (; k < K; k += 64) { /* K is a multiple of 32; x parts are padded */
@@ -247,10 +261,9 @@ T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *x
         if (!two) d2 &= 0xFFFF;
         const __m512i wv =
             two ? _mm512_loadu_si512(w + k) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + k);
-        const __m512i c = q8_0_corr(wv);
+        const __m512i c = q8_0_corr(wv, X8);
         const __m512 dv = q8_0_scales(_mm_cvtsi32_si128(d2));
-        for (int t = 0; t < T; t++)
-            acc0[t] = q8_0_tok(wv, c, dv, XI(k / 64, t, 0), XI(k / 64, t, 64), acc0[t]);
+        for (int t = 0; t < T; t++) acc0[t] = Q8_TOK(wv, c, dv, k / 64, t, acc0[t]);
     }
     for (int t = 0; t < T; t++)
         out[t] = _mm512_mul_ps(_mm512_add_ps(acc0[t], acc1[t]), _mm512_set1_ps(sx[t]));
@@ -283,17 +296,21 @@ T_VNNI INLINE void row_i8(const span_t *sp, int64_t r, const char *wr, const cha
 }
 
 T_VNNI INLINE void row_q8_0(const span_t *sp, int64_t r, const char *wr, const char *xp,
-                            const int64_t *v, __m512 *lanes, const int T) {
+                            const int64_t *v, __m512 *lanes, const int T, const int X8) {
     const uint16_t *d = (const uint16_t *)sp->w->scale + r * (sp->K / 32);
     float sx[TMAX];
     for (int t = 0; t < T; t++) sx[t] = sp->P->sx[v[t]];
-    rows_q8_0_t((const int8_t *)wr, d, xp, sp->K, sx, lanes, T);
+    rows_q8_0_t((const int8_t *)wr, d, xp, sp->K, sx, lanes, T, X8);
 }
 
 T_VNNI static void span_int(const span_t *sp, int64_t r0, int64_t r1) {
     const int64_t rb = sp->K;
 #define I8(n) EL_ROWS(sp, r0, r1, rb, n, row_i8(sp, r, wr, xp, v, res, n))
-#define Q8(n) EL_TILES(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, lanes, n))
+#define Q8(n)                                                                  \
+    if (sp->P->x8)                                                             \
+        EL_TILES(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, lanes, n, 1))   \
+    else                                                                       \
+        EL_TILES(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, lanes, n, 0))
     if (sp->w->fmt == FMT_I8) BY_T(sp->T, I8) else BY_T(sp->T, Q8)
 }
 
@@ -317,11 +334,11 @@ static int64_t token_blocks(int fmt, int64_t S, int *Ts) {
 }
 
 static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t L,
-                  int64_t N, int64_t K, int threads, void *work) {
+                  int64_t N, int64_t K, int threads, void *work, int x8) {
     if (S > TMAX * INT_TOKENS) /* at most TMAX blocks a call: the rest after */
-        return matmul(w, x, y, ldy, TMAX * INT_TOKENS, L, N, K, threads, work) |
+        return matmul(w, x, y, ldy, TMAX * INT_TOKENS, L, N, K, threads, work, x8) |
                matmul(w, x + TMAX * INT_TOKENS * L * K, y + TMAX * INT_TOKENS * L * ldy, ldy,
-                      S - TMAX * INT_TOKENS, L, N, K, threads, work);
+                      S - TMAX * INT_TOKENS, L, N, K, threads, work, x8);
     const int fmt = (int)w->fmt;
     if (!el_supports(fmt)) return -1;
     void *own = NULL;
@@ -330,10 +347,10 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
         if (!work) return -3;
     }
     xparts_t P;
-    el_split_x(fmt, x, S * L, K, work, &P, threads); /* vector s L + l: token s, lane l */
+    el_split_x(fmt, x, S * L, K, work, &P, threads, x8); /* vector s L + l: token s, lane l */
     int Ts[TMAX];
     const int64_t blocks = token_blocks(fmt, S, Ts);
-    const int64_t per_token = el_chunks(fmt, K, P.Kp) * el_chunk_bytes(fmt);
+    const int64_t per_token = el_chunks(fmt, K, P.Kp) * el_chunk_bytes(fmt, P.x8);
     char *pk = (char *)work + (el_split_scratch(S * L, K) + 63) / 64 * 64;
     int64_t starts[TMAX]; /* of the blocks */
     for (int64_t b = 0, s0 = 0; b < blocks; s0 += Ts[b], b++) starts[b] = s0;
@@ -385,24 +402,26 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
 }
 
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
-              int64_t K, int threads, void *work) {
-    return matmul(w, x, y, N, S, L, N, K, threads, work);
+              int64_t K, int threads, void *work, int x8) {
+    return matmul(w, x, y, N, S, L, N, K, threads, work, x8);
 }
 
 int el_matmul_into(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t N,
-                   int64_t K, int threads, void *work) {
-    return matmul(w, x, y, ldy, S, 1, N, K, threads, work);
+                   int64_t K, int threads, void *work, int x8) {
+    return matmul(w, x, y, ldy, S, 1, N, K, threads, work, x8);
 }
 #else
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K) { (void)S, (void)L, (void)K; return 0; }
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
-              int64_t K, int threads, void *work) {
+              int64_t K, int threads, void *work, int x8) {
     (void)w, (void)x, (void)y, (void)S, (void)L, (void)N, (void)K, (void)threads, (void)work;
+    (void)x8;
     return -1;
 }
 int el_matmul_into(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t N,
-                   int64_t K, int threads, void *work) {
+                   int64_t K, int threads, void *work, int x8) {
     (void)w, (void)x, (void)y, (void)ldy, (void)S, (void)N, (void)K, (void)threads, (void)work;
+    (void)x8;
     return -1;
 }
 #endif

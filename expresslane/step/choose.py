@@ -105,7 +105,10 @@ def _persistent(model: Laneformer, cache: KVCache, mode: str, compile: bool) -> 
     return Choice(step, mode, compile, "persistent kernel")
 
 
-PREFILL_DTYPES = ("float32", "bfloat16")
+# float32: exact (the step's 16-bit x, fp32 layers); bfloat16: long prompts' layers in bf16;
+# int8: as bfloat16, and the step's block-format products with x in 8 bits (llama.cpp's own
+# activation precision) for the shorter prompts. Decode steps are exact whatever this is.
+PREFILL_DTYPES = ("float32", "bfloat16", "int8")
 
 
 def check_prefill_dtype(name: str) -> str:
@@ -128,5 +131,6 @@ def choose_prefill(
     if kernels != "off" and use_triton(p) and prefill_supports(model):
         return FusedPrefill(model)
     if isinstance(step, PackedDecoder) and step.step is not None:  # the one-call C layers
-        return StepPrefill(model, step, products=getattr(torch, dtype))
+        products = torch.float32 if dtype == "float32" else torch.bfloat16
+        return StepPrefill(model, step, products=products, x8=dtype == "int8")
     return model
