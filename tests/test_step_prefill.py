@@ -234,9 +234,9 @@ def test_the_bound_follows_the_products_and_the_weights_formats():
 
     from expresslane.step.prefill import STEP_PREFILL_MAX
 
-    def bound(*formats, dtype=torch.float32):
+    def bound(*formats, dtype=torch.float32, x8=False):
         step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
-        return StepPrefill(None, step, products=dtype).max_tokens
+        return StepPrefill(None, step, products=dtype, x8=x8).max_tokens
 
     fp32 = STEP_PREFILL_MAX[None]
     assert bound("float32") == fp32["float32"] < bound("q8_0") == fp32["q8_0"]
@@ -246,6 +246,10 @@ def test_the_bound_follows_the_products_and_the_weights_formats():
         bf16 = STEP_PREFILL_MAX[torch.bfloat16]
         assert bound("q4_k", dtype=torch.bfloat16) == bf16[None] < bound("q4_k")
         assert bound("float32", dtype=torch.bfloat16) == fp32["float32"]  # fp32 weights: fp32
+    x8 = STEP_PREFILL_MAX["int8"]  # 8-bit x: the block formats' own bounds, the others' none
+    assert bound("q4_k", dtype=torch.bfloat16, x8=True) == x8[None]
+    assert bound("q4_k", "q6_k", dtype=torch.bfloat16, x8=True) == x8["q6_k"] < x8[None]
+    assert bound("float32", x8=True) == fp32["float32"]  # nothing of the step's takes 8 bits
 
 
 def test_cpu_prefill_bench_refuses_bad_counts(capsys):

@@ -41,12 +41,12 @@ from .packed import PackedDecoder
 # 112 -> 160, and the bf16 bounds 40 -> 64 and 56 -> 96 (BENCHMARKS.md, "A prompt's work on
 # every thread").
 # With --prefill-dtype int8 ("int8": the step's block-format products take x in 8 bits, the
-# layers bf16 products) the step is faster and the bound higher (BENCHMARKS.md, "8-bit
-# activations").
+# layers bf16 products) the step crossed the bf16 layers at 96-128 tokens on Q8_0 and Q6_K and
+# at 128-192 on the others (BENCHMARKS.md, "8-bit activations").
 STEP_PREFILL_MAX = {  # by the layers' products (None: fp32) or "int8", then format
     None: {"float32": 80, "float16": 160, "bfloat16": 192, "q8_0": 768, None: 512},
     torch.bfloat16: {"bfloat16": 80, "q8_0": 96, "q6_k": 96, None: 64},
-    "int8": {"bfloat16": 80, "q8_0": 128, "q6_k": 128, None: 128},
+    "int8": {"bfloat16": 80, "q8_0": 96, "q6_k": 96, None: 128},
 }
 
 # Weight formats whose long prompts multiply in bf16, where the CPU has AVX512_BF16 (oneDNN's
