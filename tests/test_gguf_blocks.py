@@ -144,7 +144,7 @@ def rounded_per_block(x: torch.Tensor) -> torch.Tensor:
     ids=[f"{t}-{s}" for t, s in CASES],
 )  # fmt: skip
 def test_8_bit_products_are_the_product_of_x_rounded_per_block(ggml_type, shape):
-    """x8 (--prefill-dtype int8): the product of the dequantized weights with x rounded to 8
+    """lowp (--prefill-dtype int8): the product of the dequantized weights with x rounded to 8
     bits per block, offsets included (an exact offset from x's own sums gave ~2.5x the error on
     SmolLM2), to fp32's rounding; a row's bits whatever S; not the 16-bit product."""
     N, K = shape
@@ -152,12 +152,12 @@ def test_8_bit_products_are_the_product_of_x_rounded_per_block(ggml_type, shape)
     g = torch.Generator().manual_seed(N)
     x = torch.randn(7, K, generator=g) * torch.rand(K, generator=g) ** 4 * 10  # outliers
     x[:, K // 2 :] *= 0.01  # blocks of very different sizes: each keeps its own scale
-    got = native.native_matmul(q, x, x8=True)
+    got = native.native_matmul(q, x, lowp=True)
     w = q.dequantize().double()
     ref = rounded_per_block(x).double() @ w.T
     tol = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-5
     assert ((got.double() - ref).abs() <= tol).all()
-    one = torch.cat([native.native_matmul(q, x[s : s + 1], x8=True) for s in range(7)])
+    one = torch.cat([native.native_matmul(q, x[s : s + 1], lowp=True) for s in range(7)])
     assert torch.equal(one, got)
     assert not torch.equal(got, native.native_matmul(q, x))
 

@@ -17,7 +17,7 @@ import torch
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.step.native import MAX_TOKENS, available, native_step_built
-from expresslane.step.prefill import BF16_PRODUCTS, StepPrefill
+from expresslane.step.prefill import BF16_PRODUCTS, LOWP_BY_DTYPE, StepPrefill
 from expresslane.weights.packing import pack_model, products_in
 
 pytestmark = [
@@ -63,7 +63,9 @@ def test_short_prompts_through_the_step_equal_the_forward(model, n):
     a, b = engines(model)
     calls = []
     real = a._prefill.step.prefill_logits
-    a._prefill.step.prefill_logits = lambda t, p, x8: (calls.append(t.numel()), real(t, p, x8))[1]
+    a._prefill.step.prefill_logits = lambda t, p, lowp: (calls.append(t.numel()), real(t, p, lowp))[
+        1
+    ]
     ids = prompt(n, seed=n)
     la, lb = a.prefill(ids), b.prefill(ids)
     assert calls == [n]  # the whole prompt in one call of the step
@@ -91,7 +93,9 @@ def test_long_chunks_every_row_and_hooks_go_through_the_forward(model):
     a._prefill.max_tokens = 8
     used = []
     real = a._prefill.step.prefill_logits
-    a._prefill.step.prefill_logits = lambda t, p, x8: (used.append(t.numel()), real(t, p, x8))[1]
+    a._prefill.step.prefill_logits = lambda t, p, lowp: (used.append(t.numel()), real(t, p, lowp))[
+        1
+    ]
     a.prefill(prompt(9))  # one past the bound
     assert used == []
     a.cache.reset()
@@ -188,7 +192,7 @@ def test_prefill_dtype_int8_is_the_forward_with_each_products_input_rounded_per_
     pack_model(model, fmt)
     a, b = engines(model, prefill_dtype="int8")
     a._prefill.max_tokens = MAX_TOKENS
-    assert a._prefill.x8 and a._prefill.products == (
+    assert a._prefill.lowp and a._prefill.products == (
         torch.bfloat16 if available("bfloat16") else None)  # fmt: skip
     ids = prompt(33, seed=4)
     la = a.prefill(ids).float().view(-1)
@@ -204,7 +208,7 @@ def test_prefill_dtype_int8_is_the_forward_with_each_products_input_rounded_per_
     same_cache(a.cache, b.cache, tol=1e-4)
     exact = Engine(model, max_model_len=128, decode="graph")
     exact._prefill.max_tokens = MAX_TOKENS
-    assert not exact._prefill.x8
+    assert not exact._prefill.lowp
     assert not torch.equal(exact.prefill(ids).float().view(-1), la)  # 8 bits, not 16
 
 
@@ -234,9 +238,9 @@ def test_the_bound_follows_the_products_and_the_weights_formats():
 
     from expresslane.step.prefill import STEP_PREFILL_MAX
 
-    def bound(*formats, dtype=torch.float32, x8=False):
+    def bound(*formats, dtype=torch.float32, lowp=frozenset()):
         step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
-        return StepPrefill(None, step, products=dtype, x8=x8).max_tokens
+        return StepPrefill(None, step, products=dtype, lowp=lowp).max_tokens
 
     fp32 = STEP_PREFILL_MAX[None]
     assert bound("float32") == fp32["float32"] < bound("q8_0") == fp32["q8_0"]
@@ -246,10 +250,27 @@ def test_the_bound_follows_the_products_and_the_weights_formats():
         bf16 = STEP_PREFILL_MAX[torch.bfloat16]
         assert bound("q4_k", dtype=torch.bfloat16) == bf16[None] < bound("q4_k")
         assert bound("float32", dtype=torch.bfloat16) == fp32["float32"]  # fp32 weights: fp32
-    x8 = STEP_PREFILL_MAX["int8"]  # 8-bit x: the block formats' own bounds, the others' none
-    assert bound("q4_k", dtype=torch.bfloat16, x8=True) == x8[None]
-    assert bound("q4_k", "q6_k", dtype=torch.bfloat16, x8=True) == x8["q6_k"] < x8[None]
-    assert bound("float32", x8=True) == fp32["float32"]  # nothing of the step's takes 8 bits
+    low, every = STEP_PREFILL_MAX["lowp"], LOWP_BY_DTYPE["int8"]  # the low-precision step's
+    assert bound("q4_k", dtype=torch.bfloat16, lowp=every) == low[None]
+    assert bound("q4_k", "q6_k", dtype=torch.bfloat16, lowp=every) == low["q6_k"] < low[None]
+    assert bound("float32", lowp=every) == fp32["float32"]  # nothing of the step's would change
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_which_steps_take_x_at_llama_cpps_precision(dtype):
+    """int8: every step with a block format or bf16 weights; bfloat16: bf16 weights only, and
+    not beside a block format (a Q8_0 matrix would otherwise take 8 bits); float32: none."""
+    from types import SimpleNamespace
+
+    def lowp(*formats):
+        step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
+        return StepPrefill(None, step, lowp=LOWP_BY_DTYPE[dtype]).lowp
+
+    blocks, bf16 = available("q8_0"), available("bfloat16")
+    assert lowp("q4_k", "q6_k") == (dtype == "int8" and blocks)
+    assert lowp("bfloat16") == (dtype != "float32" and bf16)
+    assert lowp("bfloat16", "q8_0") == (dtype == "int8" and blocks and bf16)
+    assert not lowp("float32") and not lowp("float16", "int8")  # nothing that would change
 
 
 def test_cpu_prefill_bench_refuses_bad_counts(capsys):

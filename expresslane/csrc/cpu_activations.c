@@ -10,7 +10,7 @@
                        |a|, |b| <= 128 fit in int8 (the nibbles are the unsigned operand),
                        arranged per group of four 32-value blocks like the nibbles; and the
                        fp32 sums of x per block and per half block (the blocks' offsets).
-     x8 (opt-in)       one byte a value, half the dot products, with a scale per 32-value
+     lowp (opt-in)     bfloat16: x_hi alone (x's bf16 round). The others: one byte a value, half the dot products, with a scale per 32-value
                        block as llama.cpp's q8_0 activations (one per vector lost ~4x the
                        precision to the outliers of real activations): q = round(x / sx_b),
                        |q| <= 127, sx_b = max |x| over the block / 127; q8_0 as the byte
@@ -40,8 +40,8 @@ int64_t el_split_scratch(int64_t V, int64_t K) {
 }
 
 /* chunk: one token's parts side by side for one step of a kernel */
-int64_t el_chunk_bytes(int fmt, int x8) { /* x8: the bytes of x, then 16 lanes of scales */
-    return fmt == FMT_F32 || fmt == FMT_F16 ? 64 : IS_NIBBLE(fmt) ? (x8 ? 192 : 256) : 128;
+int64_t el_chunk_bytes(int fmt, int lowp) { /* lowp: the bytes of x, then 16 lanes of scales */
+    return fmt == FMT_F32 || fmt == FMT_F16 ? 64 : IS_NIBBLE(fmt) ? (lowp ? 192 : 256) : 128;
 }
 int64_t el_chunks(int fmt, int64_t K, int64_t Kp) { /* per token */
     return fmt == FMT_F32 || fmt == FMT_F16 ? (K + 15) / 16 : fmt == FMT_BF16 ? Kp / 32
@@ -51,7 +51,7 @@ int64_t el_chunks(int fmt, int64_t K, int64_t Kp) { /* per token */
 
 void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const int64_t *v, int T,
                    char *dst) {
-    const int64_t Kp = P->Kp, n = el_chunks(fmt, K, Kp), cb = el_chunk_bytes(fmt, P->x8);
+    const int64_t Kp = P->Kp, n = el_chunks(fmt, K, Kp), cb = el_chunk_bytes(fmt, P->lowp);
     for (int64_t c = 0; c < n; c++)
         for (int t = 0; t < T; t++) {
             char *o = dst + (c * T + t) * cb;
@@ -63,14 +63,14 @@ void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const 
                 const char *a = P->a + v[t] * Kp * 2, *b = P->b + v[t] * Kp * 2;
                 memcpy(o, a + c * 64, 64);
                 memcpy(o + 64, a + Kp / 2 + c * 64, 64);
-                memcpy(o + 128, b + c * 64, 64); /* x8: the group's 16 lanes of scales */
-                if (P->x8) continue;
+                memcpy(o + 128, b + c * 64, 64); /* lowp: the group's 16 lanes of scales */
+                if (P->lowp) continue;
                 memcpy(o + 192, b + Kp / 2 + c * 64, 64);
             } else if (fmt == FMT_BF16) { /* two planes: every hi chunk, then every lo chunk */
                 o = dst + (c * T + t) * 64;
                 memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
-                memcpy(o + n * T * 64, P->b + v[t] * Kp * 2 + c * 64, 64);
-            } else { /* 64 bytes of the hi part, then of the lo part (x8: the scales) */
+                if (!P->lowp) memcpy(o + n * T * 64, P->b + v[t] * Kp * 2 + c * 64, 64);
+            } else { /* 64 bytes of the hi part, then of the lo part (lowp: the scales) */
                 memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
                 memcpy(o + 64, P->b + v[t] * Kp * 2 + c * 64, 64);
             }
@@ -104,7 +104,7 @@ T_BF static void split_bf16(const float *x, int64_t K, int64_t Kp, uint16_t *hi,
     }
 }
 
-/* the 32 values of x from k in 8 bits with their block's scale (the x8 form): q to q[0..1]
+/* the 32 values of x from k in 8 bits with their block's scale (lowp's form): q to q[0..1]
    (two vectors of 16), the scale returned (1 for a block of zeros) */
 T_VNNI INLINE float block8(const float *x, int64_t K, int64_t k, __m512i *q) {
     const __m512 v0 = _mm512_maskz_loadu_ps(MASK_PAD(K, k), x + k);
@@ -118,7 +118,7 @@ T_VNNI INLINE float block8(const float *x, int64_t K, int64_t k, __m512i *q) {
     return sx;
 }
 
-/* x8 (q8_0): hi = q + 128 per block, and per 64 values the 16 lanes of their two blocks'
+/* lowp (q8_0): hi = q + 128 per block, and per 64 values the 16 lanes of their two blocks'
    scales (8 each) to sv */
 T_VNNI static void split_q8(const float *x, int64_t K, int64_t Kp, uint8_t *hi, float *sv) {
     for (int64_t k = 0; k < Kp; k += 32) {
@@ -197,7 +197,7 @@ T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *
     return sx;
 }
 
-/* x8: q per block as a, in the same order, and per group of 4 blocks the 16 lanes of their
+/* lowp: q per block as a, in the same order, and per group of 4 blocks the 16 lanes of their
    scales (block i's on lanes 4i..4i + 3, where its products land) to sv. The sums are those
    of the rounded x, sx_b sum q (integer sums, exact): the offsets then see the x the products
    see, so a row is sum w x' for x' = sx_b q. (With x's own sums the rounding error of x
@@ -224,10 +224,10 @@ int el_supports(int fmt) {
 }
 
 void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p,
-                int threads, int x8) {
+                int threads, int lowp) {
     const int64_t Kp = padded(K);
     p->Kp = Kp;
-    p->x8 = x8 && (IS_NIBBLE(fmt) || fmt == FMT_Q8_0);
+    p->lowp = lowp && (IS_NIBBLE(fmt) || fmt == FMT_Q8_0 || fmt == FMT_BF16);
     p->a = p->b = NULL, p->xs = p->sx = NULL;
     if (fmt == FMT_F32 || fmt == FMT_F16) return; /* x is read as it is */
     p->a = (char *)work; /* per vector 2 Kp bytes (nibble formats: a_lo, a_hi), then 2 Kp more */
@@ -240,16 +240,16 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
         const float *xv = x + v * K;
         char *pa = p->a + v * Kp * 2, *pb = p->b + v * Kp * 2;
         float *xs = p->xs + v * (Kp / 32 + Kp / 16);
-        p->sx[v] = 1.0f; /* x8: the scales are per block */
+        p->sx[v] = 1.0f; /* lowp: the scales are per block */
         if (fmt == FMT_BF16)
             split_bf16(xv, K, Kp, (uint16_t *)pa, (uint16_t *)pb);
-        else if (IS_NIBBLE(fmt) && p->x8)
+        else if (IS_NIBBLE(fmt) && p->lowp)
             split_nibble8(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (float *)pb, xs,
                           fmt == FMT_Q6_K);
         else if (IS_NIBBLE(fmt))
             p->sx[v] = split_nibble(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (int8_t *)pb,
                                     (int8_t *)pb + Kp / 2, xs, fmt == FMT_Q6_K);
-        else if (p->x8)
+        else if (p->lowp)
             split_q8(xv, K, Kp, (uint8_t *)pa, (float *)pb);
         else
             p->sx[v] = split_i16(xv, K, Kp, (uint8_t *)pa, (uint8_t *)pb);
@@ -259,7 +259,7 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
 int el_features(void) { return 0; }
 int el_supports(int fmt) { (void)fmt; return 0; }
 void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p,
-                int threads, int x8) {
-    (void)fmt, (void)x, (void)V, (void)K, (void)work, (void)p, (void)threads, (void)x8;
+                int threads, int lowp) {
+    (void)fmt, (void)x, (void)V, (void)K, (void)work, (void)p, (void)threads, (void)lowp;
 }
 #endif

@@ -48,20 +48,21 @@ int64_t el_row_bytes(int fmt, int64_t K);
    point as two bytes, for the nibble formats arranged per nibble group, with their scales),
    written into `work`. fp32 and fp16 read x as it is (NULL parts).
 
-   x8: the q8_0 and nibble formats take x in 8 bits instead (one byte a value, the `a` part
-   alone, |q| <= 127 per vector: llama.cpp's precision for its activations), half the dot
-   products; a prompt's opt-in (--prefill-dtype int8). The other formats ignore it. A row's bits
-   still do not depend on S, but they are not the 16-bit ones a decode step computes. */
+   lowp: x at llama.cpp's precision for its activations, half the dot products; a prompt's
+   opt-in (--prefill-dtype). The q8_0 and nibble formats take x in 8 bits with a scale per
+   32-value block (cpu_activations.c), bf16 weights x's bf16 round (the hi part alone); fp32,
+   fp16 and int8 ignore it. A row's bits still do not depend on S, but they are not the ones a
+   decode step computes. */
 typedef struct {
     char *a, *b;    /* per vector 2 Kp bytes each: hi / lo parts (nibble: a_lo a_hi / b_lo b_hi) */
     float *xs;      /* nibble formats: per vector Kp / 32 block sums of x, then Kp / 16 half-block sums */
     float *sx;      /* integer formats: x's scale per vector */
     int64_t Kp;     /* K padded to a multiple of 128 */
-    int x8;         /* x in 8 bits (above): the `b` parts unused */
+    int lowp;       /* x at llama.cpp's precision (above) */
 } xparts_t;
 int64_t el_split_scratch(int64_t V, int64_t K);
 void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xparts_t *p,
-                int threads, int x8);
+                int threads, int lowp);
 /* vectors (a prompt's tokens) from which their own work runs on every thread: the split and
    interleaving of x here, each token's norms, RoPE, SiLU and attention in cpu_layer.c (fewer:
    the first thread alone, a fork costing more than a decode step's few vectors) */
@@ -70,7 +71,7 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
 /* The tokens of a block side by side (cpu_activations.c): chunk c of token t of the block at
    (c T + t) chunk_bytes (bf16: two planes, the hi halves at (c T + t) 64, the lo halves after
    all of them). The kernels address every token from one pointer. */
-int64_t el_chunk_bytes(int fmt, int x8);
+int64_t el_chunk_bytes(int fmt, int lowp);
 int64_t el_chunks(int fmt, int64_t K, int64_t Kp);
 void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const int64_t *v, int T,
                    char *dst);
@@ -154,13 +155,13 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
 /* y[s, l, n] = sum_k W[l, n, k] x[s, l, k] for S tokens: every weight row read from memory once
    for all S, and each (row, token) computed by the same instructions in the same order whatever
    S is (one token is S = 1), so a row's bits do not depend on S. `work`:
-   el_matmul_scratch(S, L, K) bytes, 64-aligned, or NULL to allocate; x8: x in 8 bits where
-   the format takes it (xparts_t). Returns 0, or -1 when the CPU lacks the instructions. */
+   el_matmul_scratch(S, L, K) bytes, 64-aligned, or NULL to allocate; lowp: x at llama.cpp's
+   precision where the format takes it (xparts_t). Returns 0, or -1 when the CPU lacks the instructions. */
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K);
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
-              int64_t K, int threads, void *work, int x8);
+              int64_t K, int threads, void *work, int lowp);
 /* the same for one lane, token s's outputs at y + s ldy (rows of a wider output) */
 int el_matmul_into(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t N,
-                   int64_t K, int threads, void *work, int x8);
+                   int64_t K, int threads, void *work, int lowp);
 
 #endif

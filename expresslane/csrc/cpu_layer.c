@@ -279,16 +279,16 @@ static void attend_tokens(const int64_t *d, const float *qkv, int64_t nq, int64_
 
 /* W x for S tokens: x (S, K) -> y (S, N), part by part (a part's rows into y's columns) */
 static int product(const int64_t *part, const float *x, float *y, int64_t S, int64_t N, int64_t K,
-                   int threads, void *work, int x8) {
+                   int threads, void *work, int lowp) {
     const int64_t stride = F_qkv_1_fmt - F_qkv_fmt; /* one part's entries */
     int rc = 0;
     for (int64_t p = 0, at = 0; p < 3 && part[p * stride + 7] > 0; at += part[p * stride + 7], p++)
         rc |= el_matmul_into((const qmat_t *)&part[p * stride], x, y + at, N, S,
-                             part[p * stride + 7], K, threads, work, x8);
+                             part[p * stride + 7], K, threads, work, lowp);
     return rc;
 }
 #define PRODUCT(d, w, x, y, S, N, K, threads, work) \
-    product(&(d)[F_##w##_fmt], (x), (y), (S), (N), (K), (threads), (work), x8)
+    product(&(d)[F_##w##_fmt], (x), (y), (S), (N), (K), (threads), (work), lowp)
 
 /* out = silu(gate) * up, silu(z) = z sigmoid(z), sigmoid from u = e^-|z| in (0, 1] */
 T_F static void silu_mul(const float *gate, const float *up, int64_t F, float *out) {
@@ -309,10 +309,10 @@ T_F static void silu_mul(const float *gate, const float *up, int64_t F, float *o
    written first, then each query attends over the first min(live, cap) slots masked by their
    positions: causal among the new tokens because a later token's position is masked for an
    earlier query. Per token the same calls in the same order as one token alone, and products
-   whose rows do not depend on S: a token's result does not depend on S. x8: the products
+   whose rows do not depend on S: a token's result does not depend on S. lowp: the products
    take x in 8 bits where the format allows (cpu_kernels.h's xparts_t; a prompt's opt-in). */
 T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
-                 int64_t position, int64_t live, float eps, char *scratch, int threads, int x8) {
+                 int64_t position, int64_t live, float eps, char *scratch, int threads, int lowp) {
     const int64_t D = d[F_dim], Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim];
     const int64_t F = d[F_ffn], cap = d[F_cap], nq = (Hq + 2 * Hkv) * hd, half = hd / 2;
     if ((hd + 15) / 16 > 32) return -2; /* attend_chunk's accumulators */
@@ -370,9 +370,9 @@ int64_t el_head(const qmat_t *w, const float *norm, const float *h, int64_t S, i
 }
 #else
 int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
-             int64_t position, int64_t live, float eps, char *scratch, int threads, int x8) {
+             int64_t position, int64_t live, float eps, char *scratch, int threads, int lowp) {
     (void)d, (void)h, (void)S, (void)c, (void)s, (void)position, (void)live, (void)eps;
-    (void)scratch, (void)threads, (void)x8;
+    (void)scratch, (void)threads, (void)lowp;
     return -1;
 }
 int64_t el_head(const qmat_t *w, const float *norm, const float *h, int64_t S, int64_t V,

@@ -14,9 +14,9 @@ int64_t el_layer_scratch(int64_t D, int64_t Hq, int64_t Hkv, int64_t hd, int64_t
                          int64_t slots, int64_t S);
 
 /* S tokens through layer d at positions position..: h (S, D) updated; 0, or < 0 refused.
-   x8: products with x in 8 bits where the format takes it (cpu_kernels.h) */
+   lowp: products with x in 8 bits where the format takes it (cpu_kernels.h) */
 int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
-             int64_t position, int64_t live, float eps, char *scratch, int threads, int x8);
+             int64_t position, int64_t live, float eps, char *scratch, int threads, int lowp);
 
 /* the final RMSNorm and the head for S tokens: logits (S, V); the first argmax of the last
    token's logits, or -1 (refused) */

@@ -13,13 +13,14 @@
    term and block scales, the nibble split and scales (cpu_nibble.c).
 
      float32   AVX-512F FMA.              float16   F16C conversion, then FMA.
-     bfloat16  AVX512_BF16 dot products (vdpbf16ps) with x's two bf16 parts.
+     bfloat16  AVX512_BF16 dot products (vdpbf16ps) with x's two bf16 parts (lowp: the hi
+               part alone, x rounded to bf16 as llama.cpp's).
      int8      AVX512_VNNI (vpdpbusd, u8 x s8 -> s32) with x's two bytes (cpu_activations.c):
                sum w q = 256 (sum w (a+128) - 128 sum w) + sum w b, exactly in integers;
                y = sx * scale[n] * that, the row sums of w precomputed.
      q8_0      GGUF's blocks of 32 int8 with an f16 scale each, stored planar (values, then
                scales): as int8, per block (the 128 sum w correction from a third vpdpbusd),
-               each block's integer dot scaled by its d in fp32. With x in 8 bits (x8, a
+               each block's integer dot scaled by its d in fp32. With x in 8 bits (lowp, a
                prompt's opt-in) the hi part alone, sum w (q + 128) - 128 sum w, and a scale
                of x per block.
 
@@ -92,7 +93,7 @@ DEF_FMA_ROWS(rows_f16, ld_f16, ldm_f16)
    lo side by side (128 bytes a chunk) streamed SmolLM2's w2 (K = 1536) 20% slower with 2 threads
    on the 2-vCPU VM, the other shapes the same (why is not known). */
 T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float *out,
-                             const int T) {
+                             const int T, const int LOWP) { /* LOWP: the hi parts alone */
     const int64_t CB = 64, LO = 2 * ((K + 127) / 128 * 128) * T; /* 32 values; the lo plane */
     __m512 a0[TMAX], a1[TMAX], b0[TMAX], b1[TMAX];
     for (int t = 0; t < T; t++) a0[t] = a1[t] = b0[t] = b1[t] = _mm512_setzero_ps();
@@ -102,8 +103,9 @@ T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float
         const __m512bh w0 = BF(w + k), w1 = BF(w + k + 32);
         for (int t = 0; t < T; t++) {
             a0[t] = _mm512_dpbf16_ps(a0[t], w0, BF(AT(c, t, 0)));
-            b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(c, t, LO)));
             a1[t] = _mm512_dpbf16_ps(a1[t], w1, BF(AT(c + 1, t, 0)));
+            if (LOWP) continue;
+            b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(c, t, LO)));
             b1[t] = _mm512_dpbf16_ps(b1[t], w1, BF(AT(c + 1, t, LO)));
         }
     }
@@ -113,7 +115,7 @@ T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float
                         : (__m512bh)_mm512_maskz_loadu_epi16((1u << (K - k)) - 1, w + k);
         for (int t = 0; t < T; t++) {
             a0[t] = _mm512_dpbf16_ps(a0[t], w0, BF(AT(k / 32, t, 0)));
-            b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(k / 32, t, LO)));
+            if (!LOWP) b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(k / 32, t, LO)));
         }
     }
     for (int t = 0; t < T; t++)
@@ -130,6 +132,8 @@ T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float
     ATTR static void NAME##_##n(const char *w, const char *xp, int64_t K, float *out) {        \
         KERNEL((const WT *)w, xp, K, out, n);                                                 \
     }
+#define BF16_HI(w, xp, K, out, n) rows_bf16_t(w, xp, K, out, n, 1)
+#define BF16_BOTH(w, xp, K, out, n) rows_bf16_t(w, xp, K, out, n, 0)
 #define ROW_FNS(NAME, ATTR, KERNEL, WT)                                                        \
     ROW_FN(NAME, ATTR, KERNEL, WT, 1)                                                         \
     ROW_FN(NAME, ATTR, KERNEL, WT, 2)                                                         \
@@ -137,7 +141,8 @@ T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float
     ROW_FN(NAME, ATTR, KERNEL, WT, 4) ROW_FN(NAME, ATTR, KERNEL, WT, 5)
 ROW_FNS(one_f32, T_F, rows_f32_t, void)
 ROW_FNS(one_f16, T_F, rows_f16_t, void)
-ROW_FNS(one_bf16, T_BF, rows_bf16_t, uint16_t)
+ROW_FNS(one_bf16, T_BF, BF16_BOTH, uint16_t)
+ROW_FNS(one_bf16_hi, T_BF, BF16_HI, uint16_t)
 
 /* rows 0 .. rows - 1 of a single block of T tokens (lane l's at pk + l S per_token), split
    over the threads in contiguous halves as the groups are */
@@ -159,13 +164,15 @@ ROW_FNS(one_bf16, T_BF, rows_bf16_t, uint16_t)
     }
 static void one_block(const qmat_t *w, const char *pk, float *y, int64_t ldy, int64_t S,
                       int64_t L, int64_t N, int64_t K, int64_t per_token, const int T,
-                      int threads) {
+                      int threads, int lowp) {
     const int fmt = (int)w->fmt;
     const int64_t rows = L * N, rb = el_row_bytes(fmt, K);
     if (fmt == FMT_F32)
         ONE_T(one_f32)
     else if (fmt == FMT_F16)
         ONE_T(one_f16)
+    else if (lowp)
+        ONE_T(one_bf16_hi)
     else
         ONE_T(one_bf16)
 }
@@ -218,26 +225,26 @@ T_VNNI INLINE __m512 q8_0_tok(__m512i wv, __m512i c, __m512 dv, __m512i xh, __m5
     __m512i hi = _mm512_sub_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, xh, wv), 8), c);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(hi, xl, wv)), dv, acc);
 }
-/* X8: sum w (q + 128) - c with c = 128 sum w, x's one byte (q + 128) at xh, times the
+/* LOWP: sum w (q + 128) - c with c = 128 sum w, x's one byte (q + 128) at xh, times the
    blocks' d and x's block scales xs (16 lanes: each block's on its 8) */
 T_VNNI INLINE __m512 q8_0_tok8(__m512i wv, __m512i c, __m512 dv, __m512i xh, __m512 xs,
                                __m512 acc) {
     const __m512i t = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xh, wv), c);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, xs), acc);
 }
-/* 128 sum w per 4 weights (X8), or 256 times that */
-T_VNNI INLINE __m512i q8_0_corr(__m512i wv, const int X8) {
+/* 128 sum w per 4 weights (LOWP), or 256 times that */
+T_VNNI INLINE __m512i q8_0_corr(__m512i wv, const int LOWP) {
     const __m512i c128 = _mm512_set1_epi8((char)128);
     const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv);
-    return X8 ? c : _mm512_slli_epi32(c, 8);
+    return LOWP ? c : _mm512_slli_epi32(c, 8);
 }
 #define Q8_TOK(wv, c, dv, cc, t, acc)                                                       \
-    (X8 ? q8_0_tok8(wv, c, dv, XI(cc, t, 0), _mm512_loadu_ps((const float *)AT(cc, t, 64)), acc) \
+    (LOWP ? q8_0_tok8(wv, c, dv, XI(cc, t, 0), _mm512_loadu_ps((const float *)AT(cc, t, 64)), acc) \
         : q8_0_tok(wv, c, dv, XI(cc, t, 0), XI(cc, t, 64), acc))
 
 T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *xp, int64_t K,
-                               const float *sx, __m512 *out, const int T, const int X8) {
-    const int64_t CB = 128; /* X8: 64 bytes of x, then its 16 lanes of block scales */
+                               const float *sx, __m512 *out, const int T, const int LOWP) {
+    const int64_t CB = 128; /* LOWP: 64 bytes of x, then its 16 lanes of block scales */
     __m512 acc0[TMAX], acc1[TMAX];
     for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     int64_t k = 0;
@@ -247,7 +254,7 @@ T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *x
         memcpy(&dd, d + k / 32, 8);
         const __m128i d4 = _mm_cvtsi64_si128(dd);
         const __m512i w0 = _mm512_loadu_si512(w + k), w1 = _mm512_loadu_si512(w + k + 64);
-        const __m512i c0 = q8_0_corr(w0, X8), c1 = q8_0_corr(w1, X8);
+        const __m512i c0 = q8_0_corr(w0, LOWP), c1 = q8_0_corr(w1, LOWP);
         const __m512 dv0 = q8_0_scales(d4), dv1 = q8_0_scales(_mm_srli_si128(d4, 4));
         for (int t = 0; t < T; t++) {
             acc0[t] = Q8_TOK(w0, c0, dv0, c, t, acc0[t]);
@@ -261,7 +268,7 @@ T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *x
         if (!two) d2 &= 0xFFFF;
         const __m512i wv =
             two ? _mm512_loadu_si512(w + k) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, w + k);
-        const __m512i c = q8_0_corr(wv, X8);
+        const __m512i c = q8_0_corr(wv, LOWP);
         const __m512 dv = q8_0_scales(_mm_cvtsi32_si128(d2));
         for (int t = 0; t < T; t++) acc0[t] = Q8_TOK(wv, c, dv, k / 64, t, acc0[t]);
     }
@@ -279,8 +286,9 @@ T_F static void span_fma(const span_t *sp, int64_t r0, int64_t r1) {
 
 T_BF static void span_bf16(const span_t *sp, int64_t r0, int64_t r1) {
     const int64_t K = sp->K, rb = 2 * K;
-#define BF16(n) EL_ROWS(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, res, n))
-    BY_T(sp->T, BF16)
+#define BF16(n) EL_ROWS(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, res, n, 0))
+#define BF16L(n) EL_ROWS(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, res, n, 1))
+    if (sp->P->lowp) BY_T(sp->T, BF16L) else BY_T(sp->T, BF16)
 }
 
 T_VNNI INLINE void row_i8(const span_t *sp, int64_t r, const char *wr, const char *xp,
@@ -296,18 +304,18 @@ T_VNNI INLINE void row_i8(const span_t *sp, int64_t r, const char *wr, const cha
 }
 
 T_VNNI INLINE void row_q8_0(const span_t *sp, int64_t r, const char *wr, const char *xp,
-                            const int64_t *v, __m512 *lanes, const int T, const int X8) {
+                            const int64_t *v, __m512 *lanes, const int T, const int LOWP) {
     const uint16_t *d = (const uint16_t *)sp->w->scale + r * (sp->K / 32);
     float sx[TMAX];
     for (int t = 0; t < T; t++) sx[t] = sp->P->sx[v[t]];
-    rows_q8_0_t((const int8_t *)wr, d, xp, sp->K, sx, lanes, T, X8);
+    rows_q8_0_t((const int8_t *)wr, d, xp, sp->K, sx, lanes, T, LOWP);
 }
 
 T_VNNI static void span_int(const span_t *sp, int64_t r0, int64_t r1) {
     const int64_t rb = sp->K;
 #define I8(n) EL_ROWS(sp, r0, r1, rb, n, row_i8(sp, r, wr, xp, v, res, n))
 #define Q8(n)                                                                  \
-    if (sp->P->x8)                                                             \
+    if (sp->P->lowp)                                                             \
         EL_TILES(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, lanes, n, 1))   \
     else                                                                       \
         EL_TILES(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, lanes, n, 0))
@@ -334,11 +342,11 @@ static int64_t token_blocks(int fmt, int64_t S, int *Ts) {
 }
 
 static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t L,
-                  int64_t N, int64_t K, int threads, void *work, int x8) {
+                  int64_t N, int64_t K, int threads, void *work, int lowp) {
     if (S > TMAX * INT_TOKENS) /* at most TMAX blocks a call: the rest after */
-        return matmul(w, x, y, ldy, TMAX * INT_TOKENS, L, N, K, threads, work, x8) |
+        return matmul(w, x, y, ldy, TMAX * INT_TOKENS, L, N, K, threads, work, lowp) |
                matmul(w, x + TMAX * INT_TOKENS * L * K, y + TMAX * INT_TOKENS * L * ldy, ldy,
-                      S - TMAX * INT_TOKENS, L, N, K, threads, work, x8);
+                      S - TMAX * INT_TOKENS, L, N, K, threads, work, lowp);
     const int fmt = (int)w->fmt;
     if (!el_supports(fmt)) return -1;
     void *own = NULL;
@@ -347,10 +355,10 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
         if (!work) return -3;
     }
     xparts_t P;
-    el_split_x(fmt, x, S * L, K, work, &P, threads, x8); /* vector s L + l: token s, lane l */
+    el_split_x(fmt, x, S * L, K, work, &P, threads, lowp); /* vector s L + l: token s, lane l */
     int Ts[TMAX];
     const int64_t blocks = token_blocks(fmt, S, Ts);
-    const int64_t per_token = el_chunks(fmt, K, P.Kp) * el_chunk_bytes(fmt, P.x8);
+    const int64_t per_token = el_chunks(fmt, K, P.Kp) * el_chunk_bytes(fmt, P.lowp);
     char *pk = (char *)work + (el_split_scratch(S * L, K) + 63) / 64 * 64;
     int64_t starts[TMAX]; /* of the blocks */
     for (int64_t b = 0, s0 = 0; b < blocks; s0 += Ts[b], b++) starts[b] = s0;
@@ -363,7 +371,7 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
         el_pack_block(fmt, &P, x, K, v, Ts[b], pk + (l * S + s0) * per_token);
     }
     if (blocks == 1 && (fmt == FMT_F32 || fmt == FMT_F16 || fmt == FMT_BF16)) {
-        one_block(w, pk, y, ldy, S, L, N, K, per_token, Ts[0], threads);
+        one_block(w, pk, y, ldy, S, L, N, K, per_token, Ts[0], threads, P.lowp);
         free(own);
         return 0;
     }
@@ -402,26 +410,26 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
 }
 
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
-              int64_t K, int threads, void *work, int x8) {
-    return matmul(w, x, y, N, S, L, N, K, threads, work, x8);
+              int64_t K, int threads, void *work, int lowp) {
+    return matmul(w, x, y, N, S, L, N, K, threads, work, lowp);
 }
 
 int el_matmul_into(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t N,
-                   int64_t K, int threads, void *work, int x8) {
-    return matmul(w, x, y, ldy, S, 1, N, K, threads, work, x8);
+                   int64_t K, int threads, void *work, int lowp) {
+    return matmul(w, x, y, ldy, S, 1, N, K, threads, work, lowp);
 }
 #else
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K) { (void)S, (void)L, (void)K; return 0; }
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
-              int64_t K, int threads, void *work, int x8) {
+              int64_t K, int threads, void *work, int lowp) {
     (void)w, (void)x, (void)y, (void)S, (void)L, (void)N, (void)K, (void)threads, (void)work;
-    (void)x8;
+    (void)lowp;
     return -1;
 }
 int el_matmul_into(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t N,
-                   int64_t K, int threads, void *work, int x8) {
+                   int64_t K, int threads, void *work, int lowp) {
     (void)w, (void)x, (void)y, (void)ldy, (void)S, (void)N, (void)K, (void)threads, (void)work;
-    (void)x8;
+    (void)lowp;
     return -1;
 }
 #endif

@@ -11,17 +11,17 @@
 
 /* S tokens, x (S, L, K) -> y (S, L, N) (el_matmul; one token is S = 1) */
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
-    int fmt, threads, x8 = 0;
+    int fmt, threads, lowp = 0;
     unsigned long long w, scale, rowsum, mins, high, sub, x, y;
     long long S, L, N, K;
     (void)self;
     if (!PyArg_ParseTuple(args, "iKKKKKKKKLLLLi|p", &fmt, &w, &scale, &rowsum, &mins, &high, &sub,
-                          &x, &y, &S, &L, &N, &K, &threads, &x8))
+                          &x, &y, &S, &L, &N, &K, &threads, &lowp))
         return NULL;
     qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins), ADDR(high), ADDR(sub)};
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = el_matmul(&m, ADDR(x), ADDR(y), S, L, N, K, threads, NULL, x8);
+    rc = el_matmul(&m, ADDR(x), ADDR(y), S, L, N, K, threads, NULL, lowp);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }
@@ -47,15 +47,15 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
     unsigned long long d, h, c, s, scratch;
     long long position, live, S;
     float eps;
-    int threads, rc, x8 = 0;
+    int threads, rc, lowp = 0;
     (void)self;
     if (!PyArg_ParseTuple(args, "KKKKLLfKiL|p", &d, &h, &c, &s, &position, &live, &eps, &scratch,
-                          &threads, &S, &x8))
+                          &threads, &S, &lowp))
         return NULL;
     if (S < 1) S = 1;
     Py_BEGIN_ALLOW_THREADS
     rc = el_layer(ADDR(d), ADDR(h), S, ADDR(c), ADDR(s), position, live, eps, ADDR(scratch),
-                  threads, x8);
+                  threads, lowp);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
 }
@@ -102,8 +102,8 @@ static PyObject *py_layer_scratch(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI"},
     {"matmul", py_matmul, METH_VARARGS,
-     "matmul(fmt, w, scale, rowsum, mins, high, sub, x, y, S, L, N, K, threads, x8=False) -> "
-     "status (x8: x in 8 bits where the format takes it)"},
+     "matmul(fmt, w, scale, rowsum, mins, high, sub, x, y, S, L, N, K, threads, lowp=False) -> "
+     "status (lowp: x in 8 bits where the format takes it)"},
     {"dequant", py_dequant, METH_VARARGS,
      "dequant(fmt, w, scale, rowsum, mins, high, sub, out, N, K, bf16, threads) -> status"},
     {"layer_fields", py_layer_fields, METH_NOARGS, "names of a layer descriptor's int64 entries"},
@@ -111,7 +111,7 @@ static PyMethodDef methods[] = {
      "layer_scratch(D, Hq, Hkv, hd, F, slots, S) -> bytes of scratch a layer (or the head) "
      "needs for S tokens"},
     {"layer", py_layer, METH_VARARGS,
-     "layer(desc, h, cos, sin, position, live, eps, scratch, threads, S, x8=False) -> status; "
+     "layer(desc, h, cos, sin, position, live, eps, scratch, threads, S, lowp=False) -> status; "
      "h (S, D) updated"},
     {"head", py_head, METH_VARARGS,
      "head(fmt, w, scale, rowsum, mins, high, sub, norm, h, V, D, eps, logits, scratch, threads, "

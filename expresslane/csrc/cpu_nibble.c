@@ -14,7 +14,7 @@
 
    The nibbles are vpdpbusd's unsigned operand, x's two signed bytes (cpu_activations.c) the
    other: per block sum q x = 256 sum q a + sum q b exactly in int32 (< 2^24, so exact in fp32
-   too), times d_b in fp32. With x in 8 bits (xparts_t's x8, a prompt's opt-in) a is q itself
+   too), times d_b in fp32. With x in 8 bits (xparts_t's lowp, a prompt's opt-in) a is q itself
    with a scale per block: sum q a times d_b sx_b, half the dot products. The offsets are sum_b m_b sum_{k in b} x, from the fp32 block sums
    of x. Q6_K's blocks come with their middle 8-value quarters swapped (weights/blocks.py), so
    that a byte's two nibbles share a 16-value scale: its lanes' scales go by halves of
@@ -94,13 +94,13 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
 }
 
 /* acc plus one token's part of a group (one fused multiply-add by the scales): p its chunk
-   a_lo a_hi b_lo b_hi (X8: a_lo a_hi, then x's block scales as 16 lanes, which multiply the
+   a_lo a_hi b_lo b_hi (LOWP: a_lo a_hi, then x's block scales as 16 lanes, which multiply the
    weights' first) */
-T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc, const int X8) {
+T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc, const int LOWP) {
     const __m512i z = _mm512_setzero_si512();
     const __m512i al = _mm512_loadu_si512(p), ah = _mm512_loadu_si512(p + 64);
     __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, G->lo, al), G->hi, ah);
-    if (X8) {
+    if (LOWP) {
         const __m512 s = _mm512_mul_ps(G->dv, _mm512_loadu_ps((const float *)(p + 128)));
         return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc);
     }
@@ -161,8 +161,8 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
 T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, const uint16_t *mn,
                           const uint8_t *high, const int8_t *sub, const char *xp,
                           const float *const *xs, const float *sx, int64_t K, int64_t Kp,
-                          __m512 *res, const int T, const int X8) {
-    const int64_t CB = X8 ? 192 : 256, nb = K / 32;
+                          __m512 *res, const int T, const int LOWP) {
+    const int64_t CB = LOWP ? 192 : 256, nb = K / 32;
     __m512 acc0[TMAX], acc1[TMAX];
     for (int t = 0; t < T; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     int64_t g = 0;
@@ -170,26 +170,26 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
         const group_t G0 = load_group(FMT, q, d, high, sub, g, 4);
         const group_t G1 = load_group(FMT, q, d, high, sub, g + 1, 4);
         for (int t = 0; t < T; t++) {
-            acc0[t] = group_tok(&G0, xp + (g * T + t) * CB, acc0[t], X8);
-            acc1[t] = group_tok(&G1, xp + ((g + 1) * T + t) * CB, acc1[t], X8);
+            acc0[t] = group_tok(&G0, xp + (g * T + t) * CB, acc0[t], LOWP);
+            acc1[t] = group_tok(&G1, xp + ((g + 1) * T + t) * CB, acc1[t], LOWP);
         }
     }
     for (; g * 4 < nb; g++) { /* the last 1-4 blocks (legacy formats: K % 256 may be nonzero) */
         const group_t G = load_group(FMT, q, d, high, sub, g, nb - g * 4 >= 4 ? 4 : nb - g * 4);
         for (int t = 0; t < T; t++)
-            acc0[t] = group_tok(&G, xp + (g * T + t) * CB, acc0[t], X8);
+            acc0[t] = group_tok(&G, xp + (g * T + t) * CB, acc0[t], LOWP);
     }
     __m512 off[TMAX];
     offset_lanes(FMT, d, mn, sub, xs, nb, Kp, off, T);
     for (int t = 0; t < T; t++)
         res[t] = _mm512_fmadd_ps(_mm512_add_ps(acc0[t], acc1[t]), _mm512_set1_ps(sx[t]), off[t]);
-    /* X8: sx[t] is 1 (x's scales are in acc already): a multiply by 1 changes no bits */
+    /* LOWP: sx[t] is 1 (x's scales are in acc already): a multiply by 1 changes no bits */
 }
 
 /* one row for the T tokens of a span */
 T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char *wr,
                          const char *xp, const int64_t *v, __m512 *res, const int T,
-                         const int X8) {
+                         const int LOWP) {
     const qmat_t *w = sp->w;
     const int64_t K = sp->K, Kp = sp->P->Kp;
     const int64_t per = FMT == FMT_Q4_K || FMT == FMT_Q5_K || FMT == FMT_Q6_K ? K / 256 : K / 32;
@@ -208,7 +208,7 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
         bsum[t] = sp->P->xs + v[t] * (Kp / 32 + Kp / 16);
         sx[t] = sp->P->sx[v[t]];
     }
-    rows_t(FMT, (const uint8_t *)wr, d, mn, high, sub, xp, bsum, sx, K, Kp, res, T, X8);
+    rows_t(FMT, (const uint8_t *)wr, d, mn, high, sub, xp, bsum, sx, K, Kp, res, T, LOWP);
 }
 
 #define SPAN(F)                                                                  \
@@ -216,9 +216,9 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
         const int64_t rb = sp->K / 2;                                            \
         BY_T(sp->T, ROW_##F)                                                     \
     }
-/* each T twice: x in 16 bits, or in 8 (x8) */
+/* each T twice: x in 16 bits, or in 8 (lowp) */
 #define ROWS(F, n)                                                                   \
-    if (sp->P->x8)                                                                   \
+    if (sp->P->lowp)                                                                   \
         EL_TILES(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, lanes, n, 1))   \
     else                                                                             \
         EL_TILES(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, lanes, n, 0))

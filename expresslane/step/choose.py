@@ -27,7 +27,7 @@ from .native import native_step_built
 from .packed import PackedDecoder
 from .packed import supports as packed_supports
 from .persistent import PersistentDecoder, unsupported
-from .prefill import FusedPrefill, StepPrefill
+from .prefill import LOWP_BY_DTYPE, FusedPrefill, StepPrefill
 from .prefill import supports as prefill_supports
 from .protocol import EagerStep, Step
 
@@ -105,9 +105,10 @@ def _persistent(model: Laneformer, cache: KVCache, mode: str, compile: bool) -> 
     return Choice(step, mode, compile, "persistent kernel")
 
 
-# float32: exact (the step's 16-bit x, fp32 layers); bfloat16: long prompts' layers in bf16;
-# int8: as bfloat16, and the step's block-format products with x in 8 bits (llama.cpp's own
-# activation precision) for the shorter prompts. Decode steps are exact whatever this is.
+# float32: exact (the step's 16-bit x, fp32 layers); bfloat16: long prompts' layers in bf16,
+# and bf16 weights' step products with x in bf16; int8: that, and the step's block-format
+# products with x in 8 bits per block (llama.cpp's own activation precision) for the shorter
+# prompts (step/prefill.py LOWP_BY_DTYPE). Decode steps are exact whatever this is.
 PREFILL_DTYPES = ("float32", "bfloat16", "int8")
 
 
@@ -132,5 +133,5 @@ def choose_prefill(
         return FusedPrefill(model)
     if isinstance(step, PackedDecoder) and step.step is not None:  # the one-call C layers
         products = torch.float32 if dtype == "float32" else torch.bfloat16
-        return StepPrefill(model, step, products=products, x8=dtype == "int8")
+        return StepPrefill(model, step, products=products, lowp=LOWP_BY_DTYPE[dtype])
     return model

@@ -44,8 +44,9 @@ except ImportError:  # not built (no compiler at install time): the compiled Pyt
     _native = None
 
 DEQUANT_DTYPES = (torch.float32, torch.bfloat16)  # what csrc's el_dequant writes
-# formats whose products can take x in 8 bits (csrc/cpu_kernels.h's x8): GGUF's block formats
-X8_FORMATS = frozenset(GGUF_FORMATS)
+# formats whose products can take x at llama.cpp's precision (csrc/cpu_kernels.h's lowp): GGUF's
+# block formats (8 bits a value, a scale per 32-value block) and bf16 (x rounded to bf16)
+LOWP_FORMATS = frozenset({*GGUF_FORMATS, "bfloat16"})
 MAX_TOKENS = 40  # tokens of one call: a verify step (k + 1), a prefill chunk (cpu_matmul.c: 8 x 5)
 # csrc/cpu_kernels.h's FMT_* codes, and the feature bits (HAS_*) each format needs
 CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "q8_0": 4, "q4_1": 5, "q4_0": 6,
@@ -77,14 +78,14 @@ def _matrix(w: QTensor) -> list[int]:
     return [CODES[w.fmt], *(_addr(t) for t in (w.data, w.scale, w.rowsum, w.mins, w.high, w.sub))]
 
 
-def _matmul(w: QTensor, x: torch.Tensor, S: int, x8: bool = False) -> torch.Tensor:
+def _matmul(w: QTensor, x: torch.Tensor, S: int, lowp: bool = False) -> torch.Tensor:
     """S tokens: W (L, N, K) or (N, K) and x (S, L, K) or (S, K) -> (S, L, N) or (S, N)."""
     x = x.contiguous().float()
     N, K = w.data.shape[-2], x.shape[-1]
     L = x.numel() // (S * K)
     y = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
     rc = _native.matmul(*_matrix(w), x.data_ptr(), y.data_ptr(), S, L, N, K,
-                        torch.get_num_threads(), x8)  # fmt: skip
+                        torch.get_num_threads(), lowp)  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"cpu_matmul({w.fmt}): the kernel refused (status {rc})")
     return y
@@ -123,16 +124,16 @@ def native_matvec(w: QTensor, x: torch.Tensor) -> torch.Tensor:
                                             w.fmt)  # fmt: skip
 
 
-def native_matmul(w: QTensor, x: torch.Tensor, x8: bool = False) -> torch.Tensor:
+def native_matmul(w: QTensor, x: torch.Tensor, lowp: bool = False) -> torch.Tensor:
     """S tokens at once: W (L, N, K) or (N, K) and x (S, L, K) or (S, K) -> y (S, L, N) or
     (S, N) fp32, each weight row read once for all S, each token's result the bits of
     native_matvec's (csrc/cpu_matmul.c). For the verify step; not an operator (run eagerly).
-    x8: q8_0 and the nibble formats take x in 8 bits (X8_FORMATS; a prompt's opt-in): still a
-    row's bits whatever S, but not native_matvec's."""
+    lowp: LOWP_FORMATS take x at llama.cpp's precision (a prompt's opt-in): still a row's bits
+    whatever S, but not native_matvec's."""
     if w.stack is not None:
-        return torch.cat([native_matmul(p, x, x8) for p in w.stack], dim=-1)
+        return torch.cat([native_matmul(p, x, lowp) for p in w.stack], dim=-1)
     return _matmul(QTensor(w.fmt, *(None if t is None else t.contiguous() for t in w.parts)),
-                   x, x.shape[0], x8)  # fmt: skip
+                   x, x.shape[0], lowp)  # fmt: skip
 
 
 def native_dequantize(w: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -220,11 +221,11 @@ class NativeStep:
         return torch.tensor([sizes[f] if f in sizes else _addr(t[f]) for f in fields])
 
     def hidden(self, tokens: torch.Tensor, position: int, live: int | None = None,
-               x8: bool = False) -> torch.Tensor:  # fmt: skip
+               lowp: bool = False) -> torch.Tensor:  # fmt: skip
         """S <= MAX_TOKENS tokens at positions position.. -> their final residual streams (S, D)
         fp32; writes their KV. Attention reads the first min(live, cap) slots (default: the
-        cache's live bound; a verify step passes position + S). x8: the block formats'
-        products take x in 8 bits (a prompt's opt-in, --prefill-dtype int8)."""
+        cache's live bound; a verify step passes position + S). lowp: LOWP_FORMATS' products
+        take x at llama.cpp's precision (a prompt's opt-in, --prefill-dtype)."""
         S = tokens.numel()
         if not 1 <= S <= MAX_TOKENS:
             raise ValueError(f"NativeStep.hidden: {S} tokens, expected 1..{MAX_TOKENS}")
@@ -236,7 +237,7 @@ class NativeStep:
         scratch, eps, threads = self.scratch.data_ptr(), self.cfg.norm_eps, torch.get_num_threads()
         for d in self.descs:
             rc = _native.layer(d.data_ptr(), h.data_ptr(), cos, sin, position, live, eps,
-                               scratch, threads, S, x8)  # fmt: skip
+                               scratch, threads, S, lowp)  # fmt: skip
             if rc != 0:
                 raise RuntimeError(f"native decode layer refused (status {rc})")
         return h

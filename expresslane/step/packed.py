@@ -215,13 +215,13 @@ class PackedDecoder:
         )  # fmt: skip
 
     def _native_logits(self, tokens: torch.Tensor, position: int, last_only: bool = False,
-                       x8: bool = False) -> torch.Tensor:  # fmt: skip
+                       lowp: bool = False) -> torch.Tensor:  # fmt: skip
         """fp32 logits (S, V), or (1, V) of the last row, through the C layers in calls of at
-        most `prefill_chunk()` tokens (x8: NativeStep.hidden's)."""
+        most `prefill_chunk()` tokens (lowp: NativeStep.hidden's)."""
         rows, live, width = [], self._live(), self.prefill_chunk()
         for at in range(0, tokens.shape[0], width):
             chunk = tokens[at : at + width]
-            h = self.step.hidden(chunk, position + at, max(live, position + at + len(chunk)), x8)
+            h = self.step.hidden(chunk, position + at, max(live, position + at + len(chunk)), lowp)
             if not last_only:
                 rows.append(self.step.head(h)[1].clone())  # the head's buffer: copied
         if last_only:
@@ -233,18 +233,18 @@ class PackedDecoder:
         (the first token's window must survive the last one's write)."""
         return min(MAX_TOKENS, self.cache.forward_room() or MAX_TOKENS)
 
-    def prefill_logits(self, tokens: torch.Tensor, position: int, x8: bool = False
+    def prefill_logits(self, tokens: torch.Tensor, position: int, lowp: bool = False
                        ) -> torch.Tensor:  # fmt: skip
         """fp32 logits (V,) after tokens (S,) written from `position`: a prefill's, the head
         on the last row only, through the C layers (StepPrefill is chosen only with them).
-        x8: the layers' block-format products take x in 8 bits (--prefill-dtype int8)."""
+        lowp: the layers' products take x at llama.cpp's precision (native.LOWP_FORMATS)."""
         if self.step is None:
             raise ValueError("prefill_logits runs the C layers (NativeStep), not built here")
         cache = self.cache
         was = cache.static, cache.live
         cache.static, cache.live = True, position + tokens.numel()  # scan the live slots only
         try:
-            return self._native_logits(tokens.view(-1), position, last_only=True, x8=x8)[0]
+            return self._native_logits(tokens.view(-1), position, last_only=True, lowp=lowp)[0]
         finally:
             cache.static, cache.live = was
 

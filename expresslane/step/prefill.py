@@ -26,7 +26,7 @@ from ..kernels import ref, use_triton
 from ..model import Block, FeedForward, Laneformer, Partials, RMSNorm
 from ..weights.packing import products_in
 from ..weights.quant import GGUF_FORMATS
-from .native import X8_FORMATS, available, native_dequantize
+from .native import LOWP_FORMATS, available, native_dequantize
 from .packed import PackedDecoder
 
 # The longest chunk of new prompt tokens that prefills through the packed step rather than the
@@ -40,14 +40,18 @@ from .packed import PackedDecoder
 # token work on every thread and Q6_K's re-layout, 256 -> 512 and Q8_0's 384 -> 768, F16's
 # 112 -> 160, and the bf16 bounds 40 -> 64 and 56 -> 96 (BENCHMARKS.md, "A prompt's work on
 # every thread").
-# With --prefill-dtype int8 ("int8": the step's block-format products take x in 8 bits, the
-# layers bf16 products) the step crossed the bf16 layers at 96-128 tokens on Q8_0 and Q6_K and
-# at 128-192 on the others (BENCHMARKS.md, "8-bit activations").
-STEP_PREFILL_MAX = {  # by the layers' products (None: fp32) or "int8", then format
+# With x at llama.cpp's precision in the step ("lowp": --prefill-dtype int8, or bfloat16 on bf16
+# weights; the layers then bf16 products) the step crossed the bf16 layers at 96-128 tokens on
+# Q8_0, Q6_K and BF16 and at 128-192 on the other block formats (BENCHMARKS.md, "8-bit
+# activations").
+STEP_PREFILL_MAX = {  # by the layers' products (None: fp32) or "lowp", then format
     None: {"float32": 80, "float16": 160, "bfloat16": 192, "q8_0": 768, None: 512},
     torch.bfloat16: {"bfloat16": 80, "q8_0": 96, "q6_k": 96, None: 64},
-    "int8": {"bfloat16": 80, "q8_0": 96, "q6_k": 96, None: 128},
+    "lowp": {"bfloat16": 112, "q8_0": 96, "q6_k": 96, None: 128},
 }
+# The formats whose step products take x at llama.cpp's precision, by --prefill-dtype: bfloat16
+# only bf16 weights' (the precision the bf16 layers have), int8 every format that can.
+LOWP_BY_DTYPE = {"float32": frozenset(), "bfloat16": frozenset({"bfloat16"}), "int8": LOWP_FORMATS}
 
 # Weight formats whose long prompts multiply in bf16, where the CPU has AVX512_BF16 (oneDNN's
 # bf16 GEMM ran 2.2x its fp32 one on the VM's AMD EPYC, SmolLM2's shapes at 1,000 tokens):
@@ -147,20 +151,24 @@ class StepPrefill:
       weights from the C decoder (native_dequantize), then the step's own head on the last row
       (the model's head would dequantize the whole vocabulary's matrix on every prompt).
 
-    With `x8` (--prefill-dtype int8) the step's block-format products take x in 8 bits, as
-    llama.cpp's do (csrc/cpu_kernels.h): half their dot products, the cache then not the bits
-    decode steps would write. Anything else (every row's logits, explicit positions, another
-    cache, hooks) runs the model itself, in fp32."""
+    With `lowp` (LOWP_BY_DTYPE: the formats allowed) the step's products take x at llama.cpp's
+    precision (csrc/cpu_kernels.h: 8 bits per block, or bf16): half their dot products, the
+    cache then not the bits decode steps would write. Only where every format of the step
+    that could is allowed: a Q8_0 head beside bf16 layers keeps 16 bits under bfloat16.
+    Anything else (every row's logits, explicit positions, another cache, hooks) runs the model
+    itself, in fp32."""
 
     def __init__(self, model, step: PackedDecoder, max_tokens: int | None = None,
-                 products: torch.dtype = torch.float32, x8: bool = False):  # fmt: skip
+                 products: torch.dtype = torch.float32, lowp: frozenset = frozenset()):  # fmt: skip
         self.model, self.step = model, step
         fmts = step.weights.formats
         bf16 = products == torch.bfloat16 and fmts <= BF16_PRODUCTS and available("bfloat16")
         self.products = torch.bfloat16 if bf16 else None  # None: the activations' fp32
-        self.x8 = x8 and bool(fmts & X8_FORMATS)  # else nothing of the step's would change
+        takes = fmts & LOWP_FORMATS  # the step's formats that would change
+        self.lowp = bool(takes) and takes <= lowp and available("bfloat16" if takes <= {"bfloat16"}
+                                                                else "q8_0")  # fmt: skip
         if max_tokens is None:
-            table = STEP_PREFILL_MAX["int8" if self.x8 else self.products]
+            table = STEP_PREFILL_MAX["lowp" if self.lowp else self.products]
             max_tokens = min(table.get(f, table[None]) for f in fmts)
         self.max_tokens = max_tokens
         # the layers alone (Laneformer.hidden, then the step's head) only where the model's
@@ -175,7 +183,7 @@ class StepPrefill:
         if not prompt or _hooked(self.model):
             return self.model(tokens, positions, cache, last_only)
         if S <= self.max_tokens:
-            logits = self.step.prefill_logits(tokens[0], cache.length, self.x8)
+            logits = self.step.prefill_logits(tokens[0], cache.length, self.lowp)
         elif not self.layers_alone:
             with products_in(self.products, native_dequantize):
                 return self.model(tokens, None, cache, True)
