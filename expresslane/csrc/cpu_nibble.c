@@ -14,9 +14,10 @@
 
    The nibbles are vpdpbusd's unsigned operand, x's two signed bytes (cpu_activations.c) the
    other: per block sum q x = 256 sum q a + sum q b exactly in int32 (< 2^24, so exact in fp32
-   too), times d_b in fp32. With x in 8 bits (xparts_t's lowp, a prompt's opt-in) a is q itself
-   with a scale per block: sum q a times d_b sx_b, half the dot products. The offsets are sum_b m_b sum_{k in b} x, from the fp32 block sums
-   of x. Q6_K's blocks come with their middle 8-value quarters swapped (weights/blocks.py), so
+   too), times d_b in fp32. The offsets are sum_b m_b sum_{k in b} x, from the fp32 block sums
+   of x. With x in 8 bits (xparts_t's lowp, a prompt's opt-in) a is q itself with a scale per
+   block, sum q a times d_b sx_b (half the dot products), and the block sums are the rounded
+   x's. Q6_K's blocks come with their middle 8-value quarters swapped (weights/blocks.py), so
    that a byte's two nibbles share a 16-value scale: its lanes' scales go by halves of
    quarters. The high bits come as byte masks (vpmovm2b): for each group the mask of its
    low-nibble values, then of its high-nibble ones (per bit).
