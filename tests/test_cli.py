@@ -201,6 +201,15 @@ def test_bench_kernels_both_rows_decode_the_same_tokens(capsys):
     assert rows[0]["token_ids"] == rows[1]["token_ids"] and len(rows[0]["token_ids"]) == 16
 
 
+def test_bench_formats_without_the_llama_cpp_peer_is_refused(capsys):
+    """`--formats` picks the formats compared with llama.cpp: without `--peer llama.cpp` it was
+    silently ignored (the checkpoint ran as loaded: fp32 rows for a GGUF asked as `gguf`)."""
+    argv = ["bench", "--preset", "laneformer-tiny", "--formats", "gguf", "--no-peer"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--formats: only with --peer llama.cpp" in err and "Traceback" not in err
+
+
 def test_bench_on_a_cpu_measures_the_step_run_takes(capsys):
     """`bench` on a CPU decodes through the packed step where the C kernels are built (what
     `run` uses), beside the transformers peer on the same weights."""

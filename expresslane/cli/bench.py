@@ -64,9 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--formats",
         nargs="+",
         choices=("float32", "bfloat16", "float16", "int8", "int8-row", "gguf"),
-        default=["float32", "bfloat16", "int8"],
+        default=None,
         help="with --peer llama.cpp: our CPU weight formats to run (gguf: a GGUF checkpoint's own "
-        "blocks, against llama.cpp on that very file)",
+        "blocks, against llama.cpp on that very file; default: float32 bfloat16 int8)",
     )
     p.add_argument("--rounds", type=int, default=3, help="with --peer llama.cpp: rounds")
     p.add_argument(
@@ -141,6 +141,9 @@ def _commit() -> str:
 
 def main(args: argparse.Namespace) -> int:
     spec = speculative_from_args(args)  # exit 2 on a bad config, before anything loads
+    if args.formats is not None and args.peer != "llama.cpp":  # else silently not what was asked
+        raise ConfigError("--formats: only with --peer llama.cpp (the formats it is compared "
+                          "with); without it the checkpoint runs as it loads")  # fmt: skip
     model_cfg, checkpoint = _source(args)
     if spec is not None:
         return _main_speculative(args, spec, model_cfg, checkpoint)
@@ -158,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     if args.peer == "llama.cpp":  # our weight formats and llama.cpp's, in rounds
         if device.type != "cpu" or checkpoint is None:
             raise ConfigError("--peer llama.cpp: a checkpoint on the CPU (--device cpu)")
-        fmts, n = args.formats, args.rounds
+        fmts, n = args.formats or ["float32", "bfloat16", "int8"], args.rounds
         rows, notes = rounds.bench_vs_llamacpp(model_cfg, cfg, checkpoint, fmts, n)
         return _report(args, name, rows, machine, 1, notes, render=rounds.table)
     if not args.json:
