@@ -70,7 +70,7 @@ class Engine:
         (default: what a forward of the most tokens needs; below). `grammar_graphs`: capture
         constrained decoding's graphs at load too (step/split.py; benches that send no grammar
         leave them out of their load time). `prefill_dtype` "bfloat16": a CPU prefills long
-        prompts with bf16 products where the weights are quantized or bf16 (step/prefill.py:
+        prompts with bf16 products where the weights are quantized, bf16 or fp16 (step/prefill.py:
         faster, the logits within bf16's rounding of fp32's); "int8": that, and the C step's
         GGUF block-format products with 8-bit activations for shorter prompts, as llama.cpp's;
         "float32" (default): exact. Decode steps are exact whatever it is."""

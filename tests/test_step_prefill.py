@@ -213,8 +213,8 @@ def test_prefill_dtype_int8_is_the_forward_with_each_products_input_rounded_per_
 
 
 def test_products_follow_the_request_and_the_weights_formats():
-    """bf16 products only when asked for, where every format is quantized or bf16 and the CPU
-    has bf16 dot products; an unknown prefill_dtype is refused by name."""
+    """bf16 products only when asked for, where every format is quantized, bf16 or fp16 (not
+    fp32) and the CPU has bf16 dot products; an unknown prefill_dtype is refused by name."""
     from types import SimpleNamespace
 
     from expresslane.errors import RequestError
@@ -226,8 +226,9 @@ def test_products_follow_the_request_and_the_weights_formats():
     bf16 = torch.bfloat16 if available("bfloat16") else None
     assert products("q4_k", "q6_k") == products("q8_0", "bfloat16") == bf16
     assert products("q4_k", dtype=torch.float32) is None  # the default: fp32
-    assert products("float32") is None and products("q8_0", "float16") is None
-    assert {"float32", "float16"}.isdisjoint(BF16_PRODUCTS)
+    assert products("float32") is None and products("q8_0", "float32") is None
+    assert products("float16") == products("q8_0", "float16") == bf16  # fp16: asked for
+    assert "float32" not in BF16_PRODUCTS
     with pytest.raises(RequestError, match="prefill_dtype"):
         Engine(tiny.laneformer(seed=1, **MODELS["llama"]), max_model_len=32, prefill_dtype="fp8")
 

@@ -90,7 +90,7 @@ def add_prefill_dtype_argument(p: argparse.ArgumentParser) -> None:
         default="float32",
         choices=PREFILL_DTYPES,
         help="a CPU's prompts: float32 (default) is exact; bfloat16 multiplies long prompts' "
-        "quantized or bf16 weights in bf16 (~1.5x faster, logits within bf16's rounding) and "
+        "quantized, bf16 or fp16 weights in bf16 (~1.5x faster, logits within bf16's rounding) and "
         "short ones' bf16 weights with x in bf16; int8 also takes the GGUF block formats' "
         "activations in 8 bits per block, as llama.cpp does (up to ~1.3x faster on short "
         "prompts). Decoding stays exact",
