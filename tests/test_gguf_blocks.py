@@ -130,15 +130,6 @@ def test_a_rows_bits_do_not_depend_on_its_place_or_the_threads(ggml_type):
         torch.set_num_threads(before)
 
 
-def rounded_per_block(x: torch.Tensor) -> torch.Tensor:
-    """x as the 8-bit products take it (csrc/cpu_activations.c block8): per 32-value block
-    q = round(x / s), s = max |x| / 127 (1 for zeros), back to s q."""
-    xb = x.view(*x.shape[:-1], -1, 32)
-    a = xb.abs().amax(-1, keepdim=True)
-    s = torch.where(a > 0, a / 127, torch.ones_like(a))
-    return (torch.round(xb * (1 / s)).clamp(-127, 127) * s).view(x.shape)
-
-
 @pytest.mark.parametrize(
     "ggml_type, shape", [pytest.param(t, s, marks=_needs(t)) for t, s in CASES],
     ids=[f"{t}-{s}" for t, s in CASES],
@@ -154,7 +145,7 @@ def test_8_bit_products_are_the_product_of_x_rounded_per_block(ggml_type, shape)
     x[:, K // 2 :] *= 0.01  # blocks of very different sizes: each keeps its own scale
     got = native.native_matmul(q, x, lowp=True)
     w = q.dequantize().double()
-    ref = rounded_per_block(x).double() @ w.T
+    ref = native.lowp_activations(x, q.fmt).double() @ w.T
     tol = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-5
     assert ((got.double() - ref).abs() <= tol).all()
     one = torch.cat([native.native_matmul(q, x[s : s + 1], lowp=True) for s in range(7)])

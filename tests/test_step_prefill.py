@@ -184,8 +184,7 @@ def test_prefill_dtype_int8_is_the_forward_with_each_products_input_rounded_per_
     fp32 forward with every layer product's input rounded to 8 bits per 32-value block
     (llama.cpp's q8_0 activations): logits and cache to fp32's rounding; not the exact
     prefill's."""
-    from test_gguf_blocks import rounded_per_block
-
+    from expresslane.step.native import lowp_activations
     from expresslane.weights import packing
 
     model = tiny.laneformer(seed=13, **MODELS["llama"])
@@ -199,7 +198,7 @@ def test_prefill_dtype_int8_is_the_forward_with_each_products_input_rounded_per_
     own, head = packing.PackedProj.forward, set(model.lm_head.modules())
 
     def rounded(self, x):  # the layers' products, not the head's
-        return own(self, x if self in head else rounded_per_block(x))
+        return own(self, x if self in head else lowp_activations(x, fmt))
 
     with monkeypatch.context() as m, torch.inference_mode():
         m.setattr(packing.PackedProj, "forward", rounded)

@@ -13,6 +13,8 @@ at run time: fp32 and fp16 AVX-512F, bf16 AVX512_BF16, int8 and the GGUF block f
   is the S = 1 case of the same kernels, csrc/cpu_matmul.c). Used by PackedDecoder where it
   applies (`NativeStep.supports`).
 - `native_dequantize`: a block-format matrix's values (fp32 or bf16) for a long prefill's GEMM.
+- `lowp_activations`: what x is to the products with `lowp` (a prompt at llama.cpp's precision),
+  their reference.
 - `native_matmul`: the products alone; `cpu_matvec`, the one-token case as the operator
   `torch.ops.expresslane.cpu_matvec`, which the compiled multi-lane step calls in place of
   quant.matvec.
@@ -134,6 +136,22 @@ def native_matmul(w: QTensor, x: torch.Tensor, lowp: bool = False) -> torch.Tens
         return torch.cat([native_matmul(p, x, lowp) for p in w.stack], dim=-1)
     return _matmul(QTensor(w.fmt, *(None if t is None else t.contiguous() for t in w.parts)),
                    x, x.shape[0], lowp)  # fmt: skip
+
+
+def lowp_activations(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The reference of `lowp`: x (..., K) fp32 as a product in `fmt` takes it with x at
+    llama.cpp's precision, so that native_matmul(w, x, lowp=True) is w's values times this to
+    fp32's rounding. Block formats: per 32-value block q = round(x / s), s = max |x| / 127 (1 for
+    zeros), |q| <= 127, back to s q (csrc/cpu_activations.c block8); bf16: x rounded to bf16;
+    the others: x itself."""
+    if fmt == "bfloat16":
+        return x.bfloat16().float()
+    if fmt not in GGUF_FORMATS:
+        return x
+    xb = x.reshape(*x.shape[:-1], -1, 32)  # (..., K / 32, 32)
+    a = xb.abs().amax(-1, keepdim=True)
+    s = torch.where(a > 0, a / 127, torch.ones_like(a))
+    return (torch.round(xb * (1 / s)).clamp(-127, 127) * s).reshape(x.shape)
 
 
 def native_dequantize(w: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
