@@ -3,10 +3,12 @@
 - `forward`: the model's own forward in fp32 (the reference): its packed projections dequantize
   their blocks on every call, and its head dequantizes the vocabulary's matrix;
 - `layers`: StepPrefill's path for long prompts: the model's layers with their products in the
-  policy's dtype (bf16 for quantized or bf16 weights where the CPU multiplies bf16, the weights
-  from the C decoder), then the step's C head on the last row;
+  policy's dtype (bf16 for quantized, bf16 or fp16 weights where the CPU multiplies bf16 and
+  `--prefill-dtype` asks for it, the weights from the C decoder), then the step's C head on the
+  last row;
 - `step`: the packed decode step (step/packed.py, its C layers), 40 tokens a call, the blocks
-  read as stored.
+  read as stored; exact, or with x at llama.cpp's precision (`+lowp`: `--prefill-dtype int8`,
+  or bfloat16 on bf16 weights).
 
 StepPrefill takes the step up to `STEP_PREFILL_MAX` tokens (step/prefill.py) and `layers` above:
 this bench measures where they cross for each weight format. Per file and length: the best of
@@ -16,7 +18,7 @@ llama.cpp`, llama.cpp's own prefill of the same file and ids too (llama-cpp-pyth
 threads): its time and its difference from our fp32 forward, the yardstick for `layers`' bf16.
 
     python -m expresslane.bench.cpu_prefill [FILE.gguf ...] [--lengths 16 40 ...] [--threads 2]
-        [--peer llama.cpp]
+        [--peer llama.cpp] [--prefill-dtype float32|bfloat16|int8]
 
 Default files: SmolLM2-135M-Instruct as F32, Q8_0 and Q4_K_M (llama.cpp's quantizer writes
 them: gguf/variants.py). One table, then one JSON line.
@@ -74,6 +76,8 @@ def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int =
         raise SystemExit(f"{path}: its step cannot prefill (not the packed C step)")
     fmt = "+".join(sorted(engine.step.weights.formats))
     products = str(engine._prefill.products or torch.float32).replace("torch.", "")
+    if engine._prefill.lowp:  # the step's x at llama.cpp's precision (--prefill-dtype)
+        products += "+lowp"
     llm = None
     if peer:
         from pathlib import Path
@@ -97,7 +101,7 @@ def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int =
         rows.append(row)
         cells = "".join(f" {row[w]['ms']:>8.0f} {row[w]['max_abs_diff']:>6.3f}"
                         f"{'' if row[w]['argmax_agrees'] else '*'}" for w in runs)  # fmt: skip
-        print(f"{row['file'][:36]:<36} {fmt[:18]:<18} {products:<8} {n:>6}{cells}", flush=True)
+        print(f"{row['file'][:36]:<36} {fmt[:18]:<18} {products:<13} {n:>6}{cells}", flush=True)
     if llm is not None:
         llm.close()
     return rows
@@ -115,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill-dtype",
         choices=PREFILL_DTYPES,
         default="float32",
-        help="the layers' products (bfloat16: for quantized or bf16 weights)",
+        help="the layers' products (bfloat16: for quantized, bf16 or fp16 weights), and with "
+        "int8 (or bfloat16 on bf16 weights) the step's x at llama.cpp's precision: `products` "
+        "then reads +lowp",
     )
     args = ap.parse_args(argv)
     paths = files("cpu_prefill", args, "lengths", ["F32", "Q8_0", "Q4_K_M"])
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     ways = [*WAYS, *([args.peer] if args.peer else [])]
     head = "".join(f" {w + ' ms':>8} {'|d|':>6}" for w in ways)
-    print(f"{'file':<36} {'formats':<18} {'products':<8} {'tokens':>6}{head}  (* argmax differs)")
+    print(f"{'file':<36} {'formats':<18} {'products':<13} {'tokens':>6}{head}  (* argmax differs)")
     rows = measure_all(
         "cpu_prefill",
         paths,
