@@ -24,8 +24,8 @@
                prompt's opt-in) the hi part alone, sum w (q + 128) - 128 sum w, and a scale
                of x per block.
 
-   The q8_0 and nibble kernels sum each row's lanes 16 rows at a time (EL_TILES); the others
-   one row at a time.
+   Every kernel but int8's (whose integer sums are exact in any order) leaves a row's result
+   as 16 lanes, summed 16 rows at a time (EL_TILES).
 
    Every (row, token) is computed by the same instructions in the same order whatever the block
    it is in and whatever S: the kernels are instantiated per block size T, and T only repeats
@@ -54,7 +54,7 @@
 /* a row of fp32 / fp16 weights for T tokens: 4 accumulators each, the same chunks in each; x
    past K is zero (packed so) and the weights past K masked */
 #define DEF_FMA_ROWS(NAME, LD, LDM)                                                          \
-    T_F INLINE void NAME##_t(const void *w, const char *xp, int64_t K, float *out,           \
+    T_F INLINE void NAME##_t(const void *w, const char *xp, int64_t K, __m512 *out,          \
                              const int T) {                                                  \
         const int64_t CB = 64;                                                               \
         __m512 a[TMAX][4];                                                                   \
@@ -80,9 +80,9 @@
             const __m512 w0 = LDM(w, k, MASK16(K - k));                                      \
             for (int t = 0; t < T; t++) a[t][1] = _mm512_fmadd_ps(w0, XF(k / 16, t), a[t][1]); \
         }                                                                                    \
-        for (int t = 0; t < T; t++)                                                          \
-            out[t] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]),     \
-                                                        _mm512_add_ps(a[t][2], a[t][3])));   \
+        for (int t = 0; t < T; t++) /* 16 lanes, summed with the tile's (EL_TILES) */        \
+            out[t] = _mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]),                          \
+                                   _mm512_add_ps(a[t][2], a[t][3]));                         \
     }
 DEF_FMA_ROWS(rows_f32, ld_f32, ldm_f32)
 DEF_FMA_ROWS(rows_f16, ld_f16, ldm_f16)
@@ -92,7 +92,7 @@ DEF_FMA_ROWS(rows_f16, ld_f16, ldm_f16)
    and 2 Kp T bytes further among the lo parts; for one token, x_hi then x_lo. Chunks of hi and
    lo side by side (128 bytes a chunk) streamed SmolLM2's w2 (K = 1536) 20% slower with 2 threads
    on the 2-vCPU VM, the other shapes the same (why is not known). */
-T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float *out,
+T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, __m512 *out,
                              const int T, const int LOWP) { /* LOWP: the hi parts alone */
     const int64_t CB = 64, LO = 2 * ((K + 127) / 128 * 128) * T; /* 32 values; the lo plane */
     __m512 a0[TMAX], a1[TMAX], b0[TMAX], b1[TMAX];
@@ -118,63 +118,8 @@ T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, float
             if (!LOWP) b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(k / 32, t, LO)));
         }
     }
-    for (int t = 0; t < T; t++)
-        out[t] = _mm512_reduce_add_ps(
-            _mm512_add_ps(_mm512_add_ps(a0[t], a1[t]), _mm512_add_ps(b0[t], b1[t])));
-}
-
-/* ---- one block of tokens: the row kernels as functions, one per block size ------------- */
-/* A single block (S <= 5) goes through a plain loop over rows that calls these (one_block):
-   through span_fma / span_bf16 once per row or per group, fp32 and bf16 streamed 3-24% slower
-   with 2 threads than the 2026-11-23 matvec loop (SmolLM2's products, the 2-vCPU VM); the
-   kernels, and so the bits, are the same either way. */
-#define ROW_FN(NAME, ATTR, KERNEL, WT, n)                                                     \
-    ATTR static void NAME##_##n(const char *w, const char *xp, int64_t K, float *out) {        \
-        KERNEL((const WT *)w, xp, K, out, n);                                                 \
-    }
-#define BF16_HI(w, xp, K, out, n) rows_bf16_t(w, xp, K, out, n, 1)
-#define BF16_BOTH(w, xp, K, out, n) rows_bf16_t(w, xp, K, out, n, 0)
-#define ROW_FNS(NAME, ATTR, KERNEL, WT)                                                        \
-    ROW_FN(NAME, ATTR, KERNEL, WT, 1)                                                         \
-    ROW_FN(NAME, ATTR, KERNEL, WT, 2)                                                         \
-    ROW_FN(NAME, ATTR, KERNEL, WT, 3)                                                         \
-    ROW_FN(NAME, ATTR, KERNEL, WT, 4) ROW_FN(NAME, ATTR, KERNEL, WT, 5)
-ROW_FNS(one_f32, T_F, rows_f32_t, void)
-ROW_FNS(one_f16, T_F, rows_f16_t, void)
-ROW_FNS(one_bf16, T_BF, BF16_BOTH, uint16_t)
-ROW_FNS(one_bf16_hi, T_BF, BF16_HI, uint16_t)
-
-/* rows 0 .. rows - 1 of a single block of T tokens (lane l's at pk + l S per_token), split
-   over the threads in contiguous halves as the groups are */
-#define ONE_LOOP(FN)                                                                          \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")        \
-    for (int64_t r = 0; r < rows; r++) {                                                      \
-        const int64_t l = r / N;                                                              \
-        float res[TMAX];                                                                      \
-        FN((const char *)w->data + r * rb, pk + l * S * per_token, K, res);                   \
-        for (int t = 0; t < T; t++) y[(t * L + l) * ldy + (r - l * N)] = res[t];              \
-    }
-#define ONE_T(NAME)                           \
-    switch (T) {                              \
-    case 1: ONE_LOOP(NAME##_1) break;         \
-    case 2: ONE_LOOP(NAME##_2) break;         \
-    case 3: ONE_LOOP(NAME##_3) break;         \
-    case 4: ONE_LOOP(NAME##_4) break;         \
-    default: ONE_LOOP(NAME##_5) break;        \
-    }
-static void one_block(const qmat_t *w, const char *pk, float *y, int64_t ldy, int64_t S,
-                      int64_t L, int64_t N, int64_t K, int64_t per_token, const int T,
-                      int threads, int lowp) {
-    const int fmt = (int)w->fmt;
-    const int64_t rows = L * N, rb = el_row_bytes(fmt, K);
-    if (fmt == FMT_F32)
-        ONE_T(one_f32)
-    else if (fmt == FMT_F16)
-        ONE_T(one_f16)
-    else if (lowp)
-        ONE_T(one_bf16_hi)
-    else
-        ONE_T(one_bf16)
+    for (int t = 0; t < T; t++) /* 16 lanes, summed with the tile's (EL_TILES) */
+        out[t] = _mm512_add_ps(_mm512_add_ps(a0[t], a1[t]), _mm512_add_ps(b0[t], b1[t]));
 }
 
 /* ---- int8 (one scale per row): exact integer sums, so any order gives the same ------------ */
@@ -279,15 +224,15 @@ T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *x
 /* ---- rows for a block of T tokens, T a constant inside each case ------------------------ */
 T_F static void span_fma(const span_t *sp, int64_t r0, int64_t r1) {
     const int64_t K = sp->K, rb = el_row_bytes((int)sp->w->fmt, K);
-#define F32(n) EL_ROWS(sp, r0, r1, rb, n, rows_f32_t(wr, xp, K, res, n))
-#define F16(n) EL_ROWS(sp, r0, r1, rb, n, rows_f16_t(wr, xp, K, res, n))
+#define F32(n) EL_TILES(sp, r0, r1, rb, n, rows_f32_t(wr, xp, K, lanes, n))
+#define F16(n) EL_TILES(sp, r0, r1, rb, n, rows_f16_t(wr, xp, K, lanes, n))
     if (sp->w->fmt == FMT_F32) BY_T(sp->T, F32) else BY_T(sp->T, F16)
 }
 
 T_BF static void span_bf16(const span_t *sp, int64_t r0, int64_t r1) {
     const int64_t K = sp->K, rb = 2 * K;
-#define BF16(n) EL_ROWS(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, res, n, 0))
-#define BF16L(n) EL_ROWS(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, res, n, 1))
+#define BF16(n) EL_TILES(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, lanes, n, 0))
+#define BF16L(n) EL_TILES(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, lanes, n, 1))
     if (sp->P->lowp) BY_T(sp->T, BF16L) else BY_T(sp->T, BF16)
 }
 
@@ -370,11 +315,6 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
         for (int t = 0; t < Ts[b]; t++) v[t] = (s0 + t) * L + l;
         el_pack_block(fmt, &P, x, K, v, Ts[b], pk + (l * S + s0) * per_token);
     }
-    if (blocks == 1 && (fmt == FMT_F32 || fmt == FMT_F16 || fmt == FMT_BF16)) {
-        one_block(w, pk, y, ldy, S, L, N, K, per_token, Ts[0], threads, P.lowp);
-        free(own);
-        return 0;
-    }
     /* rows in groups that stay in L2 while each block of tokens reads them (a row re-read at
        once from L1 stalls the weight stream); at least one group per thread */
     const int64_t rows = L * N, rb = el_row_bytes(fmt, K);
@@ -386,7 +326,7 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
     /* one block of tokens (S <= 5, the integer and nibble formats) re-reads nothing, so the
        rows go one by one (a tile at a time where the kernel sums in tiles), each thread a
        contiguous half */
-    const int tiled = IS_NIBBLE(fmt) || fmt == FMT_Q8_0; /* EL_TILES */
+    const int tiled = fmt != FMT_I8; /* EL_TILES */
     const int64_t per = blocks == 1 ? (tiled ? TILE_ROWS : 1) : (rows + groups - 1) / groups;
     groups = (rows + per - 1) / per;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
