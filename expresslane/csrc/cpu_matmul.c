@@ -323,9 +323,8 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
        threads left one thread 2/3 of a bf16 product (the 2026-11-27 CPU regression) */
     const int64_t t = threads > 1 ? threads : 1;
     int64_t groups = ((rows + most - 1) / most + t - 1) / t * t;
-    /* one block of tokens (S <= 5, the integer and nibble formats) re-reads nothing, so the
-       rows go one by one (a tile at a time where the kernel sums in tiles), each thread a
-       contiguous half */
+    /* one block of tokens (S <= 5: a decode or verify step) re-reads nothing, so the rows go
+       a tile at a time (int8's one by one), each thread a contiguous half */
     const int tiled = fmt != FMT_I8; /* EL_TILES */
     const int64_t per = blocks == 1 ? (tiled ? TILE_ROWS : 1) : (rows + groups - 1) / groups;
     groups = (rows + per - 1) / per;
