@@ -40,6 +40,9 @@ from .run import add_prefill_dtype_argument, add_speculative_argument, speculati
 HELP = "benchmark time to first token, prefill and batch-1 decode speed (with a peer baseline)"
 
 
+PEER_FORMATS = ("float32", "bfloat16", "int8")  # --formats' default with --peer llama.cpp
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (or use --preset)")
     p.add_argument(
@@ -66,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("float32", "bfloat16", "float16", "int8", "int8-row", "gguf"),
         default=None,
         help="with --peer llama.cpp: our CPU weight formats to run (gguf: a GGUF checkpoint's own "
-        "blocks, against llama.cpp on that very file; default: float32 bfloat16 int8)",
+        f"blocks, against llama.cpp on that very file; default: {' '.join(PEER_FORMATS)})",
     )
     p.add_argument("--rounds", type=int, default=3, help="with --peer llama.cpp: rounds")
     p.add_argument(
@@ -161,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
     if args.peer == "llama.cpp":  # our weight formats and llama.cpp's, in rounds
         if device.type != "cpu" or checkpoint is None:
             raise ConfigError("--peer llama.cpp: a checkpoint on the CPU (--device cpu)")
-        fmts, n = args.formats or ["float32", "bfloat16", "int8"], args.rounds
+        fmts, n = args.formats or list(PEER_FORMATS), args.rounds
         rows, notes = rounds.bench_vs_llamacpp(model_cfg, cfg, checkpoint, fmts, n)
         return _report(args, name, rows, machine, 1, notes, render=rounds.table)
     if not args.json:

@@ -10,13 +10,14 @@
                        |a|, |b| <= 128 fit in int8 (the nibbles are the unsigned operand),
                        arranged per group of four 32-value blocks like the nibbles; and the
                        fp32 sums of x per block and per half block (the blocks' offsets).
-     lowp (opt-in)     bfloat16: x_hi alone (x's bf16 round). The others: one byte a value, half the dot products, with a scale per 32-value
-                       block as llama.cpp's q8_0 activations (one per vector lost ~4x the
+     lowp (opt-in)     bfloat16: x_hi alone (x's bf16 round). q8_0 and nibble formats: one
+                       byte a value (half the dot products) with a scale per 32-value block,
+                       as llama.cpp's q8_0 activations (one scale per vector lost ~4x the
                        precision to the outliers of real activations): q = round(x / sx_b),
                        |q| <= 127, sx_b = max |x| over the block / 127; q8_0 as the byte
                        q + 128, the nibble formats q itself arranged as above, with the sums
-                       of the rounded x (split_nibble8). In place of the `b` parts, per chunk the blocks'
-                       scales as 16 lanes (each block's on the lanes its products land on).
+                       of the rounded x (split_nibble8). In place of the `b` parts, per chunk
+                       the blocks' scales as 16 lanes (each block's where its products land).
 
    For S tokens the parts of a block of tokens are then interleaved chunk by chunk
    (el_pack_block), the same bytes in another order. */
@@ -92,6 +93,12 @@ int el_features(void) {
     return f = g;
 }
 
+/* round(v inv) to nearest even (as lrintf), clamped to [-top, top] */
+T_F INLINE __m512i round_clamp(__m512 v, __m512 inv, int32_t top) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+    return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(top)), _mm512_set1_epi32(-top));
+}
+
 T_BF static void split_bf16(const float *x, int64_t K, int64_t Kp, uint16_t *hi, uint16_t *lo) {
     for (int64_t k = 0; k < Kp; k += 16) {
         __mmask16 m = MASK_PAD(K, k);
@@ -112,9 +119,7 @@ T_VNNI INLINE float block8(const float *x, int64_t K, int64_t k, __m512i *q) {
     const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     const float sx = a > 0.0f ? a / 127.0f : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / sx);
-    const __m512i lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
-    q[0] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), lim), neg);
-    q[1] = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), lim), neg);
+    q[0] = round_clamp(v0, inv, 127), q[1] = round_clamp(v1, inv, 127);
     return sx;
 }
 
@@ -134,11 +139,8 @@ T_VNNI static void split_q8(const float *x, int64_t K, int64_t Kp, uint8_t *hi, 
 T_VNNI static float split_i16(const float *x, int64_t K, int64_t Kp, uint8_t *hi, uint8_t *lo) {
     const float a = abs_max(x, K), sx = a > 0.0f ? a / 32767.0f : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / sx);
-    const __m512i lim = _mm512_set1_epi32(32767), neg = _mm512_set1_epi32(-32767);
     for (int64_t k = 0; k < Kp; k += 16) {
-        __mmask16 m = MASK_PAD(K, k);
-        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), inv));
-        q = _mm512_max_epi32(_mm512_min_epi32(q, lim), neg);
+        const __m512i q = round_clamp(_mm512_maskz_loadu_ps(MASK_PAD(K, k), x + k), inv, 32767);
         __m512i hb = _mm512_add_epi32(_mm512_srai_epi32(q, 8), _mm512_set1_epi32(128));
         __m512i lb = _mm512_and_si512(q, _mm512_set1_epi32(255)); /* q - 256 floor(q / 256) */
         _mm_storeu_si128((__m128i *)(hi + k), _mm512_cvtepi32_epi8(hb));
@@ -183,11 +185,8 @@ T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *
                                  int8_t *a_hi, int8_t *b_lo, int8_t *b_hi, float *xs, int q6) {
     const float a = abs_max(x, K), sx = a > 0.0f ? a / 32639.0f : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / sx);
-    const __m512i lim = _mm512_set1_epi32(32639), neg = _mm512_set1_epi32(-32639);
     for (int64_t k = 0; k < Kp; k += 16) {
-        const __m512 v = _mm512_maskz_loadu_ps(MASK_PAD(K, k), x + k);
-        /* round to nearest even, as lrintf: the same q as one value at a time */
-        __m512i q = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)), lim), neg);
+        const __m512i q = round_clamp(_mm512_maskz_loadu_ps(MASK_PAD(K, k), x + k), inv, 32639);
         const __m512i ah = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
         const __m512i bl = _mm512_sub_epi32(q, _mm512_slli_epi32(ah, 8));
         put_nibble_order(_mm512_cvtepi32_epi8(ah), k, a_lo, a_hi, q6);

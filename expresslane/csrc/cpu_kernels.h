@@ -54,9 +54,10 @@ int64_t el_row_bytes(int fmt, int64_t K);
    fp16 and int8 ignore it. A row's bits still do not depend on S, but they are not the ones a
    decode step computes. */
 typedef struct {
-    char *a, *b;    /* per vector 2 Kp bytes each: hi / lo parts (nibble: a_lo a_hi / b_lo b_hi) */
+    char *a, *b;    /* per vector 2 Kp bytes each: hi / lo parts (nibble: a_lo a_hi / b_lo b_hi;
+                       lowp 8-bit: b holds the block scales as lanes, cpu_activations.c) */
     float *xs;      /* nibble formats: per vector Kp / 32 block sums of x, then Kp / 16 half-block sums */
-    float *sx;      /* integer formats: x's scale per vector */
+    float *sx;      /* integer formats: x's scale per vector (lowp 8-bit: 1, the scales per block) */
     int64_t Kp;     /* K padded to a multiple of 128 */
     int lowp;       /* x at llama.cpp's precision (above) */
 } xparts_t;
@@ -144,6 +145,22 @@ typedef struct {
     case 4: CALL(4); break;  \
     default: CALL(5); break; \
     }
+/* the same for kernels with a low-precision variant: CALL(T, LOWP), both constants (lowp: the
+   span's xparts_t flag) */
+#define BY_T_ARG(T, CALL, A)    \
+    switch (T) {                \
+    case 1: CALL(1, A); break;  \
+    case 2: CALL(2, A); break;  \
+    case 3: CALL(3, A); break;  \
+    case 4: CALL(4, A); break;  \
+    default: CALL(5, A); break; \
+    }
+#define BY_T_LOWP(T, lowp, CALL)   \
+    if (lowp) {                    \
+        BY_T_ARG(T, CALL, 1)       \
+    } else {                       \
+        BY_T_ARG(T, CALL, 0)       \
+    }
 
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1);
 
@@ -156,7 +173,8 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
    for all S, and each (row, token) computed by the same instructions in the same order whatever
    S is (one token is S = 1), so a row's bits do not depend on S. `work`:
    el_matmul_scratch(S, L, K) bytes, 64-aligned, or NULL to allocate; lowp: x at llama.cpp's
-   precision where the format takes it (xparts_t). Returns 0, or -1 when the CPU lacks the instructions. */
+   precision where the format takes it (xparts_t). Returns 0, or -1 when the CPU lacks the
+   instructions. */
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K);
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
               int64_t K, int threads, void *work, int lowp);

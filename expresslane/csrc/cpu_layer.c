@@ -310,7 +310,8 @@ T_F static void silu_mul(const float *gate, const float *up, int64_t F, float *o
    positions: causal among the new tokens because a later token's position is masked for an
    earlier query. Per token the same calls in the same order as one token alone, and products
    whose rows do not depend on S: a token's result does not depend on S. lowp: the products
-   take x in 8 bits where the format allows (cpu_kernels.h's xparts_t; a prompt's opt-in). */
+   take x at llama.cpp's precision where the format allows (cpu_kernels.h's xparts_t; a
+   prompt's opt-in). */
 T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const float *s,
                  int64_t position, int64_t live, float eps, char *scratch, int threads, int lowp) {
     const int64_t D = d[F_dim], Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim];

@@ -231,9 +231,8 @@ T_F static void span_fma(const span_t *sp, int64_t r0, int64_t r1) {
 
 T_BF static void span_bf16(const span_t *sp, int64_t r0, int64_t r1) {
     const int64_t K = sp->K, rb = 2 * K;
-#define BF16(n) EL_TILES(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, lanes, n, 0))
-#define BF16L(n) EL_TILES(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, lanes, n, 1))
-    if (sp->P->lowp) BY_T(sp->T, BF16L) else BY_T(sp->T, BF16)
+#define BF16(n, lp) EL_TILES(sp, r0, r1, rb, n, rows_bf16_t((const uint16_t *)wr, xp, K, lanes, n, lp))
+    BY_T_LOWP(sp->T, sp->P->lowp, BF16)
 }
 
 T_VNNI INLINE void row_i8(const span_t *sp, int64_t r, const char *wr, const char *xp,
@@ -259,12 +258,12 @@ T_VNNI INLINE void row_q8_0(const span_t *sp, int64_t r, const char *wr, const c
 T_VNNI static void span_int(const span_t *sp, int64_t r0, int64_t r1) {
     const int64_t rb = sp->K;
 #define I8(n) EL_ROWS(sp, r0, r1, rb, n, row_i8(sp, r, wr, xp, v, res, n))
-#define Q8(n)                                                                  \
-    if (sp->P->lowp)                                                             \
-        EL_TILES(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, lanes, n, 1))   \
-    else                                                                       \
-        EL_TILES(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, lanes, n, 0))
-    if (sp->w->fmt == FMT_I8) BY_T(sp->T, I8) else BY_T(sp->T, Q8)
+#define Q8(n, lp) EL_TILES(sp, r0, r1, rb, n, row_q8_0(sp, r, wr, xp, v, lanes, n, lp))
+    if (sp->w->fmt == FMT_I8) {
+        BY_T(sp->T, I8)
+    } else {
+        BY_T_LOWP(sp->T, sp->P->lowp, Q8)
+    }
 }
 
 static int block_tokens(int fmt) { return fmt >= FMT_I8 ? INT_TOKENS : FMA_TOKENS; }

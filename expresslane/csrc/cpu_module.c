@@ -103,7 +103,7 @@ static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI"},
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(fmt, w, scale, rowsum, mins, high, sub, x, y, S, L, N, K, threads, lowp=False) -> "
-     "status (lowp: x in 8 bits where the format takes it)"},
+     "status (lowp: x at llama.cpp's precision where the format takes it)"},
     {"dequant", py_dequant, METH_VARARGS,
      "dequant(fmt, w, scale, rowsum, mins, high, sub, out, N, K, bf16, threads) -> status"},
     {"layer_fields", py_layer_fields, METH_NOARGS, "names of a layer descriptor's int64 entries"},

@@ -215,21 +215,16 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
 #define SPAN(F)                                                                  \
     T_VNNI static void span_##F(const span_t *sp, int64_t r0, int64_t r1) {      \
         const int64_t rb = sp->K / 2;                                            \
-        BY_T(sp->T, ROW_##F)                                                     \
+        BY_T_LOWP(sp->T, sp->P->lowp, ROW_##F)                                   \
     }
-/* each T twice: x in 16 bits, or in 8 (lowp) */
-#define ROWS(F, n)                                                                   \
-    if (sp->P->lowp)                                                                   \
-        EL_TILES(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, lanes, n, 1))   \
-    else                                                                             \
-        EL_TILES(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, lanes, n, 0))
-#define ROW_Q4_0(n) ROWS(Q4_0, n)
-#define ROW_Q4_1(n) ROWS(Q4_1, n)
-#define ROW_Q5_0(n) ROWS(Q5_0, n)
-#define ROW_Q5_1(n) ROWS(Q5_1, n)
-#define ROW_Q4_K(n) ROWS(Q4_K, n)
-#define ROW_Q5_K(n) ROWS(Q5_K, n)
-#define ROW_Q6_K(n) ROWS(Q6_K, n)
+#define ROWS(F, n, lp) EL_TILES(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, lanes, n, lp))
+#define ROW_Q4_0(n, lp) ROWS(Q4_0, n, lp)
+#define ROW_Q4_1(n, lp) ROWS(Q4_1, n, lp)
+#define ROW_Q5_0(n, lp) ROWS(Q5_0, n, lp)
+#define ROW_Q5_1(n, lp) ROWS(Q5_1, n, lp)
+#define ROW_Q4_K(n, lp) ROWS(Q4_K, n, lp)
+#define ROW_Q5_K(n, lp) ROWS(Q5_K, n, lp)
+#define ROW_Q6_K(n, lp) ROWS(Q6_K, n, lp)
 SPAN(Q4_0)
 SPAN(Q4_1)
 SPAN(Q5_0)

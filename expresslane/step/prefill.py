@@ -157,7 +157,7 @@ class StepPrefill:
     With `lowp` (LOWP_BY_DTYPE: the formats allowed) the step's products take x at llama.cpp's
     precision (csrc/cpu_kernels.h: 8 bits per block, or bf16): half their dot products, the
     cache then not the bits decode steps would write. Only where every format of the step
-    that could is allowed: a Q8_0 head beside bf16 layers keeps 16 bits under bfloat16.
+    that could is allowed: bf16 matrices beside a Q8_0 one keep exact x under bfloat16.
     Anything else (every row's logits, explicit positions, another cache, hooks) runs the model
     itself, in fp32."""
 
@@ -168,8 +168,7 @@ class StepPrefill:
         bf16 = products == torch.bfloat16 and fmts <= BF16_PRODUCTS and available("bfloat16")
         self.products = torch.bfloat16 if bf16 else None  # None: the activations' fp32
         takes = fmts & LOWP_FORMATS  # the step's formats that would change
-        self.lowp = bool(takes) and takes <= lowp and available("bfloat16" if takes <= {"bfloat16"}
-                                                                else "q8_0")  # fmt: skip
+        self.lowp = bool(takes) and takes <= lowp and all(available(f) for f in takes)
         if max_tokens is None:
             table = STEP_PREFILL_MAX["lowp" if self.lowp else self.products]
             max_tokens = min(table.get(f, table[None]) for f in fmts)
