@@ -1,4 +1,4 @@
-"""GGUF's 4- to 8-bit block types kept as stored (weights/blocks.py) and their C products
+"""GGUF's 2- to 8-bit block types kept as stored (weights/blocks.py) and their C products
 (csrc/cpu_nibble.c): random valid blocks of every type on irregular shapes, against gguf-py's
 dequantization bit for bit, the product against that reference, and S tokens against S single
 tokens bit for bit per row."""
@@ -14,15 +14,16 @@ from expresslane.weights.quant import from_gguf
 
 gguf = pytest.importorskip("gguf")
 
-LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # blocks of 32 values
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # of 256
 # (N, K): K a multiple of 32 (legacy: partial last groups of 1-3 blocks) or of 256
 SHAPES = {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY} | {
     t: [(37, 256), (11, 768), (130, 512)] for t in KQUANTS
 }
 F16_AT = {  # byte offsets of a block's f16 fields (d, and m / dmin)
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82),
+    "IQ4_NL": (0,), "IQ4_XS": (0,),
 }  # fmt: skip
 
 
@@ -161,6 +162,9 @@ MIXES = {  # tensor kind -> GGUF type, as llama.cpp's quantizer mixes them
     # rows not a multiple of 256 fall back to legacy types: Q/K and V, gate and up differ
     "fallbacks": dict(q="Q5_0", k="Q5_0", v="Q8_0", o="Q5_1", gate="Q5_1", up="Q4_0",
                       down="Q4_K", embd="Q8_0"),
+    # the 2- to 4-bit types of Q2_K / Q3_K_M / IQ4_XS files side by side in fused products
+    "low_bits": dict(q="Q3_K", k="Q2_K", v="IQ4_XS", o="IQ4_NL", gate="Q2_K", up="Q3_K",
+                     down="IQ4_XS", embd="IQ4_NL"),
 }  # fmt: skip
 KIND = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate",
         "ffn_up": "up", "ffn_down": "down", "token_embd": "embd"}  # fmt: skip
@@ -170,7 +174,7 @@ def retyped(src, dst, mix: dict[str, str]):
     """The GGUF file src with every matrix stored as `mix` says: gguf-py's quantizer where it
     has one, else random blocks (K types)."""
     import numpy as np
-    from gguf_kit import random_raw, random_raw_from
+    from gguf_kit import QUANTIZABLE, random_raw, random_raw_from
 
     r = gguf.GGUFReader(str(src))
     w = gguf.GGUFWriter(str(dst), "llama")
@@ -187,7 +191,7 @@ def retyped(src, dst, mix: dict[str, str]):
             continue
         ty = mix[KIND[kind]]
         qt = gguf.GGMLQuantizationType[ty]
-        raw = random_raw(ty, *a.shape, seed=i) if ty.endswith("_K") else random_raw_from(a, ty)
+        raw = random_raw_from(a, ty) if ty in QUANTIZABLE else random_raw(ty, *a.shape, seed=i)
         w.add_tensor(t.name, raw, raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -78,8 +78,9 @@ def test_unknown_architecture(tmp_path, capsys):
 
 def test_unsupported_tensor_type(tmp_path, capsys):
     # a type llama.cpp has and we do not dequantize; its rows hold 256 values: a wider model
-    path = write_gguf(tmp_path / "m.gguf", "llama", _meta(d=256, f=256), _tensors("Q2_K", 256, 256))
-    _fails(capsys, path, "blk.0.attn_q.weight", "Q2_K", "Q4_K")
+    meta, tensors = _meta(d=256, f=256), _tensors("IQ2_XXS", 256, 256)
+    path = write_gguf(tmp_path / "m.gguf", "llama", meta, tensors)
+    _fails(capsys, path, "blk.0.attn_q.weight", "IQ2_XXS", "Q4_K", "IQ4_XS")
 
 
 def test_unknown_tensor_type_id(tmp_path, capsys):

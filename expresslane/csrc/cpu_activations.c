@@ -30,9 +30,13 @@
 
 static int64_t padded(int64_t K) { return (K + 127) / 128 * 128; }
 
-/* bytes of a row's data: fp32 4K, bf16/fp16 2K, int8/q8_0 K, nibble formats K / 2 */
+/* bytes of a row's data: fp32 4K, bf16/fp16 2K, int8/q8_0 K, nibble formats K / 2, crumbs K / 4 */
 int64_t el_row_bytes(int fmt, int64_t K) {
-    return fmt == FMT_F32 ? 4 * K : IS_NIBBLE(fmt) ? K / 2 : fmt >= FMT_I8 ? K : 2 * K;
+    return fmt == FMT_F32    ? 4 * K
+           : IS_CRUMB(fmt)  ? K / 4
+           : IS_NIBBLE(fmt) ? K / 2
+           : fmt >= FMT_I8  ? K
+                            : 2 * K;
 }
 
 int64_t el_split_scratch(int64_t V, int64_t K) {
@@ -167,8 +171,9 @@ T_F static void block_sums(const float *x, int64_t K, int64_t Kp, float *xs) {
 }
 
 /* the 16 bytes of x's half block at k (k % 16 == 0) where the nibble kernels read them: per
-   group of 4 blocks [blocks' values 0-15 | values 16-31], like the nibbles (q6: Q6_K's order,
-   weights/blocks.py: a half block's first 8 values low, 8 high) */
+   group of 4 blocks [blocks' values 0-15 | values 16-31], like the nibbles (q6: the order of
+   the formats with a scale per 16 values, weights/blocks.py: a half block's first 8 values
+   low, 8 high) */
 T_VNNI INLINE void put_nibble_order(__m128i b8, int64_t k, int8_t *lo, int8_t *hi, int q6) {
     const int64_t blk = k / 32, at = (blk / 4) * 64 + (blk % 4) * 16;
     if (q6) {
@@ -244,10 +249,10 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
             split_bf16(xv, K, Kp, (uint16_t *)pa, (uint16_t *)pb);
         else if (IS_NIBBLE(fmt) && p->lowp)
             split_nibble8(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (float *)pb, xs,
-                          fmt == FMT_Q6_K);
+                          IS_HALF16(fmt));
         else if (IS_NIBBLE(fmt))
             p->sx[v] = split_nibble(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (int8_t *)pb,
-                                    (int8_t *)pb + Kp / 2, xs, fmt == FMT_Q6_K);
+                                    (int8_t *)pb + Kp / 2, xs, IS_HALF16(fmt));
         else if (p->lowp)
             split_q8(xv, K, Kp, (uint8_t *)pa, (float *)pb);
         else

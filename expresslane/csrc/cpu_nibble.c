@@ -1,4 +1,4 @@
-/* The products of GGUF's 4-, 5- and 6-bit formats, read as stored (re-laid at load by
+/* The products of GGUF's 2- to 6-bit formats, read as stored (re-laid at load by
    expresslane/weights/quant.py for 64-byte loads; never dequantized): for a block of T tokens,
    one weight row at a time, each group of 128 values (four 32-value blocks) split into its
    values and scales once and used for every token of the block.
@@ -11,15 +11,23 @@
      q4_K   per 256: d, dmin f16, per 32 a 6-bit scale s and min m: w = (d s) q - (dmin m)
      q5_K   as q4_K, one more bit
      q6_K   per 256: d f16, per 16 an int8 scale s: w = (d s) (q - 32)
+     q3_K   per 256: d f16, per 16 an int8 scale s: w = (d s) (q - 4), q of 3 bits
+     q2_K   per 256: d, dmin f16, per 16 a 4-bit scale s and min m: w = (d s) q - (dmin m)
+     iq4_NL d f16, q an index into a grid of 16 (weights/blocks.py): w = d (u - 128)
+     iq4_XS per 256: d f16, per 32 an int8 scale s: w = (d s) (u - 128)
+
+   Q3_K and Q2_K keep 2 low bits a value as stored (crumbs, four a byte), spread into the
+   nibbles' two vectors by one broadcast load and two shifts. The IQ4 formats' nibbles are
+   looked up (vpshufb) into u = grid + 128, unsigned, whose offset is -128.
 
    The nibbles are vpdpbusd's unsigned operand, x's two signed bytes (cpu_activations.c) the
    other: per block sum q x = 256 sum q a + sum q b exactly in int32 (< 2^24, so exact in fp32
-   too), times d_b in fp32. The offsets are sum_b m_b sum_{k in b} x, from the fp32 block sums
+   too; the IQ4 formats' u up to 241 reach 2^26, rounded once to fp32), times d_b in fp32. The offsets are sum_b m_b sum_{k in b} x, from the fp32 block sums
    of x. With x in 8 bits (xparts_t's lowp, a prompt's opt-in) a is q itself with a scale per
    block, sum q a times d_b sx_b (half the dot products), and the block sums are the rounded
-   x's. Q6_K's blocks come with their middle 8-value quarters swapped (weights/blocks.py), so
-   that a byte's two nibbles share a 16-value scale: its lanes' scales go by halves of
-   quarters. The high bits come as byte masks (vpmovm2b): for each group the mask of its
+   x's. The blocks of the formats with 16-value scales (Q6_K, Q3_K, Q2_K) come with their
+   middle 8-value quarters swapped (weights/blocks.py), so that a byte's two nibbles share a
+   scale: its lanes' scales go by halves of quarters. The high bits come as byte masks (vpmovm2b): for each group the mask of its
    low-nibble values, then of its high-nibble ones (per bit).
 
    `el_dequant` writes the values themselves (fp32 or bf16), decoded by the same group loader:
@@ -32,6 +40,14 @@
 #include "simd.h"
 
 #ifdef EL_X86
+
+/* d per superblock of 256 values (else per block of 32) */
+#define IS_SUPER(F) ((F) == FMT_Q4_K || (F) == FMT_Q5_K || (F) == FMT_IQ4_XS || IS_HALF16(F))
+#define IS_IQ4(F) ((F) == FMT_IQ4_NL || (F) == FMT_IQ4_XS)
+
+/* the IQ4 grid (ggml's kvalues_iq4nl, gguf/quants.py IQ4_VALUES) plus 128: unsigned bytes */
+static const uint8_t IQ4_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197,
+                                  217, 241};
 
 /* per group: the values of its low and high nibbles (4 blocks x 16 bytes each), the scales of
    the blocks (16 lanes, a block's on its quarter; Q6_K: a 16-value scale on each half) */
@@ -56,23 +72,46 @@ T_VNNI INLINE void add_bit(group_t *G, const uint8_t *p, int64_t n, char bit) {
     G->hi = _mm512_or_si512(G->hi, _mm512_maskz_mov_epi8(mh, b));
 }
 
-/* f16 d of the superblock times 4 byte scales, each on its quarter */
-T_VNNI INLINE __m512 k_scales(uint16_t d, __m128i s4) {
+/* f16 d of the superblock times 4 byte scales (signed: int8, else uint8), each on its quarter */
+T_VNNI INLINE __m512 k_scales(uint16_t d, __m128i s4, int is_signed) {
     const __m512i pick = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m128 ds = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(d)), _mm_cvtepi32_ps(_mm_cvtepu8_epi32(s4)));
+    const __m128i s = is_signed ? _mm_cvtepi8_epi32(s4) : _mm_cvtepu8_epi32(s4);
+    const __m128 ds = _mm_mul_ps(_mm_set1_ps(_cvtsh_ss(d)), _mm_cvtepi32_ps(s));
     return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(ds));
+}
+
+/* f16 d of the superblock times 8 byte scales of 16 values, scale i on lanes 2i and 2i + 1 */
+T_VNNI INLINE __m512 half_scales(uint16_t d, __m256i s8) {
+    const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d)), _mm256_cvtepi32_ps(s8));
+    const __m512i pick = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(ds));
 }
 
 /* group g of a row (n <= 4 blocks in it) */
 T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t *d,
                                  const uint8_t *high, const int8_t *sub, int64_t g, int64_t n) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i v = n == 4 ? _mm512_loadu_si512(q + g * 64)
-                             : _mm512_maskz_loadu_epi8(((__mmask64)1 << (16 * n)) - 1, q + g * 64);
     group_t G;
-    G.lo = _mm512_and_si512(v, low4);
-    G.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if (IS_CRUMB(FMT)) { /* 32 bytes in both halves; lo: bits 0-1 | 2-3, hi: bits 4-5 | 6-7 */
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + g * 32)));
+        const __m512i three = _mm512_set1_epi8(3);
+        const __m512i s_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+        const __m512i s_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+        G.lo = _mm512_and_si512(_mm512_srlv_epi16(v, s_lo), three);
+        G.hi = _mm512_and_si512(_mm512_srlv_epi16(v, s_hi), three);
+    } else {
+        const __m512i v = n == 4 ? _mm512_loadu_si512(q + g * 64)
+                                 : _mm512_maskz_loadu_epi8(((__mmask64)1 << (16 * n)) - 1, q + g * 64);
+        G.lo = _mm512_and_si512(v, low4);
+        G.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    if (IS_IQ4(FMT)) { /* indices -> the grid plus 128 */
+        const __m512i u = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_U));
+        G.lo = _mm512_shuffle_epi8(u, G.lo);
+        G.hi = _mm512_shuffle_epi8(u, G.hi);
+    }
     if (FMT == FMT_Q5_0 || FMT == FMT_Q5_1 || FMT == FMT_Q5_K) add_bit(&G, high + g * 16, n, 0x10);
+    if (FMT == FMT_Q3_K) add_bit(&G, high + g * 16, 4, 0x04);
     if (FMT == FMT_Q6_K) {
         add_bit(&G, high + g * 32, 4, 0x10);
         add_bit(&G, high + g * 32 + 16, 4, 0x20);
@@ -80,14 +119,18 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
     if (FMT == FMT_Q4_K || FMT == FMT_Q5_K) { /* superblock g / 2, its scales 4 (g % 2) on */
         int32_t s;
         memcpy(&s, sub + (g / 2) * 16 + (g % 2) * 4, 4);
-        G.dv = k_scales(d[g / 2], _mm_cvtsi32_si128(s));
-    } else if (FMT == FMT_Q6_K) { /* 8 scales of 16 values, scale i on lanes 2i and 2i + 1 */
+        G.dv = k_scales(d[g / 2], _mm_cvtsi32_si128(s), 0);
+    } else if (FMT == FMT_IQ4_XS) { /* an int8 scale per 32 values: 4 a group */
+        int32_t s;
+        memcpy(&s, sub + g * 4, 4);
+        G.dv = k_scales(d[g / 2], _mm_cvtsi32_si128(s), 1);
+    } else if (IS_HALF16(FMT)) { /* 8 scales of 16 values */
         int64_t s8;
         memcpy(&s8, sub + (g / 2) * 16 + (g % 2) * 8, 8);
-        const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d[g / 2])),
-                                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(s8))));
-        const __m512i pick = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-        G.dv = _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(ds));
+        const __m128i s = _mm_cvtsi64_si128(s8);
+        G.dv = half_scales(d[g / 2], FMT == FMT_Q2_K
+                                         ? _mm256_cvtepu8_epi32(_mm_and_si128(s, _mm_set1_epi8(0x0F)))
+                                         : _mm256_cvtepi8_epi32(s));
     } else {
         G.dv = quarter_scales(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), d + g * 4));
     }
@@ -119,34 +162,40 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
                                 int64_t Kp, __m512 *off, const int T) {
     __m512 acc[TMAX];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    if (FMT == FMT_Q4_K || FMT == FMT_Q5_K) { /* - dmin m_j per superblock of 8 blocks */
+    if (FMT == FMT_Q4_K || FMT == FMT_Q5_K || FMT == FMT_IQ4_XS) { /* per 32 values: the K-quants'
+        - dmin m_j, iq4_XS's - 128 d s_j; a superblock of 8 blocks at a time */
         __m256 a8[TMAX];
         for (int t = 0; t < T; t++) a8[t] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nb / 8; sb++) {
             int64_t m8;
-            memcpy(&m8, sub + sb * 16 + 8, 8);
-            __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(m8)));
-            __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(mn[sb])), mf);
+            memcpy(&m8, FMT == FMT_IQ4_XS ? sub + sb * 8 : sub + sb * 16 + 8, 8);
+            const __m128i m = _mm_cvtsi64_si128(m8);
+            __m256 mf = _mm256_cvtepi32_ps(FMT == FMT_IQ4_XS ? _mm256_cvtepi8_epi32(m)
+                                                             : _mm256_cvtepu8_epi32(m));
+            __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(FMT == FMT_IQ4_XS ? d[sb] : mn[sb])), mf);
             for (int t = 0; t < T; t++)
                 a8[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs[t] + sb * 8), a8[t]);
         }
-        for (int t = 0; t < T; t++)
-            off[t] = _mm512_zextps256_ps512(_mm256_sub_ps(_mm256_setzero_ps(), a8[t]));
+        const __m256 k = _mm256_set1_ps(FMT == FMT_IQ4_XS ? -128.0f : -1.0f);
+        for (int t = 0; t < T; t++) off[t] = _mm512_zextps256_ps512(_mm256_mul_ps(a8[t], k));
         return;
     }
-    if (FMT == FMT_Q6_K) { /* - 32 d s_j per 16 values */
+    if (IS_HALF16(FMT)) { /* per 16 values: - 32 d s_j (q6_K), - 4 d s_j (q3_K), - dmin m_j */
         for (int64_t sb = 0; sb < nb / 8; sb++) {
-            __m512 sf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_loadu_si128((const __m128i *)(sub + sb * 16))));
-            __m512 ds = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[sb])), sf);
+            const __m128i s = _mm_loadu_si128((const __m128i *)(sub + sb * 16));
+            __m512 sf = _mm512_cvtepi32_ps(FMT == FMT_Q2_K
+                                               ? _mm512_srli_epi32(_mm512_cvtepu8_epi32(s), 4)
+                                               : _mm512_cvtepi8_epi32(s));
+            __m512 ds = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(FMT == FMT_Q2_K ? mn[sb] : d[sb])), sf);
             for (int t = 0; t < T; t++)
                 acc[t] = _mm512_fmadd_ps(ds, _mm512_loadu_ps(xs[t] + Kp / 32 + sb * 16), acc[t]);
         }
-        for (int t = 0; t < T; t++) off[t] = _mm512_mul_ps(acc[t], _mm512_set1_ps(-32.0f));
+        const float k = FMT == FMT_Q6_K ? -32.0f : FMT == FMT_Q3_K ? -4.0f : -1.0f;
+        for (int t = 0; t < T; t++) off[t] = _mm512_mul_ps(acc[t], _mm512_set1_ps(k));
         return;
     }
     const uint16_t *src = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 ? mn : d;
-    const float k = FMT == FMT_Q4_0 ? -8.0f : FMT == FMT_Q5_0 ? -16.0f : 1.0f;
+    const float k = FMT == FMT_Q4_0 ? -8.0f : FMT == FMT_Q5_0 ? -16.0f : FMT == FMT_IQ4_NL ? -128.0f : 1.0f;
     for (int64_t b = 0; b < nb; b += 16) { /* the last 16 masked */
         const __mmask16 m = MASK(nb, b);
         __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + b));
@@ -193,16 +242,13 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
                          const int LOWP) {
     const qmat_t *w = sp->w;
     const int64_t K = sp->K, Kp = sp->P->Kp;
-    const int64_t per = FMT == FMT_Q4_K || FMT == FMT_Q5_K || FMT == FMT_Q6_K ? K / 256 : K / 32;
+    const int64_t per = IS_SUPER(FMT) ? K / 256 : K / 32;
     const uint16_t *d = (const uint16_t *)w->scale + r * per;
-    const uint16_t *mn = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 || FMT == FMT_Q4_K || FMT == FMT_Q5_K
-                             ? (const uint16_t *)w->mins + r * per
-                             : NULL;
-    const uint8_t *high = FMT == FMT_Q4_0 || FMT == FMT_Q4_1 || FMT == FMT_Q4_K ? NULL
-                          : (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8));
-    const int8_t *sub = FMT == FMT_Q4_K || FMT == FMT_Q5_K || FMT == FMT_Q6_K
-                            ? (const int8_t *)w->sub + r * (K / 16)
-                            : NULL;
+    const uint16_t *mn = w->mins ? (const uint16_t *)w->mins + r * per : NULL;
+    const uint8_t *high = w->high ? (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8))
+                                  : NULL;
+    const int8_t *sub = w->sub ? (const int8_t *)w->sub + r * (K / (FMT == FMT_IQ4_XS ? 32 : 16))
+                               : NULL;
     const float *bsum[TMAX];
     float sx[TMAX];
     for (int t = 0; t < T; t++) {
@@ -214,7 +260,7 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
 
 #define SPAN(F)                                                                  \
     T_VNNI static void span_##F(const span_t *sp, int64_t r0, int64_t r1) {      \
-        const int64_t rb = sp->K / 2;                                            \
+        const int64_t rb = el_row_bytes(FMT_##F, sp->K);                         \
         BY_T_LOWP(sp->T, sp->P->lowp, ROW_##F)                                   \
     }
 #define ROWS(F, n, lp) EL_TILES(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, lanes, n, lp))
@@ -225,6 +271,10 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
 #define ROW_Q4_K(n, lp) ROWS(Q4_K, n, lp)
 #define ROW_Q5_K(n, lp) ROWS(Q5_K, n, lp)
 #define ROW_Q6_K(n, lp) ROWS(Q6_K, n, lp)
+#define ROW_Q3_K(n, lp) ROWS(Q3_K, n, lp)
+#define ROW_Q2_K(n, lp) ROWS(Q2_K, n, lp)
+#define ROW_IQ4_NL(n, lp) ROWS(IQ4_NL, n, lp)
+#define ROW_IQ4_XS(n, lp) ROWS(IQ4_XS, n, lp)
 SPAN(Q4_0)
 SPAN(Q4_1)
 SPAN(Q5_0)
@@ -232,6 +282,10 @@ SPAN(Q5_1)
 SPAN(Q4_K)
 SPAN(Q5_K)
 SPAN(Q6_K)
+SPAN(Q3_K)
+SPAN(Q2_K)
+SPAN(IQ4_NL)
+SPAN(IQ4_XS)
 
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
     switch ((int)sp->w->fmt) {
@@ -241,6 +295,10 @@ void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
     case FMT_Q5_1: span_Q5_1(sp, r0, r1); break;
     case FMT_Q4_K: span_Q4_K(sp, r0, r1); break;
     case FMT_Q5_K: span_Q5_K(sp, r0, r1); break;
+    case FMT_Q3_K: span_Q3_K(sp, r0, r1); break;
+    case FMT_Q2_K: span_Q2_K(sp, r0, r1); break;
+    case FMT_IQ4_NL: span_IQ4_NL(sp, r0, r1); break;
+    case FMT_IQ4_XS: span_IQ4_XS(sp, r0, r1); break;
     default: span_Q6_K(sp, r0, r1); break;
     }
 }
@@ -264,7 +322,7 @@ T_VNNI INLINE __m512 u8_ps(const uint8_t *p) {
 }
 
 /* block blk (32 values, q: its 16 low- and 16 high-nibble values) with weights/blocks.py's
-   operations in its order: w = d (q - 8), d q + m, (d s) q - (dmin m), (d s) (q - 32) */
+   operations in its order: w = d (q - 8), d q + m, (d s) q - (dmin m), (d s) (q - 32), ... */
 T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh,
                              const uint16_t *d, const uint16_t *mn, const int8_t *sub,
                              int64_t blk, void *out, int bf16) {
@@ -280,8 +338,22 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
         const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[blk])), m = _mm512_set1_ps(_cvtsh_ss(mn[blk]));
         w0 = _mm512_add_ps(_mm512_mul_ps(dv, q0), m);
         w1 = _mm512_add_ps(_mm512_mul_ps(dv, q1), m);
-    } else if (FMT == FMT_Q6_K) { /* values 0-15: the low nibbles' 0-7, the high ones' 0-7 */
-        const float dd = _cvtsh_ss(d[sb]), c = 32.0f;
+    } else if (IS_IQ4(FMT)) { /* the grid: u - 128 */
+        const __m512 c = _mm512_set1_ps(128.0f);
+        const __m512 dv = _mm512_set1_ps(FMT == FMT_IQ4_NL ? _cvtsh_ss(d[blk])
+                                                           : _cvtsh_ss(d[sb]) * (float)sub[blk]);
+        w0 = _mm512_mul_ps(dv, _mm512_sub_ps(q0, c));
+        w1 = _mm512_mul_ps(dv, _mm512_sub_ps(q1, c));
+    } else if (FMT == FMT_Q2_K) { /* values 0-15: the low crumbs' 0-7, the high ones' 0-7 */
+        const uint8_t *s = (const uint8_t *)sub + sb * 16 + 2 * j;
+        const float dd = _cvtsh_ss(d[sb]), dm = _cvtsh_ss(mn[sb]);
+        const __m512 v0 = _mm512_shuffle_f32x4(q0, q1, 0x44), v1 = _mm512_shuffle_f32x4(q0, q1, 0xEE);
+        w0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd * (float)(s[0] & 15)), v0),
+                           _mm512_set1_ps(dm * (float)(s[0] >> 4)));
+        w1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd * (float)(s[1] & 15)), v1),
+                           _mm512_set1_ps(dm * (float)(s[1] >> 4)));
+    } else if (IS_HALF16(FMT)) { /* q6_K, q3_K: values 0-15 the low nibbles' 0-7, the high 0-7 */
+        const float dd = _cvtsh_ss(d[sb]), c = FMT == FMT_Q6_K ? 32.0f : 4.0f;
         const __m512 lo = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j]);
         const __m512 hi = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j + 1]);
         const __m512 v0 = _mm512_shuffle_f32x4(q0, q1, 0x44), v1 = _mm512_shuffle_f32x4(q0, q1, 0xEE);
@@ -302,13 +374,14 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
 T_VNNI INLINE void deq_row(const int FMT, const qmat_t *w, int64_t r, int64_t K, void *out,
                            int bf16) {
     const int64_t nb = K / 32;
-    const int64_t per = FMT == FMT_Q4_K || FMT == FMT_Q5_K || FMT == FMT_Q6_K ? K / 256 : K / 32;
-    const uint8_t *q = (const uint8_t *)w->data + r * (K / 2);
+    const int64_t per = IS_SUPER(FMT) ? K / 256 : K / 32;
+    const uint8_t *q = (const uint8_t *)w->data + r * el_row_bytes(FMT, K);
     const uint16_t *d = (const uint16_t *)w->scale + r * per;
     const uint16_t *mn = w->mins ? (const uint16_t *)w->mins + r * per : NULL;
-    const uint8_t *high = FMT == FMT_Q4_0 || FMT == FMT_Q4_1 || FMT == FMT_Q4_K ? NULL
-                          : (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8));
-    const int8_t *sub = w->sub ? (const int8_t *)w->sub + r * (K / 16) : NULL;
+    const uint8_t *high = w->high ? (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8))
+                                  : NULL;
+    const int8_t *sub = w->sub ? (const int8_t *)w->sub + r * (K / (FMT == FMT_IQ4_XS ? 32 : 16))
+                               : NULL;
     uint8_t lo[64] __attribute__((aligned(64))), hi[64] __attribute__((aligned(64)));
     for (int64_t g = 0; g * 4 < nb; g++) {
         const int64_t n = nb - g * 4 >= 4 ? 4 : nb - g * 4;
@@ -344,6 +417,10 @@ DEQ(Q5_1)
 DEQ(Q4_K)
 DEQ(Q5_K)
 DEQ(Q6_K)
+DEQ(Q3_K)
+DEQ(Q2_K)
+DEQ(IQ4_NL)
+DEQ(IQ4_XS)
 
 int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int threads) {
     void (*row)(const qmat_t *, int64_t, int64_t, void *, int);
@@ -356,10 +433,13 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
     case FMT_Q4_K: row = deq_Q4_K; break;
     case FMT_Q5_K: row = deq_Q5_K; break;
     case FMT_Q6_K: row = deq_Q6_K; break;
+    case FMT_Q3_K: row = deq_Q3_K; break;
+    case FMT_Q2_K: row = deq_Q2_K; break;
+    case FMT_IQ4_NL: row = deq_IQ4_NL; break;
+    case FMT_IQ4_XS: row = deq_IQ4_XS; break;
     default: return -1;
     }
-    if (!(el_features() & HAS_VNNI) || K % 32 || (w->fmt >= FMT_Q4_K && w->fmt <= FMT_Q6_K && K % 256))
-        return -1;
+    if (!(el_features() & HAS_VNNI) || K % 32 || (IS_SUPER(w->fmt) && K % 256)) return -1;
     const int64_t rb = K * (bf16 ? 2 : 4);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t r = 0; r < N; r++) row(w, r, K, (char *)out + r * rb, bf16);

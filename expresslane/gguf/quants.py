@@ -13,6 +13,13 @@ per block of `values` weights and `bytes` bytes:
     Q4_K (256, 144): d, dmin:f16, 8 x (6-bit scale, 6-bit min), nibbles[128]
     Q5_K (256, 176): as Q4_K, plus one high bit per value in qh[32]
     Q6_K (256, 210): low nibbles ql[128], 2 high bits qh[64], int8 scales[16], d:f16
+    Q3_K (256, 110): high bits hmask[32], 2 low bits qs[64], 16 6-bit scales[12], d:f16
+                     x = (d (s - 32)) (q - 4), q = low + 4 high
+    Q2_K  (256, 84): per 16 a 4-bit scale and min scales[16], 2 bits qs[64], d, dmin:f16
+                     x = (d s) q - (dmin m)
+    IQ4_NL (32, 18): d:f16, nibbles[16]                       x = d IQ4_VALUES[q]
+    IQ4_XS (256, 136): d:f16, 8 6-bit scales (high 2 bits u16, low 4 bits [4]), nibbles[128]
+                     x = (d (s - 32)) IQ4_VALUES[q], a scale per 32 values
 
 In the 32-value blocks the low nibbles are values 0-15 and the high nibbles 16-31; the K types
 pack each 64 values of a super-block as 32 bytes, low nibbles first.
@@ -25,9 +32,13 @@ import torch
 from ..errors import CheckpointError
 from .reader import GGUFHeader
 
-SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24,
-               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # fmt: skip
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+             "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")  # fmt: skip
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84,
+               "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18,
+               "IQ4_XS": 136}  # fmt: skip
+# the non-linear 4-bit grid of IQ4_NL and IQ4_XS (ggml-common.h's kvalues_iq4nl)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -152,5 +163,53 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q.reshape(-1, 2, 4, 2, 16).float()).reshape(-1)
 
 
+def _crumbs(qs: torch.Tensor, halves: int) -> torch.Tensor:
+    """(n, 32 halves) bytes -> (n, 128 halves) 2-bit values: value 128 h + 32 j + l is bits 2j,
+    2j + 1 of byte 32 h + l (Q2_K and Q3_K's qs)."""
+    shifts = torch.arange(0, 8, 2, dtype=torch.int32).reshape(1, 1, 4, 1)
+    q = qs.reshape(-1, halves, 1, 32).to(torch.int32) >> shifts  # (n, halves, 4, 32)
+    return (q & 3).reshape(-1, 128 * halves)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    sc = b[:, 0:16].to(torch.int32)  # (n, 16): scale low, min high, per 16 values
+    dl = (_f16(b, 80) * (sc & 0x0F).float()).unsqueeze(-1)  # (n, 16, 1)
+    ml = (_f16(b, 82) * (sc >> 4).float()).unsqueeze(-1)
+    q = _crumbs(b[:, 16:80], 2).reshape(-1, 16, 16).float()
+    return (dl * q - ml).reshape(-1)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    s = b[:, 96:108].to(torch.int32)
+    low = torch.cat((s[:, 0:8] & 0x0F, s[:, 0:8] >> 4), 1)  # (n, 16): bits 0-3 of scale i
+    shifts = torch.arange(0, 8, 2, dtype=torch.int32).reshape(1, 4, 1)
+    high = ((s[:, None, 8:12] >> shifts) & 3).reshape(-1, 16)  # scale 4 i + j: byte 8 + j
+    dl = (_f16(b, 108) * ((low | high << 4) - 32).float()).unsqueeze(-1)  # (n, 16, 1)
+    hm = b[:, 0:32].reshape(-1, 1, 32).to(torch.int32)
+    h = (hm >> torch.arange(8, dtype=torch.int32).reshape(1, 8, 1)) & 1  # (n, 8, 32): 32 i + l
+    q = _crumbs(b[:, 32:96], 2) - ((h.reshape(-1, 256) ^ 1) << 2)  # the offset 4 where unset
+    return (dl * q.reshape(-1, 16, 16).float()).reshape(-1)
+
+
+def _iq4(q: torch.Tensor) -> torch.Tensor:
+    """Indices 0..15 -> IQ4_VALUES, fp32."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32)[q.long()]
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return (_f16(b, 0) * _iq4(_nibbles(b[:, 2:18]))).reshape(-1)
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    sl = b[:, 4:8].to(torch.int32)
+    low = torch.stack((sl & 0x0F, sl >> 4), -1).reshape(-1, 8)  # scale 2 k + h: byte k, nibble h
+    sh = b[:, 2].to(torch.int32) | b[:, 3].to(torch.int32) << 8  # (n,) u16
+    high = (sh[:, None] >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3  # (n, 8)
+    dl = (_f16(b, 0) * ((low | high << 4) - 32).float()).unsqueeze(-1)  # (n, 8, 1)
+    q = _nibbles(b[:, 8:136].reshape(-1, 16)).reshape(-1, 8, 32)  # 32 values per 16 bytes
+    return (dl * _iq4(q)).reshape(-1)
+
+
 _BLOCK_FNS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-              "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}  # fmt: skip
+              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+              "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}  # fmt: skip

@@ -6,7 +6,8 @@ tensor dequantized by our reader (bit for bit gguf-py's dequantization) and writ
 gguf-py's GGUFWriter, metadata and tokenizer copied. That F32 file is then quantized into each type
 of `TYPES` by `llama_cpp.llama_model_quantize` (llama-cpp-python), so the files are what
 llama.cpp's `llama-quantize` writes, mixes included (Q4_K_M: Q4_K and Q6_K, with Q5_0/Q8_0 for
-SmolLM2's 576-wide rows, which are not a multiple of 256).
+SmolLM2's 576-wide rows, which are not a multiple of 256; Q2_K, Q3_K_* and IQ4_XS fall back to
+IQ4_NL there).
 
 Q4_1 is the fetched file itself: llama.cpp's quantizer wrote it too, from the original weights.
 Files live beside the model in the cache, written to a temporary name then renamed:
@@ -33,9 +34,11 @@ from .quants import raw_to_float
 from .reader import read_header
 
 # llama.cpp's llama_ftype numbers (include/llama.h): what `llama-quantize` names each mix.
-FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
-          "Q6_K": 18, "Q4_K_M": 15, "Q5_K_M": 17, "BF16": 32}  # fmt: skip
-TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16")
+FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
+          "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
+          "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}  # fmt: skip
+TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16",
+         "Q2_K", "Q3_K_M", "IQ4_NL", "IQ4_XS")  # fmt: skip
 STEM = "SmolLM2-135M-Instruct"
 
 

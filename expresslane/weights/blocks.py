@@ -14,6 +14,13 @@ gguf-py's order of operations, so the two agree bit for bit (tests/test_gguf_blo
     q5_k   as q4_k, and high (N, K/8)
     q6_k   nibbles, high (N, K/4) (two bits), scale d f16 per 256, sub (N, K/16) int8: a scale
            per 16 values                                             w = (d s) (q - 32)
+    q3_k   crumbs, high (N, K/8), scale d f16 per 256, sub (N, K/16) int8 (GGUF's 6-bit scale
+           minus 32) per 16 values                                   w = (d s) (q - 4)
+    q2_k   crumbs, scale d and mins dmin f16 per 256, sub (N, K/16) uint8 as stored: per 16
+           values a scale s (low 4 bits) and a min m (high 4)        w = (d s) q - (dmin m)
+    iq4_nl nibbles (indices into IQ4_VALUES), scale f16 per 32       w = d IQ4_VALUES[q]
+    iq4_xs nibbles, scale d f16 per 256, sub (N, K/32) int8 (6-bit scale minus 32) per 32
+                                                                     w = (d s) IQ4_VALUES[q]
 
 Nibbles: in each block of 32 values, byte j holds value j in its low nibble and value j + 16 in
 its high one (GGUF's Q4_0 / Q4_1 order; the K-quants are re-laid to it). Q6_K's block is stored
@@ -23,27 +30,49 @@ scaling, as for the other formats, rather than scale each apart. High bits: per 
 four blocks (n <= 4 in the last), the mask of the values in the low nibbles (2n bytes: block b's
 value j is bit 16 b + j), then of those in the high nibbles (value 16 + j); Q6_K has bit 4's two
 masks, then bit 5's.
+
+Crumbs (q2_k, q3_k: values of 2 low bits): per group of four 32-value blocks, 32 bytes; with lo
+the group's values 0-15 of each block (64, block by block) and hi its values 16-31, byte i holds
+lo[i], lo[32 + i], hi[i], hi[32 + i] in bits 0-1, 2-3, 4-5, 6-7: one 32-byte load broadcast to
+both halves of a register and shifted gives the nibble formats' two vectors (csrc/cpu_nibble.c).
+Their 16-value scales take Q6_K's swapped quarters too; q3_k's third bit is a mask like q5's.
+The IQ4 formats' nibbles are indices into a grid of 16 values (IQ4_VALUES, -127..113), which
+the kernels look up as IQ4_VALUES + 128 (unsigned) and offset by -128.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..gguf.quants import IQ4_VALUES
+
 QK = 256  # values of a K-quant superblock
 # GGUF type -> (our format, values a block, bytes a block)
 TYPES = {
     "Q8_0": ("q8_0", 32, 34), "Q4_0": ("q4_0", 32, 18), "Q4_1": ("q4_1", 32, 20),
     "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", QK, 144),
-    "Q5_K": ("q5_k", QK, 176), "Q6_K": ("q6_k", QK, 210),
+    "Q5_K": ("q5_k", QK, 176), "Q6_K": ("q6_k", QK, 210), "Q3_K": ("q3_k", QK, 110),
+    "Q2_K": ("q2_k", QK, 84), "IQ4_NL": ("iq4_nl", 32, 18), "IQ4_XS": ("iq4_xs", QK, 136),
 }  # fmt: skip
-NIBBLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
-K_QUANTS = ("q4_k", "q5_k", "q6_k")
-BITS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6}
+# the formats of csrc/cpu_nibble.c's kernels (nibbles, or crumbs, in `data`)
+NIBBLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl",
+          "iq4_xs")  # fmt: skip
+K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")  # superblocks of 256 values
+CRUMB = ("q3_k", "q2_k")  # 2 low bits a value in `data`
+HALF16 = ("q6_k", "q3_k", "q2_k")  # a scale per 16 values: quarters swapped
+IQ4 = ("iq4_nl", "iq4_xs")
+BITS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "q3_k": 3,
+        "q2_k": 2, "iq4_nl": 4, "iq4_xs": 4}  # fmt: skip
 
 
 def block_values(fmt: str) -> int:
     """K must be a multiple of this for `fmt`."""
     return QK if fmt in K_QUANTS else 32
+
+
+def values_per_byte(fmt: str) -> int:
+    """Values a byte of `data` holds."""
+    return 4 if fmt in CRUMB else 2 if fmt in NIBBLE else 1
 
 
 # --- nibbles and bit masks ----------------------------------------------------------------------
@@ -56,6 +85,21 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
     b = data.reshape(*data.shape[:-1], -1, 16)  # (..., K/32, 16)
     return torch.cat((b & 0x0F, b >> 4), dim=-1).reshape(*data.shape[:-1], -1)
+
+
+def pack_crumbs(q: torch.Tensor) -> torch.Tensor:
+    """q (..., K) values 0..3, K % 128 == 0 -> (..., K/4) uint8 (the module docstring's order)."""
+    g = q.to(torch.uint8).reshape(*q.shape[:-1], -1, 4, 32)  # (..., K/128, block, 32)
+    lo, hi = g[..., :16].flatten(-2), g[..., 16:].flatten(-2)  # (..., K/128, 64) each
+    b = lo[..., :32] | lo[..., 32:] << 2 | hi[..., :32] << 4 | hi[..., 32:] << 6
+    return b.flatten(-2)
+
+
+def unpack_crumbs(data: torch.Tensor) -> torch.Tensor:
+    b = data.reshape(*data.shape[:-1], -1, 32)  # (..., K/128, 32)
+    lo = torch.cat((b & 3, (b >> 2) & 3), -1).unflatten(-1, (4, 16))  # (..., K/128, block, 16)
+    hi = torch.cat(((b >> 4) & 3, b >> 6), -1).unflatten(-1, (4, 16))
+    return torch.cat((lo, hi), -1).reshape(*data.shape[:-1], -1)
 
 
 _POW = 1 << torch.arange(8, dtype=torch.int32)
@@ -104,9 +148,11 @@ def unpack_masks(masks: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def pack_high(q: torch.Tensor, fmt: str) -> torch.Tensor | None:
-    """The bits above the nibble of q (..., K) as masks: None (4 bits), K/8 or K/4 bytes."""
-    if BITS[fmt] == 4:
+    """The bits above the nibble (crumb) of q (..., K) as masks: None, K/8 or K/4 bytes."""
+    if BITS[fmt] in (2, 4):
         return None
+    if BITS[fmt] == 3:
+        return pack_masks((q >> 2) & 1)
     m4 = pack_masks((q >> 4) & 1)
     if BITS[fmt] == 5:
         return m4
@@ -123,10 +169,15 @@ def swap_quarters(q: torch.Tensor) -> torch.Tensor:
 
 
 def values(fmt: str, data: torch.Tensor, high: torch.Tensor | None) -> torch.Tensor:
-    """The unsigned values q (..., K) uint8 of a nibble format, in the matrix's order."""
-    q = unpack_nibbles(data)
+    """The unsigned values q (..., K) uint8 of a nibble format, in the matrix's order (the IQ4
+    formats: indices into IQ4_VALUES)."""
+    q = unpack_crumbs(data) if fmt in CRUMB else unpack_nibbles(data)
     K = q.shape[-1]
-    if BITS[fmt] == 5:
+    if fmt == "q3_k":
+        q = swap_quarters(q | (unpack_masks(high, K) << 2))
+    elif fmt == "q2_k":
+        q = swap_quarters(q)
+    elif BITS[fmt] == 5:
         q = q | (unpack_masks(high, K) << 4)
     elif BITS[fmt] == 6:
         h = high.reshape(*high.shape[:-1], -1, 2, 16)  # (..., K/128, bit, 16)
@@ -141,13 +192,24 @@ def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor
     lead = data.shape[:-1]
     if fmt == "q8_0":
         return (data.reshape(*lead, -1, 32).float() * scale.float().unsqueeze(-1)).flatten(-2)
-    q = values(fmt, data, high).float()
+    q = values(fmt, data, high)
+    q = _IQ4[q.long()] if fmt in IQ4 else q.float()
+    if fmt == "iq4_nl":
+        return (scale.float().unsqueeze(-1) * q.reshape(*lead, -1, 32)).reshape(*lead, -1)
     if fmt in K_QUANTS:
         d = scale.float().unsqueeze(-1)  # (..., K/256, 1)
+        if fmt == "iq4_xs":
+            ds = (d * sub.view(torch.int8).reshape(*lead, -1, 8).float()).unsqueeze(-1)
+            return (ds * q.reshape(*lead, -1, 8, 32)).reshape(*lead, -1)  # (..., K/256, 8, 32)
         s = sub.reshape(*lead, -1, 16)
-        if fmt == "q6_k":
+        if fmt in ("q6_k", "q3_k"):
             ds = (d * s.view(torch.int8).float()).unsqueeze(-1)  # (..., K/256, 16, 1)
-            return (ds * (q.reshape(*lead, -1, 16, 16) - 32.0)).reshape(*lead, -1)
+            off = 32.0 if fmt == "q6_k" else 4.0
+            return (ds * (q.reshape(*lead, -1, 16, 16) - off)).reshape(*lead, -1)
+        if fmt == "q2_k":
+            ds = (d * (s & 0x0F).float()).unsqueeze(-1)  # (..., K/256, 16, 1)
+            dm = (mins.float().unsqueeze(-1) * (s >> 4).float()).unsqueeze(-1)
+            return (ds * q.reshape(*lead, -1, 16, 16) - dm).reshape(*lead, -1)
         ds = (d * s[..., :8].float()).unsqueeze(-1)  # (..., K/256, 8, 1)
         dm = (mins.float().unsqueeze(-1) * s[..., 8:].float()).unsqueeze(-1)
         return (ds * q.reshape(*lead, -1, 8, 32) - dm).reshape(*lead, -1)
@@ -156,6 +218,9 @@ def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor
     if fmt in ("q4_0", "q5_0"):
         return (d * (qb - (8.0 if fmt == "q4_0" else 16.0))).reshape(*lead, -1)
     return (d * qb + mins.float().unsqueeze(-1)).reshape(*lead, -1)
+
+
+_IQ4 = torch.tensor(IQ4_VALUES, dtype=torch.float32)
 
 
 # --- from a GGUF file's bytes -------------------------------------------------------------------
@@ -169,6 +234,40 @@ def _k_scales(s: torch.Tensor) -> torch.Tensor:
     sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), -1)
     mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), -1)
     return torch.cat((sc, mn), -1)
+
+
+def _iq4_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
+    """IQ4_NL / IQ4_XS blocks (N, K/bv, bytes): their nibbles are in our order already."""
+    at = 2 if fmt == "iq4_nl" else 8
+    f = dict(data=b[..., at:].reshape(N, K // 2).contiguous(), scale=_f16(b[..., :2]))
+    if fmt == "iq4_xs":  # 6-bit scales: low 4 bits from bytes 4-7, high 2 from the u16 at 2
+        sl, sh = b[..., 4:8].to(torch.int32), b[..., 2:4].to(torch.int32)
+        low = torch.stack((sl & 0x0F, sl >> 4), -1).flatten(-2)  # (N, K/256, 8)
+        word = (sh[..., :1] | sh[..., 1:] << 8) >> torch.arange(0, 16, 2, dtype=torch.int32)
+        sc = (low | (word & 3) << 4) - 32
+        f["sub"] = sc.to(torch.int8).reshape(N, -1).view(torch.uint8)
+    return f
+
+
+def _crumb_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
+    """Q2_K / Q3_K blocks (N, K/256, bytes): values re-laid, scales unpacked (Q3_K) or kept."""
+    at = 16 if fmt == "q2_k" else 32  # qs: 64 bytes
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    q = b[..., at : at + 64].reshape(N, -1, 2, 1, 32) >> shifts & 3
+    q = q.reshape(N, K)  # (N, K/256, half, j, 32): value 128 half + 32 j + l
+    f = dict(scale=_f16(b[..., 80:82] if fmt == "q2_k" else b[..., 108:110]))
+    if fmt == "q2_k":
+        f.update(mins=_f16(b[..., 82:84]), sub=b[..., :16].reshape(N, -1).contiguous())
+    else:
+        hm = b[..., :32].reshape(N, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+        q = q | ((hm & 1).reshape(N, K) << 2)  # (N, K/256, 8, 32): bit i of byte l, 32 i + l
+        s = b[..., 96:108].to(torch.int32)
+        lo = torch.cat((s[..., 0:8] & 0x0F, s[..., 0:8] >> 4), -1)  # (N, K/256, 16)
+        hi = (s[..., None, 8:12] >> torch.arange(0, 8, 2, dtype=torch.int32)[:, None]) & 3
+        sc = (lo | hi.flatten(-2) << 4) - 32  # scale 4 i + j: bits 2i, 2i + 1 of byte 8 + j
+        f["sub"] = sc.to(torch.int8).reshape(N, -1).view(torch.uint8)
+    q = swap_quarters(q)
+    return dict(f, data=pack_crumbs(q & 3), high=pack_high(q, fmt))
 
 
 def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str, dict] | None:
@@ -189,6 +288,10 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
         qh = b[..., at : at + 4].contiguous().view(torch.int32)  # (N, K/32, 1) bit j: value j
         bit = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # (N, K/32, 32)
         return fmt, dict(f, data=nib, high=pack_masks(bit.reshape(N, K).to(torch.uint8)))
+    if fmt in IQ4:
+        return fmt, _iq4_fields(fmt, b, N, K)
+    if fmt in CRUMB:
+        return fmt, _crumb_fields(fmt, b, N, K)
     if fmt == "q6_k":
         ql = (
             b[..., :128].reshape(N, -1, 2, 1, 64)

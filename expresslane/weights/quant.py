@@ -9,9 +9,10 @@ A `QTensor` is a weight (..., N, K) (leading lane axes allowed) in one storage f
     q8_0                         GGUF Q8_0 kept as it was stored, planar: data (..., N, K) int8,
                                  scale (..., N, K/32) f16: w = d_block * q
     q4_0 q4_1 q5_0 q5_1          GGUF's 4- to 6-bit blocks kept as stored, re-laid planar
-    q4_k q5_k q6_k               (nibbles in `data`, higher bits in `high`, block scales in
-                                 `scale` / `mins`, K-quant sub-block scales in `sub`): see
-                                 blocks.py, which owns their layout and reference values
+    q4_k q5_k q6_k q3_k q2_k     (nibbles or 2-bit crumbs in `data`, higher bits in `high`,
+    iq4_nl iq4_xs                block scales in `scale` / `mins`, K-quant sub-block scales in
+                                 `sub`): see blocks.py, which owns their layout and reference
+                                 values
 
 A GGUF file may store the parts of one fused matrix in different formats (llama.cpp's Q4_K_M: Q
 and K in Q5_0, V in Q8_0); their stack is a QTensor of format "mixed" whose `stack` holds the
@@ -66,7 +67,8 @@ class QTensor:
             first = self.stack[0].shape
             return torch.Size((*first[:-2], sum(p.shape[-2] for p in self.stack), first[-1]))
         if self.fmt in blocks.NIBBLE:
-            return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1]))
+            per = blocks.values_per_byte(self.fmt)
+            return torch.Size((*self.data.shape[:-1], per * self.data.shape[-1]))
         return self.data.shape
 
     @property
