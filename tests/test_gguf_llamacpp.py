@@ -72,7 +72,7 @@ def test_every_type_in_the_file_dequantizes_like_gguf_py(type_name, smollm2_gguf
     for name, info in header.tensors.items():
         by_type.setdefault(info.type_name, []).append(name)
     # Q4_K_M: mostly Q4_K, with Q6_K and fallbacks; Q2_K: Q3_K (variants.TYPES says why)
-    main = {"Q2_K": "Q3_K"}.get(type_name, type_name.removesuffix("_M"))
+    main = {"Q2_K": "Q3_K"}.get(type_name, type_name.removesuffix(variants.PURE).removesuffix("_M"))
     assert main in by_type, sorted(by_type)
     for kind, names in by_type.items():
         for name in {names[0], names[-1], *(n for n in names if n == "token_embd.weight")}:

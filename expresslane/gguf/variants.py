@@ -38,16 +38,19 @@ FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1"
           "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
           "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}  # fmt: skip
 # Q2_K: SmolLM2's file holds Q3_K (llama.cpp's Q2_K mix puts ffn_down, the one matrix whose rows
-# are a multiple of 256, in Q3_K) and no Q2_K; Q2_K_S, which would, needs an imatrix.
+# are a multiple of 256, in Q3_K) and no Q2_K; Q2_K_S, which would, needs an imatrix. "-pure"
+# asks the quantizer for no mix (llama-quantize --pure): Q2_K-pure holds Q2_K in ffn_down.
+PURE = "-pure"
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16",
-         "Q2_K", "IQ4_NL", "IQ4_XS")  # fmt: skip
+         "Q2_K", "Q2_K-pure", "IQ4_NL", "IQ4_XS")  # fmt: skip
 STEM = "SmolLM2-135M-Instruct"
 
 
 def path(type_name: str, cache: Path | None = None) -> Path:
     """Where the SmolLM2 GGUF of `type_name` ("Q4_K_M", ..., or "F32") is cached."""
-    if type_name not in FTYPES:
-        raise CheckpointError(f"no SmolLM2 variant {type_name!r}; known: {', '.join(FTYPES)}")
+    if type_name.removesuffix(PURE) not in FTYPES:
+        known = ", ".join(FTYPES)
+        raise CheckpointError(f"no SmolLM2 variant {type_name!r}; known: {known} (each + {PURE})")
     fetched = smollm2_path(cache)
     return fetched if type_name == "Q4_1" else fetched.parent / f"{STEM}.{type_name}.gguf"
 
@@ -109,7 +112,8 @@ def _quantize(src: Path, out: Path, type_name: str) -> Path:
             "pip install llama-cpp-python"
         ) from None
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = FTYPES[type_name]
+    params.ftype = FTYPES[type_name.removesuffix(PURE)]
+    params.pure = type_name.endswith(PURE)
     params.nthread = os.cpu_count() or 1
     with _atomic(out) as tmp:
         rc = llama_cpp.llama_model_quantize(
