@@ -123,7 +123,8 @@ def hf_to_gguf(
     split: int = 0,
 ) -> Path:
     """A transformers Llama/Mistral/Qwen2/Qwen3 model written as llama.cpp would (2-D weights in
-    `weight_type`, norms and biases F32); `extra` adds or overrides metadata keys, `rope_freqs`
+    `weight_type`, random blocks where gguf-py cannot quantize to it; norms and biases F32);
+    `extra` adds or overrides metadata keys, `rope_freqs`
     is written as llama.cpp's `rope_freqs.weight` tensor."""
     cfg = model.config
     arch = cfg.model_type if cfg.model_type in ("qwen2", "qwen3") else "llama"
@@ -139,7 +140,12 @@ def hf_to_gguf(
         elif arch == "llama" and "k_proj" in key:
             w = permute(w, kv)
         kind = weight_type if w.ndim == 2 else "F32"
-        data = w if kind == "F32" else random_raw_from(w, kind)
+        if kind == "F32":
+            data = w
+        elif kind in QUANTIZABLE:
+            data = random_raw_from(w, kind)
+        else:  # a type gguf-py cannot quantize: random blocks of the tensor's shape
+            data = random_raw(kind, *w.shape, seed=len(tensors))
         tensors[gguf_name(key)] = (data, kind)
     if rope_freqs is not None:
         tensors["rope_freqs.weight"] = (rope_freqs, "F32")

@@ -98,6 +98,25 @@ def test_q4_k_repacks_to_ggufs_dequantization():
     _close(qgemv(g.to(DEVICE), x), x @ gguf_dequantize(raw, "Q4_K", (n, k)).T.to(DEVICE), x.dtype)
 
 
+@pytest.mark.parametrize("ggml_type, k", [("IQ4_NL", 96), ("IQ4_XS", 512)])
+def test_iq4_blocks_repack_to_int8_with_ggufs_values(ggml_type, k):
+    """IQ4's grid values as int8 with the block's scale (IQ4_XS: d times its 6-bit scale, in
+    fp32): gguf-py's dequantization bit for bit, and the int8 product on it."""
+    pytest.importorskip("gguf")
+    from gguf_kit import random_raw
+
+    from expresslane.gguf.quants import dequantize as gguf_dequantize
+    from expresslane.weights.quant import from_gguf
+
+    n = 5
+    raw = torch.from_numpy(random_raw(ggml_type, n, k, seed=k))
+    g = gpu_pack.from_qtensor(from_gguf(ggml_type, raw, (n, k)))
+    want = gguf_dequantize(raw, ggml_type, (n, k))
+    assert g.fmt == "int8" and g.group == 32 and torch.equal(g.dequantize()[0], want)
+    x = torch.randn(2, 1, k, device=DEVICE)
+    _close(qgemv(g.to(DEVICE), x), x @ want.T.to(DEVICE), x.dtype)
+
+
 @pytest.fixture(scope="module")
 def tiny_pair():
     import tiny
@@ -161,10 +180,10 @@ def test_quantization_names_are_checked():
         gpu_pack.quantize(torch.zeros(4, 64), "int4", 64)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1", "IQ4_NL"])
 def test_gguf_blocks_repack_into_the_model(tmp_path, monkeypatch, ggml_type):
-    """A Llama GGUF's Q8_0 / Q4_1 matrices (projections and the tied head) on the kernels give
-    the logits of the same file loaded as floats (its dequantized values)."""
+    """A Llama GGUF's Q8_0 / Q4_1 / IQ4_NL matrices (projections and the tied head) on the
+    kernels give the logits of the same file loaded as floats (its dequantized values)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     from gguf_kit import hf_to_gguf

@@ -45,7 +45,7 @@
 #define IS_SUPER(F) ((F) == FMT_Q4_K || (F) == FMT_Q5_K || (F) == FMT_IQ4_XS || IS_HALF16(F))
 #define IS_IQ4(F) ((F) == FMT_IQ4_NL || (F) == FMT_IQ4_XS)
 
-/* the IQ4 grid (ggml's kvalues_iq4nl, gguf/quants.py IQ4_VALUES) plus 128: unsigned bytes */
+/* the IQ4 grid (ggml's kvalues_iq4nl, weights/blocks.py IQ4_VALUES) plus 128: unsigned bytes */
 static const uint8_t IQ4_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197,
                                   217, 241};
 

@@ -44,8 +44,6 @@ from __future__ import annotations
 
 import torch
 
-from ..gguf.quants import IQ4_VALUES
-
 QK = 256  # values of a K-quant superblock
 # GGUF type -> (our format, values a block, bytes a block)
 TYPES = {
@@ -61,6 +59,8 @@ K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")  # superblocks of 
 CRUMB = ("q3_k", "q2_k")  # 2 low bits a value in `data`
 HALF16 = ("q6_k", "q3_k", "q2_k")  # a scale per 16 values: quarters swapped
 IQ4 = ("iq4_nl", "iq4_xs")
+# the non-linear 4-bit grid of IQ4_NL and IQ4_XS (ggml-common.h's kvalues_iq4nl)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 BITS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "q3_k": 3,
         "q2_k": 2, "iq4_nl": 4, "iq4_xs": 4}  # fmt: skip
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from . import blocks
 from .quant import BLOCK, QTensor
 
 CHUNK = 64  # int4 values per 32-byte nibble chunk (Q4_K's order)
@@ -154,13 +155,24 @@ def quantize(w: torch.Tensor, fmt: str, group: int, scale_dtype=torch.float16) -
 
 
 def from_qtensor(q: QTensor) -> GPUQuant:
-    """A packed CPU weight in GGUF Q8_0 or Q4_1 blocks, repacked for the GPU (same values)."""
+    """A packed CPU weight in GGUF Q8_0, Q4_1, IQ4_NL or IQ4_XS blocks, repacked for the GPU
+    (same values). IQ4's grid is not linear, so its values go to int8 (the grid value itself,
+    with the block's scale): 8 bits a value where the file has 4, half of bf16's bytes; a
+    kernel that looks the grid up in registers would keep IQ4's (not done)."""
     lane = q.data.dim() == 2  # (N, K): one lane
-    data, scale, mins = [None if t is None else (t.unsqueeze(0) if lane else t)
-                         for t in (q.data, q.scale, q.mins)]  # fmt: skip
+    data, scale, mins, sub = [None if t is None else (t.unsqueeze(0) if lane else t)
+                              for t in (q.data, q.scale, q.mins, q.sub)]  # fmt: skip
     k = q.shape[-1]
     kp = _padded(k, BLOCK)
     pad_groups = (kp - k) // BLOCK
+    if q.fmt in blocks.IQ4:
+        index = blocks.values(q.fmt, data, None).long()  # (L, N, K)
+        grid = torch.tensor(blocks.IQ4_VALUES, dtype=torch.int8)[index]
+        if q.fmt == "iq4_xs":  # d per 256 times an int8 scale per 32: fp32, as the reference
+            d = scale.float().repeat_interleave(blocks.QK // BLOCK, dim=-1)  # (L, N, K/32)
+            scale = d * sub.view(torch.int8).float()
+        scale = torch.nn.functional.pad(scale, (0, pad_groups))
+        return GPUQuant("int8", BLOCK, k, _pad_k(grid, kp).contiguous(), scale.contiguous())
     if q.fmt == "q8_0":
         scale = torch.nn.functional.pad(scale, (0, pad_groups))
         return GPUQuant("int8", BLOCK, k, _pad_k(data, kp).contiguous(), scale.contiguous())
@@ -171,7 +183,7 @@ def from_qtensor(q: QTensor) -> GPUQuant:
         mins = torch.nn.functional.pad(mins, (0, pad_groups))
         return GPUQuant("int4", BLOCK, k, pack_nibbles(_pad_k(values, kp)), scale.contiguous(),
                         mins.contiguous())  # fmt: skip
-    raise ValueError(f"no GPU layout for the {q.fmt} format (Q8_0 and Q4_1 blocks repack)")
+    raise ValueError(f"no GPU layout for the {q.fmt} format (Q8_0, Q4_1 and IQ4 blocks repack)")
 
 
 Q4_K_BYTES = 144  # d f16, dmin f16, scales[12], qs[128] for 256 values
