@@ -99,6 +99,19 @@ def test_c_dequantize_is_the_reference_bit_for_bit(ggml_type, shape):
     assert torch.equal(native.native_dequantize(lanes), torch.stack([ref, ref.flip(0)]))
 
 
+@pytest.mark.parametrize("ggml_type", [pytest.param(t, marks=_needs(t)) for t in KQUANTS])
+def test_a_k_that_superblocks_do_not_divide_is_refused(ggml_type):
+    """The kernels read whole superblocks (the 2-bit loader whole groups of 128 values): a
+    matrix cut to 128 columns is refused, not read past its rows."""
+    from expresslane.weights.quant import QTensor
+
+    q = from_gguf(ggml_type, random_blocks(ggml_type, 3, 256, 1), (3, 256))
+    per = q.data.shape[-1] // 2  # half of each row's data: K = 128
+    cut = QTensor(q.fmt, q.data[:, :per].contiguous(), *q.parts[1:])
+    with pytest.raises(RuntimeError, match="refused"):
+        native.native_matmul(cut, torch.randn(2, 128))
+
+
 @pytest.mark.parametrize("ggml_type", [pytest.param(t, marks=_needs(t)) for t in TYPES])
 def test_s_token_rows_are_the_single_token_bits(ggml_type):
     N, K = (19, 512) if ggml_type in KQUANTS else (19, 352)

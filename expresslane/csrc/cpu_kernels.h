@@ -25,6 +25,9 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
 #define IS_NIBBLE(fmt) ((fmt) == FMT_Q4_1 || (fmt) >= FMT_Q4_0)
 #define IS_CRUMB(fmt) ((fmt) == FMT_Q3_K || (fmt) == FMT_Q2_K)
 #define IS_HALF16(fmt) ((fmt) == FMT_Q6_K || IS_CRUMB(fmt))
+/* a d per superblock of 256 values (K a multiple of 256), else per block of 32 */
+#define IS_SUPER(fmt) \
+    ((fmt) == FMT_Q4_K || (fmt) == FMT_Q5_K || (fmt) == FMT_IQ4_XS || IS_HALF16(fmt))
 
 /* A weight matrix (lanes, N, K) in one format (expresslane/weights/quant.py's QTensor fields).
    Seven 8-byte words, so a layer descriptor's seven consecutive entries can be read as one. */
@@ -180,8 +183,8 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
    for all S, and each (row, token) computed by the same instructions in the same order whatever
    S is (one token is S = 1), so a row's bits do not depend on S. `work`:
    el_matmul_scratch(S, L, K) bytes, 64-aligned, or NULL to allocate; lowp: x at llama.cpp's
-   precision where the format takes it (xparts_t). Returns 0, or -1 when the CPU lacks the
-   instructions. */
+   precision where the format takes it (xparts_t). Returns 0, -1 when the CPU lacks the
+   instructions, or -2 for a K that a block format's blocks do not divide. */
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K);
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
               int64_t K, int threads, void *work, int lowp);

@@ -1,10 +1,11 @@
 /* The products of GGUF's 2- to 6-bit formats, read as stored (re-laid at load by
-   expresslane/weights/quant.py for 64-byte loads; never dequantized): for a block of T tokens,
+   expresslane/weights/blocks.py for 64-byte loads; never dequantized): for a block of T tokens,
    one weight row at a time, each group of 128 values (four 32-value blocks) split into its
    values and scales once and used for every token of the block.
 
-   Every value is q = (4 low bits) + 16 (bit 4) + 32 (bit 5), unsigned, in a block with a scale
-   and an offset, w = d_b q + m_b:
+   Every value is q = (4 low bits, or 2 for the crumb formats) + 4 (bit 2: q3_K) + 16 (bit 4) +
+   32 (bit 5), unsigned (the IQ4 formats: u, the grid value of a 4-bit index plus 128), in a
+   block with a scale and an offset, w = d_b q + m_b:
 
      q4_0   d f16, m = -8 d              q4_1   d, m f16
      q5_0   d f16, m = -16 d             q5_1   d, m f16
@@ -41,8 +42,6 @@
 
 #ifdef EL_X86
 
-/* d per superblock of 256 values (else per block of 32) */
-#define IS_SUPER(F) ((F) == FMT_Q4_K || (F) == FMT_Q5_K || (F) == FMT_IQ4_XS || IS_HALF16(F))
 #define IS_IQ4(F) ((F) == FMT_IQ4_NL || (F) == FMT_IQ4_XS)
 
 /* the IQ4 grid (ggml's kvalues_iq4nl, weights/blocks.py IQ4_VALUES) plus 128: unsigned bytes */
@@ -50,7 +49,8 @@ static const uint8_t IQ4_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153
                                   217, 241};
 
 /* per group: the values of its low and high nibbles (4 blocks x 16 bytes each), the scales of
-   the blocks (16 lanes, a block's on its quarter; Q6_K: a 16-value scale on each half) */
+   the blocks (16 lanes, a block's on its quarter; Q6_K, Q3_K, Q2_K: a 16-value scale on each
+   half) */
 typedef struct {
     __m512i lo, hi;
     __m512 dv;

@@ -21,8 +21,9 @@ per block of `values` weights and `bytes` bytes:
     IQ4_XS (256, 136): d:f16, 8 6-bit scales (high 2 bits u16, low 4 bits [4]), nibbles[128]
                      x = (d (s - 32)) IQ4_VALUES[q], a scale per 32 values
 
-In the 32-value blocks the low nibbles are values 0-15 and the high nibbles 16-31; the K types
-pack each 64 values of a super-block as 32 bytes, low nibbles first.
+In the 32-value blocks (IQ4_XS's too, 16 bytes each) the low nibbles are values 0-15 and the
+high nibbles 16-31; Q4_K and Q5_K pack each 64 values of a super-block as 32 bytes, low nibbles
+first; Q2_K and Q3_K each 128 as 32 bytes of 2-bit fields, value 32 j + l in bits 2j of byte l.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ tensor dequantized by our reader (bit for bit gguf-py's dequantization) and writ
 gguf-py's GGUFWriter, metadata and tokenizer copied. That F32 file is then quantized into each type
 of `TYPES` by `llama_cpp.llama_model_quantize` (llama-cpp-python), so the files are what
 llama.cpp's `llama-quantize` writes, mixes included (Q4_K_M: Q4_K and Q6_K, with Q5_0/Q8_0 for
-SmolLM2's 576-wide rows, which are not a multiple of 256; Q2_K and Q3_K_* fall back to Q4_0
-there, IQ4_XS to IQ4_NL).
+SmolLM2's 576-wide rows, which are not a multiple of 256; with llama-cpp-python 0.3.36, Q2_K and
+Q3_K_* fall back to Q4_0 there (Q5_0 / Q5_1 for some of Q3_K_M's and Q3_K_L's), IQ4_XS to IQ4_NL).
 
 Q4_1 is the fetched file itself: llama.cpp's quantizer wrote it too, from the original weights.
 Files live beside the model in the cache, written to a temporary name then renamed:

@@ -173,17 +173,15 @@ def values(fmt: str, data: torch.Tensor, high: torch.Tensor | None) -> torch.Ten
     formats: indices into IQ4_VALUES)."""
     q = unpack_crumbs(data) if fmt in CRUMB else unpack_nibbles(data)
     K = q.shape[-1]
-    if fmt == "q3_k":
-        q = swap_quarters(q | (unpack_masks(high, K) << 2))
-    elif fmt == "q2_k":
-        q = swap_quarters(q)
+    if BITS[fmt] == 3:
+        q = q | (unpack_masks(high, K) << 2)
     elif BITS[fmt] == 5:
         q = q | (unpack_masks(high, K) << 4)
     elif BITS[fmt] == 6:
         h = high.reshape(*high.shape[:-1], -1, 2, 16)  # (..., K/128, bit, 16)
         q = q | (unpack_masks(h[..., 0, :].flatten(-2), K) << 4)
-        q = swap_quarters(q | (unpack_masks(h[..., 1, :].flatten(-2), K) << 5))
-    return q
+        q = q | (unpack_masks(h[..., 1, :].flatten(-2), K) << 5)
+    return swap_quarters(q) if fmt in HALF16 else q
 
 
 # --- the reference --------------------------------------------------------------------------------

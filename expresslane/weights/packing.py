@@ -6,8 +6,8 @@ format; wo, w2, the embedding and the LM head are stored alone. A tied head is t
 
 `pack_model(model, fmt)` is applied from outside, once, after loading, and the model then runs
 on the packed storage too, so prefill, the eager decode and the packed step share one copy
-(`pack_gguf(model, path)` does the same with a GGUF file's own blocks: its Q8_0 and Q4_1
-matrices stay as they were quantized, each matrix in its own format):
+(`pack_gguf(model, path)` does the same with a GGUF file's own blocks: every block type with a
+kernel stays as it was quantized, each matrix in its own format):
 
 - a float format equal to the model's dtype: the parameters become views of the packed tensors
   (same values, nothing else changes; the model can still be trained or saved);
@@ -241,8 +241,9 @@ def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights
 
 def pack_gguf(model: Laneformer, path) -> PackedWeights:
     """Pack a model loaded from the GGUF file `path` with that file's own blocks where a kernel
-    reads them (F32/F16/BF16, Q8_0, Q4_1); any other type, or a fused matrix whose parts differ,
-    is packed as fp32 from the loaded (dequantized) weights. Installs it as pack_model does."""
+    reads them (F32/F16/BF16 and weights/blocks.TYPES; a fused matrix whose parts differ is a
+    "mixed" stack of them); any other type is packed as fp32 from the loaded (dequantized)
+    weights. Installs it as pack_model does."""
     from ..checkpoint import hf_name
     from ..gguf.tensors import GGUFCheckpoint
 

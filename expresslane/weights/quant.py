@@ -8,7 +8,7 @@ A `QTensor` is a weight (..., N, K) (leading lane axes allowed) in one storage f
                                  (..., N) int32, sum_k data, for kernels with integer inputs
     q8_0                         GGUF Q8_0 kept as it was stored, planar: data (..., N, K) int8,
                                  scale (..., N, K/32) f16: w = d_block * q
-    q4_0 q4_1 q5_0 q5_1          GGUF's 4- to 6-bit blocks kept as stored, re-laid planar
+    q4_0 q4_1 q5_0 q5_1          GGUF's 2- to 6-bit blocks kept as stored, re-laid planar
     q4_k q5_k q6_k q3_k q2_k     (nibbles or 2-bit crumbs in `data`, higher bits in `high`,
     iq4_nl iq4_xs                block scales in `scale` / `mins`, K-quant sub-block scales in
                                  `sub`): see blocks.py, which owns their layout and reference
