@@ -86,6 +86,29 @@ def test_product_equals_the_dequantized_reference(ggml_type, shape):
     "ggml_type, shape", [pytest.param(t, s, marks=_needs(t)) for t, s in CASES],
     ids=[f"{t}-{s}" for t, s in CASES],
 )  # fmt: skip
+def test_16_bit_products_are_the_product_of_x_rounded_to_its_fixed_point(ggml_type, shape):
+    """The exact step's x in 16-bit fixed point (one scale per vector: max |x| / 32639 for the
+    nibble formats, / 32767 for Q8_0, csrc/cpu_activations.c), offsets included: the product
+    is the dequantized weights times that rounded x to fp32's rounding, so x's rounding error
+    weighs the weights alone."""
+    N, K = shape
+    q = from_gguf(ggml_type, random_blocks(ggml_type, N, K, 5 * N + K), shape)
+    g = torch.Generator().manual_seed(K + 1)
+    x = torch.randn(4, K, generator=g) * torch.rand(K, generator=g) ** 4 * 10  # outliers
+    top = 32767 if ggml_type == "Q8_0" else 32639
+    sx = x.abs().amax(-1, keepdim=True) / top
+    rounded = torch.round(x / sx).clamp(-top, top) * sx
+    w = q.dequantize().double()
+    ref = rounded.double() @ w.T
+    tol = 1e-5 * (rounded.double().abs() @ w.abs().T) + 1e-6
+    got = native.native_matmul(q, x)
+    assert ((got.double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize(
+    "ggml_type, shape", [pytest.param(t, s, marks=_needs(t)) for t, s in CASES],
+    ids=[f"{t}-{s}" for t, s in CASES],
+)  # fmt: skip
 def test_c_dequantize_is_the_reference_bit_for_bit(ggml_type, shape):
     """The C decoder (a long prefill's weights): fp32 the reference's bits, bf16 their round to
     nearest even, for row views and lanes too."""

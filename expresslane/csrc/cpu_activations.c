@@ -9,7 +9,8 @@
      nibble formats    x in signed 16-bit fixed point q = 256 a + b, |q| <= 32639 so that
                        |a|, |b| <= 128 fit in int8 (the nibbles are the unsigned operand),
                        arranged per group of four 32-value blocks like the nibbles; and the
-                       fp32 sums of x per block and per half block (the blocks' offsets).
+                       sums of the rounded x per block and per half block (the blocks'
+                       offsets).
      lowp (opt-in)     bfloat16: x_hi alone (x's bf16 round). q8_0 and nibble formats: one
                        byte a value (half the dot products) with a scale per 32-value block,
                        as llama.cpp's q8_0 activations (one scale per vector lost ~4x the
@@ -153,23 +154,6 @@ T_VNNI static float split_i16(const float *x, int64_t K, int64_t Kp, uint8_t *hi
     return sx;
 }
 
-/* the fp32 sums of x (zeros past K) per block (Kp / 32 to xs), then per half block (Kp / 16
-   after them): each half block's by sums16 with 15 others (one order for every half block, so
-   its bits depend on its own values only), each block's its two halves' */
-T_F static void block_sums(const float *x, int64_t K, int64_t Kp, float *xs) {
-    float *half = xs + Kp / 32;
-    __m512 v[16];
-    for (int64_t k = 0; k < Kp; k += 16) {
-        v[(k / 16) % 16] = _mm512_maskz_loadu_ps(MASK_PAD(K, k), x + k);
-        if ((k / 16) % 16 == 15 || k + 16 == Kp) { /* 16 half blocks (the last: zeros after) */
-            const int64_t h0 = k / 16 / 16 * 16, nh = k / 16 - h0 + 1;
-            for (int64_t i = nh; i < 16; i++) v[i] = _mm512_setzero_ps();
-            _mm512_mask_storeu_ps(half + h0, MASK(nh, 0), sums16(v));
-        }
-    }
-    for (int64_t b = 0; b < Kp / 32; b++) xs[b] = half[2 * b] + half[2 * b + 1];
-}
-
 /* the 16 bytes of x's half block at k (k % 16 == 0) where the nibble kernels read them: per
    group of 4 blocks [blocks' values 0-15 | values 16-31], like the nibbles (q6: the order of
    the formats with a scale per 16 values, weights/blocks.py: a half block's first 8 values
@@ -185,19 +169,29 @@ T_VNNI INLINE void put_nibble_order(__m128i b8, int64_t k, int8_t *lo, int8_t *h
     }
 }
 
-/* x in 16-bit fixed point, q = 256 a + b, |q| <= 32639; the sums of x to xs (block_sums) */
+/* x in 16-bit fixed point, q = 256 a + b, |q| <= 32639; to xs the sums of the rounded x per
+   block (Kp / 32), then per half block (Kp / 16 after them): sx times integer sums (exact; |sum|
+   < 2^21), as the 8-bit form takes them. The offsets then see the x the products see, so a row
+   is sum w x' for x' = sx q: the rounding error of x weighs the weights, not the unsigned
+   values (0..15 for Q4_0, up to 241 for IQ4), which x's own fp32 sums made it do (about twice
+   the error). */
 T_VNNI static float split_nibble(const float *x, int64_t K, int64_t Kp, int8_t *a_lo,
                                  int8_t *a_hi, int8_t *b_lo, int8_t *b_hi, float *xs, int q6) {
     const float a = abs_max(x, K), sx = a > 0.0f ? a / 32639.0f : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / sx);
+    float *half = xs + Kp / 32;
+    int32_t h0 = 0;
     for (int64_t k = 0; k < Kp; k += 16) {
         const __m512i q = round_clamp(_mm512_maskz_loadu_ps(MASK_PAD(K, k), x + k), inv, 32639);
         const __m512i ah = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
         const __m512i bl = _mm512_sub_epi32(q, _mm512_slli_epi32(ah, 8));
         put_nibble_order(_mm512_cvtepi32_epi8(ah), k, a_lo, a_hi, q6);
         put_nibble_order(_mm512_cvtepi32_epi8(bl), k, b_lo, b_hi, q6);
+        const int32_t h = _mm512_reduce_add_epi32(q);
+        half[k / 16] = sx * (float)h;
+        if (k % 32) xs[k / 32] = sx * (float)(h0 + h);
+        h0 = h;
     }
-    block_sums(x, K, Kp, xs);
     return sx;
 }
 

@@ -23,10 +23,10 @@
 
    The nibbles are vpdpbusd's unsigned operand, x's two signed bytes (cpu_activations.c) the
    other: per block sum q x = 256 sum q a + sum q b exactly in int32 (< 2^24, so exact in fp32
-   too; the IQ4 formats' u up to 241 reach 2^26, rounded once to fp32), times d_b in fp32. The offsets are sum_b m_b sum_{k in b} x, from the fp32 block sums
-   of x. With x in 8 bits (xparts_t's lowp, a prompt's opt-in) a is q itself with a scale per
-   block, sum q a times d_b sx_b (half the dot products), and the block sums are the rounded
-   x's. The blocks of the formats with 16-value scales (Q6_K, Q3_K, Q2_K) come with their
+   too; the IQ4 formats' u up to 241 reach 2^26, rounded once to fp32), times d_b in fp32.
+   The offsets are sum_b m_b sum_{k in b} x', from the block sums of the rounded x', so that a
+   row is sum w x' (cpu_activations.c). With x in 8 bits (xparts_t's lowp, a prompt's opt-in)
+   a is q itself with a scale per block, sum q a times d_b sx_b (half the dot products). The blocks of the formats with 16-value scales (Q6_K, Q3_K, Q2_K) come with their
    middle 8-value quarters swapped (weights/blocks.py), so that a byte's two nibbles share a
    scale: its lanes' scales go by halves of quarters. The high bits come as byte masks (vpmovm2b): for each group the mask of its
    low-nibble values, then of its high-nibble ones (per bit).
