@@ -198,7 +198,12 @@ class Engine:
         (computed in fp32), and a GGUF file keeps its blocks; elsewhere `dtype` is the
         model's (packing.load_plan)."""
         model = load_packed(path, device, dtype, quantization, progress)
-        if quantization is not None and _on_gpu(model):
+        if quantization == "gguf" and _on_gpu(model):  # the file's blocks (packing.GGUF_BLOCKS)
+            from .gguf import find_gguf
+            from .kernels.qlinear import repack_gguf
+
+            repack_gguf(model, find_gguf(path))
+        elif quantization is not None and _on_gpu(model):
             from .kernels.qlinear import quantize_model
 
             quantize_model(model, quantization)  # the GPU formats (packing.load_plan)

@@ -192,6 +192,33 @@ def test_load_plan_maps_flags_to_formats():
         load_plan("cpu", "auto", "int4")  # kernels/qlinear.py: GPU only
 
 
+def test_quantization_gguf_keeps_the_files_blocks_or_names_the_problem(tmp_path, monkeypatch):
+    """--quantization gguf: on a CPU the GGUF default (the file's blocks); on a GPU the floats,
+    then the file's blocks on the quantized products (qlinear.repack_gguf, whose products
+    tests/test_qgemv.py checks); a model that is not a GGUF file is refused, named."""
+    from expresslane import engine as engine_mod
+    from expresslane.bench.llamacpp import write_gguf
+    from expresslane.errors import ConfigError
+    from expresslane.kernels import qlinear
+    from expresslane.weights import packing
+
+    src = llama(seed=12, hidden_size=64, num_attention_heads=4, intermediate_size=96)
+    path = write_gguf(src, None, tmp_path / "m.gguf", "Q8_0")
+    assert load_plan("cpu", "auto", "gguf", path) == ("float32", "gguf")
+    (tmp_path / "hf").mkdir()  # a folder without a GGUF file
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        load_plan("cpu", "auto", "gguf", tmp_path / "hf")
+    monkeypatch.setattr(packing, "resolve_device", lambda device, cfg=None: torch.device("cuda"))
+    assert load_plan("cuda", "bfloat16", "gguf", path) == ("bfloat16", None)
+    monkeypatch.undo()
+    repacked = []
+    monkeypatch.setattr(engine_mod, "_on_gpu", lambda model: True)
+    monkeypatch.setattr(qlinear, "repack_gguf", lambda model, p: repacked.append(p) or model)
+    engine_mod.Engine.from_pretrained(str(path), device="cpu", quantization="gguf",
+                                      max_model_len=32, progress=False)  # fmt: skip
+    assert repacked == [path]
+
+
 @pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1"])
 def test_gguf_blocks_stay_quantized_through_the_engine(tmp_path, ggml_type):
     """A GGUF file's Q8_0 / Q4_1 matrices are packed as they were stored (not expanded to fp32);

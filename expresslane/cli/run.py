@@ -67,12 +67,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantization",
-        choices=["int8", "int8-row", "int4", "int8-g128", "int4-g32"],
+        choices=["int8", "int8-row", "int4", "int8-g128", "int4-g32", "gguf"],
         default=None,
         help="CPU: weight-only int8, one f16 scale per 32 weights (GGUF Q8_0's layout), or one "
         "fp32 scale per row (int8-row); computed in fp32. 16-bit weights: --dtype. GPU: int8 "
         "(groups of 32) or int4 (groups of 128, with mins), int8-g128 / int4-g32 for the other "
-        "group size: the layer projections quantized at load, products in Triton",
+        "group size: the layer projections quantized at load, products in Triton. gguf: a GGUF "
+        "file's own blocks (the CPU's default; on a GPU, Q8_0, Q4_1, Q4_K and IQ4 blocks on the "
+        "quantized products, the rest bf16; default there: dequantized, the fused bf16 step)",
     )
     p.add_argument(
         "--devices",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..model import Laneformer, lane_linear
 from ..weights.gpu_pack import GPUQuant, from_q4_k, from_qtensor, gpu_format, quantize
 from ..weights.quant import from_gguf
@@ -118,7 +119,8 @@ def repack_gguf(model: Laneformer, path) -> Laneformer:
 
     ck, cfg = GGUFCheckpoint(path), model.cfg
     if cfg.num_lanes != 1:
-        raise ValueError("repack_gguf: GGUF files hold one-lane (Llama-family) models")
+        raise ConfigError("--quantization gguf on a GPU: for one-lane (Llama-family) models; "
+                          "a Laneformer GGUF loads as floats there")  # fmt: skip
 
     def stored(module_path: str, proj: nn.Module) -> QuantProj | None:
         key = hf_name(cfg, module_path + ".weight")

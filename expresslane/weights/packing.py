@@ -49,6 +49,12 @@ from .quant import (
 # scale per 32 weights: 98% top-1 agreement with fp32 on SmolLM2, against 96% for one scale per
 # row, BENCHMARKS.md); "int8-row" (one fp32 scale per output row) is the per-channel variant.
 QUANTIZATIONS = {"int8": "q8_0", "int8-row": "int8"}
+# --quantization gguf: a GGUF file's own blocks. The CPU keeps them anyway (dtype auto); on a GPU
+# they go to the quantized products where a layout holds them (kernels/qlinear.repack_gguf: Q8_0,
+# Q4_1, Q4_K, IQ4_NL, IQ4_XS), the rest bf16. Not the GPU's default: a quantized model decodes
+# through its forward's graph, not the fused bf16 step, and which is faster at a model's size
+# waits for a GPU run to measure it (docs/gpu-session.md).
+GGUF_BLOCKS = "gguf"
 
 # How PackedProj computes inside `products_in`: (dtype or None for the input's, the dequantizer
 # that writes its weights), or None outside. A context variable: one thread's prefill does not
@@ -89,10 +95,15 @@ def load_plan(
     model's own; a GPU's `--quantization` (gpu_pack.GPU_QUANTIZATIONS) loads the floats, which
     Engine.from_pretrained then quantizes (kernels/qlinear.py): no packed format here.
     """
-    names = {**QUANTIZATIONS, **GPU_QUANTIZATIONS}
+    names = {**QUANTIZATIONS, **GPU_QUANTIZATIONS, GGUF_BLOCKS: None}
     if quantization is not None and quantization not in names:
         raise ConfigError(f"--quantization {quantization!r}: expected one of {', '.join(names)}")
     cpu = resolve_device(device).type == "cpu"
+    if quantization == GGUF_BLOCKS:
+        if path is None or find_gguf(path) is None:
+            raise ConfigError("--quantization gguf keeps a GGUF file's own blocks: the model is "
+                              "not a GGUF file")  # fmt: skip
+        return ("float32", "gguf") if cpu else (dtype, None)
     if quantization is not None:
         if not cpu and quantization not in GPU_QUANTIZATIONS:
             raise ConfigError(f"--quantization {quantization}: runs on a CPU; on a GPU: "
