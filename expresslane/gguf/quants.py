@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
-from ..weights.blocks import IQ4_VALUES
+from ..weights.blocks import IQ4_VALUES, crumb_values, iq4_xs_scales, q3_k_high, q3_k_scales
 from .reader import GGUFHeader
 
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
@@ -163,31 +163,18 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q.reshape(-1, 2, 4, 2, 16).float()).reshape(-1)
 
 
-def _crumbs(qs: torch.Tensor, halves: int) -> torch.Tensor:
-    """(n, 32 halves) bytes -> (n, 128 halves) 2-bit values: value 128 h + 32 j + l is bits 2j,
-    2j + 1 of byte 32 h + l (Q2_K and Q3_K's qs)."""
-    shifts = torch.arange(0, 8, 2, dtype=torch.int32).reshape(1, 1, 4, 1)
-    q = qs.reshape(-1, halves, 1, 32).to(torch.int32) >> shifts  # (n, halves, 4, 32)
-    return (q & 3).reshape(-1, 128 * halves)
-
-
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
     sc = b[:, 0:16].to(torch.int32)  # (n, 16): scale low, min high, per 16 values
     dl = (_f16(b, 80) * (sc & 0x0F).float()).unsqueeze(-1)  # (n, 16, 1)
     ml = (_f16(b, 82) * (sc >> 4).float()).unsqueeze(-1)
-    q = _crumbs(b[:, 16:80], 2).reshape(-1, 16, 16).float()
+    q = crumb_values(b[:, 16:80]).reshape(-1, 16, 16).float()
     return (dl * q - ml).reshape(-1)
 
 
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
-    s = b[:, 96:108].to(torch.int32)
-    low = torch.cat((s[:, 0:8] & 0x0F, s[:, 0:8] >> 4), 1)  # (n, 16): bits 0-3 of scale i
-    shifts = torch.arange(0, 8, 2, dtype=torch.int32).reshape(1, 4, 1)
-    high = ((s[:, None, 8:12] >> shifts) & 3).reshape(-1, 16)  # scale 4 i + j: byte 8 + j
-    dl = (_f16(b, 108) * ((low | high << 4) - 32).float()).unsqueeze(-1)  # (n, 16, 1)
-    hm = b[:, 0:32].reshape(-1, 1, 32).to(torch.int32)
-    h = (hm >> torch.arange(8, dtype=torch.int32).reshape(1, 8, 1)) & 1  # (n, 8, 32): 32 i + l
-    q = _crumbs(b[:, 32:96], 2) - ((h.reshape(-1, 256) ^ 1) << 2)  # the offset 4 where unset
+    dl = (_f16(b, 108) * q3_k_scales(b[:, 96:108]).float()).unsqueeze(-1)  # (n, 16, 1)
+    h = q3_k_high(b[:, 0:32]).to(torch.int32)
+    q = crumb_values(b[:, 32:96]).to(torch.int32) - ((h ^ 1) << 2)  # the offset 4 where unset
     return (dl * q.reshape(-1, 16, 16).float()).reshape(-1)
 
 
@@ -201,11 +188,7 @@ def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
 
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
-    sl = b[:, 4:8].to(torch.int32)
-    low = torch.stack((sl & 0x0F, sl >> 4), -1).reshape(-1, 8)  # scale 2 k + h: byte k, nibble h
-    sh = b[:, 2].to(torch.int32) | b[:, 3].to(torch.int32) << 8  # (n,) u16
-    high = (sh[:, None] >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3  # (n, 8)
-    dl = (_f16(b, 0) * ((low | high << 4) - 32).float()).unsqueeze(-1)  # (n, 8, 1)
+    dl = (_f16(b, 0) * iq4_xs_scales(b[:, 2:8]).float()).unsqueeze(-1)  # (n, 8, 1)
     q = _nibbles(b[:, 8:136].reshape(-1, 16)).reshape(-1, 8, 32)  # 32 values per 16 bytes
     return (dl * _iq4(q)).reshape(-1)
 

@@ -234,35 +234,59 @@ def _k_scales(s: torch.Tensor) -> torch.Tensor:
     return torch.cat((sc, mn), -1)
 
 
+# GGUF's packed fields of the 2- and 3-bit and IQ4_XS blocks, unpacked in the matrix's order (also
+# gguf/quants.py's dequantizers' way in)
+def crumb_values(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K / Q3_K's qs (..., 64) bytes -> (..., 256) values 0..3: value 128 h + 32 j + l is
+    bits 2j, 2j + 1 of byte 32 h + l."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    q = qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts & 3  # (..., half, j, 32)
+    return q.flatten(-3)
+
+
+def q3_k_high(hmask: torch.Tensor) -> torch.Tensor:
+    """Q3_K's hmask (..., 32) bytes -> (..., 256) bits: value 32 i + l is bit i of byte l."""
+    return (hmask.unsqueeze(-2) >> torch.arange(8, dtype=torch.uint8)[:, None] & 1).flatten(-2)
+
+
+def q3_k_scales(s: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 12 bytes of 6-bit scales (..., 12) -> (..., 16) int32, each minus 32: scale i
+    takes 4 bits from byte i % 8 (low nibble for i < 8) and 2 from byte 8 + i % 4, bits 2 (i /
+    4) on."""
+    s = s.to(torch.int32)
+    lo = torch.cat((s[..., 0:8] & 0x0F, s[..., 0:8] >> 4), -1)  # (..., 16)
+    hi = (s[..., None, 8:12] >> torch.arange(0, 8, 2, dtype=torch.int32)[:, None]) & 3
+    return (lo | hi.flatten(-2) << 4) - 32  # (..., 4, 4) -> scale 4 i + j
+
+
+def iq4_xs_scales(s: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS's bytes 2-7 of a block (..., 6): the u16 of high bits, then 4 bytes of low nibbles
+    -> (..., 8) int32 6-bit scales, each minus 32."""
+    s = s.to(torch.int32)
+    low = torch.stack((s[..., 2:6] & 0x0F, s[..., 2:6] >> 4), -1).flatten(-2)  # (..., 8)
+    word = (s[..., :1] | s[..., 1:2] << 8) >> torch.arange(0, 16, 2, dtype=torch.int32)
+    return (low | (word & 3) << 4) - 32
+
+
 def _iq4_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     """IQ4_NL / IQ4_XS blocks (N, K/bv, bytes): their nibbles are in our order already."""
     at = 2 if fmt == "iq4_nl" else 8
     f = dict(data=b[..., at:].reshape(N, K // 2).contiguous(), scale=_f16(b[..., :2]))
-    if fmt == "iq4_xs":  # 6-bit scales: low 4 bits from bytes 4-7, high 2 from the u16 at 2
-        sl, sh = b[..., 4:8].to(torch.int32), b[..., 2:4].to(torch.int32)
-        low = torch.stack((sl & 0x0F, sl >> 4), -1).flatten(-2)  # (N, K/256, 8)
-        word = (sh[..., :1] | sh[..., 1:] << 8) >> torch.arange(0, 16, 2, dtype=torch.int32)
-        sc = (low | (word & 3) << 4) - 32
-        f["sub"] = sc.to(torch.int8).reshape(N, -1).view(torch.uint8)
+    if fmt == "iq4_xs":
+        f["sub"] = iq4_xs_scales(b[..., 2:8]).to(torch.int8).reshape(N, -1).view(torch.uint8)
     return f
 
 
 def _crumb_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     """Q2_K / Q3_K blocks (N, K/256, bytes): values re-laid, scales unpacked (Q3_K) or kept."""
     at = 16 if fmt == "q2_k" else 32  # qs: 64 bytes
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    q = b[..., at : at + 64].reshape(N, -1, 2, 1, 32) >> shifts & 3
-    q = q.reshape(N, K)  # (N, K/256, half, j, 32): value 128 half + 32 j + l
+    q = crumb_values(b[..., at : at + 64]).reshape(N, K)
     f = dict(scale=_f16(b[..., 80:82] if fmt == "q2_k" else b[..., 108:110]))
     if fmt == "q2_k":
         f.update(mins=_f16(b[..., 82:84]), sub=b[..., :16].reshape(N, -1).contiguous())
     else:
-        hm = b[..., :32].reshape(N, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
-        q = q | ((hm & 1).reshape(N, K) << 2)  # (N, K/256, 8, 32): bit i of byte l, 32 i + l
-        s = b[..., 96:108].to(torch.int32)
-        lo = torch.cat((s[..., 0:8] & 0x0F, s[..., 0:8] >> 4), -1)  # (N, K/256, 16)
-        hi = (s[..., None, 8:12] >> torch.arange(0, 8, 2, dtype=torch.int32)[:, None]) & 3
-        sc = (lo | hi.flatten(-2) << 4) - 32  # scale 4 i + j: bits 2i, 2i + 1 of byte 8 + j
+        q = q | q3_k_high(b[..., :32]).reshape(N, K) << 2
+        sc = q3_k_scales(b[..., 96:108])
         f["sub"] = sc.to(torch.int8).reshape(N, -1).view(torch.uint8)
     q = swap_quarters(q)
     return dict(f, data=pack_crumbs(q & 3), high=pack_high(q, fmt))
