@@ -66,8 +66,8 @@ int64_t el_row_bytes(int fmt, int64_t K);
 typedef struct {
     char *a, *b;    /* per vector 2 Kp bytes each: hi / lo parts (nibble: a_lo a_hi / b_lo b_hi;
                        lowp 8-bit: b holds the block scales as lanes, cpu_activations.c) */
-    float *xs;      /* nibble formats: per vector Kp / 32 block sums of the rounded x, then Kp / 16
-                       half-block sums */
+    float *xs;      /* nibble formats: per vector Kp / 32 block sums of the rounded x, then
+                       Kp / 16 half-block sums */
     float *sx;      /* integer formats: x's scale per vector (lowp 8-bit: 1, the scales per block) */
     int64_t Kp;     /* K padded to a multiple of 128 */
     int lowp;       /* x at llama.cpp's precision (above) */

@@ -26,10 +26,11 @@
    too; the IQ4 formats' u up to 241 reach 2^26, rounded once to fp32), times d_b in fp32.
    The offsets are sum_b m_b sum_{k in b} x', from the block sums of the rounded x', so that a
    row is sum w x' (cpu_activations.c). With x in 8 bits (xparts_t's lowp, a prompt's opt-in)
-   a is q itself with a scale per block, sum q a times d_b sx_b (half the dot products). The blocks of the formats with 16-value scales (Q6_K, Q3_K, Q2_K) come with their
-   middle 8-value quarters swapped (weights/blocks.py), so that a byte's two nibbles share a
-   scale: its lanes' scales go by halves of quarters. The high bits come as byte masks (vpmovm2b): for each group the mask of its
-   low-nibble values, then of its high-nibble ones (per bit).
+   a is q itself with a scale per block, sum q a times d_b sx_b (half the dot products). The
+   blocks of the formats with 16-value scales (Q6_K, Q3_K, Q2_K) come with their middle 8-value
+   quarters swapped (weights/blocks.py), so that a byte's two nibbles share a scale: its lanes'
+   scales go by halves of quarters. The high bits come as byte masks (vpmovm2b): for each group
+   the mask of its low-nibble values, then of its high-nibble ones (per bit).
 
    `el_dequant` writes the values themselves (fp32 or bf16), decoded by the same group loader:
    a long prefill multiplies them in bf16 (step/prefill.py); weights/blocks.py's `dequantize`
@@ -100,8 +101,9 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
         G.lo = _mm512_and_si512(_mm512_srlv_epi16(v, s_lo), three);
         G.hi = _mm512_and_si512(_mm512_srlv_epi16(v, s_hi), three);
     } else {
+        const __mmask64 m = ((__mmask64)1 << (16 * n)) - 1;
         const __m512i v = n == 4 ? _mm512_loadu_si512(q + g * 64)
-                                 : _mm512_maskz_loadu_epi8(((__mmask64)1 << (16 * n)) - 1, q + g * 64);
+                                 : _mm512_maskz_loadu_epi8(m, q + g * 64);
         G.lo = _mm512_and_si512(v, low4);
         G.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
@@ -128,9 +130,9 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
         int64_t s8;
         memcpy(&s8, sub + (g / 2) * 16 + (g % 2) * 8, 8);
         const __m128i s = _mm_cvtsi64_si128(s8);
-        G.dv = half_scales(d[g / 2], FMT == FMT_Q2_K
-                                         ? _mm256_cvtepu8_epi32(_mm_and_si128(s, _mm_set1_epi8(0x0F)))
-                                         : _mm256_cvtepi8_epi32(s));
+        const __m128i s2 = _mm_and_si128(s, _mm_set1_epi8(0x0F)); /* q2_K: the scale, low 4 */
+        G.dv = half_scales(d[g / 2], FMT == FMT_Q2_K ? _mm256_cvtepu8_epi32(s2)
+                                                     : _mm256_cvtepi8_epi32(s));
     } else {
         G.dv = quarter_scales(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), d + g * 4));
     }
@@ -172,7 +174,8 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
             const __m128i m = _mm_cvtsi64_si128(m8);
             __m256 mf = _mm256_cvtepi32_ps(FMT == FMT_IQ4_XS ? _mm256_cvtepi8_epi32(m)
                                                              : _mm256_cvtepu8_epi32(m));
-            __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(FMT == FMT_IQ4_XS ? d[sb] : mn[sb])), mf);
+            const uint16_t h = FMT == FMT_IQ4_XS ? d[sb] : mn[sb];
+            __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(h)), mf);
             for (int t = 0; t < T; t++)
                 a8[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs[t] + sb * 8), a8[t]);
         }
@@ -186,7 +189,8 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
             __m512 sf = _mm512_cvtepi32_ps(FMT == FMT_Q2_K
                                                ? _mm512_srli_epi32(_mm512_cvtepu8_epi32(s), 4)
                                                : _mm512_cvtepi8_epi32(s));
-            __m512 ds = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(FMT == FMT_Q2_K ? mn[sb] : d[sb])), sf);
+            const uint16_t h = FMT == FMT_Q2_K ? mn[sb] : d[sb];
+            __m512 ds = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(h)), sf);
             for (int t = 0; t < T; t++)
                 acc[t] = _mm512_fmadd_ps(ds, _mm512_loadu_ps(xs[t] + Kp / 32 + sb * 16), acc[t]);
         }
@@ -195,7 +199,10 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
         return;
     }
     const uint16_t *src = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 ? mn : d;
-    const float k = FMT == FMT_Q4_0 ? -8.0f : FMT == FMT_Q5_0 ? -16.0f : FMT == FMT_IQ4_NL ? -128.0f : 1.0f;
+    const float k = FMT == FMT_Q4_0     ? -8.0f
+                    : FMT == FMT_Q5_0   ? -16.0f
+                    : FMT == FMT_IQ4_NL ? -128.0f
+                                        : 1.0f;
     for (int64_t b = 0; b < nb; b += 16) { /* the last 16 masked */
         const __mmask16 m = MASK(nb, b);
         __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + b));
@@ -326,9 +333,15 @@ T_VNNI INLINE __m512 u8_ps(const uint8_t *p) {
 T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh,
                              const uint16_t *d, const uint16_t *mn, const int8_t *sub,
                              int64_t blk, void *out, int bf16) {
-    const __m512 q0 = u8_ps(ql), q1 = u8_ps(qh);
+    __m512 q0 = u8_ps(ql), q1 = u8_ps(qh);
     const int64_t sb = blk / 8, j = blk % 8;
     __m512 w0, w1;
+    if (IS_HALF16(FMT)) { /* quarters swapped: values 0-15 are the low nibbles' 0-7, then the
+                             high ones' 0-7 */
+        const __m512 v0 = _mm512_shuffle_f32x4(q0, q1, 0x44);
+        q1 = _mm512_shuffle_f32x4(q0, q1, 0xEE);
+        q0 = v0;
+    }
     if (FMT == FMT_Q4_0 || FMT == FMT_Q5_0) {
         const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[blk]));
         const __m512 off = _mm512_set1_ps(FMT == FMT_Q4_0 ? 8.0f : 16.0f);
@@ -344,21 +357,19 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
                                                            : _cvtsh_ss(d[sb]) * (float)sub[blk]);
         w0 = _mm512_mul_ps(dv, _mm512_sub_ps(q0, c));
         w1 = _mm512_mul_ps(dv, _mm512_sub_ps(q1, c));
-    } else if (FMT == FMT_Q2_K) { /* values 0-15: the low crumbs' 0-7, the high ones' 0-7 */
+    } else if (FMT == FMT_Q2_K) { /* per 16 values a scale (low 4 bits) and a min (high 4) */
         const uint8_t *s = (const uint8_t *)sub + sb * 16 + 2 * j;
         const float dd = _cvtsh_ss(d[sb]), dm = _cvtsh_ss(mn[sb]);
-        const __m512 v0 = _mm512_shuffle_f32x4(q0, q1, 0x44), v1 = _mm512_shuffle_f32x4(q0, q1, 0xEE);
-        w0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd * (float)(s[0] & 15)), v0),
+        w0 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd * (float)(s[0] & 15)), q0),
                            _mm512_set1_ps(dm * (float)(s[0] >> 4)));
-        w1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd * (float)(s[1] & 15)), v1),
+        w1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd * (float)(s[1] & 15)), q1),
                            _mm512_set1_ps(dm * (float)(s[1] >> 4)));
-    } else if (IS_HALF16(FMT)) { /* q6_K, q3_K: values 0-15 the low nibbles' 0-7, the high 0-7 */
+    } else if (IS_HALF16(FMT)) { /* q6_K, q3_K: an int8 scale per 16 values */
         const float dd = _cvtsh_ss(d[sb]), c = FMT == FMT_Q6_K ? 32.0f : 4.0f;
         const __m512 lo = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j]);
         const __m512 hi = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j + 1]);
-        const __m512 v0 = _mm512_shuffle_f32x4(q0, q1, 0x44), v1 = _mm512_shuffle_f32x4(q0, q1, 0xEE);
-        w0 = _mm512_mul_ps(lo, _mm512_sub_ps(v0, _mm512_set1_ps(c)));
-        w1 = _mm512_mul_ps(hi, _mm512_sub_ps(v1, _mm512_set1_ps(c)));
+        w0 = _mm512_mul_ps(lo, _mm512_sub_ps(q0, _mm512_set1_ps(c)));
+        w1 = _mm512_mul_ps(hi, _mm512_sub_ps(q1, _mm512_set1_ps(c)));
     } else { /* q4_K, q5_K */
         const uint8_t *s = (const uint8_t *)sub + sb * 16;
         const __m512 ds = _mm512_set1_ps(_cvtsh_ss(d[sb]) * (float)s[j]);
