@@ -1,7 +1,7 @@
 """Small GGUF files for the tests, written with the `gguf` package's own GGUFWriter.
 
 `random_raw` makes a tensor's stored bytes for any type we read: the gguf package quantizes random
-weights where it can (F16, BF16, Q8_0, Q4_0..Q5_1), and for the K and IQ4 types, which it can
+weights where it can (F16, BF16, Q8_0, Q4_0..Q5_1), and for the K, IQ and TQ types, which it can
 only dequantize, random blocks with sane f16 scales. `hf_to_gguf` turns a transformers Llama,
 Mistral, Qwen2 or Qwen3 state dict into a GGUF the way llama.cpp's converter does (names, Q/K row
 permutation, metadata).
@@ -15,9 +15,10 @@ import gguf
 import numpy as np
 
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # blocks of 256 values
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "TQ2_0", "TQ1_0")  # of 256
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,),
-              "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,)}  # f16 scales  # fmt: skip
+              "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,), "IQ3_S": (0,), "TQ2_0": (64,),
+              "TQ1_0": (52,)}  # f16 scales  # fmt: skip
 
 
 def random_raw(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

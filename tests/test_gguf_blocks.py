@@ -1,4 +1,4 @@
-"""GGUF's 2- to 8-bit block types kept as stored (weights/blocks.py) and their C products
+"""GGUF's 1.6- to 8-bit block types, kept or re-laid (weights/blocks.py), and their C products
 (csrc/cpu_nibble.c): random valid blocks of every type on irregular shapes, against gguf-py's
 dequantization bit for bit, the product against that reference, and S tokens against S single
 tokens bit for bit per row."""
@@ -15,7 +15,7 @@ from expresslane.weights.quant import from_gguf
 gguf = pytest.importorskip("gguf")
 
 LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # blocks of 32 values
-KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # of 256
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "TQ2_0", "TQ1_0")  # of 256
 # (N, K): K a multiple of 32 (legacy: partial last groups of 1-3 blocks) or of 256
 SHAPES = {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY} | {
     t: [(37, 256), (11, 768), (130, 512)] for t in KQUANTS
@@ -23,7 +23,7 @@ SHAPES = {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY
 F16_AT = {  # byte offsets of a block's f16 fields (d, and m / dmin)
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82),
-    "IQ4_NL": (0,), "IQ4_XS": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,), "TQ2_0": (64,), "TQ1_0": (52,),
 }  # fmt: skip
 
 
@@ -51,13 +51,13 @@ def test_blocks_dequantize_as_gguf_py_does(ggml_type, shape):
     N, K = shape
     raw = random_blocks(ggml_type, N, K, N + K)
     q = from_gguf(ggml_type, raw, shape)
-    assert q.fmt == ggml_type.lower() and q.shape == shape
+    assert q.fmt == TYPES[ggml_type][0] and q.shape == shape  # TQ*: as q2_k
     assert torch.equal(q.dequantize(), gguf_reference(ggml_type, raw, N, K))
     assert torch.equal(q.rows(2, 5).dequantize(), q.dequantize()[2:5])
 
 
 def _needs(t):
-    fmt = t.lower()
+    fmt = TYPES[t][0]
     return pytest.mark.skipif(not native.available(fmt), reason=f"no C kernels for {fmt} here")
 
 
@@ -249,7 +249,7 @@ def test_gguf_files_run_as_stored_through_the_packed_step(tmp_path, mix):
     from expresslane.step.packed import PackedDecoder
     from expresslane.weights.packing import pack_gguf
 
-    formats = {t.lower() for t in MIXES[mix].values()}
+    formats = {TYPES[t][0] for t in MIXES[mix].values()}
     if not all(native.available(f) for f in formats):
         pytest.skip("no C kernels for these formats here")
     src = llama(seed=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,

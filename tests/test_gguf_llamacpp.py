@@ -50,6 +50,14 @@ TRANSFORMERS_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")  # the issue's speed t
 # leave room for that and still catch a wrong dequantization (cosine ~0 on random weights).
 FLOAT_BOUND = {"F32": 0.05, "F16": 0.05, "BF16": 0.3}
 QUANT_BOUND, QUANT_COSINE = 2.0, 0.9
+# IQ3_M: 3.6 measured (cosine 0.98), llama.cpp's own distance from the exact forward of the file
+# being 3.3 (ours 0.00); rounding ffn_down's inputs to Q8_K in our forward moves it as far (cosine
+# 0.978). The ternary files are not compared: that same rounding alone takes our forward's logits
+# to a cosine of -0.15 from the exact ones on SmolLM2 made ternary (llama.cpp's: 0.18), so no
+# bound tells a wrong reading from llama.cpp's rounding there. Their blocks are checked bit for
+# bit above and the packed step against the exact forward below.
+LOOSE_BOUND = {"IQ3_M": 4.5}
+NOT_COMPARABLE = ("TQ2_0", "TQ1_0")
 
 
 def _file(type_name: str, smollm2_gguf):
@@ -72,7 +80,8 @@ def test_every_type_in_the_file_dequantizes_like_gguf_py(type_name, smollm2_gguf
     for name, info in header.tensors.items():
         by_type.setdefault(info.type_name, []).append(name)
     # Q4_K_M: mostly Q4_K, with Q6_K and fallbacks; Q2_K: Q3_K (variants.TYPES says why)
-    main = {"Q2_K": "Q3_K"}.get(type_name, type_name.removesuffix(variants.PURE).removesuffix("_M"))
+    plain = type_name.removesuffix(variants.PURE).removesuffix("_M")
+    main = {"Q2_K": "Q3_K", "IQ3_M": "IQ3_S"}.get(type_name, plain)
     assert main in by_type, sorted(by_type)
     for kind, names in by_type.items():
         for name in {names[0], names[-1], *(n for n in names if n == "token_embd.weight")}:
@@ -106,6 +115,8 @@ def test_logits_match_llama_cpp_on_the_same_file(type_name, smollm2_gguf):
     _need_llama_cpp()
     import llama_cpp
 
+    if type_name in NOT_COMPARABLE:
+        pytest.skip(f"{type_name}: llama.cpp's Q8_K inputs alone move these logits (LOOSE_BOUND)")
     path = _file(type_name, smollm2_gguf)
     ids = _prompt_ids(path)
     llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
@@ -115,12 +126,25 @@ def test_logits_match_llama_cpp_on_the_same_file(type_name, smollm2_gguf):
     with torch.no_grad():
         ours = _ours(path)(torch.tensor([ids]))[0]  # (S, V)
     rel = ((ours - theirs).abs().amax(-1) / theirs.std(-1)).max().item()
-    assert rel <= FLOAT_BOUND.get(type_name, QUANT_BOUND), rel
+    assert rel <= FLOAT_BOUND.get(type_name, LOOSE_BOUND.get(type_name, QUANT_BOUND)), rel
     if type_name not in FLOAT_BOUND:
         assert F.cosine_similarity(ours, theirs, dim=-1).min().item() >= QUANT_COSINE
     top5 = theirs.topk(5, dim=-1).indices  # (S, 5): our top token is among llama.cpp's five
     assert (top5 == ours.argmax(-1, keepdim=True)).any(-1).all()
     assert ours[-1].argmax() == theirs[-1].argmax()  # the next token of the chat prompt
+
+
+@pytest.mark.parametrize("type_name", variants.TYPES)
+def test_packed_step_is_the_forward_of_the_dequantized_file(type_name, smollm2_gguf):
+    """The file's blocks as the C step reads them (re-laid types included) against the fp32
+    forward of its dequantized weights: apart only by x's 16-bit fixed point."""
+    path = _file(type_name, smollm2_gguf)
+    ids = torch.tensor([_prompt_ids(path)])
+    with torch.no_grad():
+        ours, want = _ours(path)(ids)[0], _dequantized(path)(ids)[0]
+    rel = ((ours - want).abs().amax(-1) / want.std(-1)).max().item()
+    assert rel <= 0.1, rel
+    assert torch.equal(ours.argmax(-1), want.argmax(-1))
 
 
 def _transformers_greedy(path, ids: list[int]) -> list[int]:

@@ -98,10 +98,11 @@ def test_q4_k_repacks_to_ggufs_dequantization():
     _close(qgemv(g.to(DEVICE), x), x @ gguf_dequantize(raw, "Q4_K", (n, k)).T.to(DEVICE), x.dtype)
 
 
-@pytest.mark.parametrize("ggml_type, k", [("IQ4_NL", 96), ("IQ4_XS", 512)])
-def test_iq4_blocks_repack_to_int8_with_ggufs_values(ggml_type, k):
+@pytest.mark.parametrize("ggml_type, k", [("IQ4_NL", 96), ("IQ4_XS", 512), ("IQ3_S", 512)])
+def test_grid_blocks_repack_with_ggufs_values(ggml_type, k):
     """IQ4's grid values as int8 with the block's scale (IQ4_XS: d times its 6-bit scale, in
-    fp32): gguf-py's dequantization bit for bit, and the int8 product on it."""
+    fp32), IQ3_S's re-laid nibbles as int4 (scale 2 d s, min -15 d s): gguf-py's dequantization
+    bit for bit, and the product on it."""
     pytest.importorskip("gguf")
     from gguf_kit import random_raw
 
@@ -112,7 +113,8 @@ def test_iq4_blocks_repack_to_int8_with_ggufs_values(ggml_type, k):
     raw = torch.from_numpy(random_raw(ggml_type, n, k, seed=k))
     g = gpu_pack.from_qtensor(from_gguf(ggml_type, raw, (n, k)))
     want = gguf_dequantize(raw, ggml_type, (n, k))
-    assert g.fmt == "int8" and g.group == 32 and torch.equal(g.dequantize()[0], want)
+    fmt = "int4" if ggml_type == "IQ3_S" else "int8"
+    assert g.fmt == fmt and g.group == 32 and torch.equal(g.dequantize()[0], want)
     x = torch.randn(2, 1, k, device=DEVICE)
     _close(qgemv(g.to(DEVICE), x), x @ want.T.to(DEVICE), x.dtype)
 

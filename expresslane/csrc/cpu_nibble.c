@@ -4,7 +4,7 @@
    values and scales once and used for every token of the block.
 
    Every value is q = (4 low bits, or 2 for the crumb formats) + 4 (bit 2: q3_K) + 16 (bit 4) +
-   32 (bit 5), unsigned (the IQ4 formats: u, the grid value of a 4-bit index plus 128), in a
+   32 (bit 5), unsigned (the grid formats: u, the grid value of a 4-bit index plus 128), in a
    block with a scale and an offset, w = d_b q + m_b:
 
      q4_0   d f16, m = -8 d              q4_1   d, m f16
@@ -16,9 +16,10 @@
      q2_K   per 256: d, dmin f16, per 16 a 4-bit scale s and min m: w = (d s) q - (dmin m)
      iq4_NL d f16, q an index into a grid of 16 (weights/blocks.py): w = d (u - 128)
      iq4_XS per 256: d f16, per 32 an int8 scale s: w = (d s) (u - 128)
+     iq3_S  as iq4_XS, on the grid of odd values -15..15 (GGUF's IQ3_S re-laid as nibbles)
 
    Q3_K and Q2_K keep 2 low bits a value as stored (crumbs, four a byte), spread into the
-   nibbles' two vectors by one broadcast load and two shifts. The IQ4 formats' nibbles are
+   nibbles' two vectors by one broadcast load and two shifts. The grid formats' nibbles are
    looked up (vpshufb) into u = grid + 128, unsigned, whose offset is -128.
 
    The nibbles are vpdpbusd's unsigned operand, x's two signed bytes (cpu_activations.c) the
@@ -43,11 +44,14 @@
 
 #ifdef EL_X86
 
-#define IS_IQ4(F) ((F) == FMT_IQ4_NL || (F) == FMT_IQ4_XS)
+#define IS_GRID(F) ((F) == FMT_IQ4_NL || IS_XS(F))
 
-/* the IQ4 grid (ggml's kvalues_iq4nl, weights/blocks.py IQ4_VALUES) plus 128: unsigned bytes */
+/* the grids (weights/grids.py) plus 128, unsigned bytes: IQ4's (ggml's kvalues_iq4nl) and the odd
+   values of IQ3_S's nibbles */
 static const uint8_t IQ4_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197,
                                   217, 241};
+static const uint8_t ODD_U[16] = {113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137,
+                                  139, 141, 143};
 
 /* per group: the values of its low and high nibbles (4 blocks x 16 bytes each), the scales of
    the blocks (16 lanes, a block's on its quarter; Q6_K, Q3_K, Q2_K: a 16-value scale on each
@@ -107,8 +111,9 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
         G.lo = _mm512_and_si512(v, low4);
         G.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
-    if (IS_IQ4(FMT)) { /* indices -> the grid plus 128 */
-        const __m512i u = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_U));
+    if (IS_GRID(FMT)) { /* indices -> the grid plus 128 */
+        const uint8_t *grid = FMT == FMT_IQ3_S ? ODD_U : IQ4_U;
+        const __m512i u = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)grid));
         G.lo = _mm512_shuffle_epi8(u, G.lo);
         G.hi = _mm512_shuffle_epi8(u, G.hi);
     }
@@ -122,7 +127,7 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
         int32_t s;
         memcpy(&s, sub + (g / 2) * 16 + (g % 2) * 4, 4);
         G.dv = k_scales(d[g / 2], _mm_cvtsi32_si128(s), 0);
-    } else if (FMT == FMT_IQ4_XS) { /* an int8 scale per 32 values: 4 a group */
+    } else if (IS_XS(FMT)) { /* an int8 scale per 32 values: 4 a group */
         int32_t s;
         memcpy(&s, sub + g * 4, 4);
         G.dv = k_scales(d[g / 2], _mm_cvtsi32_si128(s), 1);
@@ -164,22 +169,22 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
                                 int64_t Kp, __m512 *off, const int T) {
     __m512 acc[TMAX];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    if (FMT == FMT_Q4_K || FMT == FMT_Q5_K || FMT == FMT_IQ4_XS) { /* per 32 values: the K-quants'
-        - dmin m_j, iq4_XS's - 128 d s_j; a superblock of 8 blocks at a time */
+    if (FMT == FMT_Q4_K || FMT == FMT_Q5_K || IS_XS(FMT)) { /* per 32 values: the K-quants'
+        - dmin m_j, iq4_XS's and iq3_S's - 128 d s_j; a superblock of 8 blocks at a time */
         __m256 a8[TMAX];
         for (int t = 0; t < T; t++) a8[t] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nb / 8; sb++) {
             int64_t m8;
-            memcpy(&m8, FMT == FMT_IQ4_XS ? sub + sb * 8 : sub + sb * 16 + 8, 8);
+            memcpy(&m8, IS_XS(FMT) ? sub + sb * 8 : sub + sb * 16 + 8, 8);
             const __m128i m = _mm_cvtsi64_si128(m8);
-            __m256 mf = _mm256_cvtepi32_ps(FMT == FMT_IQ4_XS ? _mm256_cvtepi8_epi32(m)
-                                                             : _mm256_cvtepu8_epi32(m));
-            const uint16_t h = FMT == FMT_IQ4_XS ? d[sb] : mn[sb];
+            __m256 mf = _mm256_cvtepi32_ps(IS_XS(FMT) ? _mm256_cvtepi8_epi32(m)
+                                                      : _mm256_cvtepu8_epi32(m));
+            const uint16_t h = IS_XS(FMT) ? d[sb] : mn[sb];
             __m256 dm = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(h)), mf);
             for (int t = 0; t < T; t++)
                 a8[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs[t] + sb * 8), a8[t]);
         }
-        const __m256 k = _mm256_set1_ps(FMT == FMT_IQ4_XS ? -128.0f : -1.0f);
+        const __m256 k = _mm256_set1_ps(IS_XS(FMT) ? -128.0f : -1.0f);
         for (int t = 0; t < T; t++) off[t] = _mm512_zextps256_ps512(_mm256_mul_ps(a8[t], k));
         return;
     }
@@ -254,7 +259,7 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
     const uint16_t *mn = w->mins ? (const uint16_t *)w->mins + r * per : NULL;
     const uint8_t *high = w->high ? (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8))
                                   : NULL;
-    const int8_t *sub = w->sub ? (const int8_t *)w->sub + r * (K / (FMT == FMT_IQ4_XS ? 32 : 16))
+    const int8_t *sub = w->sub ? (const int8_t *)w->sub + r * (K / (IS_XS(FMT) ? 32 : 16))
                                : NULL;
     const float *bsum[TMAX];
     float sx[TMAX];
@@ -282,6 +287,7 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
 #define ROW_Q2_K(n, lp) ROWS(Q2_K, n, lp)
 #define ROW_IQ4_NL(n, lp) ROWS(IQ4_NL, n, lp)
 #define ROW_IQ4_XS(n, lp) ROWS(IQ4_XS, n, lp)
+#define ROW_IQ3_S(n, lp) ROWS(IQ3_S, n, lp)
 SPAN(Q4_0)
 SPAN(Q4_1)
 SPAN(Q5_0)
@@ -293,6 +299,7 @@ SPAN(Q3_K)
 SPAN(Q2_K)
 SPAN(IQ4_NL)
 SPAN(IQ4_XS)
+SPAN(IQ3_S)
 
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
     switch ((int)sp->w->fmt) {
@@ -306,6 +313,7 @@ void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
     case FMT_Q2_K: span_Q2_K(sp, r0, r1); break;
     case FMT_IQ4_NL: span_IQ4_NL(sp, r0, r1); break;
     case FMT_IQ4_XS: span_IQ4_XS(sp, r0, r1); break;
+    case FMT_IQ3_S: span_IQ3_S(sp, r0, r1); break;
     default: span_Q6_K(sp, r0, r1); break;
     }
 }
@@ -351,7 +359,7 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
         const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[blk])), m = _mm512_set1_ps(_cvtsh_ss(mn[blk]));
         w0 = _mm512_add_ps(_mm512_mul_ps(dv, q0), m);
         w1 = _mm512_add_ps(_mm512_mul_ps(dv, q1), m);
-    } else if (IS_IQ4(FMT)) { /* the grid: u - 128 */
+    } else if (IS_GRID(FMT)) { /* the grid: u - 128 */
         const __m512 c = _mm512_set1_ps(128.0f);
         const __m512 dv = _mm512_set1_ps(FMT == FMT_IQ4_NL ? _cvtsh_ss(d[blk])
                                                            : _cvtsh_ss(d[sb]) * (float)sub[blk]);
@@ -391,7 +399,7 @@ T_VNNI INLINE void deq_row(const int FMT, const qmat_t *w, int64_t r, int64_t K,
     const uint16_t *mn = w->mins ? (const uint16_t *)w->mins + r * per : NULL;
     const uint8_t *high = w->high ? (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8))
                                   : NULL;
-    const int8_t *sub = w->sub ? (const int8_t *)w->sub + r * (K / (FMT == FMT_IQ4_XS ? 32 : 16))
+    const int8_t *sub = w->sub ? (const int8_t *)w->sub + r * (K / (IS_XS(FMT) ? 32 : 16))
                                : NULL;
     uint8_t lo[64] __attribute__((aligned(64))), hi[64] __attribute__((aligned(64)));
     for (int64_t g = 0; g * 4 < nb; g++) {
@@ -432,6 +440,7 @@ DEQ(Q3_K)
 DEQ(Q2_K)
 DEQ(IQ4_NL)
 DEQ(IQ4_XS)
+DEQ(IQ3_S)
 
 int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int threads) {
     void (*row)(const qmat_t *, int64_t, int64_t, void *, int);
@@ -448,6 +457,7 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
     case FMT_Q2_K: row = deq_Q2_K; break;
     case FMT_IQ4_NL: row = deq_IQ4_NL; break;
     case FMT_IQ4_XS: row = deq_IQ4_XS; break;
+    case FMT_IQ3_S: row = deq_IQ3_S; break;
     default: return -1;
     }
     if (!(el_features() & HAS_VNNI) || K % 32 || (IS_SUPER(w->fmt) && K % 256)) return -1;

@@ -7,7 +7,8 @@ gguf-py's GGUFWriter, metadata and tokenizer copied. That F32 file is then quant
 of `TYPES` by `llama_cpp.llama_model_quantize` (llama-cpp-python), so the files are what
 llama.cpp's `llama-quantize` writes, mixes included (Q4_K_M: Q4_K and Q6_K, with Q5_0/Q8_0 for
 SmolLM2's 576-wide rows, which are not a multiple of 256; with llama-cpp-python 0.3.36, Q2_K and
-Q3_K_* fall back to Q4_0 there (Q5_0 / Q5_1 for some of Q3_K_M's and Q3_K_L's), IQ4_XS to IQ4_NL).
+Q3_K_* fall back to Q4_0 there (Q5_0 / Q5_1 for some of Q3_K_M's and Q3_K_L's), IQ4_XS and IQ3_S to
+IQ4_NL, TQ* to Q4_0).
 
 Q4_1 is the fetched file itself: llama.cpp's quantizer wrote it too, from the original weights.
 Files live beside the model in the cache, written to a temporary name then renamed:
@@ -36,13 +37,16 @@ from .reader import read_header
 # llama.cpp's llama_ftype numbers (include/llama.h): what `llama-quantize` names each mix.
 FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
           "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
-          "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "BF16": 32}  # fmt: skip
+          "Q5_K_M": 17, "Q6_K": 18, "IQ3_S": 26, "IQ3_M": 27, "IQ4_NL": 25, "IQ4_XS": 30,
+          "BF16": 32, "TQ1_0": 36, "TQ2_0": 37}  # fmt: skip
 # Q2_K: SmolLM2's file holds Q3_K (llama.cpp's Q2_K mix puts ffn_down, the one matrix whose rows
 # are a multiple of 256, in Q3_K) and no Q2_K; Q2_K_S, which would, needs an imatrix. "-pure"
 # asks the quantizer for no mix (llama-quantize --pure): Q2_K-pure holds Q2_K in ffn_down.
+# IQ3_M: IQ3_S in ffn_down (IQ3_XXS would need an imatrix); TQ2_0 / TQ1_0: ternary ffn_down, the
+# other rows Q4_0 (SmolLM2 is not a ternary model: a test file, not a useful one).
 PURE = "-pure"
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16",
-         "Q2_K", "Q2_K-pure", "IQ4_NL", "IQ4_XS")  # fmt: skip
+         "Q2_K", "Q2_K-pure", "IQ4_NL", "IQ4_XS", "IQ3_M", "TQ2_0", "TQ1_0")  # fmt: skip
 STEM = "SmolLM2-135M-Instruct"
 
 

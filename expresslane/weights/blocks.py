@@ -21,6 +21,12 @@ gguf-py's order of operations, so the two agree bit for bit (tests/test_gguf_blo
     iq4_nl nibbles (indices into IQ4_VALUES), scale f16 per 32       w = d IQ4_VALUES[q]
     iq4_xs nibbles, scale d f16 per 256, sub (N, K/32) int8 (6-bit scale minus 32) per 32
                                                                      w = (d s) IQ4_VALUES[q]
+    iq3_s  as iq4_xs, sub 1 + 2 s (GGUF's 4-bit s)                   w = (d s) (2 q - 15)
+
+Two GGUF types have no format of their own here: TQ2_0 and TQ1_0 (ternary) are re-laid as q2_k
+(d = dmin = the file's d, every scale and min 1, so w = d q - d), and IQ3_S, whose grid indices
+stand for 4 values each, as the nibbles of its values (weights/grids.py says why; both keep the
+values bit for bit, in more bytes than the file).
 
 Nibbles: in each block of 32 values, byte j holds value j in its low nibble and value j + 16 in
 its high one (GGUF's Q4_0 / Q4_1 order; the K-quants are re-laid to it). Q6_K's block is stored
@@ -36,13 +42,15 @@ the group's values 0-15 of each block (64, block by block) and hi its values 16-
 lo[i], lo[32 + i], hi[i], hi[32 + i] in bits 0-1, 2-3, 4-5, 6-7: one 32-byte load broadcast to
 both halves of a register and shifted gives the nibble formats' two vectors (csrc/cpu_nibble.c).
 Their 16-value scales take Q6_K's swapped quarters too; q3_k's third bit is a mask like q5's.
-The IQ4 formats' nibbles are indices into a grid of 16 values (IQ4_VALUES, -127..113), which
-the kernels look up as IQ4_VALUES + 128 (unsigned) and offset by -128.
+The grid formats' nibbles are indices into a grid of 16 values (IQ4_VALUES, -127..113, or
+ODD_VALUES, -15..15), which the kernels look up as the grid + 128 (unsigned) and offset by -128.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .grids import IQ4_VALUES, ODD_VALUES, iq3_s_scales, iq3_s_signed, tq1_0_values, tq2_0_values
 
 QK = 256  # values of a K-quant superblock
 # GGUF type -> (our format, values a block, bytes a block)
@@ -51,18 +59,18 @@ TYPES = {
     "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", QK, 144),
     "Q5_K": ("q5_k", QK, 176), "Q6_K": ("q6_k", QK, 210), "Q3_K": ("q3_k", QK, 110),
     "Q2_K": ("q2_k", QK, 84), "IQ4_NL": ("iq4_nl", 32, 18), "IQ4_XS": ("iq4_xs", QK, 136),
+    "IQ3_S": ("iq3_s", QK, 110), "TQ2_0": ("q2_k", QK, 66), "TQ1_0": ("q2_k", QK, 54),
 }  # fmt: skip
 # the formats of csrc/cpu_nibble.c's kernels (nibbles, or crumbs, in `data`)
 NIBBLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl",
-          "iq4_xs")  # fmt: skip
-K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs")  # superblocks of 256 values
+          "iq4_xs", "iq3_s")  # fmt: skip
+K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs", "iq3_s")  # superblocks of 256
 CRUMB = ("q3_k", "q2_k")  # 2 low bits a value in `data`
 HALF16 = ("q6_k", "q3_k", "q2_k")  # a scale per 16 values: quarters swapped
-IQ4 = ("iq4_nl", "iq4_xs")
-# the non-linear 4-bit grid of IQ4_NL and IQ4_XS (ggml-common.h's kvalues_iq4nl)
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+GRID = {"iq4_nl": IQ4_VALUES, "iq4_xs": IQ4_VALUES, "iq3_s": ODD_VALUES}  # nibble -> value
+XS = ("iq4_xs", "iq3_s")  # a d per 256 values and an int8 scale per 32
 BITS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "q3_k": 3,
-        "q2_k": 2, "iq4_nl": 4, "iq4_xs": 4}  # fmt: skip
+        "q2_k": 2, "iq4_nl": 4, "iq4_xs": 4, "iq3_s": 4}  # fmt: skip
 
 
 def block_values(fmt: str) -> int:
@@ -170,7 +178,7 @@ def swap_quarters(q: torch.Tensor) -> torch.Tensor:
 
 def values(fmt: str, data: torch.Tensor, high: torch.Tensor | None) -> torch.Tensor:
     """The unsigned values q (..., K) uint8 of a nibble format, in the matrix's order (the IQ4
-    formats: indices into IQ4_VALUES)."""
+    formats: indices into their GRID)."""
     q = unpack_crumbs(data) if fmt in CRUMB else unpack_nibbles(data)
     K = q.shape[-1]
     if BITS[fmt] == 3:
@@ -191,12 +199,12 @@ def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor
     if fmt == "q8_0":
         return (data.reshape(*lead, -1, 32).float() * scale.float().unsqueeze(-1)).flatten(-2)
     q = values(fmt, data, high)
-    q = _IQ4[q.long()] if fmt in IQ4 else q.float()
+    q = _GRIDS[fmt][q.long()] if fmt in GRID else q.float()
     if fmt == "iq4_nl":
         return (scale.float().unsqueeze(-1) * q.reshape(*lead, -1, 32)).reshape(*lead, -1)
     if fmt in K_QUANTS:
         d = scale.float().unsqueeze(-1)  # (..., K/256, 1)
-        if fmt == "iq4_xs":
+        if fmt in XS:
             ds = (d * sub.view(torch.int8).reshape(*lead, -1, 8).float()).unsqueeze(-1)
             return (ds * q.reshape(*lead, -1, 8, 32)).reshape(*lead, -1)  # (..., K/256, 8, 32)
         s = sub.reshape(*lead, -1, 16)
@@ -218,7 +226,7 @@ def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor
     return (d * qb + mins.float().unsqueeze(-1)).reshape(*lead, -1)
 
 
-_IQ4 = torch.tensor(IQ4_VALUES, dtype=torch.float32)
+_GRIDS = {fmt: torch.tensor(v, dtype=torch.float32) for fmt, v in GRID.items()}
 
 
 # --- from a GGUF file's bytes -------------------------------------------------------------------
@@ -277,6 +285,21 @@ def _iq4_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     return f
 
 
+def _iq3_s_fields(b: torch.Tensor, N: int, K: int) -> dict:
+    """IQ3_S blocks (N, K/256, 110) -> iq3_s: the nibbles (v + 15) / 2 of its signed values."""
+    q = ((iq3_s_signed(b).to(torch.int16) + 15) >> 1).to(torch.uint8).reshape(N, K)
+    sub = iq3_s_scales(b).to(torch.int8).reshape(N, -1).view(torch.uint8)
+    return dict(data=pack_nibbles(q), scale=_f16(b[..., :2]), sub=sub)
+
+
+def _ternary_fields(ggml_type: str, b: torch.Tensor, N: int, K: int) -> dict:
+    """TQ2_0 / TQ1_0 blocks (N, K/256, bytes) -> q2_k with d = dmin and a scale and min of 1."""
+    q = (tq2_0_values(b) if ggml_type == "TQ2_0" else tq1_0_values(b)).reshape(N, K)
+    d = _f16(b[..., -2:])
+    sub = torch.full((N, K // 16), 0x11, dtype=torch.uint8)
+    return dict(data=pack_crumbs(swap_quarters(q)), scale=d, mins=d.clone(), sub=sub)
+
+
 def _crumb_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     """Q2_K / Q3_K blocks (N, K/256, bytes): values re-laid, scales unpacked (Q3_K) or kept."""
     at = 16 if fmt == "q2_k" else 32  # qs: 64 bytes
@@ -310,7 +333,11 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
         qh = b[..., at : at + 4].contiguous().view(torch.int32)  # (N, K/32, 1) bit j: value j
         bit = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # (N, K/32, 32)
         return fmt, dict(f, data=nib, high=pack_masks(bit.reshape(N, K).to(torch.uint8)))
-    if fmt in IQ4:
+    if ggml_type == "IQ3_S":
+        return fmt, _iq3_s_fields(b, N, K)
+    if ggml_type.startswith("TQ"):
+        return fmt, _ternary_fields(ggml_type, b, N, K)
+    if fmt in ("iq4_nl", "iq4_xs"):
         return fmt, _iq4_fields(fmt, b, N, K)
     if fmt in CRUMB:
         return fmt, _crumb_fields(fmt, b, N, K)

@@ -155,22 +155,30 @@ def quantize(w: torch.Tensor, fmt: str, group: int, scale_dtype=torch.float16) -
 
 
 def from_qtensor(q: QTensor) -> GPUQuant:
-    """A packed CPU weight in GGUF Q8_0, Q4_1, IQ4_NL or IQ4_XS blocks, repacked for the GPU
-    (same values). IQ4's grid is not linear, so its values go to int8 (the grid value itself,
+    """A packed CPU weight in GGUF Q8_0, Q4_1, IQ4_NL, IQ4_XS or IQ3_S blocks, repacked for the
+    GPU (same values). IQ4's grid is not linear, so its values go to int8 (the grid value itself,
     with the block's scale): 8 bits a value where the file has 4, half of bf16's bytes; a
-    kernel that looks the grid up in registers would keep IQ4's (not done)."""
+    kernel that looks the grid up in registers would keep IQ4's (not done). IQ3_S's re-laid
+    nibbles are linear, w = (d s) (2 q - 15): int4 with a scale 2 d s and a min -15 d s per 32,
+    both exact in fp32."""
     lane = q.data.dim() == 2  # (N, K): one lane
     data, scale, mins, sub = [None if t is None else (t.unsqueeze(0) if lane else t)
                               for t in (q.data, q.scale, q.mins, q.sub)]  # fmt: skip
     k = q.shape[-1]
     kp = _padded(k, BLOCK)
     pad_groups = (kp - k) // BLOCK
-    if q.fmt in blocks.IQ4:
+    if q.fmt in blocks.XS:  # d per 256 times an int8 scale per 32: fp32, as the reference
+        d = scale.float().repeat_interleave(blocks.QK // BLOCK, dim=-1)  # (L, N, K/32)
+        scale = d * sub.view(torch.int8).float()
+    if q.fmt == "iq3_s":
+        values = blocks.unpack_nibbles(data)
+        pad = torch.nn.functional.pad
+        scale, mins = pad(2 * scale, (0, pad_groups)), pad(-15 * scale, (0, pad_groups))
+        return GPUQuant("int4", BLOCK, k, pack_nibbles(_pad_k(values, kp)), scale.contiguous(),
+                        mins.contiguous())  # fmt: skip
+    if q.fmt in blocks.GRID:
         index = blocks.values(q.fmt, data, None).long()  # (L, N, K)
-        grid = torch.tensor(blocks.IQ4_VALUES, dtype=torch.int8)[index]
-        if q.fmt == "iq4_xs":  # d per 256 times an int8 scale per 32: fp32, as the reference
-            d = scale.float().repeat_interleave(blocks.QK // BLOCK, dim=-1)  # (L, N, K/32)
-            scale = d * sub.view(torch.int8).float()
+        grid = torch.tensor(blocks.GRID[q.fmt], dtype=torch.int8)[index]
         scale = torch.nn.functional.pad(scale, (0, pad_groups))
         return GPUQuant("int8", BLOCK, k, _pad_k(grid, kp).contiguous(), scale.contiguous())
     if q.fmt == "q8_0":
@@ -183,7 +191,7 @@ def from_qtensor(q: QTensor) -> GPUQuant:
         mins = torch.nn.functional.pad(mins, (0, pad_groups))
         return GPUQuant("int4", BLOCK, k, pack_nibbles(_pad_k(values, kp)), scale.contiguous(),
                         mins.contiguous())  # fmt: skip
-    raise ValueError(f"no GPU layout for the {q.fmt} format (Q8_0, Q4_1 and IQ4 blocks repack)")
+    raise ValueError(f"no GPU layout for the {q.fmt} format (Q8_0, Q4_1, IQ4, IQ3_S repack)")
 
 
 Q4_K_BYTES = 144  # d f16, dmin f16, scales[12], qs[128] for 256 values
