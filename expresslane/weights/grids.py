@@ -10,11 +10,13 @@ plain values: what weights/blocks.py re-lays for the kernels and gguf/quants.py 
 
 A grid index of IQ3_S stands for 4 values, each one of 8 odd magnitudes: 512 of the 4096
 combinations. With its sign a value v = sign g is odd in -15..15, so (v + 15) / 2 is a nibble:
-blocks.py keeps IQ3_S as those nibbles (a grid of 16 linear values, ODD_VALUES), 4.25 bits a value
-where the file has 3.44. That is a choice: AVX-512 has no lookup of a 512-entry table cheaper
-per value than the nibble formats' loads (a 16-lane gather brings 64 values and costs several
-times a 64-byte load), and the values stay the file's, bit for bit. The ternary types go to
-Q2_K's layout (2 bits a value) for the same reason; BENCHMARKS.md has what it costs.
+blocks.py keeps IQ3_S as those nibbles (a grid of 16 linear values, ODD_VALUES), 138 bytes per
+256 values (4.31 bits a value) where the file has 110 (3.44). That is a decision, not a
+measurement: reading the file's indices would take a gather from the 512-entry table per 4
+values, plus index and sign work, in the group loader that every nibble format shares, while the
+nibbles cost it one load and two masks; the values stay the file's, bit for bit. The ternary
+types go to Q2_K's layout for the same reason: 84 bytes per 256 values (2.63 bits) where TQ2_0
+has 66 and TQ1_0 54. BENCHMARKS.md has their speed against llama.cpp's on the same files.
 """
 
 from __future__ import annotations
