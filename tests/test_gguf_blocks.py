@@ -15,7 +15,8 @@ from expresslane.weights.quant import from_gguf
 gguf = pytest.importorskip("gguf")
 
 LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # blocks of 32 values
-KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ3_S", "TQ2_0", "TQ1_0")  # of 256
+CODEBOOKS = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", *CODEBOOKS, "TQ2_0", "TQ1_0")  # of 256
 # (N, K): K a multiple of 32 (legacy: partial last groups of 1-3 blocks) or of 256
 SHAPES = {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY} | {
     t: [(37, 256), (11, 768), (130, 512)] for t in KQUANTS
@@ -23,8 +24,8 @@ SHAPES = {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY
 F16_AT = {  # byte offsets of a block's f16 fields (d, and m / dmin)
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82),
-    "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,), "TQ2_0": (64,), "TQ1_0": (52,),
-}  # fmt: skip
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ2_0": (64,), "TQ1_0": (52,), "IQ1_M": (),
+} | dict.fromkeys(CODEBOOKS[:-1], (0,))  # fmt: skip
 
 
 def random_blocks(ggml_type: str, N: int, K: int, seed: int) -> torch.Tensor:
@@ -35,6 +36,11 @@ def random_blocks(ggml_type: str, N: int, K: int, seed: int) -> torch.Tensor:
     for at in F16_AT[ggml_type]:
         d = (torch.rand(N, K // bv, generator=g) * 0.02 + 1e-4).half()
         raw[..., at : at + 2] = d.unsqueeze(-1).view(torch.uint8)
+    if ggml_type == "IQ1_M":  # d's 16 bits in the top nibbles of the four u16 of scales
+        d = (torch.rand(N, K // bv, generator=g) * 0.02 + 1e-4).half().view(torch.int16).int()
+        sc = raw[..., 48:56].contiguous().view(torch.int16).int()  # (N, K/256, 4)
+        sc = sc & 0x0FFF | (d.unsqueeze(-1) >> torch.arange(0, 16, 4) & 15) << 12
+        raw[..., 48:56] = sc.to(torch.int16).view(torch.uint8)
     return raw.reshape(N, -1)
 
 

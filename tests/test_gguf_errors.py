@@ -77,10 +77,10 @@ def test_unknown_architecture(tmp_path, capsys):
 
 
 def test_unsupported_tensor_type(tmp_path, capsys):
-    # a type llama.cpp has and we do not dequantize; its rows hold 256 values: a wider model
-    meta, tensors = _meta(d=256, f=256), _tensors("IQ2_XXS", 256, 256)
+    # a type llama.cpp has and we do not read (gpt-oss's MXFP4); 256-value rows: a wider model
+    meta, tensors = _meta(d=256, f=256), _tensors("MXFP4", 256, 256)
     path = write_gguf(tmp_path / "m.gguf", "llama", meta, tensors)
-    _fails(capsys, path, "blk.0.attn_q.weight", "IQ2_XXS", "Q4_K", "IQ4_XS")
+    _fails(capsys, path, "blk.0.attn_q.weight", "MXFP4", "Q4_K", "IQ1_M")
 
 
 def test_unknown_tensor_type_id(tmp_path, capsys):

@@ -81,7 +81,8 @@ def test_every_type_in_the_file_dequantizes_like_gguf_py(type_name, smollm2_gguf
         by_type.setdefault(info.type_name, []).append(name)
     # Q4_K_M: mostly Q4_K, with Q6_K and fallbacks; Q2_K: Q3_K (variants.TYPES says why)
     plain = type_name.removesuffix(variants.PURE).removesuffix("_M")
-    main = {"Q2_K": "Q3_K", "IQ3_M": "IQ3_S"}.get(type_name, plain)
+    mixes = {"Q2_K": "Q3_K", "IQ3_M": "IQ3_S", "IQ2_M": "IQ2_S", "IQ1_M": "IQ1_M"}
+    main = mixes.get(type_name, plain)
     assert main in by_type, sorted(by_type)
     for kind, names in by_type.items():
         for name in {names[0], names[-1], *(n for n in names if n == "token_embd.weight")}:

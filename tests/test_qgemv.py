@@ -98,11 +98,15 @@ def test_q4_k_repacks_to_ggufs_dequantization():
     _close(qgemv(g.to(DEVICE), x), x @ gguf_dequantize(raw, "Q4_K", (n, k)).T.to(DEVICE), x.dtype)
 
 
-@pytest.mark.parametrize("ggml_type, k", [("IQ4_NL", 96), ("IQ4_XS", 512), ("IQ3_S", 512)])
+GRIDDED = [("IQ4_NL", 96), ("IQ4_XS", 512), ("IQ3_S", 512), ("IQ3_XXS", 256), ("IQ2_XXS", 512),
+           ("IQ1_S", 256)]  # fmt: skip
+
+
+@pytest.mark.parametrize("ggml_type, k", GRIDDED)
 def test_grid_blocks_repack_with_ggufs_values(ggml_type, k):
     """IQ4's grid values as int8 with the block's scale (IQ4_XS: d times its 6-bit scale, in
-    fp32), IQ3_S's re-laid nibbles as int4 (scale 2 d s, min -15 d s): gguf-py's dequantization
-    bit for bit, and the product on it."""
+    fp32; the codebook types' times their power of two), IQ3_S's re-laid nibbles as int4 (scale
+    2 d s, min -15 d s): gguf-py's dequantization bit for bit, and the product on it."""
     pytest.importorskip("gguf")
     from gguf_kit import random_raw
 

@@ -3,8 +3,8 @@
 
      cpu_activations.c  the CPU's features, and x in the form each format's kernels read
      cpu_matmul.c       el_matmul: the float, int8 and Q8_0 kernels and the driver
-     cpu_nibble.c       the 2- to 6-bit GGUF formats (Q4_0 ... Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
-                        IQ3_S)
+     cpu_nibble.c       the 2- to 6-bit GGUF formats (Q4_0 ... Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS)
+                        and the codebook types re-laid as nibbles (IQ3_S ... IQ1_M)
 
    There is one product, for S tokens; one token is its S = 1 case (the same kernels). */
 #ifndef EXPRESSLANE_CPU_KERNELS_H
@@ -15,6 +15,8 @@ enum {
     FMT_F32 = 0, FMT_BF16 = 1, FMT_F16 = 2, FMT_I8 = 3, FMT_Q8_0 = 4, FMT_Q4_1 = 5,
     FMT_Q4_0 = 6, FMT_Q5_0 = 7, FMT_Q5_1 = 8, FMT_Q4_K = 9, FMT_Q5_K = 10, FMT_Q6_K = 11,
     FMT_IQ4_NL = 12, FMT_IQ4_XS = 13, FMT_Q3_K = 14, FMT_Q2_K = 15, FMT_IQ3_S = 16,
+    FMT_IQ3_XXS = 17, FMT_IQ2_XXS = 18, FMT_IQ1_S = 19, FMT_IQ2_XS = 20, FMT_IQ2_S = 21,
+    FMT_IQ1_M = 22,
     FMT_COUNT
 };
 enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
@@ -25,10 +27,14 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
    those with a scale per 16 values take their blocks with the middle quarters swapped. */
 #define IS_NIBBLE(fmt) ((fmt) == FMT_Q4_1 || (fmt) >= FMT_Q4_0)
 #define IS_CRUMB(fmt) ((fmt) == FMT_Q3_K || (fmt) == FMT_Q2_K)
-#define IS_HALF16(fmt) ((fmt) == FMT_Q6_K || IS_CRUMB(fmt))
+/* the codebook types (weights/grids.py), nibbles indexing a grid of 16 values, with an int8
+   scale per 16 values (GRID16) or per 32 (XS, with IQ4_XS) and a d per 256 */
+#define IS_GRID16(fmt) ((fmt) == FMT_IQ2_XS || (fmt) == FMT_IQ2_S || (fmt) == FMT_IQ1_M)
+#define IS_XS(fmt)                                                                      \
+    ((fmt) == FMT_IQ4_XS || (fmt) == FMT_IQ3_S || (fmt) == FMT_IQ3_XXS || (fmt) == FMT_IQ2_XXS || \
+     (fmt) == FMT_IQ1_S)
+#define IS_HALF16(fmt) ((fmt) == FMT_Q6_K || IS_CRUMB(fmt) || IS_GRID16(fmt))
 /* a d per superblock of 256 values (K a multiple of 256), else per block of 32 */
-/* a d per 256 values and an int8 scale per 32 (IQ3_S: re-laid as nibbles, weights/blocks.py) */
-#define IS_XS(fmt) ((fmt) == FMT_IQ4_XS || (fmt) == FMT_IQ3_S)
 #define IS_SUPER(fmt) ((fmt) == FMT_Q4_K || (fmt) == FMT_Q5_K || IS_XS(fmt) || IS_HALF16(fmt))
 
 /* A weight matrix (lanes, N, K) in one format (expresslane/weights/quant.py's QTensor fields).
@@ -38,13 +44,14 @@ typedef struct {
     const void *data;   /* rows of K values; nibble formats: K / 2 bytes of nibbles per row,
                            crumb formats K / 4 */
     const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*, iq4_nl: f16 per block of 32
-                           values; K-quants, iq4_xs, iq3_s: f16 d per 256 */
+                           values; K-quants, iq4_xs, codebooks: f16 d per 256 */
     const void *rowsum; /* int8: int32 per row, the sum of its values */
     const void *mins;   /* q4_1, q5_1: f16 per block of 32; q4_K, q5_K, q2_K: f16 dmin per 256 */
     const void *high;   /* q5_*, q3_K: K / 8 bytes per row, q6_K: K / 4 (the bit masks) */
     const void *sub;    /* q4_K, q5_K: per 256 eight 6-bit scales then eight mins, a byte each;
                            q6_K, q3_K: an int8 scale per 16 values; q2_K: per 16 a byte, scale
-                           low and min high; iq4_xs, iq3_s: an int8 scale per 32 */
+                           low and min high; iq4_xs and XS codebooks: an int8 scale per
+                           32, GRID16 codebooks per 16 */
 } qmat_t;
 
 /* bit mask of HAS_* for this CPU (0 off x86-64 or without AVX-512) */

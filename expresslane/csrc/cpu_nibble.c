@@ -16,7 +16,9 @@
      q2_K   per 256: d, dmin f16, per 16 a 4-bit scale s and min m: w = (d s) q - (dmin m)
      iq4_NL d f16, q an index into a grid of 16 (weights/blocks.py): w = d (u - 128)
      iq4_XS per 256: d f16, per 32 an int8 scale s: w = (d s) (u - 128)
-     iq3_S  as iq4_XS, on the grid of odd values -15..15 (GGUF's IQ3_S re-laid as nibbles)
+     codebooks  GGUF's IQ3_S ... IQ1_M re-laid as nibbles (weights/grids.py): as iq4_XS on
+            their own grid, with a scale per 32 or (IQ2_XS, IQ2_S, IQ1_M) per 16 values, times
+            a power of two f: w = (d s f) (u - 128)
 
    Q3_K and Q2_K keep 2 low bits a value as stored (crumbs, four a byte), spread into the
    nibbles' two vectors by one broadcast load and two shifts. The grid formats' nibbles are
@@ -44,14 +46,37 @@
 
 #ifdef EL_X86
 
-#define IS_GRID(F) ((F) == FMT_IQ4_NL || IS_XS(F))
+#define IS_GRID(F) ((F) == FMT_IQ4_NL || IS_XS(F) || IS_GRID16(F))
 
-/* the grids (weights/grids.py) plus 128, unsigned bytes: IQ4's (ggml's kvalues_iq4nl) and the odd
-   values of IQ3_S's nibbles */
+/* the grids (weights/grids.py) plus 128, unsigned bytes: IQ4's (ggml's kvalues_iq4nl) and the
+   codebook types' values (unused places: 0) */
 static const uint8_t IQ4_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197,
                                   217, 241};
 static const uint8_t ODD_U[16] = {113, 115, 117, 119, 121, 123, 125, 127, 129, 131, 133, 135, 137,
                                   139, 141, 143};
+static const uint8_t IQ3_XXS_U[16] = {66, 76, 84, 92, 100, 108, 116, 124, 132, 140, 148, 156, 164,
+                                      172, 180, 190};
+static const uint8_t IQ2_U[16] = {85, 103, 120, 136, 153, 171, 128, 128, 128, 128, 128, 128, 128,
+                                  128, 128, 128};
+static const uint8_t IQ1_U[16] = {119, 121, 127, 129, 135, 137, 128, 128, 128, 128, 128, 128, 128,
+                                  128, 128, 128};
+
+INLINE const uint8_t *grid_u(const int FMT) {
+    return FMT == FMT_IQ3_S     ? ODD_U
+           : FMT == FMT_IQ3_XXS ? IQ3_XXS_U
+           : FMT == FMT_IQ2_XXS || FMT == FMT_IQ2_XS || FMT == FMT_IQ2_S ? IQ2_U
+           : FMT == FMT_IQ1_S || FMT == FMT_IQ1_M ? IQ1_U
+                                                   : IQ4_U;
+}
+
+/* the power of two a codebook type's scales take (exact), 1 for the others */
+INLINE float grid_f(const int FMT) {
+    return FMT == FMT_IQ3_XXS ? 0.25f
+           : FMT == FMT_IQ2_XXS || FMT == FMT_IQ2_XS || FMT == FMT_IQ2_S || FMT == FMT_IQ1_S ||
+                   FMT == FMT_IQ1_M
+               ? 0.125f
+               : 1.0f;
+}
 
 /* per group: the values of its low and high nibbles (4 blocks x 16 bytes each), the scales of
    the blocks (16 lanes, a block's on its quarter; Q6_K, Q3_K, Q2_K: a 16-value scale on each
@@ -112,8 +137,7 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
         G.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
     if (IS_GRID(FMT)) { /* indices -> the grid plus 128 */
-        const uint8_t *grid = FMT == FMT_IQ3_S ? ODD_U : IQ4_U;
-        const __m512i u = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)grid));
+        const __m512i u = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)grid_u(FMT)));
         G.lo = _mm512_shuffle_epi8(u, G.lo);
         G.hi = _mm512_shuffle_epi8(u, G.hi);
     }
@@ -141,6 +165,7 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
     } else {
         G.dv = quarter_scales(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), d + g * 4));
     }
+    if (grid_f(FMT) != 1.0f) G.dv = _mm512_mul_ps(G.dv, _mm512_set1_ps(grid_f(FMT)));
     return G;
 }
 
@@ -184,11 +209,12 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
             for (int t = 0; t < T; t++)
                 a8[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xs[t] + sb * 8), a8[t]);
         }
-        const __m256 k = _mm256_set1_ps(IS_XS(FMT) ? -128.0f : -1.0f);
+        const __m256 k = _mm256_set1_ps(IS_XS(FMT) ? -128.0f * grid_f(FMT) : -1.0f);
         for (int t = 0; t < T; t++) off[t] = _mm512_zextps256_ps512(_mm256_mul_ps(a8[t], k));
         return;
     }
-    if (IS_HALF16(FMT)) { /* per 16 values: - 32 d s_j (q6_K), - 4 d s_j (q3_K), - dmin m_j */
+    if (IS_HALF16(FMT)) { /* per 16 values: - 32 d s_j (q6_K), - 4 d s_j (q3_K), - dmin m_j,
+                             - 128 f d s_j (GRID16) */
         for (int64_t sb = 0; sb < nb / 8; sb++) {
             const __m128i s = _mm_loadu_si128((const __m128i *)(sub + sb * 16));
             __m512 sf = _mm512_cvtepi32_ps(FMT == FMT_Q2_K
@@ -199,7 +225,10 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
             for (int t = 0; t < T; t++)
                 acc[t] = _mm512_fmadd_ps(ds, _mm512_loadu_ps(xs[t] + Kp / 32 + sb * 16), acc[t]);
         }
-        const float k = FMT == FMT_Q6_K ? -32.0f : FMT == FMT_Q3_K ? -4.0f : -1.0f;
+        const float k = FMT == FMT_Q6_K   ? -32.0f
+                        : FMT == FMT_Q3_K ? -4.0f
+                        : IS_GRID16(FMT)  ? -128.0f * grid_f(FMT)
+                                          : -1.0f;
         for (int t = 0; t < T; t++) off[t] = _mm512_mul_ps(acc[t], _mm512_set1_ps(k));
         return;
     }
@@ -288,6 +317,12 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
 #define ROW_IQ4_NL(n, lp) ROWS(IQ4_NL, n, lp)
 #define ROW_IQ4_XS(n, lp) ROWS(IQ4_XS, n, lp)
 #define ROW_IQ3_S(n, lp) ROWS(IQ3_S, n, lp)
+#define ROW_IQ3_XXS(n, lp) ROWS(IQ3_XXS, n, lp)
+#define ROW_IQ2_XXS(n, lp) ROWS(IQ2_XXS, n, lp)
+#define ROW_IQ1_S(n, lp) ROWS(IQ1_S, n, lp)
+#define ROW_IQ2_XS(n, lp) ROWS(IQ2_XS, n, lp)
+#define ROW_IQ2_S(n, lp) ROWS(IQ2_S, n, lp)
+#define ROW_IQ1_M(n, lp) ROWS(IQ1_M, n, lp)
 SPAN(Q4_0)
 SPAN(Q4_1)
 SPAN(Q5_0)
@@ -300,6 +335,12 @@ SPAN(Q2_K)
 SPAN(IQ4_NL)
 SPAN(IQ4_XS)
 SPAN(IQ3_S)
+SPAN(IQ3_XXS)
+SPAN(IQ2_XXS)
+SPAN(IQ1_S)
+SPAN(IQ2_XS)
+SPAN(IQ2_S)
+SPAN(IQ1_M)
 
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
     switch ((int)sp->w->fmt) {
@@ -314,6 +355,12 @@ void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
     case FMT_IQ4_NL: span_IQ4_NL(sp, r0, r1); break;
     case FMT_IQ4_XS: span_IQ4_XS(sp, r0, r1); break;
     case FMT_IQ3_S: span_IQ3_S(sp, r0, r1); break;
+    case FMT_IQ3_XXS: span_IQ3_XXS(sp, r0, r1); break;
+    case FMT_IQ2_XXS: span_IQ2_XXS(sp, r0, r1); break;
+    case FMT_IQ1_S: span_IQ1_S(sp, r0, r1); break;
+    case FMT_IQ2_XS: span_IQ2_XS(sp, r0, r1); break;
+    case FMT_IQ2_S: span_IQ2_S(sp, r0, r1); break;
+    case FMT_IQ1_M: span_IQ1_M(sp, r0, r1); break;
     default: span_Q6_K(sp, r0, r1); break;
     }
 }
@@ -359,10 +406,10 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
         const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[blk])), m = _mm512_set1_ps(_cvtsh_ss(mn[blk]));
         w0 = _mm512_add_ps(_mm512_mul_ps(dv, q0), m);
         w1 = _mm512_add_ps(_mm512_mul_ps(dv, q1), m);
-    } else if (IS_GRID(FMT)) { /* the grid: u - 128 */
+    } else if (IS_GRID(FMT) && !IS_GRID16(FMT)) { /* the grid: u - 128 */
         const __m512 c = _mm512_set1_ps(128.0f);
-        const __m512 dv = _mm512_set1_ps(FMT == FMT_IQ4_NL ? _cvtsh_ss(d[blk])
-                                                           : _cvtsh_ss(d[sb]) * (float)sub[blk]);
+        const __m512 dv = _mm512_set1_ps(
+            FMT == FMT_IQ4_NL ? _cvtsh_ss(d[blk]) : _cvtsh_ss(d[sb]) * (float)sub[blk] * grid_f(FMT));
         w0 = _mm512_mul_ps(dv, _mm512_sub_ps(q0, c));
         w1 = _mm512_mul_ps(dv, _mm512_sub_ps(q1, c));
     } else if (FMT == FMT_Q2_K) { /* per 16 values a scale (low 4 bits) and a min (high 4) */
@@ -372,10 +419,11 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
                            _mm512_set1_ps(dm * (float)(s[0] >> 4)));
         w1 = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd * (float)(s[1] & 15)), q1),
                            _mm512_set1_ps(dm * (float)(s[1] >> 4)));
-    } else if (IS_HALF16(FMT)) { /* q6_K, q3_K: an int8 scale per 16 values */
-        const float dd = _cvtsh_ss(d[sb]), c = FMT == FMT_Q6_K ? 32.0f : 4.0f;
-        const __m512 lo = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j]);
-        const __m512 hi = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j + 1]);
+    } else if (IS_HALF16(FMT)) { /* q6_K, q3_K, GRID16: an int8 scale per 16 values */
+        const float dd = _cvtsh_ss(d[sb]), f = grid_f(FMT);
+        const float c = FMT == FMT_Q6_K ? 32.0f : FMT == FMT_Q3_K ? 4.0f : 128.0f;
+        const __m512 lo = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j] * f);
+        const __m512 hi = _mm512_set1_ps(dd * (float)sub[sb * 16 + 2 * j + 1] * f);
         w0 = _mm512_mul_ps(lo, _mm512_sub_ps(q0, _mm512_set1_ps(c)));
         w1 = _mm512_mul_ps(hi, _mm512_sub_ps(q1, _mm512_set1_ps(c)));
     } else { /* q4_K, q5_K */
@@ -441,6 +489,12 @@ DEQ(Q2_K)
 DEQ(IQ4_NL)
 DEQ(IQ4_XS)
 DEQ(IQ3_S)
+DEQ(IQ3_XXS)
+DEQ(IQ2_XXS)
+DEQ(IQ1_S)
+DEQ(IQ2_XS)
+DEQ(IQ2_S)
+DEQ(IQ1_M)
 
 int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int threads) {
     void (*row)(const qmat_t *, int64_t, int64_t, void *, int);
@@ -458,6 +512,12 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
     case FMT_IQ4_NL: row = deq_IQ4_NL; break;
     case FMT_IQ4_XS: row = deq_IQ4_XS; break;
     case FMT_IQ3_S: row = deq_IQ3_S; break;
+    case FMT_IQ3_XXS: row = deq_IQ3_XXS; break;
+    case FMT_IQ2_XXS: row = deq_IQ2_XXS; break;
+    case FMT_IQ1_S: row = deq_IQ1_S; break;
+    case FMT_IQ2_XS: row = deq_IQ2_XS; break;
+    case FMT_IQ2_S: row = deq_IQ2_S; break;
+    case FMT_IQ1_M: row = deq_IQ1_M; break;
     default: return -1;
     }
     if (!(el_features() & HAS_VNNI) || K % 32 || (IS_SUPER(w->fmt) && K % 256)) return -1;

@@ -20,8 +20,8 @@ per block of `values` weights and `bytes` bytes:
     IQ4_NL (32, 18): d:f16, nibbles[16]                       x = d IQ4_VALUES[q]
     IQ4_XS (256, 136): d:f16, 8 6-bit scales (high 2 bits u16, low 4 bits [4]), nibbles[128]
                      x = (d (s - 32)) IQ4_VALUES[q], a scale per 32 values
-    IQ3_S (256, 110): d:f16, 64 grid indices (low 8 bits qs[64], 9th bits qh[8]), signs[32],
-                     4-bit scales[4]            x = (d (1 + 2 s)) sign g (weights/grids.py)
+    IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M: the codebook types, indices into
+                     grids of 4 or 8 values (weights/grids.py)   x = (d (2 s + 1) f) v
     TQ2_0  (256, 66): 2 bits qs[64], d:f16                      x = d*(q-1)
     TQ1_0  (256, 54): 5 trits a byte qs[48], 4 trits a byte qh[4], d:f16    x = d*(t-1)
 
@@ -36,14 +36,15 @@ import torch
 
 from ..errors import CheckpointError
 from ..weights.blocks import IQ4_VALUES, crumb_values, iq4_xs_scales, q3_k_high, q3_k_scales
-from ..weights.grids import iq3_s_scales, iq3_s_signed, tq1_0_values, tq2_0_values
+from ..weights.grids import CODEBOOK, codebook_values, tq1_0_values, tq2_0_values
 from .reader import GGUFHeader
 
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-             "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "TQ2_0", "TQ1_0")  # fmt: skip
+             "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", *CODEBOOK, "TQ2_0", "TQ1_0")  # fmt: skip
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84,
                "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18,
-               "IQ4_XS": 136, "IQ3_S": 110, "TQ2_0": 66, "TQ1_0": 54}  # fmt: skip
+               "IQ4_XS": 136, "IQ3_S": 110, "IQ3_XXS": 98, "IQ2_XXS": 66, "IQ2_XS": 74,
+               "IQ2_S": 82, "IQ1_S": 50, "IQ1_M": 56, "TQ2_0": 66, "TQ1_0": 54}  # fmt: skip
 
 
 def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -198,9 +199,17 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * _iq4(q)).reshape(-1)
 
 
-def _iq3_s(b: torch.Tensor) -> torch.Tensor:
-    db = (_f16(b, 0) * iq3_s_scales(b).float()).unsqueeze(-1)  # (n, 8, 1)
-    return (db * iq3_s_signed(b).float().reshape(-1, 8, 32)).reshape(-1)  # a sign flip is exact
+def _codebook(name: str):
+    """gguf-py's d (0.5 + s) f' g sign, or IQ1's d (2 s + 1) (g + delta): each step exact in
+    fp32 (11 + 5 + 6 bits at most), so (d (2 s + 1) f) v gives its bits."""
+    _, f, per = CODEBOOK[name]
+
+    def dequantize(b: torch.Tensor) -> torch.Tensor:
+        v, s, d = codebook_values(name, b)
+        ds = (d.float().unsqueeze(-1) * s.float() * f).unsqueeze(-1)  # (n, 256 / per, 1)
+        return (ds * v.float().reshape(len(b), -1, per)).reshape(-1)
+
+    return dequantize
 
 
 def _tq2_0(b: torch.Tensor) -> torch.Tensor:
@@ -211,7 +220,20 @@ def _tq1_0(b: torch.Tensor) -> torch.Tensor:
     return (_f16(b, 52) * (tq1_0_values(b).float() - 1)).reshape(-1)
 
 
-_BLOCK_FNS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-              "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "IQ3_S": _iq3_s, "TQ2_0": _tq2_0,
-              "TQ1_0": _tq1_0}  # fmt: skip
+_BLOCK_FNS = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
+    "TQ2_0": _tq2_0,
+    "TQ1_0": _tq1_0,
+}
+_BLOCK_FNS |= {name: _codebook(name) for name in CODEBOOK}

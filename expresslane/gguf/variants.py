@@ -37,16 +37,24 @@ from .reader import read_header
 # llama.cpp's llama_ftype numbers (include/llama.h): what `llama-quantize` names each mix.
 FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
           "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
-          "Q5_K_M": 17, "Q6_K": 18, "IQ3_S": 26, "IQ3_M": 27, "IQ4_NL": 25, "IQ4_XS": 30,
-          "BF16": 32, "TQ1_0": 36, "TQ2_0": 37}  # fmt: skip
+          "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XS": 22, "IQ3_XXS": 23,
+          "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29,
+          "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37}  # fmt: skip
+# llama.cpp quantizes these only with an importance matrix (llama-imatrix's per-column mean
+# square of a matrix's inputs). These files get one of ones, every column alike: they test
+# reading llama.cpp's blocks, not a quality a calibrated matrix would give.
+NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ1_S", "IQ1_M")
 # Q2_K: SmolLM2's file holds Q3_K (llama.cpp's Q2_K mix puts ffn_down, the one matrix whose rows
 # are a multiple of 256, in Q3_K) and no Q2_K; Q2_K_S, which would, needs an imatrix. "-pure"
 # asks the quantizer for no mix (llama-quantize --pure): Q2_K-pure holds Q2_K in ffn_down.
-# IQ3_M: IQ3_S in ffn_down (IQ3_XXS would need an imatrix); TQ2_0 / TQ1_0: ternary ffn_down, the
-# other rows Q4_0 (SmolLM2 is not a ternary model: a test file, not a useful one).
+# IQ3_M: IQ3_S in ffn_down; TQ2_0 / TQ1_0: ternary ffn_down, the other rows Q4_0 (SmolLM2 is not
+# a ternary model: a test file, not a useful one); the IQ1-IQ3_XXS files: their type in ffn_down
+# (IQ4_NL / Q4_0 elsewhere; the IQ2_S mix holds IQ2_XS there, IQ2_M holds IQ2_S), with the
+# importance matrix of NEEDS_IMATRIX.
 PURE = "-pure"
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16",
-         "Q2_K", "Q2_K-pure", "IQ4_NL", "IQ4_XS", "IQ3_M", "TQ2_0", "TQ1_0")  # fmt: skip
+         "Q2_K", "Q2_K-pure", "IQ4_NL", "IQ4_XS", "IQ3_M", "TQ2_0", "TQ1_0", "IQ3_XXS",
+         "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ1_S", "IQ1_M")  # fmt: skip
 STEM = "SmolLM2-135M-Instruct"
 
 
@@ -119,6 +127,9 @@ def _quantize(src: Path, out: Path, type_name: str) -> Path:
     params.ftype = FTYPES[type_name.removesuffix(PURE)]
     params.pure = type_name.endswith(PURE)
     params.nthread = os.cpu_count() or 1
+    if type_name.removesuffix(PURE) in NEEDS_IMATRIX:
+        entries, keep = _ones_imatrix(src, llama_cpp)
+        params.imatrix = ctypes.cast(entries, type(params.imatrix))
     with _atomic(out) as tmp:
         rc = llama_cpp.llama_model_quantize(
             str(src).encode(), str(tmp).encode(), ctypes.byref(params)
@@ -126,6 +137,21 @@ def _quantize(src: Path, out: Path, type_name: str) -> Path:
         if rc != 0:
             raise CheckpointError(f"llama_model_quantize({src.name} -> {type_name}) failed: {rc}")
     return out
+
+
+def _ones_imatrix(src: Path, llama_cpp):
+    """An importance matrix of ones for every matrix of `src`, as llama.cpp's C API takes it (an
+    array of (name, data, size) ended by a null name), and the buffers it points into."""
+    header = read_header(src)
+    names = [n for n, info in header.tensors.items() if len(info.shape) == 2]
+    entries = (llama_cpp.llama_model_imatrix_data * (len(names) + 1))()
+    keep = []
+    for i, name in enumerate(names):
+        cols = header.tensors[name].shape[-1]
+        ones = (ctypes.c_float * cols)(*([1.0] * cols))
+        keep += [ones, name.encode()]
+        entries[i].name, entries[i].data, entries[i].size = keep[-1], ones, cols
+    return entries, keep
 
 
 class _atomic:

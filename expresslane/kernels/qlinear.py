@@ -106,14 +106,16 @@ def quantize_model(model: Laneformer, name: str) -> Laneformer:
     return model
 
 
-REPACKED = ("Q8_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S")  # GGUF types with a GPU layout
+# GGUF types with a GPU layout
+REPACKED = ("Q8_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S")
 
 
 @torch.no_grad()
 def repack_gguf(model: Laneformer, path) -> Laneformer:
     """The layer projections and the head of a model loaded from the GGUF file `path` (one
-    lane: Llama-family files) on the file's Q8_0 / Q4_1 / Q4_K / IQ4 / IQ3_S blocks,
-    repacked (gpu_pack.from_qtensor: IQ4 as int8, IQ3_S as int4)."""
+    lane: Llama-family files) on the file's Q8_0 / Q4_1 / Q4_K / IQ4 blocks and codebook
+    types with a scale per 32, repacked (gpu_pack.from_qtensor: IQ4 and most codebooks as int8,
+    IQ3_S as int4)."""
     from ..checkpoint import hf_name
     from ..gguf.tensors import GGUFCheckpoint
 

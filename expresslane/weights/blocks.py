@@ -21,12 +21,14 @@ gguf-py's order of operations, so the two agree bit for bit (tests/test_gguf_blo
     iq4_nl nibbles (indices into IQ4_VALUES), scale f16 per 32       w = d IQ4_VALUES[q]
     iq4_xs nibbles, scale d f16 per 256, sub (N, K/32) int8 (6-bit scale minus 32) per 32
                                                                      w = (d s) IQ4_VALUES[q]
-    iq3_s  as iq4_xs, sub 1 + 2 s (GGUF's 4-bit s)                   w = (d s) (2 q - 15)
+    iq3_s iq3_xxs iq2_xxs iq1_s   the codebook types of weights/grids.py with a scale per 32: as
+           iq4_xs on their own grid, sub 2 s + 1, and a power of two f   w = (d s f) GRID[q]
+    iq2_xs iq2_s iq1_m   ... with a scale per 16: sub (N, K/16) int8, quarters swapped as q6_k's
 
-Two GGUF types have no format of their own here: TQ2_0 and TQ1_0 (ternary) are re-laid as q2_k
-(d = dmin = the file's d, every scale and min 1, so w = d q - d), and IQ3_S, whose grid indices
-stand for 4 values each, as the nibbles of its values (weights/grids.py says why; both keep the
-values bit for bit, in more bytes than the file).
+The codebook types' indices stand for 4 or 8 values each; they are re-laid as the nibbles of
+their values (weights/grids.py says why), and TQ2_0 and TQ1_0 (ternary), which have no format of
+their own here, as q2_k (d = dmin = the file's d, every scale and min 1, so w = d q - d). Both
+keep the values bit for bit, in more bytes than the file.
 
 Nibbles: in each block of 32 values, byte j holds value j in its low nibble and value j + 16 in
 its high one (GGUF's Q4_0 / Q4_1 order; the K-quants are re-laid to it). Q6_K's block is stored
@@ -43,14 +45,14 @@ lo[i], lo[32 + i], hi[i], hi[32 + i] in bits 0-1, 2-3, 4-5, 6-7: one 32-byte loa
 both halves of a register and shifted gives the nibble formats' two vectors (csrc/cpu_nibble.c).
 Their 16-value scales take Q6_K's swapped quarters too; q3_k's third bit is a mask like q5's.
 The grid formats' nibbles are indices into a grid of 16 values (IQ4_VALUES, -127..113, or
-ODD_VALUES, -15..15), which the kernels look up as the grid + 128 (unsigned) and offset by -128.
+a codebook type's), which the kernels look up as the grid + 128 (unsigned) and offset by -128.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .grids import IQ4_VALUES, ODD_VALUES, iq3_s_scales, iq3_s_signed, tq1_0_values, tq2_0_values
+from .grids import CODEBOOK, IQ4_VALUES, codebook_values, tq1_0_values, tq2_0_values
 
 QK = 256  # values of a K-quant superblock
 # GGUF type -> (our format, values a block, bytes a block)
@@ -59,18 +61,25 @@ TYPES = {
     "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", QK, 144),
     "Q5_K": ("q5_k", QK, 176), "Q6_K": ("q6_k", QK, 210), "Q3_K": ("q3_k", QK, 110),
     "Q2_K": ("q2_k", QK, 84), "IQ4_NL": ("iq4_nl", 32, 18), "IQ4_XS": ("iq4_xs", QK, 136),
-    "IQ3_S": ("iq3_s", QK, 110), "TQ2_0": ("q2_k", QK, 66), "TQ1_0": ("q2_k", QK, 54),
+    "IQ3_S": ("iq3_s", QK, 110), "IQ3_XXS": ("iq3_xxs", QK, 98), "IQ2_XXS": ("iq2_xxs", QK, 66),
+    "IQ2_XS": ("iq2_xs", QK, 74), "IQ2_S": ("iq2_s", QK, 82), "IQ1_S": ("iq1_s", QK, 50),
+    "IQ1_M": ("iq1_m", QK, 56), "TQ2_0": ("q2_k", QK, 66), "TQ1_0": ("q2_k", QK, 54),
 }  # fmt: skip
+CODEBOOKS = tuple(TYPES[t][0] for t in CODEBOOK)  # iq3_s ... iq1_m
 # the formats of csrc/cpu_nibble.c's kernels (nibbles, or crumbs, in `data`)
 NIBBLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl",
-          "iq4_xs", "iq3_s")  # fmt: skip
-K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs", "iq3_s")  # superblocks of 256
+          "iq4_xs", *CODEBOOKS)  # fmt: skip
+K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs", *CODEBOOKS)  # superblocks of 256
 CRUMB = ("q3_k", "q2_k")  # 2 low bits a value in `data`
-HALF16 = ("q6_k", "q3_k", "q2_k")  # a scale per 16 values: quarters swapped
-GRID = {"iq4_nl": IQ4_VALUES, "iq4_xs": IQ4_VALUES, "iq3_s": ODD_VALUES}  # nibble -> value
-XS = ("iq4_xs", "iq3_s")  # a d per 256 values and an int8 scale per 32
+GRID16 = tuple(TYPES[t][0] for t, (_, _, per) in CODEBOOK.items() if per == 16)
+HALF16 = ("q6_k", "q3_k", "q2_k", *GRID16)  # a scale per 16 values: quarters swapped
+# nibble -> value, and the power of two the scales take
+GRID = {"iq4_nl": IQ4_VALUES, "iq4_xs": IQ4_VALUES}
+GRID |= {TYPES[t][0]: v for t, (v, _, _) in CODEBOOK.items()}
+FACTOR = {TYPES[t][0]: f for t, (_, f, _) in CODEBOOK.items()}
+XS = ("iq4_xs", *(f for f in CODEBOOKS if f not in GRID16))  # a d per 256, an int8 scale per 32
 BITS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "q3_k": 3,
-        "q2_k": 2, "iq4_nl": 4, "iq4_xs": 4, "iq3_s": 4}  # fmt: skip
+        "q2_k": 2, "iq4_nl": 4, "iq4_xs": 4} | dict.fromkeys(CODEBOOKS, 4)  # fmt: skip
 
 
 def block_values(fmt: str) -> int:
@@ -204,10 +213,14 @@ def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor
         return (scale.float().unsqueeze(-1) * q.reshape(*lead, -1, 32)).reshape(*lead, -1)
     if fmt in K_QUANTS:
         d = scale.float().unsqueeze(-1)  # (..., K/256, 1)
+        f = FACTOR.get(fmt, 1.0)  # exact: a power of two
         if fmt in XS:
-            ds = (d * sub.view(torch.int8).reshape(*lead, -1, 8).float()).unsqueeze(-1)
+            ds = (d * sub.view(torch.int8).reshape(*lead, -1, 8).float() * f).unsqueeze(-1)
             return (ds * q.reshape(*lead, -1, 8, 32)).reshape(*lead, -1)  # (..., K/256, 8, 32)
         s = sub.reshape(*lead, -1, 16)
+        if fmt in GRID16:
+            ds = (d * s.view(torch.int8).float() * f).unsqueeze(-1)  # (..., K/256, 16, 1)
+            return (ds * q.reshape(*lead, -1, 16, 16)).reshape(*lead, -1)
         if fmt in ("q6_k", "q3_k"):
             ds = (d * s.view(torch.int8).float()).unsqueeze(-1)  # (..., K/256, 16, 1)
             off = 32.0 if fmt == "q6_k" else 4.0
@@ -285,11 +298,16 @@ def _iq4_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     return f
 
 
-def _iq3_s_fields(b: torch.Tensor, N: int, K: int) -> dict:
-    """IQ3_S blocks (N, K/256, 110) -> iq3_s: the nibbles (v + 15) / 2 of its signed values."""
-    q = ((iq3_s_signed(b).to(torch.int16) + 15) >> 1).to(torch.uint8).reshape(N, K)
-    sub = iq3_s_scales(b).to(torch.int8).reshape(N, -1).view(torch.uint8)
-    return dict(data=pack_nibbles(q), scale=_f16(b[..., :2]), sub=sub)
+def _codebook_fields(ggml_type: str, fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
+    """A codebook type's blocks (N, K/256, bytes) -> the nibbles of its values' places in GRID."""
+    v, s, d = codebook_values(ggml_type, b)
+    place = torch.zeros(256, dtype=torch.uint8)  # v + 128 -> its nibble
+    for i, value in reversed(list(enumerate(GRID[fmt]))):  # the first of equal (0) entries
+        place[value + 128] = i
+    q = place[(v + 128).long()].reshape(N, K)
+    q = swap_quarters(q) if fmt in HALF16 else q
+    sub = s.to(torch.int8).reshape(N, -1).view(torch.uint8)
+    return dict(data=pack_nibbles(q), scale=d.reshape(N, -1).contiguous(), sub=sub)
 
 
 def _ternary_fields(ggml_type: str, b: torch.Tensor, N: int, K: int) -> dict:
@@ -333,8 +351,8 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
         qh = b[..., at : at + 4].contiguous().view(torch.int32)  # (N, K/32, 1) bit j: value j
         bit = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # (N, K/32, 32)
         return fmt, dict(f, data=nib, high=pack_masks(bit.reshape(N, K).to(torch.uint8)))
-    if ggml_type == "IQ3_S":
-        return fmt, _iq3_s_fields(b, N, K)
+    if ggml_type in CODEBOOK:
+        return fmt, _codebook_fields(ggml_type, fmt, b, N, K)
     if ggml_type.startswith("TQ"):
         return fmt, _ternary_fields(ggml_type, b, N, K)
     if fmt in ("iq4_nl", "iq4_xs"):

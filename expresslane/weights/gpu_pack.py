@@ -155,12 +155,16 @@ def quantize(w: torch.Tensor, fmt: str, group: int, scale_dtype=torch.float16) -
 
 
 def from_qtensor(q: QTensor) -> GPUQuant:
-    """A packed CPU weight in GGUF Q8_0, Q4_1, IQ4_NL, IQ4_XS or IQ3_S blocks, repacked for the
-    GPU (same values). IQ4's grid is not linear, so its values go to int8 (the grid value itself,
-    with the block's scale): 8 bits a value where the file has 4, half of bf16's bytes; a
-    kernel that looks the grid up in registers would keep IQ4's (not done). IQ3_S's re-laid
-    nibbles are linear, w = (d s) (2 q - 15): int4 with a scale 2 d s and a min -15 d s per 32,
-    both exact in fp32."""
+    """A packed CPU weight in GGUF Q8_0, Q4_1, IQ4_NL, IQ4_XS blocks or a codebook type with a
+    scale per 32 values (IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S), repacked for the GPU (same values).
+    IQ4's grid is not linear, so its values go to int8 (the grid value itself, with the block's
+    scale): 8 bits a value where the file has 4, half of bf16's bytes; a kernel that looks the
+    grid up in registers would keep IQ4's (not done). So do the codebook types' (their scale
+    times f), except IQ3_S's, whose re-laid nibbles are linear, w = (d s) (2 q - 15): int4 with
+    a scale 2 d s and a min -15 d s per 32, both exact in fp32. The types with a scale per 16
+    values have no layout here (groups of 32)."""
+    if q.fmt in blocks.GRID16:
+        raise ValueError(f"no GPU layout for {q.fmt}: a scale per 16 values (groups are 32)")
     lane = q.data.dim() == 2  # (N, K): one lane
     data, scale, mins, sub = [None if t is None else (t.unsqueeze(0) if lane else t)
                               for t in (q.data, q.scale, q.mins, q.sub)]  # fmt: skip
@@ -169,7 +173,7 @@ def from_qtensor(q: QTensor) -> GPUQuant:
     pad_groups = (kp - k) // BLOCK
     if q.fmt in blocks.XS:  # d per 256 times an int8 scale per 32: fp32, as the reference
         d = scale.float().repeat_interleave(blocks.QK // BLOCK, dim=-1)  # (L, N, K/32)
-        scale = d * sub.view(torch.int8).float()
+        scale = d * sub.view(torch.int8).float() * blocks.FACTOR.get(q.fmt, 1.0)
     if q.fmt == "iq3_s":
         values = blocks.unpack_nibbles(data)
         pad = torch.nn.functional.pad

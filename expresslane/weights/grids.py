@@ -1,81 +1,170 @@
-"""The value grids of GGUF's codebook types, and the fields of IQ3_S, TQ2_0 and TQ1_0 unpacked to
-plain values: what weights/blocks.py re-lays for the kernels and gguf/quants.py dequantizes.
+"""GGUF's codebook ("IQ") and ternary types unpacked to plain values: what weights/blocks.py
+re-lays for the kernels and gguf/quants.py dequantizes, with the value grids they land on.
 
-    IQ4_NL, IQ4_XS  a 4-bit index into IQ4_VALUES (16 non-linear values, -127..113)
-    IQ3_S  (256, 110) d f16, qs[64] (the low 8 bits of 64 grid indices), qh[8] (their 9th bits),
-           signs[32] (a bit a value), scales[4] (a 4-bit s per 32 values)
-                             x = d (1 + 2 s) sign g,  g: value j of IQ3S_GRID[index], odd 1..15
-    TQ2_0  (256, 66)  qs[64] 2-bit q (Q2_K's order), d f16              x = d (q - 1)
-    TQ1_0  (256, 54)  qs[48] five trits a byte, qh[4] four, d f16        x = d (t - 1)
+A block of 256 values has an f16 d and a scale s per 32 or per 16 values; each value is
+d (2 s + 1) f v, v a signed integer of a small set (CODEBOOK) and f a power of two:
 
-A grid index of IQ3_S stands for 4 values, each one of 8 odd magnitudes: 512 of the 4096
-combinations. With its sign a value v = sign g is odd in -15..15, so (v + 15) / 2 is a nibble:
-blocks.py keeps IQ3_S as those nibbles (a grid of 16 linear values, ODD_VALUES), 138 bytes per
-256 values (4.31 bits a value) where the file has 110 (3.44). That is a decision, not a
-measurement: reading the file's indices would take a gather from the 512-entry table per 4
-values, plus index and sign work, in the group loader that every nibble format shares, while the
-nibbles cost it one load and two masks; the values stay the file's, bit for bit. The ternary
-types go to Q2_K's layout for the same reason: 84 bytes per 256 values (2.63 bits) where TQ2_0
-has 66 and TQ1_0 54. BENCHMARKS.md has their speed against llama.cpp's on the same files.
+    type     bytes  grid indices (each for 4 or 8 magnitudes g)   signs          s per  v      f
+    IQ3_S     110   9 bits, 512 x 4, g odd 1..15                  a bit a value  32     g      1
+    IQ3_XXS    98   8 bits, 256 x 4, g in 4, 12, ... 52, 62       7 bits per 8   32     g      1/4
+    IQ2_XXS    66   8 bits, 256 x 8, g in 8, 25, 43               7 bits per 8   32     g      1/8
+    IQ2_XS     74   9 bits, 512 x 8                               7 bits per 8   16     g      1/8
+    IQ2_S      82   10 bits, 1024 x 8                             a bit a value  16     g      1/8
+    IQ1_S      50   11 bits, 2048 x 8, g in -1, 0, 1              none           32     8g+-1  1/8
+    IQ1_M      56   as IQ1_S (d spread over the scales' top bits) none           16     8g+-1  1/8
+
+(ggml writes 0.5 + s and folds the 2 into f; IQ1's +-1 is ggml's delta of +-1/8, whose sign is a
+bit per 32 values (IQ1_S) or per 8 (IQ1_M).) The 7 sign
+bits of 8 values come with an 8th that makes their count even (ggml's ksigns).
+
+Every type's values then take 16 values or fewer, so blocks.py keeps them as nibbles indexing
+their grid, as IQ4's: 138 bytes per 256 values (4.31 bits a value). That is more than the files
+(1.56-3.44 bits) and less than Q8_0's 8.5; the values stay the file's, bit for bit. It is a
+decision, not a measurement: reading the indices as stored would take a gather from a table of
+up to 2048 entries per 4 or 8 values, plus sign work, in the group loader every nibble format
+shares, where nibbles cost one load and two masks. TQ2_0 and TQ1_0 (-1, 0, 1 times d) go to
+Q2_K's layout: 84 bytes per 256 values against 66 and 54. BENCHMARKS.md has their speed against
+llama.cpp's on the same files.
+
+The codebooks are gguf-py's (imported when a file of these types loads; reading a GGUF file needs
+gguf-py anyway).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 # ggml-common.h's kvalues_iq4nl
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-# IQ3_S's values once re-laid as nibbles: v = 2 q - 15
-ODD_VALUES = tuple(range(-15, 16, 2))
-
-# ggml-common.h's iq3s_grid: 512 entries of 4 magnitudes 2 k + 1, each entry written here as 3 hex
-# digits holding k0 | k1 << 3 | k2 << 6 | k3 << 9
-_IQ3S_HEX = (
-    "00000100200500700800900a00c00e01001101501b02002202502702902b03003203903c03f040041042044048"
-    "04904d05005305705905d06407107507a08008108508708808b08e09109509809c0a20a50a70a90ab0b80bb0c3"
-    "0c90cd0d00d20d90db0de0e40e80ea0f70f90fd10010b10f11111411a12012312913814214415015215615b161"
-    "16516717617b18618918b1991aa1b91c01c21c41d01d21d61db1e81ec20020120220420820920b20d20f210212"
-    "21921c21e22c22e23123a24024124324624824c25125825b26126826a27827e28028a28d28f29029429a2a02a3"
-    "2ad2b02ba2c12c42c72c82cb2d12d72d82dc2e12f22f830330530a30c31931b32232632832c34134834b351358"
-    "35a3693903943973a43a63c13c33c83ca3d13dd3e13f23f840040140340540740840a40c40e41141341741841a"
-    "42142342542842a43743843b43d44044244844b44f45245545945c46246948148448749149349849f4a14ab4af"
-    "4b94bc4c04c24c54c94d24d44d94db4e24e84f650150751051351a51d52153a53d54454955255f56056b578580"
-    "5825875915ad5b15c55c95d65d85e35e860260960b60d60f61261961b61d62262462762963363964164364564c"
-    "65165366067067a67e68068a69069a69c6a86c16c86cc6d16d36d76d86e16e36e76ed6fb70370970e71271972a"
-    "73073474174874a75575a76476e77b78e7a17c17c37d07d27dd80080480a81081481781a821828838842847849"
-    "84b85285885d86386986d88188388888d89189b8a08af8b28b88c48c98cb8d08d28d98dd90090291491f920939"
-    "94594795197298b99c9b09c89cd9d89e39e9a02a08a0ca12a20a24a27a2aa36a3ca41a43a45a4aa51a5aa7aa80"
-    "a89a93a98a9eaabac2ac7ac8ad7ae4ae9af5afbb01b04b10b1ab26b4ab56b69b6bba2bc2bc4bd2c09c0bc0dc19"
-    "c1bc30c40c50c57c74c8ac9cca2cadcb2cb8cc0ccccd1ce0d15d23d32d40d43d5cd70d85da0dc9dcbe00e04e07"
-    "e10e12e1ee20e2ce32e42e49e54e63e65e81e84e88e8ee91e98ea9ec2edaeddeebf01f05f0bf10f28f52f62f82"
-    "f99fc0"
-)
+# the values v of each codebook type (a nibble indexes them; unused entries 0)
+ODD = tuple(range(-15, 16, 2))  # IQ3_S: sign g, odd
+IQ3_XXS_V = (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)
+IQ2_V = (-43, -25, -8, 8, 25, 43, *(0,) * 10)
+IQ1_V = (-9, -7, -1, 1, 7, 9, *(0,) * 10)
+# GGUF type -> (its grid, f, values per scale)
+CODEBOOK = {"IQ3_S": (ODD, 1.0, 32), "IQ3_XXS": (IQ3_XXS_V, 0.25, 32),
+            "IQ2_XXS": (IQ2_V, 0.125, 32), "IQ2_XS": (IQ2_V, 0.125, 16),
+            "IQ2_S": (IQ2_V, 0.125, 16), "IQ1_S": (IQ1_V, 0.125, 32),
+            "IQ1_M": (IQ1_V, 0.125, 16)}  # fmt: skip
 
 
-def _iq3s_grid() -> torch.Tensor:
-    codes = torch.tensor([int(_IQ3S_HEX[i : i + 3], 16) for i in range(0, len(_IQ3S_HEX), 3)])
-    k = (codes[:, None] >> torch.arange(0, 12, 3)) & 7  # (512, 4)
-    return (2 * k + 1).to(torch.int8)
+@functools.cache
+def _grid(name: str) -> torch.Tensor:
+    """gguf-py's codebook of type `name`: (entries, 4 or 8) int16 magnitudes (IQ1: -1, 0, 1)."""
+    from gguf import quants
+
+    cls = getattr(quants, name)
+    cls.init_grid()
+    return torch.from_numpy(cls.grid.reshape(cls.grid_shape)).to(torch.int16)
 
 
-IQ3S_GRID = _iq3s_grid()  # (512, 4) magnitudes, odd 1..15
+@functools.cache
+def _ksigns() -> torch.Tensor:
+    from gguf import quants
+
+    return torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8)
 
 
-def iq3_s_signed(b: torch.Tensor) -> torch.Tensor:
-    """IQ3_S blocks (..., 110) bytes -> (..., 256) int8 signed values v = sign g (odd, -15..15)."""
-    qs = b[..., 2:66].to(torch.int64)
-    qh = b[..., 66:74].to(torch.int64)  # bit i of byte j: index 8 j + i's 9th bit
-    high = (qh.unsqueeze(-1) >> torch.arange(8) & 1).flatten(-2)  # (..., 64)
-    g = IQ3S_GRID[qs | high << 8].flatten(-2)  # (..., 256)
-    signs = b[..., 74:106].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1
-    return torch.where(signs.flatten(-2).bool(), -g, g)
+def _bits(b: torch.Tensor) -> torch.Tensor:
+    """bytes (..., m) -> (..., 8 m) bits, LSB first."""
+    return (b.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2)
 
 
-def iq3_s_scales(b: torch.Tensor) -> torch.Tensor:
-    """IQ3_S blocks (..., 110) -> (..., 8) int32: 1 + 2 s per 32 values (byte i: blocks 2i, 2i+1
-    in its low and high nibbles)."""
-    s = b[..., 106:110].to(torch.int32)
-    return 1 + 2 * torch.stack((s & 0x0F, s >> 4), -1).flatten(-2)
+def _u(b: torch.Tensor, width: int) -> torch.Tensor:
+    """Little-endian unsigned words of `width` bytes: (..., m width) -> (..., m) int64."""
+    w = b.to(torch.int64).unflatten(-1, (-1, width))
+    return (w << (8 * torch.arange(width))).sum(-1)
+
+
+def _look(name: str, index: torch.Tensor) -> torch.Tensor:
+    """Grid rows of `index` (..., n) -> (..., n * per) magnitudes."""
+    return _grid(name)[index].flatten(-2)
+
+
+def _signed(g: torch.Tensor, sign_bits: torch.Tensor) -> torch.Tensor:
+    return torch.where(sign_bits.bool(), -g, g)
+
+
+def _ksign_bits(index7: torch.Tensor) -> torch.Tensor:
+    """7-bit sign indices (..., n) -> (..., 8 n) sign bits."""
+    return _bits(_ksigns()[index7])
+
+
+def _nibble_scales(b: torch.Tensor) -> torch.Tensor:
+    """(..., m) bytes of two 4-bit scales (low first) -> (..., 2 m) int32."""
+    s = b.to(torch.int32)
+    return torch.stack((s & 0x0F, s >> 4), -1).flatten(-2)
+
+
+def codebook_values(name: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks (..., bytes) of codebook type `name` -> (v (..., 256) int16, 2 s + 1 (..., 8 or
+    16) int32, d (...) f16), the value of each being d (2 s + 1) f v (CODEBOOK's f)."""
+    return _DECODERS[name](b)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16)[..., 0]
+
+
+def _iq3_s(b):  # d, qs[64], qh[8], signs[32], scales[4]
+    index = b[..., 2:66].to(torch.int64) | _bits(b[..., 66:74]).to(torch.int64) << 8
+    v = _signed(_look("IQ3_S", index), _bits(b[..., 74:106]))
+    return v, 2 * _nibble_scales(b[..., 106:110]) + 1, _f16(b[..., :2])
+
+
+def _iq3_xxs(b):  # d, qs[64], then per 32 values a u32: four 7-bit sign indices, scale on top
+    aux = _u(b[..., 66:98], 4)  # (..., 8)
+    signs = _ksign_bits((aux.unsqueeze(-1) >> torch.arange(0, 28, 7) & 127).flatten(-2))
+    v = _signed(_look("IQ3_XXS", b[..., 2:66].to(torch.int64)), signs)
+    return v, (2 * (aux >> 28) + 1).to(torch.int32), _f16(b[..., :2])
+
+
+def _iq2_xxs(b):  # d, then per 32 values 4 grid indices (bytes) and a u32 as IQ3_XXS's
+    q = b[..., 2:66].unflatten(-1, (8, 8))  # (..., 8, 8)
+    aux = _u(q[..., 4:].flatten(-2), 4)  # (..., 8)
+    signs = _ksign_bits((aux.unsqueeze(-1) >> torch.arange(0, 28, 7) & 127).flatten(-2))
+    v = _signed(_look("IQ2_XXS", q[..., :4].flatten(-2).to(torch.int64)), signs)
+    return v, (2 * (aux >> 28) + 1).to(torch.int32), _f16(b[..., :2])
+
+
+def _iq2_xs(b):  # d, u16[32]: a 9-bit index and a 7-bit sign index, scales[8]
+    qs = _u(b[..., 2:66], 2)  # (..., 32)
+    v = _signed(_look("IQ2_XS", qs & 511), _ksign_bits(qs >> 9))
+    return v, 2 * _nibble_scales(b[..., 66:74]) + 1, _f16(b[..., :2])
+
+
+def _iq2_s(b):  # d, qs[32], signs[32], qh[8] (2 high bits per index), scales[8]
+    high = (b[..., 66:74].to(torch.int64).unsqueeze(-1) >> torch.arange(0, 8, 2) & 3).flatten(-2)
+    v = _signed(_look("IQ2_S", b[..., 2:34].to(torch.int64) | high << 8), _bits(b[..., 34:66]))
+    return v, 2 * _nibble_scales(b[..., 74:82]) + 1, _f16(b[..., :2])
+
+
+def _iq1(g: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
+    """8 g + 1, or - 1 where ggml's delta is negative: (..., n 8) and (..., n)."""
+    per = g.shape[-1] // minus.shape[-1]
+    return 8 * g + 1 - 2 * minus.repeat_interleave(per, -1).to(torch.int16)
+
+
+def _iq1_s(b):  # d, qs[32], qh u16[8]: 4 x 3 high index bits, a 3-bit scale, the delta's sign
+    qh = _u(b[..., 34:50], 2)  # (..., 8)
+    high = (qh.unsqueeze(-1) >> torch.arange(0, 12, 3) & 7).flatten(-2)  # (..., 32)
+    g = _look("IQ1_S", b[..., 2:34].to(torch.int64) | high << 8)
+    return _iq1(g, qh >> 15), (2 * (qh >> 12 & 7) + 1).to(torch.int32), _f16(b[..., :2])
+
+
+def _iq1_m(b):  # qs[32], qh[16] (per index a nibble: 3 high bits, the delta's sign), scales u16[4]
+    sc = _u(b[..., 48:56], 2)  # (..., 4): four 3-bit scales, and 4 bits of d on top
+    d = (sc >> 12 << torch.arange(0, 16, 4)).sum(-1).to(torch.int16).view(torch.float16)
+    nib = _nibble_scales(b[..., 32:48]).to(torch.int64)  # (..., 32)
+    g = _look("IQ1_M", b[..., :32].to(torch.int64) | (nib & 7) << 8)
+    s = (sc.unsqueeze(-1) >> torch.arange(0, 12, 3) & 7).flatten(-2)  # (..., 16)
+    return _iq1(g, nib >> 3), (2 * s + 1).to(torch.int32), d
+
+
+_DECODERS = {"IQ3_S": _iq3_s, "IQ3_XXS": _iq3_xxs, "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs,
+             "IQ2_S": _iq2_s, "IQ1_S": _iq1_s, "IQ1_M": _iq1_m}  # fmt: skip
 
 
 def tq2_0_values(b: torch.Tensor) -> torch.Tensor:
