@@ -44,8 +44,10 @@ else
 	@$(EL) run '$(MODEL)' --chat '$(or $(CHAT),$(REAL_CHAT))' $(SAMPLING)
 endif
 
+# the suite's worker processes (pytest-xdist): CI's two cores both busy; 0 runs it in this one
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 serve: $(RUN_STAMP)
 	$(EL) serve

@@ -8,7 +8,10 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (`make test`: two workers on CI's two cores) a worker keeps to one intra-op
+# thread: OpenMP threads of two processes on the same cores stall each other (one_thread's note).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+torch.set_num_threads(1 if WORKER else min(2, os.cpu_count() or 1))
 if not torch.cuda.is_available():
     # Triton kernels run in the interpreter on a CPU; this must precede the first triton import.
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -195,7 +195,7 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
     __m512 acc[TMAX];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     if (FMT == FMT_Q4_K || FMT == FMT_Q5_K || IS_XS(FMT)) { /* per 32 values: the K-quants'
-        - dmin m_j, iq4_XS's and iq3_S's - 128 d s_j; a superblock of 8 blocks at a time */
+        - dmin m_j, the XS grids' - 128 f d s_j; a superblock of 8 blocks at a time */
         __m256 a8[TMAX];
         for (int t = 0; t < T; t++) a8[t] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nb / 8; sb++) {
