@@ -14,13 +14,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS",
            "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ2_0", "TQ1_0")  # of 256 values  # fmt: skip
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,),
               "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,), "IQ3_S": (0,), "TQ2_0": (64,),
               "TQ1_0": (52,), "IQ3_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ1_S": (0,),
-              "IQ1_M": (), "MXFP4": ()}  # f16 scales (IQ1_M's: random_raw)  # fmt: skip
+              "IQ1_M": (), "NVFP4": ()}  # f16 scales (IQ1_M's: random_raw)  # fmt: skip
 
 
 def random_raw(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

@@ -14,7 +14,7 @@ from expresslane.weights.quant import from_gguf
 
 gguf = pytest.importorskip("gguf")
 
-LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")  # blocks of 32 values
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")  # blocks of 32 values
 CODEBOOKS = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", *CODEBOOKS, "TQ2_0", "TQ1_0")  # of 256
 # (N, K): K a multiple of 32 (legacy: partial last groups of 1-3 blocks) or of 256
@@ -24,7 +24,7 @@ SHAPES = {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY
 F16_AT = {  # byte offsets of a block's f16 fields (d, and m / dmin)
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82),
-    "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ2_0": (64,), "TQ1_0": (52,), "IQ1_M": (),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ2_0": (64,), "TQ1_0": (52,), "IQ1_M": (), "MXFP4": (),
 } | dict.fromkeys(CODEBOOKS[:-1], (0,))  # fmt: skip
 
 
@@ -36,6 +36,8 @@ def random_blocks(ggml_type: str, N: int, K: int, seed: int) -> torch.Tensor:
     for at in F16_AT[ggml_type]:
         d = (torch.rand(N, K // bv, generator=g) * 0.02 + 1e-4).half()
         raw[..., at : at + 2] = d.unsqueeze(-1).view(torch.uint8)
+    if ggml_type == "MXFP4":  # e: 2^(e - 128), in the range an f16 holds (blocks.MXFP4_E)
+        raw[..., 0] = torch.randint(104, 144, raw.shape[:-1], generator=g, dtype=torch.uint8)
     if ggml_type == "IQ1_M":  # d's 16 bits in the top nibbles of the four u16 of scales
         d = (torch.rand(N, K // bv, generator=g) * 0.02 + 1e-4).half().view(torch.int16).int()
         sc = raw[..., 48:56].contiguous().view(torch.int16).int()  # (N, K/256, 4)
@@ -126,6 +128,21 @@ def test_c_dequantize_is_the_reference_bit_for_bit(ggml_type, shape):
     assert torch.equal(native.native_dequantize(q.rows(1, N)), ref[1:])
     lanes = q.map(lambda t: torch.stack([t, t.flip(0)]))  # (2, N, K): the rows reversed
     assert torch.equal(native.native_dequantize(lanes), torch.stack([ref, ref.flip(0)]))
+
+
+def test_mxfp4_scales_no_f16_holds_keep_the_matrix_in_floats():
+    """MXFP4's e stands for 2^(e - 128); our layout keeps it as an f16, exact for e in 104..143.
+    A matrix with another e is not re-laid (None: its loader keeps floats), still read exactly."""
+    from expresslane.gguf.quants import dequantize
+    from expresslane.weights.blocks import MXFP4_E
+
+    raw = random_blocks("MXFP4", 5, 64, 2)
+    assert from_gguf("MXFP4", raw, (5, 64)) is not None
+    for e in (MXFP4_E[0] - 1, MXFP4_E[1] + 1, 0):
+        odd = raw.clone().reshape(5, 2, 17)
+        odd[3, 1, 0] = e
+        assert from_gguf("MXFP4", odd.reshape(5, -1), (5, 64)) is None
+        assert torch.equal(dequantize(odd, "MXFP4", (5, 64)), gguf_reference("MXFP4", odd, 5, 64))
 
 
 @pytest.mark.parametrize("ggml_type", [pytest.param(t, marks=_needs(t)) for t in KQUANTS])

@@ -77,10 +77,10 @@ def test_unknown_architecture(tmp_path, capsys):
 
 
 def test_unsupported_tensor_type(tmp_path, capsys):
-    # a type llama.cpp has and we do not read (gpt-oss's MXFP4); 256-value rows: a wider model
-    meta, tensors = _meta(d=256, f=256), _tensors("MXFP4", 256, 256)
+    # a type llama.cpp has and we do not read (NVFP4); 256-value rows: a wider model
+    meta, tensors = _meta(d=256, f=256), _tensors("NVFP4", 256, 256)
     path = write_gguf(tmp_path / "m.gguf", "llama", meta, tensors)
-    _fails(capsys, path, "blk.0.attn_q.weight", "MXFP4", "Q4_K", "IQ1_M")
+    _fails(capsys, path, "blk.0.attn_q.weight", "NVFP4", "Q4_K", "MXFP4")
 
 
 def test_unknown_tensor_type_id(tmp_path, capsys):

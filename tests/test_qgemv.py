@@ -99,7 +99,7 @@ def test_q4_k_repacks_to_ggufs_dequantization():
 
 
 GRIDDED = [("IQ4_NL", 96), ("IQ4_XS", 512), ("IQ3_S", 512), ("IQ3_XXS", 256), ("IQ2_XXS", 512),
-           ("IQ1_S", 256)]  # fmt: skip
+           ("IQ1_S", 256), ("MXFP4", 96)]  # fmt: skip
 
 
 @pytest.mark.parametrize("ggml_type, k", GRIDDED)

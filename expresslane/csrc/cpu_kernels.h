@@ -16,7 +16,7 @@ enum {
     FMT_Q4_0 = 6, FMT_Q5_0 = 7, FMT_Q5_1 = 8, FMT_Q4_K = 9, FMT_Q5_K = 10, FMT_Q6_K = 11,
     FMT_IQ4_NL = 12, FMT_IQ4_XS = 13, FMT_Q3_K = 14, FMT_Q2_K = 15, FMT_IQ3_S = 16,
     FMT_IQ3_XXS = 17, FMT_IQ2_XXS = 18, FMT_IQ1_S = 19, FMT_IQ2_XS = 20, FMT_IQ2_S = 21,
-    FMT_IQ1_M = 22,
+    FMT_IQ1_M = 22, FMT_MXFP4 = 23,
     FMT_COUNT
 };
 enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };

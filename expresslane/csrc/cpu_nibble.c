@@ -15,6 +15,7 @@
      q3_K   per 256: d f16, per 16 an int8 scale s: w = (d s) (q - 4), q of 3 bits
      q2_K   per 256: d, dmin f16, per 16 a 4-bit scale s and min m: w = (d s) q - (dmin m)
      iq4_NL d f16, q an index into a grid of 16 (weights/blocks.py): w = d (u - 128)
+     mxfp4  as iq4_NL on MXFP4's grid, d = 2^(e - 128) (an f16 at load)
      iq4_XS per 256: d f16, per 32 an int8 scale s: w = (d s) (u - 128)
      codebooks  GGUF's IQ3_S ... IQ1_M re-laid as nibbles (weights/grids.py): as iq4_XS on
             their own grid, with a scale per 32 or (IQ2_XS, IQ2_S, IQ1_M) per 16 values, times
@@ -46,7 +47,8 @@
 
 #ifdef EL_X86
 
-#define IS_GRID(F) ((F) == FMT_IQ4_NL || IS_XS(F) || IS_GRID16(F))
+#define IS_NL(F) ((F) == FMT_IQ4_NL || (F) == FMT_MXFP4) /* a grid, an f16 d per 32 */
+#define IS_GRID(F) (IS_NL(F) || IS_XS(F) || IS_GRID16(F))
 
 /* the grids (weights/grids.py) plus 128, unsigned bytes: IQ4's (ggml's kvalues_iq4nl) and the
    codebook types' values (unused places: 0) */
@@ -60,12 +62,15 @@ static const uint8_t IQ2_U[16] = {85, 103, 120, 136, 153, 171, 128, 128, 128, 12
                                   128, 128, 128};
 static const uint8_t IQ1_U[16] = {119, 121, 127, 129, 135, 137, 128, 128, 128, 128, 128, 128, 128,
                                   128, 128, 128};
+static const uint8_t MXFP4_U[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124,
+                                    122, 120, 116};
 
 INLINE const uint8_t *grid_u(const int FMT) {
     return FMT == FMT_IQ3_S     ? ODD_U
            : FMT == FMT_IQ3_XXS ? IQ3_XXS_U
            : FMT == FMT_IQ2_XXS || FMT == FMT_IQ2_XS || FMT == FMT_IQ2_S ? IQ2_U
            : FMT == FMT_IQ1_S || FMT == FMT_IQ1_M ? IQ1_U
+           : FMT == FMT_MXFP4                      ? MXFP4_U
                                                    : IQ4_U;
 }
 
@@ -235,7 +240,7 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
     const uint16_t *src = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 ? mn : d;
     const float k = FMT == FMT_Q4_0     ? -8.0f
                     : FMT == FMT_Q5_0   ? -16.0f
-                    : FMT == FMT_IQ4_NL ? -128.0f
+                    : IS_NL(FMT)        ? -128.0f
                                         : 1.0f;
     for (int64_t b = 0; b < nb; b += 16) { /* the last 16 masked */
         const __mmask16 m = MASK(nb, b);
@@ -317,6 +322,7 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
 #define ROW_IQ4_NL(n, lp) ROWS(IQ4_NL, n, lp)
 #define ROW_IQ4_XS(n, lp) ROWS(IQ4_XS, n, lp)
 #define ROW_IQ3_S(n, lp) ROWS(IQ3_S, n, lp)
+#define ROW_MXFP4(n, lp) ROWS(MXFP4, n, lp)
 #define ROW_IQ3_XXS(n, lp) ROWS(IQ3_XXS, n, lp)
 #define ROW_IQ2_XXS(n, lp) ROWS(IQ2_XXS, n, lp)
 #define ROW_IQ1_S(n, lp) ROWS(IQ1_S, n, lp)
@@ -335,6 +341,7 @@ SPAN(Q2_K)
 SPAN(IQ4_NL)
 SPAN(IQ4_XS)
 SPAN(IQ3_S)
+SPAN(MXFP4)
 SPAN(IQ3_XXS)
 SPAN(IQ2_XXS)
 SPAN(IQ1_S)
@@ -355,6 +362,7 @@ void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
     case FMT_IQ4_NL: span_IQ4_NL(sp, r0, r1); break;
     case FMT_IQ4_XS: span_IQ4_XS(sp, r0, r1); break;
     case FMT_IQ3_S: span_IQ3_S(sp, r0, r1); break;
+    case FMT_MXFP4: span_MXFP4(sp, r0, r1); break;
     case FMT_IQ3_XXS: span_IQ3_XXS(sp, r0, r1); break;
     case FMT_IQ2_XXS: span_IQ2_XXS(sp, r0, r1); break;
     case FMT_IQ1_S: span_IQ1_S(sp, r0, r1); break;
@@ -409,7 +417,7 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
     } else if (IS_GRID(FMT) && !IS_GRID16(FMT)) { /* the grid: u - 128 */
         const __m512 c = _mm512_set1_ps(128.0f);
         const __m512 dv = _mm512_set1_ps(
-            FMT == FMT_IQ4_NL ? _cvtsh_ss(d[blk]) : _cvtsh_ss(d[sb]) * (float)sub[blk] * grid_f(FMT));
+            IS_NL(FMT) ? _cvtsh_ss(d[blk]) : _cvtsh_ss(d[sb]) * (float)sub[blk] * grid_f(FMT));
         w0 = _mm512_mul_ps(dv, _mm512_sub_ps(q0, c));
         w1 = _mm512_mul_ps(dv, _mm512_sub_ps(q1, c));
     } else if (FMT == FMT_Q2_K) { /* per 16 values a scale (low 4 bits) and a min (high 4) */
@@ -489,6 +497,7 @@ DEQ(Q2_K)
 DEQ(IQ4_NL)
 DEQ(IQ4_XS)
 DEQ(IQ3_S)
+DEQ(MXFP4)
 DEQ(IQ3_XXS)
 DEQ(IQ2_XXS)
 DEQ(IQ1_S)
@@ -512,6 +521,7 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
     case FMT_IQ4_NL: row = deq_IQ4_NL; break;
     case FMT_IQ4_XS: row = deq_IQ4_XS; break;
     case FMT_IQ3_S: row = deq_IQ3_S; break;
+    case FMT_MXFP4: row = deq_MXFP4; break;
     case FMT_IQ3_XXS: row = deq_IQ3_XXS; break;
     case FMT_IQ2_XXS: row = deq_IQ2_XXS; break;
     case FMT_IQ1_S: row = deq_IQ1_S; break;

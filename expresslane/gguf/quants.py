@@ -22,6 +22,7 @@ per block of `values` weights and `bytes` bytes:
                      x = (d (s - 32)) IQ4_VALUES[q], a scale per 32 values
     IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M: the codebook types, indices into
                      grids of 4 or 8 values (weights/grids.py)   x = (d (2 s + 1) f) v
+    MXFP4   (32, 17): e:u8, nibbles[16]          x = 2^(e-128) MXFP4_VALUES[q] (e8m0, halved)
     TQ2_0  (256, 66): 2 bits qs[64], d:f16                      x = d*(q-1)
     TQ1_0  (256, 54): 5 trits a byte qs[48], 4 trits a byte qh[4], d:f16    x = d*(t-1)
 
@@ -36,15 +37,16 @@ import torch
 
 from ..errors import CheckpointError
 from ..weights.blocks import IQ4_VALUES, crumb_values, iq4_xs_scales, q3_k_high, q3_k_scales
-from ..weights.grids import CODEBOOK, codebook_values, tq1_0_values, tq2_0_values
+from ..weights.grids import CODEBOOK, MXFP4_VALUES, codebook_values, tq1_0_values, tq2_0_values
 from .reader import GGUFHeader
 
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-             "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", *CODEBOOK, "TQ2_0", "TQ1_0")  # fmt: skip
+             "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", *CODEBOOK, "TQ2_0", "TQ1_0", "MXFP4")  # fmt: skip
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84,
                "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18,
                "IQ4_XS": 136, "IQ3_S": 110, "IQ3_XXS": 98, "IQ2_XXS": 66, "IQ2_XS": 74,
-               "IQ2_S": 82, "IQ1_S": 50, "IQ1_M": 56, "TQ2_0": 66, "TQ1_0": 54}  # fmt: skip
+               "IQ2_S": 82, "IQ1_S": 50, "IQ1_M": 56, "TQ2_0": 66, "TQ1_0": 54,
+               "MXFP4": 17}  # fmt: skip
 
 
 def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -212,6 +214,13 @@ def _codebook(name: str):
     return dequantize
 
 
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    e = b[:, :1].to(torch.int32)  # ggml_e8m0_to_fp32_half: 2^(e - 128), from bits
+    d = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)  # (n, 1)
+    grid = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    return (d * grid[_nibbles(b[:, 1:17]).long()]).reshape(-1)
+
+
 def _tq2_0(b: torch.Tensor) -> torch.Tensor:
     return (_f16(b, 64) * (tq2_0_values(b).float() - 1)).reshape(-1)
 
@@ -220,20 +229,8 @@ def _tq1_0(b: torch.Tensor) -> torch.Tensor:
     return (_f16(b, 52) * (tq1_0_values(b).float() - 1)).reshape(-1)
 
 
-_BLOCK_FNS = {
-    "Q8_0": _q8_0,
-    "Q4_0": _q4_0,
-    "Q4_1": _q4_1,
-    "Q5_0": _q5_0,
-    "Q5_1": _q5_1,
-    "Q2_K": _q2_k,
-    "Q3_K": _q3_k,
-    "Q4_K": _q4_k,
-    "Q5_K": _q5_k,
-    "Q6_K": _q6_k,
-    "IQ4_NL": _iq4_nl,
-    "IQ4_XS": _iq4_xs,
-    "TQ2_0": _tq2_0,
-    "TQ1_0": _tq1_0,
-}
+_BLOCK_FNS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+              "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+              "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "TQ2_0": _tq2_0, "TQ1_0": _tq1_0,
+              "MXFP4": _mxfp4}  # fmt: skip
 _BLOCK_FNS |= {name: _codebook(name) for name in CODEBOOK}

@@ -39,7 +39,7 @@ FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1"
           "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
           "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XS": 22, "IQ3_XXS": 23,
           "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29,
-          "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37}  # fmt: skip
+          "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37, "MXFP4": 38}  # fmt: skip
 # llama.cpp quantizes these only with an importance matrix (llama-imatrix's per-column mean
 # square of a matrix's inputs). These files get one of ones, every column alike: they test
 # reading llama.cpp's blocks, not a quality a calibrated matrix would give.
@@ -50,11 +50,12 @@ NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ1_S", "IQ1
 # IQ3_M: IQ3_S in ffn_down; TQ2_0 / TQ1_0: ternary ffn_down, the other rows Q4_0 (SmolLM2 is not
 # a ternary model: a test file, not a useful one); the IQ1-IQ3_XXS files: their type in ffn_down
 # (IQ4_NL / Q4_0 elsewhere; the IQ2_S mix holds IQ2_XS there, IQ2_M holds IQ2_S), with the
-# importance matrix of NEEDS_IMATRIX.
+# importance matrix of NEEDS_IMATRIX. MXFP4: every matrix, written by gguf-py's quantizer, as
+# llama.cpp's (ftype 38, MXFP4_MOE) quantizes only a mixture of experts' experts to it.
 PURE = "-pure"
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16",
          "Q2_K", "Q2_K-pure", "IQ4_NL", "IQ4_XS", "IQ3_M", "TQ2_0", "TQ1_0", "IQ3_XXS",
-         "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ1_S", "IQ1_M")  # fmt: skip
+         "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ1_S", "IQ1_M", "MXFP4")  # fmt: skip
 STEM = "SmolLM2-135M-Instruct"
 
 
@@ -84,11 +85,15 @@ def ensure(type_name: str, cache: Path | None = None) -> Path:
         return out
     if type_name == "F32":
         return _write_f32(fetch_smollm2(cache), out)
+    if type_name == "MXFP4":
+        return _write_f32(ensure("F32", cache), out, mxfp4=True)
     return _quantize(ensure("F32", cache), out, type_name)
 
 
-def _write_f32(src: Path, out: Path) -> Path:
-    """Every tensor of `src` dequantized to F32 (file row order kept), metadata copied."""
+def _write_f32(src: Path, out: Path, mxfp4: bool = False) -> Path:
+    """Every tensor of `src` dequantized to F32 (file row order kept), metadata copied; with
+    `mxfp4` every matrix in MXFP4, by gguf-py's quantizer (llama.cpp's writes MXFP4 only for a
+    mixture of experts' experts: MXFP4 below)."""
     import gguf
 
     header = read_header(src)
@@ -100,14 +105,27 @@ def _write_f32(src: Path, out: Path) -> Path:
                 continue
             main, sub = field.types[0], field.types[-1] if len(field.types) > 1 else None
             w.add_key_value(field.name, field.contents(), main, sub)
-        w.add_file_type(FTYPES["F32"])
+        w.add_file_type(FTYPES["MXFP4" if mxfp4 else "F32"])
+        quantized = {n for n, i in header.tensors.items() if mxfp4 and len(i.shape) == 2}
         for name, info in header.tensors.items():
-            w.add_tensor_info(name, info.shape, np.dtype(np.float32), 4 * int(np.prod(info.shape)))
+            if name in quantized:  # the byte shape: 17 bytes per 32 values
+                rows, cols = info.shape
+                mx = gguf.GGMLQuantizationType.MXFP4
+                w.add_tensor_info(name, (rows, cols // 32 * 17), np.dtype(np.uint8),
+                                  rows * cols // 32 * 17, raw_dtype=mx)  # fmt: skip
+            else:
+                n = 4 * int(np.prod(info.shape))
+                w.add_tensor_info(name, info.shape, np.dtype(np.float32), n)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for name in header.tensors:  # one tensor in memory at a time
-            w.write_tensor_data(raw_to_float(header, name).numpy())
+            x = raw_to_float(header, name).numpy()
+            if name in quantized:  # in slices of rows: the quantizer's temporaries are 64x
+                mx = gguf.GGMLQuantizationType.MXFP4
+                x = np.concatenate([gguf.quants.quantize(x[r : r + 2048], mx)
+                                    for r in range(0, len(x), 2048)])  # fmt: skip
+            w.write_tensor_data(x)
         w.close()
     return out
 

@@ -107,7 +107,8 @@ def quantize_model(model: Laneformer, name: str) -> Laneformer:
 
 
 # GGUF types with a GPU layout
-REPACKED = ("Q8_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S")
+REPACKED = ("Q8_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "MXFP4", "IQ3_S", "IQ3_XXS", "IQ2_XXS",
+            "IQ1_S")  # fmt: skip
 
 
 @torch.no_grad()

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import torch
 
-from .grids import CODEBOOK, IQ4_VALUES, codebook_values, tq1_0_values, tq2_0_values
+from .grids import CODEBOOK, IQ4_VALUES, MXFP4_VALUES, codebook_values, tq1_0_values, tq2_0_values
 
 QK = 256  # values of a K-quant superblock
 # GGUF type -> (our format, values a block, bytes a block)
@@ -61,6 +61,7 @@ TYPES = {
     "Q5_0": ("q5_0", 32, 22), "Q5_1": ("q5_1", 32, 24), "Q4_K": ("q4_k", QK, 144),
     "Q5_K": ("q5_k", QK, 176), "Q6_K": ("q6_k", QK, 210), "Q3_K": ("q3_k", QK, 110),
     "Q2_K": ("q2_k", QK, 84), "IQ4_NL": ("iq4_nl", 32, 18), "IQ4_XS": ("iq4_xs", QK, 136),
+    "MXFP4": ("mxfp4", 32, 17),
     "IQ3_S": ("iq3_s", QK, 110), "IQ3_XXS": ("iq3_xxs", QK, 98), "IQ2_XXS": ("iq2_xxs", QK, 66),
     "IQ2_XS": ("iq2_xs", QK, 74), "IQ2_S": ("iq2_s", QK, 82), "IQ1_S": ("iq1_s", QK, 50),
     "IQ1_M": ("iq1_m", QK, 56), "TQ2_0": ("q2_k", QK, 66), "TQ1_0": ("q2_k", QK, 54),
@@ -68,18 +69,18 @@ TYPES = {
 CODEBOOKS = tuple(TYPES[t][0] for t in CODEBOOK)  # iq3_s ... iq1_m
 # the formats of csrc/cpu_nibble.c's kernels (nibbles, or crumbs, in `data`)
 NIBBLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl",
-          "iq4_xs", *CODEBOOKS)  # fmt: skip
+          "iq4_xs", "mxfp4", *CODEBOOKS)  # fmt: skip
 K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs", *CODEBOOKS)  # superblocks of 256
 CRUMB = ("q3_k", "q2_k")  # 2 low bits a value in `data`
 GRID16 = tuple(TYPES[t][0] for t, (_, _, per) in CODEBOOK.items() if per == 16)
 HALF16 = ("q6_k", "q3_k", "q2_k", *GRID16)  # a scale per 16 values: quarters swapped
 # nibble -> value, and the power of two the scales take
-GRID = {"iq4_nl": IQ4_VALUES, "iq4_xs": IQ4_VALUES}
+GRID = {"iq4_nl": IQ4_VALUES, "iq4_xs": IQ4_VALUES, "mxfp4": MXFP4_VALUES}
 GRID |= {TYPES[t][0]: v for t, (v, _, _) in CODEBOOK.items()}
 FACTOR = {TYPES[t][0]: f for t, (_, f, _) in CODEBOOK.items()}
 XS = ("iq4_xs", *(f for f in CODEBOOKS if f not in GRID16))  # a d per 256, an int8 scale per 32
 BITS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q4_k": 4, "q5_k": 5, "q6_k": 6, "q3_k": 3,
-        "q2_k": 2, "iq4_nl": 4, "iq4_xs": 4} | dict.fromkeys(CODEBOOKS, 4)  # fmt: skip
+        "q2_k": 2, "iq4_nl": 4, "iq4_xs": 4, "mxfp4": 4} | dict.fromkeys(CODEBOOKS, 4)  # fmt: skip
 
 
 def block_values(fmt: str) -> int:
@@ -209,7 +210,7 @@ def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor
         return (data.reshape(*lead, -1, 32).float() * scale.float().unsqueeze(-1)).flatten(-2)
     q = values(fmt, data, high)
     q = _GRIDS[fmt][q.long()] if fmt in GRID else q.float()
-    if fmt == "iq4_nl":
+    if fmt in ("iq4_nl", "mxfp4"):
         return (scale.float().unsqueeze(-1) * q.reshape(*lead, -1, 32)).reshape(*lead, -1)
     if fmt in K_QUANTS:
         d = scale.float().unsqueeze(-1)  # (..., K/256, 1)
@@ -298,6 +299,21 @@ def _iq4_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     return f
 
 
+# MXFP4's scale byte e stands for 2^(e - 128) (ggml's e8m0_to_fp32_half from e = 2 on); an f16
+# holds it exactly for e in 104..143, which covers weights' blocks (a block of largest |w| in
+# 2^-20..2^17). A matrix with another e keeps floats (None): no format here holds its scales.
+MXFP4_E = (104, 143)
+
+
+def _mxfp4_fields(b: torch.Tensor, N: int, K: int) -> tuple[str, dict] | None:
+    """MXFP4 blocks (N, K/32, 17): e, then 16 bytes of nibbles (our order already)."""
+    e = b[..., 0].to(torch.int32)
+    if bool(((e < MXFP4_E[0]) | (e > MXFP4_E[1])).any()):
+        return None
+    scale = torch.ldexp(torch.ones(e.shape), e - 128).half()  # (N, K/32) exact
+    return "mxfp4", dict(data=b[..., 1:].reshape(N, K // 2).contiguous(), scale=scale)
+
+
 def _codebook_fields(ggml_type: str, fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     """A codebook type's blocks (N, K/256, bytes) -> the nibbles of its values' places in GRID."""
     v, s, d = codebook_values(ggml_type, b)
@@ -351,6 +367,8 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
         qh = b[..., at : at + 4].contiguous().view(torch.int32)  # (N, K/32, 1) bit j: value j
         bit = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # (N, K/32, 32)
         return fmt, dict(f, data=nib, high=pack_masks(bit.reshape(N, K).to(torch.uint8)))
+    if ggml_type == "MXFP4":
+        return _mxfp4_fields(b, N, K)
     if ggml_type in CODEBOOK:
         return fmt, _codebook_fields(ggml_type, fmt, b, N, K)
     if ggml_type.startswith("TQ"):

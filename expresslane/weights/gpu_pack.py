@@ -155,8 +155,8 @@ def quantize(w: torch.Tensor, fmt: str, group: int, scale_dtype=torch.float16) -
 
 
 def from_qtensor(q: QTensor) -> GPUQuant:
-    """A packed CPU weight in GGUF Q8_0, Q4_1, IQ4_NL, IQ4_XS blocks or a codebook type with a
-    scale per 32 values (IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S), repacked for the GPU (same values).
+    """A packed CPU weight in GGUF Q8_0, Q4_1, IQ4_NL, IQ4_XS, MXFP4 blocks or a codebook type with
+    a scale per 32 values (IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S), repacked for the GPU (same values).
     IQ4's grid is not linear, so its values go to int8 (the grid value itself, with the block's
     scale): 8 bits a value where the file has 4, half of bf16's bytes; a kernel that looks the
     grid up in registers would keep IQ4's (not done). So do the codebook types' (their scale

@@ -38,6 +38,8 @@ import torch
 
 # ggml-common.h's kvalues_iq4nl
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# MXFP4's e2m1 values, doubled (ggml's kvalues_mxfp4): its nibbles index them as stored
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # the values v of each codebook type (a nibble indexes them; unused entries 0)
 ODD = tuple(range(-15, 16, 2))  # IQ3_S: sign g, odd
 IQ3_XXS_V = (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)
