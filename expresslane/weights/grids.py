@@ -1,5 +1,6 @@
 """GGUF's codebook ("IQ") and ternary types unpacked to plain values: what weights/blocks.py
-re-lays for the kernels and gguf/quants.py dequantizes, with the value grids they land on.
+re-lays for the kernels and gguf/quants.py dequantizes, with the value grids they land on (and
+those of the 4-bit grid types IQ4_NL / IQ4_XS and MXFP4, whose nibbles are kept as stored).
 
 A block of 256 values has an f16 d and a scale s per 32 or per 16 values; each value is
 d (2 s + 1) f v, v a signed integer of a small set (CODEBOOK) and f a power of two:
