@@ -186,10 +186,12 @@ def test_quantization_names_are_checked():
         gpu_pack.quantize(torch.zeros(4, 64), "int4", 64)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1", "IQ4_NL"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_1", "IQ4_NL", "MXFP4", "MXFP4-floats"])
 def test_gguf_blocks_repack_into_the_model(tmp_path, monkeypatch, ggml_type):
-    """A Llama GGUF's Q8_0 / Q4_1 / IQ4_NL matrices (projections and the tied head) on the
-    kernels give the logits of the same file loaded as floats (its dequantized values)."""
+    """A Llama GGUF's Q8_0 / Q4_1 / IQ4_NL / MXFP4 matrices (projections and the tied head) on
+    the kernels give the logits of the same file loaded as floats (its dequantized values).
+    MXFP4-floats: every matrix's blocks refused by the CPU layout (from_gguf None, as for an MXFP4
+    scale no f16 holds), which then keep their floats."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf")
     from gguf_kit import hf_to_gguf
@@ -206,12 +208,16 @@ def test_gguf_blocks_repack_into_the_model(tmp_path, monkeypatch, ggml_type):
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)
-    path = hf_to_gguf(hf, tmp_path / "m.gguf", weight_type=ggml_type)
+    floats = ggml_type.endswith("-floats")
+    path = hf_to_gguf(hf, tmp_path / "m.gguf", weight_type=ggml_type.removesuffix("-floats"))
     ref = load_model(path, device="cpu", dtype="float32", progress=False).to(DEVICE)
+    if floats:
+        monkeypatch.setattr("expresslane.kernels.qlinear.from_gguf", lambda *a: None)
     model = repack_gguf(load_model(path, device="cpu", dtype="float32", progress=False), path)
     model = model.to(DEVICE)
-    assert isinstance(model.model.layers[0].feed_forward.w2, QuantProj)
-    assert isinstance(model.lm_head, QuantProj) and model.lm_head.plain
+    assert isinstance(model.model.layers[0].feed_forward.w2, QuantProj) != floats
+    head = getattr(model, "lm_head", None)  # a tied head without one: the embedding
+    assert isinstance(head, QuantProj) != floats and (floats or head.plain)
     ids = torch.tensor([[3, 1, 4, 1, 5]], device=DEVICE)
     with torch.no_grad():
         _close(model(ids), ref(ids), torch.float32)

@@ -134,7 +134,10 @@ def repack_gguf(model: Laneformer, path) -> Laneformer:
         if raw.ggml_type == "Q4_K":
             q = from_q4_k(raw.data.reshape(-1), n, k)
         else:
-            q = from_qtensor(from_gguf(raw.ggml_type, raw.data, (n, k)))
+            blocks = from_gguf(raw.ggml_type, raw.data, (n, k))
+            if blocks is None:  # scales no layout holds (MXFP4's outlying e): the floats stay
+                return None
+            q = from_qtensor(blocks)
         bias = getattr(proj, "bias", None)
         return QuantProj(q.to(proj.weight.device), bias, plain=proj.weight.dim() == 2)
 
