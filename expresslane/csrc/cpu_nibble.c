@@ -304,73 +304,27 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
     rows_t(FMT, (const uint8_t *)wr, d, mn, high, sub, xp, bsum, sx, K, Kp, res, T, LOWP);
 }
 
+/* every format of this file, once: each gets its span and decoder functions, and a case in
+   el_span_nibble's and el_dequant's switches */
+#define NIBBLE_FORMATS(X)                                                                      \
+    X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q4_K) X(Q5_K) X(Q6_K) X(Q3_K) X(Q2_K) X(IQ4_NL) X(IQ4_XS) \
+    X(MXFP4) X(IQ3_S) X(IQ3_XXS) X(IQ2_XXS) X(IQ1_S) X(IQ2_XS) X(IQ2_S) X(IQ1_M)
+
+/* the rows of a span for T tokens (a constant: BY_T_LOWP) in format F_, a constant too */
+#define ROWS(n, lp) EL_TILES(sp, r0, r1, rb, n, row_t(F_, sp, r, wr, xp, v, lanes, n, lp))
 #define SPAN(F)                                                                  \
     T_VNNI static void span_##F(const span_t *sp, int64_t r0, int64_t r1) {      \
-        const int64_t rb = el_row_bytes(FMT_##F, sp->K);                         \
-        BY_T_LOWP(sp->T, sp->P->lowp, ROW_##F)                                   \
+        const int F_ = FMT_##F;                                                  \
+        const int64_t rb = el_row_bytes(F_, sp->K);                              \
+        BY_T_LOWP(sp->T, sp->P->lowp, ROWS)                                      \
     }
-#define ROWS(F, n, lp) EL_TILES(sp, r0, r1, rb, n, row_t(FMT_##F, sp, r, wr, xp, v, lanes, n, lp))
-#define ROW_Q4_0(n, lp) ROWS(Q4_0, n, lp)
-#define ROW_Q4_1(n, lp) ROWS(Q4_1, n, lp)
-#define ROW_Q5_0(n, lp) ROWS(Q5_0, n, lp)
-#define ROW_Q5_1(n, lp) ROWS(Q5_1, n, lp)
-#define ROW_Q4_K(n, lp) ROWS(Q4_K, n, lp)
-#define ROW_Q5_K(n, lp) ROWS(Q5_K, n, lp)
-#define ROW_Q6_K(n, lp) ROWS(Q6_K, n, lp)
-#define ROW_Q3_K(n, lp) ROWS(Q3_K, n, lp)
-#define ROW_Q2_K(n, lp) ROWS(Q2_K, n, lp)
-#define ROW_IQ4_NL(n, lp) ROWS(IQ4_NL, n, lp)
-#define ROW_IQ4_XS(n, lp) ROWS(IQ4_XS, n, lp)
-#define ROW_IQ3_S(n, lp) ROWS(IQ3_S, n, lp)
-#define ROW_MXFP4(n, lp) ROWS(MXFP4, n, lp)
-#define ROW_IQ3_XXS(n, lp) ROWS(IQ3_XXS, n, lp)
-#define ROW_IQ2_XXS(n, lp) ROWS(IQ2_XXS, n, lp)
-#define ROW_IQ1_S(n, lp) ROWS(IQ1_S, n, lp)
-#define ROW_IQ2_XS(n, lp) ROWS(IQ2_XS, n, lp)
-#define ROW_IQ2_S(n, lp) ROWS(IQ2_S, n, lp)
-#define ROW_IQ1_M(n, lp) ROWS(IQ1_M, n, lp)
-SPAN(Q4_0)
-SPAN(Q4_1)
-SPAN(Q5_0)
-SPAN(Q5_1)
-SPAN(Q4_K)
-SPAN(Q5_K)
-SPAN(Q6_K)
-SPAN(Q3_K)
-SPAN(Q2_K)
-SPAN(IQ4_NL)
-SPAN(IQ4_XS)
-SPAN(IQ3_S)
-SPAN(MXFP4)
-SPAN(IQ3_XXS)
-SPAN(IQ2_XXS)
-SPAN(IQ1_S)
-SPAN(IQ2_XS)
-SPAN(IQ2_S)
-SPAN(IQ1_M)
+NIBBLE_FORMATS(SPAN)
 
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
-    switch ((int)sp->w->fmt) {
-    case FMT_Q4_0: span_Q4_0(sp, r0, r1); break;
-    case FMT_Q4_1: span_Q4_1(sp, r0, r1); break;
-    case FMT_Q5_0: span_Q5_0(sp, r0, r1); break;
-    case FMT_Q5_1: span_Q5_1(sp, r0, r1); break;
-    case FMT_Q4_K: span_Q4_K(sp, r0, r1); break;
-    case FMT_Q5_K: span_Q5_K(sp, r0, r1); break;
-    case FMT_Q3_K: span_Q3_K(sp, r0, r1); break;
-    case FMT_Q2_K: span_Q2_K(sp, r0, r1); break;
-    case FMT_IQ4_NL: span_IQ4_NL(sp, r0, r1); break;
-    case FMT_IQ4_XS: span_IQ4_XS(sp, r0, r1); break;
-    case FMT_IQ3_S: span_IQ3_S(sp, r0, r1); break;
-    case FMT_MXFP4: span_MXFP4(sp, r0, r1); break;
-    case FMT_IQ3_XXS: span_IQ3_XXS(sp, r0, r1); break;
-    case FMT_IQ2_XXS: span_IQ2_XXS(sp, r0, r1); break;
-    case FMT_IQ1_S: span_IQ1_S(sp, r0, r1); break;
-    case FMT_IQ2_XS: span_IQ2_XS(sp, r0, r1); break;
-    case FMT_IQ2_S: span_IQ2_S(sp, r0, r1); break;
-    case FMT_IQ1_M: span_IQ1_M(sp, r0, r1); break;
-    default: span_Q6_K(sp, r0, r1); break;
-    }
+#define SPAN_CASE(F) \
+    case FMT_##F: span_##F(sp, r0, r1); break;
+    switch ((int)sp->w->fmt) { NIBBLE_FORMATS(SPAN_CASE) }
+#undef SPAN_CASE
 }
 /* ---- dequantization: the values themselves, for a prefill's GEMM (step/prefill.py) --------- */
 /* 16 values to out at i: fp32, or bf16 rounded to nearest even (finite values: torch's
@@ -485,49 +439,16 @@ T_VNNI static void deq_q8_0_row(const qmat_t *w, int64_t r, int64_t K, void *out
     T_VNNI static void deq_##F(const qmat_t *w, int64_t r, int64_t K, void *out, int bf16) {   \
         deq_row(FMT_##F, w, r, K, out, bf16);                                                  \
     }
-DEQ(Q4_0)
-DEQ(Q4_1)
-DEQ(Q5_0)
-DEQ(Q5_1)
-DEQ(Q4_K)
-DEQ(Q5_K)
-DEQ(Q6_K)
-DEQ(Q3_K)
-DEQ(Q2_K)
-DEQ(IQ4_NL)
-DEQ(IQ4_XS)
-DEQ(IQ3_S)
-DEQ(MXFP4)
-DEQ(IQ3_XXS)
-DEQ(IQ2_XXS)
-DEQ(IQ1_S)
-DEQ(IQ2_XS)
-DEQ(IQ2_S)
-DEQ(IQ1_M)
+NIBBLE_FORMATS(DEQ)
 
 int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int threads) {
     void (*row)(const qmat_t *, int64_t, int64_t, void *, int);
     switch ((int)w->fmt) {
     case FMT_Q8_0: row = deq_q8_0_row; break;
-    case FMT_Q4_0: row = deq_Q4_0; break;
-    case FMT_Q4_1: row = deq_Q4_1; break;
-    case FMT_Q5_0: row = deq_Q5_0; break;
-    case FMT_Q5_1: row = deq_Q5_1; break;
-    case FMT_Q4_K: row = deq_Q4_K; break;
-    case FMT_Q5_K: row = deq_Q5_K; break;
-    case FMT_Q6_K: row = deq_Q6_K; break;
-    case FMT_Q3_K: row = deq_Q3_K; break;
-    case FMT_Q2_K: row = deq_Q2_K; break;
-    case FMT_IQ4_NL: row = deq_IQ4_NL; break;
-    case FMT_IQ4_XS: row = deq_IQ4_XS; break;
-    case FMT_IQ3_S: row = deq_IQ3_S; break;
-    case FMT_MXFP4: row = deq_MXFP4; break;
-    case FMT_IQ3_XXS: row = deq_IQ3_XXS; break;
-    case FMT_IQ2_XXS: row = deq_IQ2_XXS; break;
-    case FMT_IQ1_S: row = deq_IQ1_S; break;
-    case FMT_IQ2_XS: row = deq_IQ2_XS; break;
-    case FMT_IQ2_S: row = deq_IQ2_S; break;
-    case FMT_IQ1_M: row = deq_IQ1_M; break;
+#define DEQ_CASE(F) \
+    case FMT_##F: row = deq_##F; break;
+        NIBBLE_FORMATS(DEQ_CASE)
+#undef DEQ_CASE
     default: return -1;
     }
     if (!(el_features() & HAS_VNNI) || K % 32 || (IS_SUPER(w->fmt) && K % 256)) return -1;

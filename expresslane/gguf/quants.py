@@ -37,7 +37,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..weights.blocks import IQ4_VALUES, crumb_values, iq4_xs_scales, q3_k_high, q3_k_scales
-from ..weights.grids import CODEBOOK, MXFP4_VALUES, codebook_values, tq1_0_values, tq2_0_values
+from ..weights.grids import CODEBOOK, MXFP4_VALUES, codebook_values, tq1_0_values
 from .reader import GGUFHeader
 
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
@@ -222,7 +222,7 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
 
 
 def _tq2_0(b: torch.Tensor) -> torch.Tensor:
-    return (_f16(b, 64) * (tq2_0_values(b).float() - 1)).reshape(-1)
+    return (_f16(b, 64) * (crumb_values(b[:, :64]).float() - 1)).reshape(-1)  # Q2_K's order
 
 
 def _tq1_0(b: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,16 @@ from __future__ import annotations
 
 import torch
 
-from .grids import CODEBOOK, IQ4_VALUES, MXFP4_VALUES, codebook_values, tq1_0_values, tq2_0_values
+from .grids import (
+    CODEBOOK,
+    IQ4_VALUES,
+    MXFP4_VALUES,
+    codebook_values,
+    f16,
+    nibble_pairs,
+    tq1_0_values,
+    unpack_bits,
+)
 
 QK = 256  # values of a K-quant superblock
 # GGUF type -> (our format, values a block, bytes a block)
@@ -128,10 +137,6 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:  # (..., 8m) 0/1 -> (..., m)
     return (b * _POW).sum(-1).to(torch.uint8)
 
 
-def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:  # (..., m) -> (..., 8m) 0/1
-    return ((packed.to(torch.int32).unsqueeze(-1) & _POW) != 0).to(torch.uint8).flatten(-2)
-
-
 def _groups(K: int) -> list[tuple[int, int]]:
     """(first block, blocks) of each group of four blocks of 32."""
     nb = K // 32
@@ -155,12 +160,12 @@ def unpack_masks(masks: torch.Tensor, K: int) -> torch.Tensor:
     G, n = nb // 4, nb % 4
     out = []
     if G:
-        bits = _unpack_bits(masks[..., : 16 * G].reshape(*lead, G, 2, 8))  # (..., G, 2, 64)
+        bits = unpack_bits(masks[..., : 16 * G].reshape(*lead, G, 2, 8))  # (..., G, 2, 64)
         out.append(bits.reshape(*lead, G, 2, 4, 16).transpose(-3, -2).reshape(*lead, 128 * G))
     if n:
         tail = masks[..., 16 * G :]
-        lo = _unpack_bits(tail[..., : 2 * n]).reshape(*lead, n, 1, 16)
-        hi = _unpack_bits(tail[..., 2 * n :]).reshape(*lead, n, 1, 16)
+        lo = unpack_bits(tail[..., : 2 * n]).reshape(*lead, n, 1, 16)
+        hi = unpack_bits(tail[..., 2 * n :]).reshape(*lead, n, 1, 16)
         out.append(torch.cat((lo, hi), dim=-2).reshape(*lead, 32 * n))
     return torch.cat(out, dim=-1) if len(out) > 1 else out[0]
 
@@ -244,10 +249,6 @@ _GRIDS = {fmt: torch.tensor(v, dtype=torch.float32) for fmt, v in GRID.items()}
 
 
 # --- from a GGUF file's bytes -------------------------------------------------------------------
-def _f16(b: torch.Tensor) -> torch.Tensor:  # (..., 2) bytes -> (...) f16
-    return b.contiguous().view(torch.float16)[..., 0].contiguous()
-
-
 def _k_scales(s: torch.Tensor) -> torch.Tensor:
     """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins (..., 12) -> (..., 16): 8 s, then 8 m."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
@@ -285,7 +286,7 @@ def iq4_xs_scales(s: torch.Tensor) -> torch.Tensor:
     """IQ4_XS's bytes 2-7 of a block (..., 6): the u16 of high bits, then 4 bytes of low nibbles
     -> (..., 8) int32 6-bit scales, each minus 32."""
     s = s.to(torch.int32)
-    low = torch.stack((s[..., 2:6] & 0x0F, s[..., 2:6] >> 4), -1).flatten(-2)  # (..., 8)
+    low = nibble_pairs(s[..., 2:6])  # (..., 8)
     word = (s[..., :1] | s[..., 1:2] << 8) >> torch.arange(0, 16, 2, dtype=torch.int32)
     return (low | (word & 3) << 4) - 32
 
@@ -293,7 +294,7 @@ def iq4_xs_scales(s: torch.Tensor) -> torch.Tensor:
 def _iq4_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     """IQ4_NL / IQ4_XS blocks (N, K/bv, bytes): their nibbles are in our order already."""
     at = 2 if fmt == "iq4_nl" else 8
-    f = dict(data=b[..., at:].reshape(N, K // 2).contiguous(), scale=_f16(b[..., :2]))
+    f = dict(data=b[..., at:].reshape(N, K // 2).contiguous(), scale=f16(b[..., :2]))
     if fmt == "iq4_xs":
         f["sub"] = iq4_xs_scales(b[..., 2:8]).to(torch.int8).reshape(N, -1).view(torch.uint8)
     return f
@@ -328,8 +329,8 @@ def _codebook_fields(ggml_type: str, fmt: str, b: torch.Tensor, N: int, K: int) 
 
 def _ternary_fields(ggml_type: str, b: torch.Tensor, N: int, K: int) -> dict:
     """TQ2_0 / TQ1_0 blocks (N, K/256, bytes) -> q2_k with d = dmin and a scale and min of 1."""
-    q = (tq2_0_values(b) if ggml_type == "TQ2_0" else tq1_0_values(b)).reshape(N, K)
-    d = _f16(b[..., -2:])
+    q = (crumb_values(b[..., :64]) if ggml_type == "TQ2_0" else tq1_0_values(b)).reshape(N, K)
+    d = f16(b[..., -2:])
     sub = torch.full((N, K // 16), 0x11, dtype=torch.uint8)
     return dict(data=pack_crumbs(swap_quarters(q)), scale=d, mins=d.clone(), sub=sub)
 
@@ -338,9 +339,9 @@ def _crumb_fields(fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     """Q2_K / Q3_K blocks (N, K/256, bytes): values re-laid, scales unpacked (Q3_K) or kept."""
     at = 16 if fmt == "q2_k" else 32  # qs: 64 bytes
     q = crumb_values(b[..., at : at + 64]).reshape(N, K)
-    f = dict(scale=_f16(b[..., 80:82] if fmt == "q2_k" else b[..., 108:110]))
+    f = dict(scale=f16(b[..., 80:82] if fmt == "q2_k" else b[..., 108:110]))
     if fmt == "q2_k":
-        f.update(mins=_f16(b[..., 82:84]), sub=b[..., :16].reshape(N, -1).contiguous())
+        f.update(mins=f16(b[..., 82:84]), sub=b[..., :16].reshape(N, -1).contiguous())
     else:
         q = q | q3_k_high(b[..., :32]).reshape(N, K) << 2
         sc = q3_k_scales(b[..., 96:108])
@@ -357,10 +358,10 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
     b = data.reshape(N, K // bv, bb)
     if fmt == "q8_0":
         q = b[..., 2:].contiguous().view(torch.int8).reshape(N, K)
-        return fmt, dict(data=q, scale=_f16(b[..., :2]))
+        return fmt, dict(data=q, scale=f16(b[..., :2]))
     if fmt in ("q4_0", "q4_1", "q5_0", "q5_1"):
         at = 4 if fmt.endswith("_1") else 2
-        f = dict(scale=_f16(b[..., :2]), mins=_f16(b[..., 2:4]) if at == 4 else None)
+        f = dict(scale=f16(b[..., :2]), mins=f16(b[..., 2:4]) if at == 4 else None)
         nib = b[..., -16:].reshape(N, K // 2).contiguous()  # already in our order
         if fmt.startswith("q4"):
             return fmt, dict(f, data=nib)
@@ -388,7 +389,7 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
         )  # (N, K/256, half, 4, 32): value 128 half + 32 j + i
         q = swap_quarters((ql & 0x0F).reshape(N, K) | ((qh & 0x03).reshape(N, K) << 4))
         sub = b[..., 192:208].reshape(N, -1).contiguous()  # int8 scales, as bytes
-        return fmt, dict(data=pack_nibbles(q), high=pack_high(q, fmt), scale=_f16(b[..., 208:]),
+        return fmt, dict(data=pack_nibbles(q), high=pack_high(q, fmt), scale=f16(b[..., 208:]),
                          sub=sub)  # fmt: skip
     # q4_k, q5_k: d, dmin, 12 bytes of scales, (q5_k: 32 bytes of high bits,) 128 of nibbles
     qs = b[..., -128:].reshape(N, -1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8)[:, None]
@@ -397,5 +398,5 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
         qh = b[..., 16:48].reshape(N, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
         q = q | ((qh & 1).reshape(N, K) << 4)  # (N, K/256, 8, 32): bit c of byte i, value 32c+i
     sub = _k_scales(b[..., 4:16]).reshape(N, -1).contiguous()
-    return fmt, dict(data=pack_nibbles(q), high=pack_high(q, fmt), scale=_f16(b[..., 0:2]),
-                     mins=_f16(b[..., 2:4]), sub=sub)  # fmt: skip
+    return fmt, dict(data=pack_nibbles(q), high=pack_high(q, fmt), scale=f16(b[..., 0:2]),
+                     mins=f16(b[..., 2:4]), sub=sub)  # fmt: skip

@@ -70,7 +70,7 @@ def _ksigns() -> torch.Tensor:
     return torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8)
 
 
-def _bits(b: torch.Tensor) -> torch.Tensor:
+def unpack_bits(b: torch.Tensor) -> torch.Tensor:
     """bytes (..., m) -> (..., 8 m) bits, LSB first."""
     return (b.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2)
 
@@ -92,11 +92,11 @@ def _signed(g: torch.Tensor, sign_bits: torch.Tensor) -> torch.Tensor:
 
 def _ksign_bits(index7: torch.Tensor) -> torch.Tensor:
     """7-bit sign indices (..., n) -> (..., 8 n) sign bits."""
-    return _bits(_ksigns()[index7])
+    return unpack_bits(_ksigns()[index7])
 
 
-def _nibble_scales(b: torch.Tensor) -> torch.Tensor:
-    """(..., m) bytes of two 4-bit scales (low first) -> (..., 2 m) int32."""
+def nibble_pairs(b: torch.Tensor) -> torch.Tensor:
+    """(..., m) bytes of two 4-bit fields (low first) -> (..., 2 m) int32."""
     s = b.to(torch.int32)
     return torch.stack((s & 0x0F, s >> 4), -1).flatten(-2)
 
@@ -107,21 +107,22 @@ def codebook_values(name: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return _DECODERS[name](b)
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float16)[..., 0]
+def f16(b: torch.Tensor) -> torch.Tensor:
+    """(..., 2) bytes -> (...) f16."""
+    return b.contiguous().view(torch.float16)[..., 0].contiguous()
 
 
 def _iq3_s(b):  # d, qs[64], qh[8], signs[32], scales[4]
-    index = b[..., 2:66].to(torch.int64) | _bits(b[..., 66:74]).to(torch.int64) << 8
-    v = _signed(_look("IQ3_S", index), _bits(b[..., 74:106]))
-    return v, 2 * _nibble_scales(b[..., 106:110]) + 1, _f16(b[..., :2])
+    index = b[..., 2:66].to(torch.int64) | unpack_bits(b[..., 66:74]).to(torch.int64) << 8
+    v = _signed(_look("IQ3_S", index), unpack_bits(b[..., 74:106]))
+    return v, 2 * nibble_pairs(b[..., 106:110]) + 1, f16(b[..., :2])
 
 
 def _iq3_xxs(b):  # d, qs[64], then per 32 values a u32: four 7-bit sign indices, scale on top
     aux = _u(b[..., 66:98], 4)  # (..., 8)
     signs = _ksign_bits((aux.unsqueeze(-1) >> torch.arange(0, 28, 7) & 127).flatten(-2))
     v = _signed(_look("IQ3_XXS", b[..., 2:66].to(torch.int64)), signs)
-    return v, (2 * (aux >> 28) + 1).to(torch.int32), _f16(b[..., :2])
+    return v, (2 * (aux >> 28) + 1).to(torch.int32), f16(b[..., :2])
 
 
 def _iq2_xxs(b):  # d, then per 32 values 4 grid indices (bytes) and a u32 as IQ3_XXS's
@@ -129,19 +130,20 @@ def _iq2_xxs(b):  # d, then per 32 values 4 grid indices (bytes) and a u32 as IQ
     aux = _u(q[..., 4:].flatten(-2), 4)  # (..., 8)
     signs = _ksign_bits((aux.unsqueeze(-1) >> torch.arange(0, 28, 7) & 127).flatten(-2))
     v = _signed(_look("IQ2_XXS", q[..., :4].flatten(-2).to(torch.int64)), signs)
-    return v, (2 * (aux >> 28) + 1).to(torch.int32), _f16(b[..., :2])
+    return v, (2 * (aux >> 28) + 1).to(torch.int32), f16(b[..., :2])
 
 
 def _iq2_xs(b):  # d, u16[32]: a 9-bit index and a 7-bit sign index, scales[8]
     qs = _u(b[..., 2:66], 2)  # (..., 32)
     v = _signed(_look("IQ2_XS", qs & 511), _ksign_bits(qs >> 9))
-    return v, 2 * _nibble_scales(b[..., 66:74]) + 1, _f16(b[..., :2])
+    return v, 2 * nibble_pairs(b[..., 66:74]) + 1, f16(b[..., :2])
 
 
 def _iq2_s(b):  # d, qs[32], signs[32], qh[8] (2 high bits per index), scales[8]
     high = (b[..., 66:74].to(torch.int64).unsqueeze(-1) >> torch.arange(0, 8, 2) & 3).flatten(-2)
-    v = _signed(_look("IQ2_S", b[..., 2:34].to(torch.int64) | high << 8), _bits(b[..., 34:66]))
-    return v, 2 * _nibble_scales(b[..., 74:82]) + 1, _f16(b[..., :2])
+    index = b[..., 2:34].to(torch.int64) | high << 8
+    v = _signed(_look("IQ2_S", index), unpack_bits(b[..., 34:66]))
+    return v, 2 * nibble_pairs(b[..., 74:82]) + 1, f16(b[..., :2])
 
 
 def _iq1(g: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
@@ -154,13 +156,13 @@ def _iq1_s(b):  # d, qs[32], qh u16[8]: 4 x 3 high index bits, a 3-bit scale, th
     qh = _u(b[..., 34:50], 2)  # (..., 8)
     high = (qh.unsqueeze(-1) >> torch.arange(0, 12, 3) & 7).flatten(-2)  # (..., 32)
     g = _look("IQ1_S", b[..., 2:34].to(torch.int64) | high << 8)
-    return _iq1(g, qh >> 15), (2 * (qh >> 12 & 7) + 1).to(torch.int32), _f16(b[..., :2])
+    return _iq1(g, qh >> 15), (2 * (qh >> 12 & 7) + 1).to(torch.int32), f16(b[..., :2])
 
 
 def _iq1_m(b):  # qs[32], qh[16] (per index a nibble: 3 high bits, the delta's sign), scales u16[4]
     sc = _u(b[..., 48:56], 2)  # (..., 4): four 3-bit scales, and 4 bits of d on top
     d = (sc >> 12 << torch.arange(0, 16, 4)).sum(-1).to(torch.int16).view(torch.float16)
-    nib = _nibble_scales(b[..., 32:48]).to(torch.int64)  # (..., 32)
+    nib = nibble_pairs(b[..., 32:48]).to(torch.int64)  # (..., 32)
     g = _look("IQ1_M", b[..., :32].to(torch.int64) | (nib & 7) << 8)
     s = (sc.unsqueeze(-1) >> torch.arange(0, 12, 3) & 7).flatten(-2)  # (..., 16)
     return _iq1(g, nib >> 3), (2 * s + 1).to(torch.int32), d
@@ -168,13 +170,6 @@ def _iq1_m(b):  # qs[32], qh[16] (per index a nibble: 3 high bits, the delta's s
 
 _DECODERS = {"IQ3_S": _iq3_s, "IQ3_XXS": _iq3_xxs, "IQ2_XXS": _iq2_xxs, "IQ2_XS": _iq2_xs,
              "IQ2_S": _iq2_s, "IQ1_S": _iq1_s, "IQ1_M": _iq1_m}  # fmt: skip
-
-
-def tq2_0_values(b: torch.Tensor) -> torch.Tensor:
-    """TQ2_0 blocks (..., 66) -> (..., 256) values 0..3 (Q2_K's crumb order: value 128 h + 32 j +
-    l is bits 2 j, 2 j + 1 of byte 32 h + l)."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    return (b[..., :64].reshape(*b.shape[:-1], 2, 1, 32) >> shifts & 3).flatten(-3)
 
 
 _POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)
