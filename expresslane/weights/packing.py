@@ -50,8 +50,8 @@ from .quant import (
 # row, BENCHMARKS.md); "int8-row" (one fp32 scale per output row) is the per-channel variant.
 QUANTIZATIONS = {"int8": "q8_0", "int8-row": "int8"}
 # --quantization gguf: a GGUF file's own blocks. The CPU keeps them anyway (dtype auto); on a GPU
-# they go to the quantized products where a layout holds them (kernels/qlinear.repack_gguf: Q8_0,
-# Q4_1, Q4_K, IQ4_NL, IQ4_XS), the rest bf16. Not the GPU's default: a quantized model decodes
+# they go to the quantized products where a layout holds them (kernels/qlinear.repack_gguf: the
+# types of its REPACKED), the rest bf16. Not the GPU's default: a quantized model decodes
 # through its forward's graph, not the fused bf16 step, and which is faster at a model's size
 # waits for a GPU run to measure it (docs/gpu-session.md).
 GGUF_BLOCKS = "gguf"
