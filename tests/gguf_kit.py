@@ -1,10 +1,10 @@
 """Small GGUF files for the tests, written with the `gguf` package's own GGUFWriter.
 
 `random_raw` makes a tensor's stored bytes for any type we read: the gguf package quantizes random
-weights where it can (F16, BF16, Q8_0, Q4_0..Q5_1), and for the K, IQ and TQ types, which it can
-only dequantize, random blocks with sane f16 scales. `hf_to_gguf` turns a transformers Llama,
-Mistral, Qwen2 or Qwen3 state dict into a GGUF the way llama.cpp's converter does (names, Q/K row
-permutation, metadata).
+weights where it can (F16, BF16, Q8_0, Q4_0..Q5_1, MXFP4), and for the K, IQ, TQ, NVFP4 and Q1_0
+types, which it can only dequantize (Q1_0: not even that), random blocks with sane f16 scales.
+`hf_to_gguf` turns a transformers Llama, Mistral, Qwen2 or Qwen3 state dict into a GGUF the way
+llama.cpp's converter does (names, Q/K row permutation, metadata).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ3_XXS",
 F16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,),
               "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,), "IQ3_S": (0,), "TQ2_0": (64,),
               "TQ1_0": (52,), "IQ3_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ1_S": (0,),
-              "IQ1_M": (), "NVFP4": ()}  # f16 scales (IQ1_M's: random_raw)  # fmt: skip
+              "IQ1_M": (), "NVFP4": (), "Q1_0": (0,),
+              "Q8_K": ()}  # f16 scales (IQ1_M's: random_raw)  # fmt: skip
 
 
 def random_raw(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -49,6 +50,11 @@ def reference_dequant(raw: np.ndarray, type_name: str, shape) -> np.ndarray:
     qtype = gguf.GGMLQuantizationType[type_name]
     if type_name == "F32":
         return raw.view(np.float32).reshape(shape)
+    if type_name == "Q1_0":  # gguf-py has no Q1_0: ggml's dequantize_row_q1_0, written out
+        b = raw.reshape(-1, 18)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)  # (blocks, 1)
+        bits = np.unpackbits(b[:, 2:], axis=-1, bitorder="little").astype(bool)
+        return np.where(bits, d, -d).reshape(shape)
     return gguf.quants.dequantize(raw, qtype).reshape(shape)
 
 

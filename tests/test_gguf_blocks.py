@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_kit import reference_dequant
 
 from expresslane.step import native
-from expresslane.weights.blocks import TYPES
+from expresslane.weights.gguf_blocks import TYPES
 from expresslane.weights.quant import from_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -17,15 +18,22 @@ gguf = pytest.importorskip("gguf")
 LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")  # blocks of 32 values
 CODEBOOKS = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", *CODEBOOKS, "TQ2_0", "TQ1_0")  # of 256
+WIDE = ("NVFP4", "Q1_0")  # blocks of 64 and 128 values
 # (N, K): K a multiple of 32 (legacy: partial last groups of 1-3 blocks) or of 256
-SHAPES = {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY} | {
-    t: [(37, 256), (11, 768), (130, 512)] for t in KQUANTS
-}
+SHAPES = (
+    {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY}
+    | {t: [(37, 256), (11, 768), (130, 512)] for t in KQUANTS}
+    | {
+        "NVFP4": [(37, 64), (5, 192), (130, 576), (9, 320)],
+        "Q1_0": [(37, 128), (5, 384), (30, 1536)],
+    }
+)
 F16_AT = {  # byte offsets of a block's f16 fields (d, and m / dmin)
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82),
     "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ2_0": (64,), "TQ1_0": (52,), "IQ1_M": (), "MXFP4": (),
-} | dict.fromkeys(CODEBOOKS[:-1], (0,))  # fmt: skip
+    "NVFP4": (), "Q1_0": (0,),
+} | dict.fromkeys(CODEBOOKS[:-1], (0,))  # UE4M3 scales: any byte  # fmt: skip
 
 
 def random_blocks(ggml_type: str, N: int, K: int, seed: int) -> torch.Tensor:
@@ -47,11 +55,10 @@ def random_blocks(ggml_type: str, N: int, K: int, seed: int) -> torch.Tensor:
 
 
 def gguf_reference(ggml_type: str, raw: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    out = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[ggml_type])
-    return torch.from_numpy(out.reshape(N, K).copy())
+    return torch.from_numpy(reference_dequant(raw.numpy(), ggml_type, (N, K)).copy())
 
 
-CASES = [(t, s) for t in (*LEGACY, *KQUANTS) for s in SHAPES[t]]
+CASES = [(t, s) for t in (*LEGACY, *KQUANTS, *WIDE) for s in SHAPES[t]]
 
 
 @pytest.mark.parametrize("ggml_type, shape", CASES, ids=[f"{t}-{s}" for t, s in CASES])
@@ -134,7 +141,7 @@ def test_mxfp4_scales_no_f16_holds_keep_the_matrix_in_floats():
     """MXFP4's e stands for 2^(e - 128); our layout keeps it as an f16, exact for e in 104..143.
     A matrix with another e is not re-laid (None: its loader keeps floats), still read exactly."""
     from expresslane.gguf.quants import dequantize
-    from expresslane.weights.blocks import MXFP4_E
+    from expresslane.weights.gguf_blocks import MXFP4_E
 
     raw = random_blocks("MXFP4", 5, 64, 2)
     assert from_gguf("MXFP4", raw, (5, 64)) is not None
@@ -158,9 +165,14 @@ def test_a_k_that_superblocks_do_not_divide_is_refused(ggml_type):
         native.native_matmul(cut, torch.randn(2, 128))
 
 
+def _width(ggml_type: str) -> int:
+    """A K for the type with a partial last group where its blocks allow one."""
+    return 512 if ggml_type in KQUANTS else {"NVFP4": 320, "Q1_0": 384}.get(ggml_type, 352)
+
+
 @pytest.mark.parametrize("ggml_type", [pytest.param(t, marks=_needs(t)) for t in TYPES])
 def test_s_token_rows_are_the_single_token_bits(ggml_type):
-    N, K = (19, 512) if ggml_type in KQUANTS else (19, 352)
+    N, K = 19, _width(ggml_type)
     q = from_gguf(ggml_type, random_blocks(ggml_type, N, K, 5), (N, K))
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(9))
     single = torch.stack([native.native_matvec(q, x[s]) for s in range(9)])
@@ -173,7 +185,7 @@ def test_a_rows_bits_do_not_depend_on_its_place_or_the_threads(ggml_type):
     """The kernels sum each row's lanes 16 rows at a time (csrc EL_TILES): a row gives the same
     bits in any slot of a tile, in any lane, with 1 or 2 threads (which split the rows
     elsewhere), for 1 token or a verify's 7."""
-    N, K = (37, 512) if ggml_type in KQUANTS else (37, 352)
+    N, K = 37, _width(ggml_type)
     q = from_gguf(ggml_type, random_blocks(ggml_type, N, K, 11), (N, K))
     lanes = q.map(lambda t: torch.stack([t, t.flip(0)]))  # (2, N, K): the rows reversed
     x = torch.randn(7, K, generator=torch.Generator().manual_seed(4))

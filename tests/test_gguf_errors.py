@@ -77,10 +77,11 @@ def test_unknown_architecture(tmp_path, capsys):
 
 
 def test_unsupported_tensor_type(tmp_path, capsys):
-    # a type llama.cpp has and we do not read (NVFP4); 256-value rows: a wider model
-    meta, tensors = _meta(d=256, f=256), _tensors("NVFP4", 256, 256)
+    # a type llama.cpp has and we do not read (Q8_K, its activations' blocks, which no weight
+    # quantizer writes); 256-value rows: a wider model
+    meta, tensors = _meta(d=256, f=256), _tensors("Q8_K", 256, 256)
     path = write_gguf(tmp_path / "m.gguf", "llama", meta, tensors)
-    _fails(capsys, path, "blk.0.attn_q.weight", "NVFP4", "Q4_K", "MXFP4")
+    _fails(capsys, path, "blk.0.attn_q.weight", "Q8_K", "Q4_K", "NVFP4", "Q1_0")
 
 
 def test_unknown_tensor_type_id(tmp_path, capsys):

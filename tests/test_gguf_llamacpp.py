@@ -1,5 +1,6 @@
 """GGUF files written by llama.cpp's own quantizer (expresslane/gguf/variants.py: the real SmolLM2
-in every type of TYPES, from llama-cpp-python's `llama_model_quantize`), checked three ways:
+in every type of TYPES, from llama-cpp-python's `llama_model_quantize`; MXFP4, NVFP4 and Q1_0 a
+matrix at a time, variants.py says why), checked three ways:
 
 - every GGML type each file holds dequantizes bit for bit as gguf-py dequantizes it (random
   valid blocks of each type: tests/test_gguf_quants.py, which needs no llama.cpp);
@@ -16,6 +17,7 @@ skipped, saying so (CI's fresh machine may lack it).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -55,9 +57,11 @@ QUANT_BOUND, QUANT_COSINE = 2.0, 0.9
 # 0.978). The ternary files are not compared: that same rounding alone takes our forward's logits
 # to a cosine of -0.15 from the exact ones on SmolLM2 made ternary (llama.cpp's: 0.18), so no
 # bound tells a wrong reading from llama.cpp's rounding there. Their blocks are checked bit for
-# bit above and the packed step against the exact forward below.
+# bit above and the packed step against the exact forward below. Q1_0 (+-d, SmolLM2 made binary
+# in ffn_down) likewise: llama.cpp's logits are 4.1 standard deviations from the exact forward of
+# the file (cosine 0.70), ours 0.00 (NVFP4's: 0.50 and 0.00).
 LOOSE_BOUND = {"IQ3_M": 4.5}
-NOT_COMPARABLE = ("TQ2_0", "TQ1_0")
+NOT_COMPARABLE = ("TQ2_0", "TQ1_0", "Q1_0")
 
 
 def _file(type_name: str, smollm2_gguf):
@@ -90,8 +94,43 @@ def test_every_type_in_the_file_dequantizes_like_gguf_py(type_name, smollm2_gguf
             ours = raw_to_float(header, name).numpy()
             raw = header.raw_bytes(name)
             qtype = gguf.GGMLQuantizationType[kind]
-            ref = raw.view(np.float32) if kind == "F32" else gguf.quants.dequantize(raw, qtype)
+            if kind == "F32":
+                ref = raw.view(np.float32)
+            elif kind == "Q1_0":  # gguf-py has no Q1_0: llama.cpp's own dequantizer
+                ref = _ggml_dequantize(raw, kind, ours.size)
+            else:
+                ref = gguf.quants.dequantize(raw, qtype)
             assert np.array_equal(ours, ref.reshape(info.shape)), (kind, name)
+
+
+def _ggml_dequantize(raw: np.ndarray, kind: str, n: int) -> np.ndarray:
+    """llama.cpp's dequantize_row_<kind> (libggml-base, beside llama_cpp) on n values."""
+    _need_llama_cpp()
+    lib = variants._libggml()
+    fn = getattr(lib, f"dequantize_row_{kind.lower()}")
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    raw, out = np.ascontiguousarray(raw), np.zeros(n, dtype=np.float32)
+    fn(raw.ctypes.data, out.ctypes.data, n)
+    return out
+
+
+@pytest.mark.parametrize("kind", ("NVFP4", "Q1_0"))
+def test_blocks_dequantize_as_llama_cpp_does(kind):
+    """NVFP4 and Q1_0, whose reference elsewhere is gguf-py's NVFP4 and a written-out Q1_0,
+    against llama.cpp's own C dequantizer: random bytes (every UE4M3 scale byte; f16 d)."""
+    from expresslane.gguf.quants import BLOCK_BYTES, dequantize
+
+    rng = np.random.default_rng(3)
+    bv = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
+    raw = rng.integers(0, 256, (512, BLOCK_BYTES[kind]), dtype=np.uint8)
+    if kind == "Q1_0":
+        d = (rng.standard_normal(512) * 0.01).astype(np.float16)
+        raw[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    else:
+        raw[:256, 0] = np.arange(256)  # every scale byte
+    want = _ggml_dequantize(raw, kind, 512 * bv)
+    ours = dequantize(torch.from_numpy(raw), kind, (512 * bv,)).numpy()
+    assert np.array_equal(ours.view(np.uint32), want.view(np.uint32))
 
 
 @functools.lru_cache(maxsize=1)

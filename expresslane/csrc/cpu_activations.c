@@ -243,10 +243,10 @@ void el_split_x(int fmt, const float *x, int64_t V, int64_t K, void *work, xpart
             split_bf16(xv, K, Kp, (uint16_t *)pa, (uint16_t *)pb);
         else if (IS_NIBBLE(fmt) && p->lowp)
             split_nibble8(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (float *)pb, xs,
-                          IS_HALF16(fmt));
+                          IS_SWAPPED(fmt));
         else if (IS_NIBBLE(fmt))
             p->sx[v] = split_nibble(xv, K, Kp, (int8_t *)pa, (int8_t *)pa + Kp / 2, (int8_t *)pb,
-                                    (int8_t *)pb + Kp / 2, xs, IS_HALF16(fmt));
+                                    (int8_t *)pb + Kp / 2, xs, IS_SWAPPED(fmt));
         else if (p->lowp)
             split_q8(xv, K, Kp, (uint8_t *)pa, (float *)pb);
         else

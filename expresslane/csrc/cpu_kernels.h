@@ -16,7 +16,7 @@ enum {
     FMT_Q4_0 = 6, FMT_Q5_0 = 7, FMT_Q5_1 = 8, FMT_Q4_K = 9, FMT_Q5_K = 10, FMT_Q6_K = 11,
     FMT_IQ4_NL = 12, FMT_IQ4_XS = 13, FMT_Q3_K = 14, FMT_Q2_K = 15, FMT_IQ3_S = 16,
     FMT_IQ3_XXS = 17, FMT_IQ2_XXS = 18, FMT_IQ1_S = 19, FMT_IQ2_XS = 20, FMT_IQ2_S = 21,
-    FMT_IQ1_M = 22, FMT_MXFP4 = 23,
+    FMT_IQ1_M = 22, FMT_MXFP4 = 23, FMT_NVFP4 = 24,
     FMT_COUNT
 };
 enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
@@ -34,8 +34,14 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
     ((fmt) == FMT_IQ4_XS || (fmt) == FMT_IQ3_S || (fmt) == FMT_IQ3_XXS || (fmt) == FMT_IQ2_XXS || \
      (fmt) == FMT_IQ1_S)
 #define IS_HALF16(fmt) ((fmt) == FMT_Q6_K || IS_CRUMB(fmt) || IS_GRID16(fmt))
+/* a scale per 16 values (an int8 one, or NVFP4's f16): blocks with their middle quarters swapped,
+   and x in that order too */
+#define IS_SWAPPED(fmt) (IS_HALF16(fmt) || (fmt) == FMT_NVFP4)
 /* a d per superblock of 256 values (K a multiple of 256), else per block of 32 */
 #define IS_SUPER(fmt) ((fmt) == FMT_Q4_K || (fmt) == FMT_Q5_K || IS_XS(fmt) || IS_HALF16(fmt))
+/* f16 scales in a row of K values: a d per 256, NVFP4's per 16, else per 32 */
+#define SCALES_PER_ROW(fmt, K) \
+    (IS_SUPER(fmt) ? (K) / 256 : (fmt) == FMT_NVFP4 ? (K) / 16 : (K) / 32)
 
 /* A weight matrix (lanes, N, K) in one format (expresslane/weights/quant.py's QTensor fields).
    Seven 8-byte words, so a layer descriptor's seven consecutive entries can be read as one. */
@@ -43,8 +49,9 @@ typedef struct {
     int64_t fmt;
     const void *data;   /* rows of K values; nibble formats: K / 2 bytes of nibbles per row,
                            crumb formats K / 4 */
-    const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*, iq4_nl: f16 per block of 32
-                           values; K-quants, iq4_xs, codebooks: f16 d per 256 */
+    const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*, iq4_nl, mxfp4: f16 per block of
+                           32 values; nvfp4: f16 per 16; K-quants, iq4_xs, codebooks: f16 d per
+                           256 */
     const void *rowsum; /* int8: int32 per row, the sum of its values */
     const void *mins;   /* q4_1, q5_1: f16 per block of 32; q4_K, q5_K, q2_K: f16 dmin per 256 */
     const void *high;   /* q5_*, q3_K: K / 8 bytes per row, q6_K: K / 4 (the bit masks) */

@@ -1,5 +1,5 @@
 /* The products of GGUF's 2- to 6-bit formats, read as stored (re-laid at load by
-   expresslane/weights/blocks.py for 64-byte loads; never dequantized): for a block of T tokens,
+   expresslane/weights/gguf_blocks.py for 64-byte loads; never dequantized): for a block of T tokens,
    one weight row at a time, each group of 128 values (four 32-value blocks) split into its
    values and scales once and used for every token of the block.
 
@@ -16,6 +16,8 @@
      q2_K   per 256: d, dmin f16, per 16 a 4-bit scale s and min m: w = (d s) q - (dmin m)
      iq4_NL d f16, q an index into a grid of 16 (weights/blocks.py): w = d (u - 128)
      mxfp4  as iq4_NL on MXFP4's grid, d = 2^(e - 128) (an f16 at load)
+     nvfp4  as mxfp4 with a d per 16 values (half NVFP4's UE4M3 scale, an f16 at load), its
+            blocks with their middle quarters swapped as stored
      iq4_XS per 256: d f16, per 32 an int8 scale s: w = (d s) (u - 128)
      codebooks  GGUF's IQ3_S ... IQ1_M re-laid as nibbles (weights/grids.py): as iq4_XS on
             their own grid, with a scale per 32 or (IQ2_XS, IQ2_S, IQ1_M) per 16 values, times
@@ -32,7 +34,7 @@
    row is sum w x' (cpu_activations.c). With x in 8 bits (xparts_t's lowp, a prompt's opt-in)
    a is q itself with a scale per block, sum q a times d_b sx_b (half the dot products). The
    blocks of the formats with 16-value scales (Q6_K, Q3_K, Q2_K) come with their middle 8-value
-   quarters swapped (weights/blocks.py), so that a byte's two nibbles share a scale: its lanes'
+   quarters swapped (weights/blocks.py; NVFP4's too), so that a byte's two nibbles share a scale: its lanes'
    scales go by halves of quarters. The high bits come as byte masks (vpmovm2b): for each group
    the mask of its low-nibble values, then of its high-nibble ones (per bit).
 
@@ -48,7 +50,7 @@
 #ifdef EL_X86
 
 #define IS_NL(F) ((F) == FMT_IQ4_NL || (F) == FMT_MXFP4) /* a grid, an f16 d per 32 */
-#define IS_GRID(F) (IS_NL(F) || IS_XS(F) || IS_GRID16(F))
+#define IS_GRID(F) (IS_NL(F) || IS_XS(F) || IS_GRID16(F) || (F) == FMT_NVFP4)
 
 /* the grids (weights/grids.py) plus 128, unsigned bytes: IQ4's (ggml's kvalues_iq4nl) and the
    codebook types' values (unused places: 0) */
@@ -70,7 +72,7 @@ INLINE const uint8_t *grid_u(const int FMT) {
            : FMT == FMT_IQ3_XXS ? IQ3_XXS_U
            : FMT == FMT_IQ2_XXS || FMT == FMT_IQ2_XS || FMT == FMT_IQ2_S ? IQ2_U
            : FMT == FMT_IQ1_S || FMT == FMT_IQ1_M ? IQ1_U
-           : FMT == FMT_MXFP4                      ? MXFP4_U
+           : FMT == FMT_MXFP4 || FMT == FMT_NVFP4  ? MXFP4_U
                                                    : IQ4_U;
 }
 
@@ -122,6 +124,13 @@ T_VNNI INLINE __m512 half_scales(uint16_t d, __m256i s8) {
     return _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(ds));
 }
 
+/* 2n f16 scales of 16 values (n <= 4 blocks), scale i on lanes 2i and 2i + 1 */
+T_VNNI INLINE __m512 f16_halves(const uint16_t *d, int64_t n) {
+    const __m256 s = _mm256_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << (2 * n)) - 1), d));
+    const __m512i pick = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(s));
+}
+
 /* group g of a row (n <= 4 blocks in it) */
 T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t *d,
                                  const uint8_t *high, const int8_t *sub, int64_t g, int64_t n) {
@@ -167,6 +176,8 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
         const __m128i s2 = _mm_and_si128(s, _mm_set1_epi8(0x0F)); /* q2_K: the scale, low 4 */
         G.dv = half_scales(d[g / 2], FMT == FMT_Q2_K ? _mm256_cvtepu8_epi32(s2)
                                                      : _mm256_cvtepi8_epi32(s));
+    } else if (FMT == FMT_NVFP4) {
+        G.dv = f16_halves(d + g * 8, n);
     } else {
         G.dv = quarter_scales(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), d + g * 4));
     }
@@ -237,6 +248,17 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
         for (int t = 0; t < T; t++) off[t] = _mm512_mul_ps(acc[t], _mm512_set1_ps(k));
         return;
     }
+    if (FMT == FMT_NVFP4) { /* per 16 values: - 128 d_j, the 16-value sums of x after the
+                               32-value ones; the last 16 masked */
+        for (int64_t h = 0; h < 2 * nb; h += 16) {
+            const __mmask16 m = MASK(2 * nb, h);
+            const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, d + h));
+            for (int t = 0; t < T; t++)
+                acc[t] = _mm512_fmadd_ps(dv, _mm512_maskz_loadu_ps(m, xs[t] + Kp / 32 + h), acc[t]);
+        }
+        for (int t = 0; t < T; t++) off[t] = _mm512_mul_ps(acc[t], _mm512_set1_ps(-128.0f));
+        return;
+    }
     const uint16_t *src = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 ? mn : d;
     const float k = FMT == FMT_Q4_0     ? -8.0f
                     : FMT == FMT_Q5_0   ? -16.0f
@@ -288,7 +310,7 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
                          const int LOWP) {
     const qmat_t *w = sp->w;
     const int64_t K = sp->K, Kp = sp->P->Kp;
-    const int64_t per = IS_SUPER(FMT) ? K / 256 : K / 32;
+    const int64_t per = SCALES_PER_ROW(FMT, K);
     const uint16_t *d = (const uint16_t *)w->scale + r * per;
     const uint16_t *mn = w->mins ? (const uint16_t *)w->mins + r * per : NULL;
     const uint8_t *high = w->high ? (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8))
@@ -308,7 +330,7 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
    el_span_nibble's and el_dequant's switches */
 #define NIBBLE_FORMATS(X)                                                                      \
     X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q4_K) X(Q5_K) X(Q6_K) X(Q3_K) X(Q2_K) X(IQ4_NL) X(IQ4_XS) \
-    X(MXFP4) X(IQ3_S) X(IQ3_XXS) X(IQ2_XXS) X(IQ1_S) X(IQ2_XS) X(IQ2_S) X(IQ1_M)
+    X(MXFP4) X(NVFP4) X(IQ3_S) X(IQ3_XXS) X(IQ2_XXS) X(IQ1_S) X(IQ2_XS) X(IQ2_S) X(IQ1_M)
 
 /* the rows of a span for T tokens (a constant: BY_T_LOWP) in format F_, a constant too */
 #define ROWS(n, lp) EL_TILES(sp, r0, r1, rb, n, row_t(F_, sp, r, wr, xp, v, lanes, n, lp))
@@ -353,8 +375,8 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
     __m512 q0 = u8_ps(ql), q1 = u8_ps(qh);
     const int64_t sb = blk / 8, j = blk % 8;
     __m512 w0, w1;
-    if (IS_HALF16(FMT)) { /* quarters swapped: values 0-15 are the low nibbles' 0-7, then the
-                             high ones' 0-7 */
+    if (IS_SWAPPED(FMT)) { /* quarters swapped: values 0-15 are the low nibbles' 0-7, then the
+                              high ones' 0-7 */
         const __m512 v0 = _mm512_shuffle_f32x4(q0, q1, 0x44);
         q1 = _mm512_shuffle_f32x4(q0, q1, 0xEE);
         q0 = v0;
@@ -368,6 +390,10 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
         const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[blk])), m = _mm512_set1_ps(_cvtsh_ss(mn[blk]));
         w0 = _mm512_add_ps(_mm512_mul_ps(dv, q0), m);
         w1 = _mm512_add_ps(_mm512_mul_ps(dv, q1), m);
+    } else if (FMT == FMT_NVFP4) { /* the grid, a d per 16 values */
+        const __m512 c = _mm512_set1_ps(128.0f);
+        w0 = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[2 * blk])), _mm512_sub_ps(q0, c));
+        w1 = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d[2 * blk + 1])), _mm512_sub_ps(q1, c));
     } else if (IS_GRID(FMT) && !IS_GRID16(FMT)) { /* the grid: u - 128 */
         const __m512 c = _mm512_set1_ps(128.0f);
         const __m512 dv = _mm512_set1_ps(
@@ -403,7 +429,7 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
 T_VNNI INLINE void deq_row(const int FMT, const qmat_t *w, int64_t r, int64_t K, void *out,
                            int bf16) {
     const int64_t nb = K / 32;
-    const int64_t per = IS_SUPER(FMT) ? K / 256 : K / 32;
+    const int64_t per = SCALES_PER_ROW(FMT, K);
     const uint8_t *q = (const uint8_t *)w->data + r * el_row_bytes(FMT, K);
     const uint16_t *d = (const uint16_t *)w->scale + r * per;
     const uint16_t *mn = w->mins ? (const uint16_t *)w->mins + r * per : NULL;

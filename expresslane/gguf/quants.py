@@ -23,6 +23,9 @@ per block of `values` weights and `bytes` bytes:
     IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M: the codebook types, indices into
                      grids of 4 or 8 values (weights/grids.py)   x = (d (2 s + 1) f) v
     MXFP4   (32, 17): e:u8, nibbles[16]          x = 2^(e-128) MXFP4_VALUES[q] (e8m0, halved)
+    NVFP4   (64, 36): 4 UE4M3 scales, 4 x 8 bytes: per 16 values, byte j holds value j low and
+                     value 8 + j high               x = (ue4m3(s) / 2) MXFP4_VALUES[q]
+    Q1_0   (128, 18): d:f16, a bit a value (LSB first)             x = d where set, -d where not
     TQ2_0  (256, 66): 2 bits qs[64], d:f16                      x = d*(q-1)
     TQ1_0  (256, 54): 5 trits a byte qs[48], 4 trits a byte qh[4], d:f16    x = d*(t-1)
 
@@ -36,17 +39,26 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
-from ..weights.blocks import IQ4_VALUES, crumb_values, iq4_xs_scales, q3_k_high, q3_k_scales
-from ..weights.grids import CODEBOOK, MXFP4_VALUES, codebook_values, tq1_0_values
+from ..weights.gguf_blocks import crumb_values, iq4_xs_scales, q3_k_high, q3_k_scales
+from ..weights.grids import (
+    CODEBOOK,
+    IQ4_VALUES,
+    MXFP4_VALUES,
+    codebook_values,
+    tq1_0_values,
+    ue4m3_half,
+    unpack_bits,
+)
 from .reader import GGUFHeader
 
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-             "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", *CODEBOOK, "TQ2_0", "TQ1_0", "MXFP4")  # fmt: skip
+             "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", *CODEBOOK, "TQ2_0", "TQ1_0", "MXFP4", "NVFP4",
+             "Q1_0")  # fmt: skip
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84,
                "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18,
                "IQ4_XS": 136, "IQ3_S": 110, "IQ3_XXS": 98, "IQ2_XXS": 66, "IQ2_XS": 74,
                "IQ2_S": 82, "IQ1_S": 50, "IQ1_M": 56, "TQ2_0": 66, "TQ1_0": 54,
-               "MXFP4": 17}  # fmt: skip
+               "MXFP4": 17, "NVFP4": 36, "Q1_0": 18}  # fmt: skip
 
 
 def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -221,6 +233,18 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     return (d * grid[_nibbles(b[:, 1:17]).long()]).reshape(-1)
 
 
+def _nvfp4(b: torch.Tensor) -> torch.Tensor:
+    d = ue4m3_half(b[:, :4]).unsqueeze(-1)  # (n, 4, 1)
+    qs = b[:, 4:36].reshape(-1, 4, 8)  # (n, sub-block, 8)
+    grid = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    return (d * grid[torch.cat((qs & 0x0F, qs >> 4), -1).long()]).reshape(-1)
+
+
+def _q1_0(b: torch.Tensor) -> torch.Tensor:
+    d = _f16(b, 0)  # (n, 1)
+    return torch.where(unpack_bits(b[:, 2:18]).bool(), d, -d).reshape(-1)
+
+
 def _tq2_0(b: torch.Tensor) -> torch.Tensor:
     return (_f16(b, 64) * (crumb_values(b[:, :64]).float() - 1)).reshape(-1)  # Q2_K's order
 
@@ -232,5 +256,5 @@ def _tq1_0(b: torch.Tensor) -> torch.Tensor:
 _BLOCK_FNS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
               "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
               "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "TQ2_0": _tq2_0, "TQ1_0": _tq1_0,
-              "MXFP4": _mxfp4}  # fmt: skip
+              "MXFP4": _mxfp4, "NVFP4": _nvfp4, "Q1_0": _q1_0}  # fmt: skip
 _BLOCK_FNS |= {name: _codebook(name) for name in CODEBOOK}

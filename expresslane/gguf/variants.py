@@ -39,7 +39,8 @@ FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1"
           "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
           "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XS": 22, "IQ3_XXS": 23,
           "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29,
-          "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37, "MXFP4": 38}  # fmt: skip
+          "IQ4_XS": 30, "IQ1_M": 31, "BF16": 32, "TQ1_0": 36, "TQ2_0": 37, "MXFP4": 38,
+          "NVFP4": 39, "Q1_0": 40}  # fmt: skip
 # llama.cpp quantizes these only with an importance matrix (llama-imatrix's per-column mean
 # square of a matrix's inputs). These files get one of ones, every column alike: they test
 # reading llama.cpp's blocks, not a quality a calibrated matrix would give.
@@ -51,11 +52,15 @@ NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ1_S", "IQ1
 # a ternary model: a test file, not a useful one); the IQ1-IQ3_XXS files: their type in ffn_down
 # (IQ4_NL / Q4_0 elsewhere; the IQ2_S mix holds IQ2_XS there, IQ2_M holds IQ2_S), with the
 # importance matrix of NEEDS_IMATRIX. MXFP4: every matrix, written by gguf-py's quantizer, as
-# llama.cpp's (ftype 38, MXFP4_MOE) quantizes only a mixture of experts' experts to it.
+# llama.cpp's (ftype 38, MXFP4_MOE) quantizes only a mixture of experts' experts to it. NVFP4 and
+# Q1_0: llama_model_quantize refuses both here (0.3.36: "invalid output file type 39"; Q1_0 has no
+# fallback for rows not a multiple of 128), so each matrix goes through ggml's own quantizer
+# (ggml_quantize_chunk, the function llama-quantize calls): NVFP4 every matrix, Q1_0 ffn_down (the
+# one matrix whose rows allow it) and Q4_0 elsewhere, as the TQ files' mix.
 PURE = "-pure"
 TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16",
          "Q2_K", "Q2_K-pure", "IQ4_NL", "IQ4_XS", "IQ3_M", "TQ2_0", "TQ1_0", "IQ3_XXS",
-         "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ1_S", "IQ1_M", "MXFP4")  # fmt: skip
+         "IQ2_XXS", "IQ2_XS", "IQ2_M", "IQ1_S", "IQ1_M", "MXFP4", "NVFP4", "Q1_0")  # fmt: skip
 STEM = "SmolLM2-135M-Instruct"
 
 
@@ -85,17 +90,25 @@ def ensure(type_name: str, cache: Path | None = None) -> Path:
         return out
     if type_name == "F32":
         return _write_f32(fetch_smollm2(cache), out)
-    if type_name == "MXFP4":
-        return _write_f32(ensure("F32", cache), out, mxfp4=True)
+    if type_name in BY_MATRIX:
+        return _write_f32(ensure("F32", cache), out, type_name)
     return _quantize(ensure("F32", cache), out, type_name)
 
 
-def _write_f32(src: Path, out: Path, mxfp4: bool = False) -> Path:
-    """Every tensor of `src` dequantized to F32 (file row order kept), metadata copied; with
-    `mxfp4` every matrix in MXFP4, by gguf-py's quantizer (llama.cpp's writes MXFP4 only for a
-    mixture of experts' experts: MXFP4 below)."""
+# the files written a matrix at a time: (matrix K -> its type, quantizer) per file type
+BY_MATRIX = {
+    "MXFP4": (lambda K: "MXFP4", "gguf-py"),
+    "NVFP4": (lambda K: "NVFP4", "ggml"),
+    "Q1_0": (lambda K: "Q1_0" if K % 128 == 0 else "Q4_0", "ggml"),
+}
+
+
+def _write_f32(src: Path, out: Path, file_type: str = "F32") -> Path:
+    """Every tensor of `src` dequantized to F32 (file row order kept), metadata copied; for a
+    `file_type` of BY_MATRIX, every matrix then quantized as it says (see TYPES' comment)."""
     import gguf
 
+    pick, by = BY_MATRIX.get(file_type, (None, None))
     header = read_header(src)
     reader = gguf.GGUFReader(src)  # for the value types of the metadata, which ours drops
     with _atomic(out) as tmp:
@@ -105,14 +118,16 @@ def _write_f32(src: Path, out: Path, mxfp4: bool = False) -> Path:
                 continue
             main, sub = field.types[0], field.types[-1] if len(field.types) > 1 else None
             w.add_key_value(field.name, field.contents(), main, sub)
-        w.add_file_type(FTYPES["MXFP4" if mxfp4 else "F32"])
-        quantized = {n for n, i in header.tensors.items() if mxfp4 and len(i.shape) == 2}
+        w.add_file_type(FTYPES[file_type])
+        mats = {n: i.shape[-1] for n, i in header.tensors.items() if len(i.shape) == 2}
+        types = {n: pick(K) for n, K in mats.items()} if pick else {}
         for name, info in header.tensors.items():
-            if name in quantized:  # the byte shape: 17 bytes per 32 values
+            if name in types:  # the byte shape: bytes a block per block
                 rows, cols = info.shape
-                mx = gguf.GGMLQuantizationType.MXFP4
-                w.add_tensor_info(name, (rows, cols // 32 * 17), np.dtype(np.uint8),
-                                  rows * cols // 32 * 17, raw_dtype=mx)  # fmt: skip
+                qtype = gguf.GGMLQuantizationType[types[name]]
+                bv, bb = gguf.GGML_QUANT_SIZES[qtype]
+                w.add_tensor_info(name, (rows, cols // bv * bb), np.dtype(np.uint8),
+                                  rows * cols // bv * bb, raw_dtype=qtype)  # fmt: skip
             else:
                 n = 4 * int(np.prod(info.shape))
                 w.add_tensor_info(name, info.shape, np.dtype(np.float32), n)
@@ -121,13 +136,56 @@ def _write_f32(src: Path, out: Path, mxfp4: bool = False) -> Path:
         w.write_ti_data_to_file()
         for name in header.tensors:  # one tensor in memory at a time
             x = raw_to_float(header, name).numpy()
-            if name in quantized:  # in slices of rows: the quantizer's temporaries are 64x
-                mx = gguf.GGMLQuantizationType.MXFP4
-                x = np.concatenate([gguf.quants.quantize(x[r : r + 2048], mx)
-                                    for r in range(0, len(x), 2048)])  # fmt: skip
+            if name in types:
+                x = (_gguf_py_quantize if by == "gguf-py" else _ggml_quantize)(x, types[name])
             w.write_tensor_data(x)
         w.close()
     return out
+
+
+def _gguf_py_quantize(x: np.ndarray, type_name: str) -> np.ndarray:
+    """x (rows, K) fp32 -> blocks by gguf-py's quantizer, in slices of rows (its temporaries
+    are 64x)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    return np.concatenate([gguf.quants.quantize(x[r : r + 2048], qtype)
+                           for r in range(0, len(x), 2048)])  # fmt: skip
+
+
+def _ggml_quantize(x: np.ndarray, type_name: str) -> np.ndarray:
+    """x (rows, K) fp32 -> the blocks llama.cpp's quantizer writes (ggml_quantize_chunk, from
+    llama-cpp-python's libggml-base), (rows, bytes a row) uint8."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    bv, bb = gguf.GGML_QUANT_SIZES[qtype]
+    rows, K = x.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.zeros((rows, K // bv * bb), dtype=np.uint8)
+    done = _libggml().ggml_quantize_chunk(int(qtype), x.ctypes.data, out.ctypes.data, 0, rows, K,
+                                          None)  # fmt: skip
+    if done != out.nbytes:
+        raise CheckpointError(f"ggml_quantize_chunk({type_name}) wrote {done} of {out.nbytes} B")
+    return out
+
+
+def _libggml():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise CheckpointError(
+            "making this SmolLM2 needs llama.cpp's quantizer: pip install llama-cpp-python"
+        ) from None
+    found = sorted((Path(llama_cpp.__file__).parent / "lib").glob("libggml-base.*"))
+    if not found:
+        raise CheckpointError("llama-cpp-python's libggml-base was not found beside it")
+    lib = ctypes.CDLL(str(found[0]))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_void_p]  # fmt: skip
+    return lib
 
 
 _SKIPPED = ("general.architecture", "general.file_type", "general.alignment")

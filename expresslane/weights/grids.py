@@ -1,6 +1,7 @@
 """GGUF's codebook ("IQ") and ternary types unpacked to plain values: what weights/blocks.py
 re-lays for the kernels and gguf/quants.py dequantizes, with the value grids they land on (and
-those of the 4-bit grid types IQ4_NL / IQ4_XS and MXFP4, whose nibbles are kept as stored).
+those of the 4-bit grid types IQ4_NL / IQ4_XS, MXFP4 and NVFP4, whose nibbles are kept as stored,
+with NVFP4's UE4M3 scales).
 
 A block of 256 values has an f16 d and a scale s per 32 or per 16 values; each value is
 d (2 s + 1) f v, v a signed integer of a small set (CODEBOOK) and f a power of two:
@@ -39,7 +40,7 @@ import torch
 
 # ggml-common.h's kvalues_iq4nl
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-# MXFP4's e2m1 values, doubled (ggml's kvalues_mxfp4): its nibbles index them as stored
+# MXFP4's e2m1 values, doubled (ggml's kvalues_mxfp4): its nibbles (and NVFP4's) index them
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # the values v of each codebook type (a nibble indexes them; unused entries 0)
 ODD = tuple(range(-15, 16, 2))  # IQ3_S: sign g, odd
@@ -73,6 +74,17 @@ def _ksigns() -> torch.Tensor:
 def unpack_bits(b: torch.Tensor) -> torch.Tensor:
     """bytes (..., m) -> (..., 8 m) bits, LSB first."""
     return (b.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8) & 1).flatten(-2)
+
+
+def ue4m3_half(s: torch.Tensor) -> torch.Tensor:
+    """NVFP4's scale bytes (...) -> fp32 half their unsigned E4M3 value (ggml's ue4m3_to_fp32,
+    halved for MXFP4_VALUES' doubling): with e bits 3-6 and m bits 0-2, m 2^-10 where e is 0,
+    (8 + m) 2^(e - 11) else, and 0 for 0x7F (E4M3's NaN); bit 7 is not read, as in ggml. Every
+    value (2^-10 .. 240, 4 significant bits) is exact in fp32 and in f16."""
+    s = s.to(torch.int32)
+    e, m = s >> 3 & 15, s & 7
+    v = torch.where(e == 0, m, 8 + m).float() * torch.exp2((e.clamp(min=1) - 11).float())
+    return torch.where(s == 0x7F, 0.0, v)
 
 
 def _u(b: torch.Tensor, width: int) -> torch.Tensor:

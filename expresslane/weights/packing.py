@@ -252,7 +252,7 @@ def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights
 
 def pack_gguf(model: Laneformer, path) -> PackedWeights:
     """Pack a model loaded from the GGUF file `path` with that file's own blocks where a kernel
-    reads them (F32/F16/BF16 and weights/blocks.TYPES; a fused matrix whose parts differ is a
+    reads them (F32/F16/BF16 and weights/gguf_blocks.TYPES; a fused matrix whose parts differ is a
     "mixed" stack of them); any other type is packed as fp32 from the loaded (dequantized)
     weights. Installs it as pack_model does."""
     from ..checkpoint import hf_name

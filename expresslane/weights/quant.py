@@ -10,9 +10,9 @@ A `QTensor` is a weight (..., N, K) (leading lane axes allowed) in one storage f
                                  scale (..., N, K/32) f16: w = d_block * q
     q4_0 q4_1 q5_0 q5_1          GGUF's 2- to 6-bit blocks kept as stored, re-laid planar
     q4_k q5_k q6_k q3_k q2_k     (nibbles or 2-bit crumbs in `data`, higher bits in `high`,
-    iq4_nl iq4_xs                block scales in `scale` / `mins`, K-quant sub-block scales in
-                                 `sub`): see blocks.py, which owns their layout and reference
-                                 values
+    iq4_nl iq4_xs mxfp4 nvfp4    block scales in `scale` / `mins`, K-quant sub-block scales in
+    iq3_s ... iq1_m              `sub`): see blocks.py, which owns their layout and reference
+                                 values, and gguf_blocks.py, which re-lays a file's blocks
 
 A GGUF file may store the parts of one fused matrix in different formats (llama.cpp's Q4_K_M: Q
 and K in Q5_0, V in Q8_0); their stack is a QTensor of format "mixed" whose `stack` holds the
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from . import blocks
+from . import blocks, gguf_blocks
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GGUF_FORMATS = ("q8_0", *blocks.NIBBLE)
@@ -187,13 +187,13 @@ def _q4_1(w: torch.Tensor) -> QTensor:
 
 def from_gguf(ggml_type: str, data: torch.Tensor, shape: tuple[int, ...]) -> QTensor | None:
     """GGUF blocks (rows, bytes per row) of a (N, K) matrix as a planar QTensor: F32/F16/BF16
-    and the block types of blocks.TYPES (the formats with kernels); None for any other type."""
+    and the block types of gguf_blocks.TYPES (the formats with kernels); None for any other type."""
     N, K = shape[0], shape[-1]
     if ggml_type in ("F32", "F16", "BF16"):
         dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[ggml_type]
         fmt = next(k for k, v in FLOAT_FORMATS.items() if v == dt)
         return QTensor(fmt, data.contiguous().view(dt).reshape(N, K))
-    found = blocks.gguf_fields(ggml_type, data, N, K)
+    found = gguf_blocks.gguf_fields(ggml_type, data, N, K)
     return None if found is None else QTensor(found[0], **found[1])
 
 
