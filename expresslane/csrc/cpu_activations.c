@@ -31,9 +31,11 @@
 
 static int64_t padded(int64_t K) { return (K + 127) / 128 * 128; }
 
-/* bytes of a row's data: fp32 4K, bf16/fp16 2K, int8/q8_0 K, nibble formats K / 2, crumbs K / 4 */
+/* bytes of a row's data: fp32 4K, bf16/fp16 2K, int8/q8_0 K, nibble formats K / 2, crumbs K / 4,
+   q1_0 K / 8 */
 int64_t el_row_bytes(int fmt, int64_t K) {
     return fmt == FMT_F32    ? 4 * K
+           : IS_BITS(fmt)   ? K / 8
            : IS_CRUMB(fmt)  ? K / 4
            : IS_NIBBLE(fmt) ? K / 2
            : fmt >= FMT_I8  ? K

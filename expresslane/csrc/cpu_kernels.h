@@ -3,8 +3,8 @@
 
      cpu_activations.c  the CPU's features, and x in the form each format's kernels read
      cpu_matmul.c       el_matmul: the float, int8 and Q8_0 kernels and the driver
-     cpu_nibble.c       the 2- to 6-bit GGUF formats (Q4_0 ... Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS)
-                        and the codebook types re-laid as nibbles (IQ3_S ... IQ1_M)
+     cpu_nibble.c       the 2- to 6-bit GGUF formats (Q4_0 ... Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
+                        MXFP4, NVFP4) and the codebook types re-laid as nibbles (IQ3_S ... IQ1_M)
 
    There is one product, for S tokens; one token is its S = 1 case (the same kernels). */
 #ifndef EXPRESSLANE_CPU_KERNELS_H
@@ -16,7 +16,7 @@ enum {
     FMT_Q4_0 = 6, FMT_Q5_0 = 7, FMT_Q5_1 = 8, FMT_Q4_K = 9, FMT_Q5_K = 10, FMT_Q6_K = 11,
     FMT_IQ4_NL = 12, FMT_IQ4_XS = 13, FMT_Q3_K = 14, FMT_Q2_K = 15, FMT_IQ3_S = 16,
     FMT_IQ3_XXS = 17, FMT_IQ2_XXS = 18, FMT_IQ1_S = 19, FMT_IQ2_XS = 20, FMT_IQ2_S = 21,
-    FMT_IQ1_M = 22, FMT_MXFP4 = 23, FMT_NVFP4 = 24,
+    FMT_IQ1_M = 22, FMT_MXFP4 = 23, FMT_NVFP4 = 24, FMT_Q1_0 = 25,
     FMT_COUNT
 };
 enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
@@ -27,6 +27,8 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
    those with a scale per 16 values take their blocks with the middle quarters swapped. */
 #define IS_NIBBLE(fmt) ((fmt) == FMT_Q4_1 || (fmt) >= FMT_Q4_0)
 #define IS_CRUMB(fmt) ((fmt) == FMT_Q3_K || (fmt) == FMT_Q2_K)
+/* Q1_0: a bit a value, as the high bits' masks (no nibbles) */
+#define IS_BITS(fmt) ((fmt) == FMT_Q1_0)
 /* the codebook types (weights/grids.py), nibbles indexing a grid of 16 values, with an int8
    scale per 16 values (GRID16) or per 32 (XS, with IQ4_XS) and a d per 256 */
 #define IS_GRID16(fmt) ((fmt) == FMT_IQ2_XS || (fmt) == FMT_IQ2_S || (fmt) == FMT_IQ1_M)
@@ -48,9 +50,9 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
 typedef struct {
     int64_t fmt;
     const void *data;   /* rows of K values; nibble formats: K / 2 bytes of nibbles per row,
-                           crumb formats K / 4 */
-    const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*, iq4_nl, mxfp4: f16 per block of
-                           32 values; nvfp4: f16 per 16; K-quants, iq4_xs, codebooks: f16 d per
+                           crumb formats K / 4, q1_0 K / 8 (masks) */
+    const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*, q1_0, iq4_nl, mxfp4: f16 per
+                           block of 32 values; nvfp4: f16 per 16; K-quants, iq4_xs, codebooks: f16 d per
                            256 */
     const void *rowsum; /* int8: int32 per row, the sum of its values */
     const void *mins;   /* q4_1, q5_1: f16 per block of 32; q4_K, q5_K, q2_K: f16 dmin per 256 */

@@ -9,6 +9,7 @@
 
      q4_0   d f16, m = -8 d              q4_1   d, m f16
      q5_0   d f16, m = -16 d             q5_1   d, m f16
+     q1_0   d f16, m = -d, q = 2 bit (its bits as q5's masks, no nibbles)
      q4_K   per 256: d, dmin f16, per 32 a 6-bit scale s and min m: w = (d s) q - (dmin m)
      q5_K   as q4_K, one more bit
      q6_K   per 256: d f16, per 16 an int8 scale s: w = (d s) (q - 32)
@@ -136,7 +137,12 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
                                  const uint8_t *high, const int8_t *sub, int64_t g, int64_t n) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     group_t G;
-    if (IS_CRUMB(FMT)) { /* 32 bytes in both halves; lo: bits 0-1 | 2-3, hi: bits 4-5 | 6-7 */
+    if (IS_BITS(FMT)) { /* 0 or 2 a value, from the group's masks */
+        uint64_t ml, mh;
+        masks(q + g * 16, n, &ml, &mh);
+        G.lo = _mm512_maskz_mov_epi8(ml, _mm512_set1_epi8(2));
+        G.hi = _mm512_maskz_mov_epi8(mh, _mm512_set1_epi8(2));
+    } else if (IS_CRUMB(FMT)) { /* 32 bytes in both halves; lo: bits 0-1 | 2-3, hi: bits 4-5 | 6-7 */
         const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + g * 32)));
         const __m512i three = _mm512_set1_epi8(3);
         const __m512i s_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
@@ -260,7 +266,8 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
         return;
     }
     const uint16_t *src = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 ? mn : d;
-    const float k = FMT == FMT_Q4_0     ? -8.0f
+    const float k = FMT == FMT_Q1_0     ? -1.0f
+                    : FMT == FMT_Q4_0   ? -8.0f
                     : FMT == FMT_Q5_0   ? -16.0f
                     : IS_NL(FMT)        ? -128.0f
                                         : 1.0f;
@@ -330,7 +337,7 @@ T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char 
    el_span_nibble's and el_dequant's switches */
 #define NIBBLE_FORMATS(X)                                                                      \
     X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q4_K) X(Q5_K) X(Q6_K) X(Q3_K) X(Q2_K) X(IQ4_NL) X(IQ4_XS) \
-    X(MXFP4) X(NVFP4) X(IQ3_S) X(IQ3_XXS) X(IQ2_XXS) X(IQ1_S) X(IQ2_XS) X(IQ2_S) X(IQ1_M)
+    X(MXFP4) X(NVFP4) X(Q1_0) X(IQ3_S) X(IQ3_XXS) X(IQ2_XXS) X(IQ1_S) X(IQ2_XS) X(IQ2_S) X(IQ1_M)
 
 /* the rows of a span for T tokens (a constant: BY_T_LOWP) in format F_, a constant too */
 #define ROWS(n, lp) EL_TILES(sp, r0, r1, rb, n, row_t(F_, sp, r, wr, xp, v, lanes, n, lp))
@@ -381,9 +388,9 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
         q1 = _mm512_shuffle_f32x4(q0, q1, 0xEE);
         q0 = v0;
     }
-    if (FMT == FMT_Q4_0 || FMT == FMT_Q5_0) {
+    if (FMT == FMT_Q4_0 || FMT == FMT_Q5_0 || FMT == FMT_Q1_0) {
         const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[blk]));
-        const __m512 off = _mm512_set1_ps(FMT == FMT_Q4_0 ? 8.0f : 16.0f);
+        const __m512 off = _mm512_set1_ps(FMT == FMT_Q4_0 ? 8.0f : FMT == FMT_Q5_0 ? 16.0f : 1.0f);
         w0 = _mm512_mul_ps(dv, _mm512_sub_ps(q0, off));
         w1 = _mm512_mul_ps(dv, _mm512_sub_ps(q1, off));
     } else if (FMT == FMT_Q4_1 || FMT == FMT_Q5_1) {

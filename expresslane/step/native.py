@@ -54,7 +54,7 @@ MAX_TOKENS = 40  # tokens of one call: a verify step (k + 1), a prefill chunk (c
 CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "q8_0": 4, "q4_1": 5, "q4_0": 6,
          "q5_0": 7, "q5_1": 8, "q4_k": 9, "q5_k": 10, "q6_k": 11, "iq4_nl": 12, "iq4_xs": 13,
          "q3_k": 14, "q2_k": 15, "iq3_s": 16, "iq3_xxs": 17, "iq2_xxs": 18, "iq1_s": 19,
-         "iq2_xs": 20, "iq2_s": 21, "iq1_m": 22, "mxfp4": 23, "nvfp4": 24}  # fmt: skip
+         "iq2_xs": 20, "iq2_s": 21, "iq1_m": 22, "mxfp4": 23, "nvfp4": 24, "q1_0": 25}  # fmt: skip
 NEEDS = {f: 1 if f in ("float32", "float16") else 2 if f == "bfloat16" else 4 for f in CODES}
 # EXPRESSLANE_CPU_KERNELS=0 turns the C kernels off (the compiled Python step then runs): to
 # compare the two, or to rule the extension out when something looks wrong.

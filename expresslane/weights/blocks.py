@@ -9,6 +9,7 @@ fp32 reference, with gguf-py's order of operations, so the two agree bit for bit
     q4_0   data (N, K/2) nibbles, scale f16 per 32                   w = d (q - 8)
     q4_1   ... and mins f16 per 32                                   w = d q + m
     q5_0   nibbles, high (N, K/8) bit masks, scale f16 per 32        w = d (q - 16)
+    q1_0   data (N, K/8): the bits as q5_0's masks, scale f16 per 32 w = d (q - 1), q = 2 bit
     q5_1   ... and mins f16 per 32                                   w = d q + m
     q4_k   nibbles, scale d and mins dmin f16 per 256, sub (N, K/16) uint8: per 256 eight
            6-bit scales s then eight mins m, one per 32 values       w = (d s) q - (dmin m)
@@ -31,8 +32,9 @@ fp32 reference, with gguf-py's order of operations, so the two agree bit for bit
 
 The codebook types' indices stand for 4 or 8 values each; they are re-laid as the nibbles of
 their values (weights/grids.py says why), and TQ2_0 and TQ1_0 (ternary), which have no format of
-their own here, as q2_k (d = dmin = the file's d, every scale and min 1, so w = d q - d), and
-Q1_0 (+-d) as q4_0 with q 7 or 9. All keep the values bit for bit, in more bytes than the file.
+their own here, as q2_k (d = dmin = the file's d, every scale and min 1, so w = d q - d). Both
+keep the values bit for bit, in more bytes than the file. Q1_0 keeps its bits (+-d), its d per
+128 values repeated per 32 (1.5 bits a value where the file has 1.125).
 
 Nibbles: in each block of 32 values, byte j holds value j in its low nibble and value j + 16 in
 its high one (GGUF's Q4_0 / Q4_1 order; the K-quants are re-laid to it). Q6_K's block is stored
@@ -62,7 +64,7 @@ QK = 256  # values of a K-quant superblock
 CODEBOOKS = tuple(t.lower() for t in CODEBOOK)  # iq3_s ... iq1_m
 # the formats of csrc/cpu_nibble.c's kernels (nibbles, or crumbs, in `data`)
 NIBBLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_nl",
-          "iq4_xs", "mxfp4", "nvfp4", *CODEBOOKS)  # fmt: skip
+          "iq4_xs", "mxfp4", "nvfp4", "q1_0", *CODEBOOKS)  # fmt: skip
 K_QUANTS = ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "iq4_xs", *CODEBOOKS)  # superblocks of 256
 CRUMB = ("q3_k", "q2_k")  # 2 low bits a value in `data`
 GRID16 = tuple(t.lower() for t, (_, _, per) in CODEBOOK.items() if per == 16)
@@ -93,7 +95,7 @@ def block_values(fmt: str) -> int:
 
 def values_per_byte(fmt: str) -> int:
     """Values a byte of `data` holds."""
-    return 4 if fmt in CRUMB else 2 if fmt in NIBBLE else 1
+    return 8 if fmt == "q1_0" else 4 if fmt in CRUMB else 2 if fmt in NIBBLE else 1
 
 
 # --- nibbles and bit masks ----------------------------------------------------------------------
@@ -187,7 +189,9 @@ def swap_quarters(q: torch.Tensor) -> torch.Tensor:
 
 def values(fmt: str, data: torch.Tensor, high: torch.Tensor | None) -> torch.Tensor:
     """The unsigned values q (..., K) uint8 of a nibble format, in the matrix's order (the IQ4
-    formats: indices into their GRID)."""
+    formats: indices into their GRID; q1_0: 0 or 2)."""
+    if fmt == "q1_0":
+        return 2 * unpack_masks(data, 8 * data.shape[-1])
     q = unpack_crumbs(data) if fmt in CRUMB else unpack_nibbles(data)
     K = q.shape[-1]
     if BITS[fmt] == 3:
@@ -235,8 +239,9 @@ def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor
         return (ds * q.reshape(*lead, -1, 8, 32) - dm).reshape(*lead, -1)
     d = scale.float().unsqueeze(-1)  # (..., K/32, 1)
     qb = q.reshape(*lead, -1, 32)
-    if fmt in ("q4_0", "q5_0"):
-        return (d * (qb - (8.0 if fmt == "q4_0" else 16.0))).reshape(*lead, -1)
+    if fmt in ("q4_0", "q5_0", "q1_0"):
+        off = {"q4_0": 8.0, "q5_0": 16.0, "q1_0": 1.0}[fmt]
+        return (d * (qb - off)).reshape(*lead, -1)
     return (d * qb + mins.float().unsqueeze(-1)).reshape(*lead, -1)
 
 

@@ -3,10 +3,9 @@ GGUF file stores in, the fields of a QTensor out (`gguf_fields`), every value ke
 
 Most types only move their bits: fields made planar, nibbles into blocks.py's order, the K-quants'
 packed scales unpacked. Some become a format of another type: the codebook types the nibbles of
-their values (weights/grids.py), TQ2_0 and TQ1_0 Q2_K's crumbs, Q1_0 Q4_0's nibbles (q 7 or 9:
-4.5 bits a value where the file has 1.125; a decision like grids.py's, for kernels shared with
-every nibble format). NVFP4 keeps its bytes: its 16-value halves are the order with swapped
-quarters that blocks.py's formats with a scale per 16 take.
+their values (weights/grids.py), TQ2_0 and TQ1_0 Q2_K's crumbs. NVFP4 keeps its bytes: its
+16-value halves are the order with swapped quarters that blocks.py's formats with a scale per 16
+take. Q1_0 keeps its bits, as the masks the group loader reads for Q5's fifth bit.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ TYPES = {
     "IQ3_S": ("iq3_s", QK, 110), "IQ3_XXS": ("iq3_xxs", QK, 98), "IQ2_XXS": ("iq2_xxs", QK, 66),
     "IQ2_XS": ("iq2_xs", QK, 74), "IQ2_S": ("iq2_s", QK, 82), "IQ1_S": ("iq1_s", QK, 50),
     "IQ1_M": ("iq1_m", QK, 56), "TQ2_0": ("q2_k", QK, 66), "TQ1_0": ("q2_k", QK, 54),
-    "NVFP4": ("nvfp4", 64, 36), "Q1_0": ("q4_0", 128, 18),
+    "NVFP4": ("nvfp4", 64, 36), "Q1_0": ("q1_0", 128, 18),
 }  # fmt: skip
 
 
@@ -122,10 +121,9 @@ def _nvfp4_fields(b: torch.Tensor, N: int, K: int) -> dict:
 
 
 def _binary_fields(b: torch.Tensor, N: int, K: int) -> dict:
-    """Q1_0 blocks (N, K/128, 18) -> q4_0, w = d (q - 8) with q 9 where a bit is set, else 7."""
-    q = 7 + 2 * unpack_bits(b[..., 2:]).reshape(N, K)
+    """Q1_0 blocks (N, K/128, 18): d, then a bit a value -> q1_0, the bits as masks."""
     scale = f16(b[..., :2]).repeat_interleave(4, -1)  # (N, K/32): a d per 32 values
-    return dict(data=pack_nibbles(q), scale=scale)
+    return dict(data=pack_masks(unpack_bits(b[..., 2:]).reshape(N, K)), scale=scale)
 
 
 def _codebook_fields(ggml_type: str, fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
@@ -169,8 +167,6 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
         return None
     fmt, bv, bb = TYPES[ggml_type]
     b = data.reshape(N, K // bv, bb)
-    if ggml_type == "Q1_0":
-        return fmt, _binary_fields(b, N, K)
     if fmt == "q8_0":
         q = b[..., 2:].contiguous().view(torch.int8).reshape(N, K)
         return fmt, dict(data=q, scale=f16(b[..., :2]))
@@ -187,6 +183,8 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
         return _mxfp4_fields(b, N, K)
     if ggml_type == "NVFP4":
         return fmt, _nvfp4_fields(b, N, K)
+    if ggml_type == "Q1_0":
+        return fmt, _binary_fields(b, N, K)
     if ggml_type in CODEBOOK:
         return fmt, _codebook_fields(ggml_type, fmt, b, N, K)
     if ggml_type.startswith("TQ"):
