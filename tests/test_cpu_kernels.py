@@ -154,3 +154,8 @@ def test_cpu_products_bench_times_every_product_and_refuses_bad_counts(capsys):
     names = {r["matrix"] for r in rows}
     assert {"wqkv", "wo", "w13", "w2", "head"} <= names and {r["tokens"] for r in rows} == {1, 3}
     assert all(r["ms"] > 0 and r["gops"] > 0 for r in rows)
+    assert cpu_products.main([str(model), "--tokens", "1", "--repeats", "1", "--layer", "1"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert {r["layer"] for r in rows} == {1}
+    assert cpu_products.main([str(model), "--layer", "99"]) == 2  # named, not a traceback
+    assert "--layer 99" in capsys.readouterr().err

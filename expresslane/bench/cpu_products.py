@@ -9,7 +9,10 @@ kernels' own cost shows best; the VM's neighbours move two-thread figures by mor
 differences measured here.
 
     python -m expresslane.bench.cpu_products [FILE.gguf ...] [--tokens 1 5 40 160]
-        [--threads 1] [--repeats 9]
+        [--threads 1] [--repeats 9] [--layer 0]
+
+`--layer` picks the layer whose products are timed: llama.cpp's mixes give layers different
+types (its IQ2_XXS file of SmolLM2 keeps layers 0-2's ffn_down in Q2_K).
 
 Default file: SmolLM2-135M-Instruct as Q4_0 (llama.cpp's quantizer writes it: gguf/variants.py).
 One table, then one JSON line.
@@ -38,9 +41,9 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def matrices(engine) -> list[tuple[str, object]]:
-    """(name, QTensor) of the first layer's products, piece by piece, then the head."""
-    layer = engine.step.weights.layers[0]
+def matrices(engine, index: int = 0) -> list[tuple[str, object]]:
+    """(name, QTensor) of layer `index`'s products, piece by piece, then the head."""
+    layer = engine.step.weights.layers[index]
     out = []
     for name in ("wqkv", "wo", "w13", "w2"):
         pieces = getattr(layer, name).pieces
@@ -48,13 +51,17 @@ def matrices(engine) -> list[tuple[str, object]]:
     return out + [("head", engine.step.weights.head)]
 
 
-def measure(path: str, tokens, repeats: int) -> list[dict]:
+def measure(path: str, tokens, repeats: int, layer: int = 0) -> list[dict]:
     from ..engine import Engine
+    from ..errors import ConfigError
     from ..step.native import available, native_matmul
 
     engine = Engine.from_pretrained(path, progress=False, decode="graph")
+    layers = len(engine.step.weights.layers)
+    if not 0 <= layer < layers:
+        raise ConfigError(f"--layer {layer}: {path} has layers 0-{layers - 1}")
     rows = []
-    for name, q in matrices(engine):
+    for name, q in matrices(engine, layer):
         if not available(q.fmt):
             continue
         N, K = q.shape[-2], q.shape[-1]
@@ -62,8 +69,8 @@ def measure(path: str, tokens, repeats: int) -> list[dict]:
         for S in tokens:
             x = torch.randn(S, K, generator=g)
             s = _best(lambda q=q, x=x: native_matmul(q, x), repeats)
-            row = dict(file=path.rsplit("/", 1)[-1], matrix=name, fmt=q.fmt, rows=N, k=K,
-                       tokens=S, ms=s * 1e3, gops=2 * N * K * S / s / 1e9)  # fmt: skip
+            row = dict(file=path.rsplit("/", 1)[-1], layer=layer, matrix=name, fmt=q.fmt, rows=N,
+                       k=K, tokens=S, ms=s * 1e3, gops=2 * N * K * S / s / 1e9)  # fmt: skip
             rows.append(row)
             print(f"{row['file'][:36]:<36} {name:<8} {q.fmt:<6} {N:>6} {K:>5} {S:>5} "
                   f"{row['ms']:9.3f} {row['gops']:8.1f}", flush=True)  # fmt: skip
@@ -71,13 +78,16 @@ def measure(path: str, tokens, repeats: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = arguments(__doc__, "tokens", TOKENS, repeats=9, threads=1).parse_args(argv)
+    ap = arguments(__doc__, "tokens", TOKENS, repeats=9, threads=1)
+    ap.add_argument("--layer", type=int, default=0, help="the layer whose products are timed")
+    args = ap.parse_args(argv)
     paths = files("cpu_products", args, "tokens", ["Q4_0"])
     if paths is None:
         return 2
     print(f"{'file':<36} {'matrix':<8} {'fmt':<6} {'rows':>6} {'K':>5} {'S':>5} {'ms':>9} "
           f"{'GOPS':>8}")  # fmt: skip
-    rows = measure_all("cpu_products", paths, lambda f: measure(f, args.tokens, args.repeats))
+    rows = measure_all("cpu_products", paths,
+                       lambda f: measure(f, args.tokens, args.repeats, args.layer))  # fmt: skip
     if rows is None:
         return 2
     print(json.dumps({"bench": "cpu_products", "threads": args.threads, "rows": rows}))
