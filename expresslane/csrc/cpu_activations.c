@@ -35,7 +35,7 @@ static int64_t padded(int64_t K) { return (K + 127) / 128 * 128; }
    q1_0 K / 8 */
 int64_t el_row_bytes(int fmt, int64_t K) {
     return fmt == FMT_F32    ? 4 * K
-           : IS_BITS(fmt) || IS_GATHER(fmt) ? K / 8
+           : IS_BITS(fmt)   ? K / 8
            : IS_CRUMB(fmt)  ? K / 4
            : IS_NIBBLE(fmt) ? K / 2
            : fmt >= FMT_I8  ? K

@@ -36,9 +36,6 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
     ((fmt) == FMT_IQ4_XS || (fmt) == FMT_IQ3_S || (fmt) == FMT_IQ3_XXS || (fmt) == FMT_IQ2_XXS || \
      (fmt) == FMT_IQ1_S)
 #define IS_HALF16(fmt) ((fmt) == FMT_Q6_K || IS_CRUMB(fmt) || IS_GRID16(fmt))
-/* read by index from a codebook of 8-value rows (iq_grids.h) as stored: K / 8 bytes of indices
-   per row in `data`, the signs as masks in `high` (weights/blocks.py GATHER) */
-#define IS_GATHER(fmt) ((fmt) == FMT_IQ2_XXS)
 /* a scale per 16 values (an int8 one, or NVFP4's f16): blocks with their middle quarters swapped,
    and x in that order too */
 #define IS_SWAPPED(fmt) (IS_HALF16(fmt) || (fmt) == FMT_NVFP4)
@@ -53,7 +50,7 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
 typedef struct {
     int64_t fmt;
     const void *data;   /* rows of K values; nibble formats: K / 2 bytes of nibbles per row,
-                           crumb formats K / 4, q1_0 K / 8 (masks), iq2_xxs K / 8 (indices) */
+                           crumb formats K / 4, q1_0 K / 8 (masks) */
     const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*, q1_0, iq4_nl, mxfp4: f16 per
                            block of 32 values; nvfp4: f16 per 16; K-quants, iq4_xs, codebooks: f16 d per
                            256 */

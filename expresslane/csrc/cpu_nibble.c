@@ -22,8 +22,7 @@
      iq4_XS per 256: d f16, per 32 an int8 scale s: w = (d s) (u - 128)
      codebooks  GGUF's IQ3_S ... IQ1_M re-laid as nibbles (weights/grids.py): as iq4_XS on
             their own grid, with a scale per 32 or (IQ2_XS, IQ2_S, IQ1_M) per 16 values, times
-            a power of two f: w = (d s f) (u - 128); IQ2_XXS kept as stored instead, its grid
-            rows gathered by index (8 magnitudes each) and signed by masks
+            a power of two f: w = (d s f) (u - 128)
 
    Q3_K and Q2_K keep 2 low bits a value as stored (crumbs, four a byte), spread into the
    nibbles' two vectors by one broadcast load and two shifts. The grid formats' nibbles are
@@ -47,7 +46,6 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
-#include "iq_grids.h"
 #include "simd.h"
 
 #ifdef EL_X86
@@ -139,18 +137,7 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
                                  const uint8_t *high, const int8_t *sub, int64_t g, int64_t n) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     group_t G;
-    if (IS_GATHER(FMT)) { /* 128 + or - the grid rows' magnitudes; lo's 8 indices, then hi's */
-        const __m512i c = _mm512_set1_epi8((char)128);
-        const uint8_t *ix = q + g * 16;
-        const __m256i i0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ix));
-        const __m256i i1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(ix + 8)));
-        const __m512i m0 = _mm512_i32gather_epi64(i0, (const void *)IQ2_XXS_GRID, 8);
-        const __m512i m1 = _mm512_i32gather_epi64(i1, (const void *)IQ2_XXS_GRID, 8);
-        uint64_t ml, mh;
-        masks(high + g * 16, 4, &ml, &mh);
-        G.lo = _mm512_mask_sub_epi8(_mm512_add_epi8(c, m0), ml, c, m0);
-        G.hi = _mm512_mask_sub_epi8(_mm512_add_epi8(c, m1), mh, c, m1);
-    } else if (IS_BITS(FMT)) { /* 0 or 2 a value, from the group's masks */
+    if (IS_BITS(FMT)) { /* 0 or 2 a value, from the group's masks */
         uint64_t ml, mh;
         masks(q + g * 16, n, &ml, &mh);
         G.lo = _mm512_maskz_mov_epi8(ml, _mm512_set1_epi8(2));
@@ -169,7 +156,7 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
         G.lo = _mm512_and_si512(v, low4);
         G.hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
-    if (IS_GRID(FMT) && !IS_GATHER(FMT)) { /* indices -> the grid plus 128 */
+    if (IS_GRID(FMT)) { /* indices -> the grid plus 128 */
         const __m512i u = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)grid_u(FMT)));
         G.lo = _mm512_shuffle_epi8(u, G.lo);
         G.hi = _mm512_shuffle_epi8(u, G.hi);

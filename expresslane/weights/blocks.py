@@ -26,8 +26,6 @@ fp32 reference, with gguf-py's order of operations, so the two agree bit for bit
     iq3_s iq3_xxs iq2_xxs iq1_s   the codebook types of weights/grids.py with a scale per 32: as
            iq4_xs on their own grid, sub 2 s + 1, and a power of two f   w = (d s f) GRID[q]
     iq2_xs iq2_s iq1_m   ... with a scale per 16: sub (N, K/16) int8, quarters swapped as q6_k's
-    iq2_xxs  as stored, not re-laid: data (N, K/8) grid indices (each for 8 magnitudes of
-           grids.gather_grid), high (N, K/8) sign masks, sub 2 s + 1 per 32, d per 256
     mxfp4  nibbles (indices into MXFP4_VALUES), scale f16 per 32   w = d MXFP4_VALUES[q]
     nvfp4  as mxfp4 with a scale f16 per 16 values, quarters swapped as q6_k's (NVFP4's own
            order)                                                  w = d MXFP4_VALUES[q]
@@ -60,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-from .grids import CODEBOOK, IQ4_VALUES, MXFP4_VALUES, gather_grid, unpack_bits
+from .grids import CODEBOOK, IQ4_VALUES, MXFP4_VALUES, unpack_bits
 
 QK = 256  # values of a K-quant superblock
 CODEBOOKS = tuple(t.lower() for t in CODEBOOK)  # iq3_s ... iq1_m
@@ -72,9 +70,6 @@ CRUMB = ("q3_k", "q2_k")  # 2 low bits a value in `data`
 GRID16 = tuple(t.lower() for t, (_, _, per) in CODEBOOK.items() if per == 16)
 HALF16 = ("q6_k", "q3_k", "q2_k", *GRID16)  # an int8 scale per 16 values: quarters swapped
 SWAPPED = (*HALF16, "nvfp4")  # a scale per 16 values: quarters swapped
-# read by index from a codebook (csrc/iq_grids.h): per group of 128 values, the 8 indices of its
-# blocks' values 0-15 (two a block), then of their values 16-31; signs as masks in `high`
-GATHER = ("iq2_xxs",)
 # nibble -> value, and the power of two the scales take
 GRID = {"iq4_nl": IQ4_VALUES, "iq4_xs": IQ4_VALUES, "mxfp4": MXFP4_VALUES, "nvfp4": MXFP4_VALUES}
 GRID |= {t.lower(): v for t, (v, _, _) in CODEBOOK.items()}
@@ -100,7 +95,7 @@ def block_values(fmt: str) -> int:
 
 def values_per_byte(fmt: str) -> int:
     """Values a byte of `data` holds."""
-    return 8 if fmt in ("q1_0", *GATHER) else 4 if fmt in CRUMB else 2 if fmt in NIBBLE else 1
+    return 8 if fmt == "q1_0" else 4 if fmt in CRUMB else 2 if fmt in NIBBLE else 1
 
 
 # --- nibbles and bit masks ----------------------------------------------------------------------
@@ -185,20 +180,6 @@ def pack_high(q: torch.Tensor, fmt: str) -> torch.Tensor | None:
     return torch.cat((m4.reshape(*lead, -1, 16), m5.reshape(*lead, -1, 16)), -1).flatten(-2)
 
 
-def gather_order(index: torch.Tensor) -> torch.Tensor:
-    """Grid indices (..., K/8) in value order (4 a block of 32) -> GATHER's order."""
-    g = index.reshape(*index.shape[:-1], -1, 4, 2, 2)  # (..., K/128, block, half, 2)
-    return g.transpose(-3, -2).reshape(index.shape)  # (..., K/128, half, block, 2)
-
-
-def _gathered(fmt: str, data: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """A GATHER format's places in GRID (..., K): its magnitudes, signed, looked up."""
-    g = data.reshape(*data.shape[:-1], -1, 2, 4, 2).transpose(-3, -2)  # (..., K/128, block, ...)
-    mag = gather_grid(fmt.upper())[g.reshape(data.shape).long()].flatten(-2)  # (..., K)
-    v = torch.where(unpack_masks(high, mag.shape[-1]).bool(), -mag, mag)
-    return _PLACE[fmt][(v + 128).long()]
-
-
 def swap_quarters(q: torch.Tensor) -> torch.Tensor:
     """q (..., K) with the middle two 8-value quarters of each 32-value block swapped (its own
     inverse): Q6_K's stored order."""
@@ -211,8 +192,6 @@ def values(fmt: str, data: torch.Tensor, high: torch.Tensor | None) -> torch.Ten
     formats: indices into their GRID; q1_0: 0 or 2)."""
     if fmt == "q1_0":
         return 2 * unpack_masks(data, 8 * data.shape[-1])
-    if fmt in GATHER:
-        return _gathered(fmt, data, high)
     q = unpack_crumbs(data) if fmt in CRUMB else unpack_nibbles(data)
     K = q.shape[-1]
     if BITS[fmt] == 3:
@@ -267,14 +246,3 @@ def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor
 
 
 _GRIDS = {fmt: torch.tensor(v, dtype=torch.float32) for fmt, v in GRID.items()}
-
-
-def grid_places(fmt: str) -> torch.Tensor:
-    """value + 128 -> its place in GRID[fmt] (the first of equal entries), (256,) uint8."""
-    place = torch.zeros(256, dtype=torch.uint8)
-    for i, value in reversed(list(enumerate(GRID[fmt]))):
-        place[value + 128] = i
-    return place
-
-
-_PLACE = {fmt: grid_places(fmt) for fmt in GATHER}

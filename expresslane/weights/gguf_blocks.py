@@ -14,11 +14,9 @@ import torch
 
 from .blocks import (
     CRUMB,
-    GATHER,
+    GRID,
     HALF16,
     QK,
-    gather_order,
-    grid_places,
     pack_crumbs,
     pack_high,
     pack_masks,
@@ -29,7 +27,6 @@ from .grids import (
     CODEBOOK,
     codebook_values,
     f16,
-    iq2_xxs_parts,
     nibble_pairs,
     tq1_0_values,
     ue4m3_half,
@@ -129,18 +126,13 @@ def _binary_fields(b: torch.Tensor, N: int, K: int) -> dict:
     return dict(data=pack_masks(unpack_bits(b[..., 2:]).reshape(N, K)), scale=scale)
 
 
-def _gather_fields(b: torch.Tensor, N: int, K: int) -> dict:
-    """IQ2_XXS blocks (N, K/256, 66) -> its grid indices and signs as stored, re-ordered."""
-    index, signs, s, d = iq2_xxs_parts(b)
-    sub = s.to(torch.int8).reshape(N, -1).view(torch.uint8)
-    return dict(data=gather_order(index.reshape(N, K // 8)), scale=d.reshape(N, -1).contiguous(),
-                high=pack_masks(signs.reshape(N, K)), sub=sub)  # fmt: skip
-
-
 def _codebook_fields(ggml_type: str, fmt: str, b: torch.Tensor, N: int, K: int) -> dict:
     """A codebook type's blocks (N, K/256, bytes) -> the nibbles of its values' places in GRID."""
     v, s, d = codebook_values(ggml_type, b)
-    q = grid_places(fmt)[(v + 128).long()].reshape(N, K)
+    place = torch.zeros(256, dtype=torch.uint8)  # v + 128 -> its nibble
+    for i, value in reversed(list(enumerate(GRID[fmt]))):  # the first of equal (0) entries
+        place[value + 128] = i
+    q = place[(v + 128).long()].reshape(N, K)
     q = swap_quarters(q) if fmt in HALF16 else q
     sub = s.to(torch.int8).reshape(N, -1).view(torch.uint8)
     return dict(data=pack_nibbles(q), scale=d.reshape(N, -1).contiguous(), sub=sub)
@@ -193,8 +185,6 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
         return fmt, _nvfp4_fields(b, N, K)
     if ggml_type == "Q1_0":
         return fmt, _binary_fields(b, N, K)
-    if fmt in GATHER:
-        return fmt, _gather_fields(b, N, K)
     if ggml_type in CODEBOOK:
         return fmt, _codebook_fields(ggml_type, fmt, b, N, K)
     if ggml_type.startswith("TQ"):

@@ -64,11 +64,6 @@ def _grid(name: str) -> torch.Tensor:
     return torch.from_numpy(cls.grid.reshape(cls.grid_shape)).to(torch.int16)
 
 
-def gather_grid(name: str) -> torch.Tensor:
-    """The codebook of `name` as the C products gather it (csrc/iq_grids.h): (entries, 8)."""
-    return _grid(name)
-
-
 @functools.cache
 def _ksigns() -> torch.Tensor:
     from gguf import quants
@@ -142,19 +137,12 @@ def _iq3_xxs(b):  # d, qs[64], then per 32 values a u32: four 7-bit sign indices
     return v, (2 * (aux >> 28) + 1).to(torch.int32), f16(b[..., :2])
 
 
-def iq2_xxs_parts(b):
-    """IQ2_XXS blocks (..., 66): d, then per 32 values 4 grid indices (bytes) and a u32 of four
-    7-bit sign indices and a 4-bit scale -> (indices (..., 32) uint8, sign bits (..., 256),
-    2 s + 1 (..., 8) int32, d (...) f16)."""
+def _iq2_xxs(b):  # d, then per 32 values 4 grid indices (bytes) and a u32 as IQ3_XXS's
     q = b[..., 2:66].unflatten(-1, (8, 8))  # (..., 8, 8)
     aux = _u(q[..., 4:].flatten(-2), 4)  # (..., 8)
     signs = _ksign_bits((aux.unsqueeze(-1) >> torch.arange(0, 28, 7) & 127).flatten(-2))
-    return q[..., :4].flatten(-2), signs, (2 * (aux >> 28) + 1).to(torch.int32), f16(b[..., :2])
-
-
-def _iq2_xxs(b):
-    index, signs, s, d = iq2_xxs_parts(b)
-    return _signed(_look("IQ2_XXS", index.to(torch.int64)), signs), s, d
+    v = _signed(_look("IQ2_XXS", q[..., :4].flatten(-2).to(torch.int64)), signs)
+    return v, (2 * (aux >> 28) + 1).to(torch.int32), f16(b[..., :2])
 
 
 def _iq2_xs(b):  # d, u16[32]: a 9-bit index and a 7-bit sign index, scales[8]
