@@ -21,10 +21,12 @@ bits of 8 values come with an 8th that makes their count even (ggml's ksigns).
 
 Every type's values then take 16 values or fewer, so blocks.py keeps them as nibbles indexing
 their grid, as IQ4's: 138 bytes per 256 values (4.31 bits a value). That is more than the files
-(1.56-3.44 bits) and less than Q8_0's 8.5; the values stay the file's, bit for bit. It is a
-decision, not a measurement: reading the indices as stored would take a gather from a table of
-up to 2048 entries per 4 or 8 values, plus sign work, in the group loader every nibble format
-shares, where nibbles cost one load and two masks. TQ2_0 and TQ1_0 (-1, 0, 1 times d) go to
+(1.56-3.44 bits) and less than Q8_0's 8.5; the values stay the file's, bit for bit. Reading
+the indices as stored instead was built for IQ2_XXS and measured (commit a458bf2, reverted):
+its grid rows gathered by index (two 8-entry gathers per 128 values) and signed by masks, 2.31
+bits a value, its products took 1.5x the nibbles' time at one token and 1.3x at 40
+(`cpu_products --layer 3` on its file, one thread), where nibbles cost one load and two masks.
+Speed is this engine's product, so the nibbles stay; memory is what they cost. TQ2_0 and TQ1_0 (-1, 0, 1 times d) go to
 Q2_K's layout: 84 bytes per 256 values against 66 and 54. BENCHMARKS.md has their speed against
 llama.cpp's on the same files.
 
