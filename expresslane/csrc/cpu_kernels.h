@@ -52,8 +52,8 @@ typedef struct {
     const void *data;   /* rows of K values; nibble formats: K / 2 bytes of nibbles per row,
                            crumb formats K / 4, q1_0 K / 8 (masks) */
     const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*, q1_0, iq4_nl, mxfp4: f16 per
-                           block of 32 values; nvfp4: f16 per 16; K-quants, iq4_xs, codebooks: f16 d per
-                           256 */
+                           block of 32 values; nvfp4: f16 per 16; K-quants, iq4_xs, codebooks:
+                           f16 d per 256 */
     const void *rowsum; /* int8: int32 per row, the sum of its values */
     const void *mins;   /* q4_1, q5_1: f16 per block of 32; q4_K, q5_K, q2_K: f16 dmin per 256 */
     const void *high;   /* q5_*, q3_K: K / 8 bytes per row, q6_K: K / 4 (the bit masks) */

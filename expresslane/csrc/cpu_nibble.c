@@ -1,6 +1,6 @@
-/* The products of GGUF's 2- to 6-bit formats, read as stored (re-laid at load by
-   expresslane/weights/gguf_blocks.py for 64-byte loads; never dequantized): for a block of T tokens,
-   one weight row at a time, each group of 128 values (four 32-value blocks) split into its
+/* The products of GGUF's 1- to 6-bit formats, read as stored (re-laid at load by
+   expresslane/weights/gguf_blocks.py for 64-byte loads; never dequantized): for a block of T
+   tokens, one weight row at a time, each group of 128 values (four 32-value blocks) split into its
    values and scales once and used for every token of the block.
 
    Every value is q = (4 low bits, or 2 for the crumb formats) + 4 (bit 2: q3_K) + 16 (bit 4) +
@@ -35,9 +35,10 @@
    row is sum w x' (cpu_activations.c). With x in 8 bits (xparts_t's lowp, a prompt's opt-in)
    a is q itself with a scale per block, sum q a times d_b sx_b (half the dot products). The
    blocks of the formats with 16-value scales (Q6_K, Q3_K, Q2_K) come with their middle 8-value
-   quarters swapped (weights/blocks.py; NVFP4's too), so that a byte's two nibbles share a scale: its lanes'
-   scales go by halves of quarters. The high bits come as byte masks (vpmovm2b): for each group
-   the mask of its low-nibble values, then of its high-nibble ones (per bit).
+   quarters swapped (weights/blocks.py; NVFP4's as stored), so that a byte's two nibbles share a
+   scale: its lanes' scales go by halves of quarters. The high bits come as byte masks
+   (vpmovm2b): for each group the mask of its low-nibble values, then of its high-nibble ones (per
+   bit); Q1_0's one bit too.
 
    `el_dequant` writes the values themselves (fp32 or bf16), decoded by the same group loader:
    a long prefill multiplies them in bf16 (step/prefill.py); weights/blocks.py's `dequantize`
@@ -142,7 +143,7 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
         masks(q + g * 16, n, &ml, &mh);
         G.lo = _mm512_maskz_mov_epi8(ml, _mm512_set1_epi8(2));
         G.hi = _mm512_maskz_mov_epi8(mh, _mm512_set1_epi8(2));
-    } else if (IS_CRUMB(FMT)) { /* 32 bytes in both halves; lo: bits 0-1 | 2-3, hi: bits 4-5 | 6-7 */
+    } else if (IS_CRUMB(FMT)) { /* 32 bytes in both halves; lo: bits 0-1 | 2-3, hi: 4-5 | 6-7 */
         const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + g * 32)));
         const __m512i three = _mm512_set1_epi8(3);
         const __m512i s_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
