@@ -123,6 +123,22 @@ def test_grid_blocks_repack_with_ggufs_values(ggml_type, k):
     _close(qgemv(g.to(DEVICE), x), x @ want.T.to(DEVICE), x.dtype)
 
 
+@pytest.mark.parametrize("ggml_type, k", [("IQ2_XS", 256), ("NVFP4", 128), ("Q1_0", 128)])
+def test_types_without_a_gpu_layout_are_refused_by_name(ggml_type, k):
+    """A scale per 16 values (groups are 32 here) or Q1_0's bits: refused, naming the format,
+    not repacked wrong (repack_gguf repacks only qlinear.REPACKED; the rest load as floats)."""
+    pytest.importorskip("gguf")
+    from gguf_kit import random_raw
+
+    from expresslane.kernels.qlinear import REPACKED
+    from expresslane.weights.quant import from_gguf
+
+    q = from_gguf(ggml_type, torch.from_numpy(random_raw(ggml_type, 3, k, seed=1)), (3, k))
+    with pytest.raises(ValueError, match=f"no GPU layout for (the )?{q.fmt}"):
+        gpu_pack.from_qtensor(q)
+    assert ggml_type not in REPACKED
+
+
 @pytest.fixture(scope="module")
 def tiny_pair():
     import tiny

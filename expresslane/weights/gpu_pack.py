@@ -162,8 +162,8 @@ def from_qtensor(q: QTensor) -> GPUQuant:
     grid up in registers would keep IQ4's (not done). So do the codebook types' (their scale
     times f), except IQ3_S's, whose re-laid nibbles are linear, w = (d s) (2 q - 15): int4 with
     a scale 2 d s and a min -15 d s per 32, both exact in fp32. The types with a scale per 16
-    values have no layout here (groups of 32)."""
-    if q.fmt in blocks.GRID16:
+    values (IQ2_XS, IQ2_S, IQ1_M, NVFP4) have no layout here (groups of 32), nor has Q1_0."""
+    if q.fmt in (*blocks.GRID16, "nvfp4"):
         raise ValueError(f"no GPU layout for {q.fmt}: a scale per 16 values (groups are 32)")
     lane = q.data.dim() == 2  # (N, K): one lane
     data, scale, mins, sub = [None if t is None else (t.unsqueeze(0) if lane else t)

@@ -26,9 +26,9 @@ the indices as stored instead was built for IQ2_XXS and measured (commit a458bf2
 its grid rows gathered by index (two 8-entry gathers per 128 values) and signed by masks, 2.31
 bits a value, its products took 1.5x the nibbles' time at one token and 1.3x at 40
 (`cpu_products --layer 3` on its file, one thread), where nibbles cost one load and two masks.
-Speed is this engine's product, so the nibbles stay; memory is what they cost. TQ2_0 and TQ1_0 (-1, 0, 1 times d) go to
-Q2_K's layout: 84 bytes per 256 values against 66 and 54. BENCHMARKS.md has their speed against
-llama.cpp's on the same files.
+Speed is this engine's product, so the nibbles stay; memory is what they cost. TQ2_0 and TQ1_0
+(-1, 0, 1 times d) go to Q2_K's layout: 84 bytes per 256 values against 66 and 54. BENCHMARKS.md
+has their speed against llama.cpp's on the same files.
 
 The codebooks are gguf-py's (imported when a file of these types loads; reading a GGUF file needs
 gguf-py anyway).
