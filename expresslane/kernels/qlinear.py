@@ -107,16 +107,16 @@ def quantize_model(model: Laneformer, name: str) -> Laneformer:
 
 
 # GGUF types with a GPU layout
-REPACKED = ("Q8_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "MXFP4", "IQ3_S", "IQ3_XXS", "IQ2_XXS",
-            "IQ1_S")  # fmt: skip
+REPACKED = ("Q8_0", "Q4_1", "Q4_K", "Q1_0", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "IQ3_S",
+            "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")  # fmt: skip
 
 
 @torch.no_grad()
 def repack_gguf(model: Laneformer, path) -> Laneformer:
     """The layer projections and the head of a model loaded from the GGUF file `path` (one
-    lane: Llama-family files) on the file's Q8_0 / Q4_1 / Q4_K / IQ4 blocks and codebook
-    types with a scale per 32, repacked (gpu_pack.from_qtensor: IQ4 and most codebooks as int8,
-    IQ3_S as int4)."""
+    lane: Llama-family files) on the file's blocks of REPACKED, repacked (gpu_pack.from_qtensor:
+    Q4_1 and IQ3_S as int4, Q4_K's as stored, the rest as int8 values, in groups of 32 or, for
+    the types with a scale per 16 values, 16)."""
     from ..checkpoint import hf_name
     from ..gguf.tensors import GGUFCheckpoint
 

@@ -155,25 +155,28 @@ def quantize(w: torch.Tensor, fmt: str, group: int, scale_dtype=torch.float16) -
 
 
 def from_qtensor(q: QTensor) -> GPUQuant:
-    """A packed CPU weight in GGUF Q8_0, Q4_1, IQ4_NL, IQ4_XS, MXFP4 blocks or a codebook type with
-    a scale per 32 values (IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S), repacked for the GPU (same values).
-    IQ4's grid is not linear, so its values go to int8 (the grid value itself, with the block's
-    scale): 8 bits a value where the file has 4, half of bf16's bytes; a kernel that looks the
-    grid up in registers would keep IQ4's (not done). So do the codebook types' (their scale
-    times f), except IQ3_S's, whose re-laid nibbles are linear, w = (d s) (2 q - 15): int4 with
-    a scale 2 d s and a min -15 d s per 32, both exact in fp32. The types with a scale per 16
-    values (IQ2_XS, IQ2_S, IQ1_M, NVFP4) have no layout here (groups of 32), nor has Q1_0."""
-    if q.fmt in (*blocks.GRID16, "nvfp4"):
-        raise ValueError(f"no GPU layout for {q.fmt}: a scale per 16 values (groups are 32)")
+    """A packed CPU weight in GGUF Q8_0, Q4_1, Q1_0, IQ4_NL, IQ4_XS, MXFP4, NVFP4 blocks or a
+    codebook type (IQ3_S ... IQ1_M), repacked for the GPU (same values). IQ4's grid is not
+    linear, so its values go to int8 (the grid value itself, with the block's scale): 8 bits a
+    value where the file has 4, half of bf16's bytes; a kernel that looks the grid up in
+    registers would keep IQ4's (not done). So do the codebook types' (their scale times f),
+    MXFP4's and NVFP4's, and Q1_0's (+-1), except IQ3_S's, whose re-laid nibbles are linear,
+    w = (d s) (2 q - 15): int4 with a scale 2 d s and a min -15 d s per 32, both exact in fp32.
+    The types with a scale per 16 values (IQ2_XS, IQ2_S, IQ1_M, NVFP4) take groups of 16."""
     lane = q.data.dim() == 2  # (N, K): one lane
     data, scale, mins, sub = [None if t is None else (t.unsqueeze(0) if lane else t)
                               for t in (q.data, q.scale, q.mins, q.sub)]  # fmt: skip
     k = q.shape[-1]
     kp = _padded(k, BLOCK)
-    pad_groups = (kp - k) // BLOCK
-    if q.fmt in blocks.XS:  # d per 256 times an int8 scale per 32: fp32, as the reference
-        d = scale.float().repeat_interleave(blocks.QK // BLOCK, dim=-1)  # (L, N, K/32)
+    group = 16 if q.fmt in (*blocks.GRID16, "nvfp4") else BLOCK
+    pad_groups = (kp - k) // group
+    if q.fmt in blocks.XS or q.fmt in blocks.GRID16:  # d per 256 times an int8 scale per group
+        d = scale.float().repeat_interleave(blocks.QK // group, dim=-1)  # (L, N, K/group)
         scale = d * sub.view(torch.int8).float() * blocks.FACTOR.get(q.fmt, 1.0)
+    if q.fmt == "q1_0":  # values 0 or 2: w = d (q - 1), +-d
+        values = blocks.values(q.fmt, data, None).to(torch.int8) - 1  # (L, N, K)
+        scale = torch.nn.functional.pad(scale, (0, pad_groups))
+        return GPUQuant("int8", BLOCK, k, _pad_k(values, kp).contiguous(), scale.contiguous())
     if q.fmt == "iq3_s":
         values = blocks.unpack_nibbles(data)
         pad = torch.nn.functional.pad
@@ -184,7 +187,7 @@ def from_qtensor(q: QTensor) -> GPUQuant:
         index = blocks.values(q.fmt, data, None).long()  # (L, N, K)
         grid = torch.tensor(blocks.GRID[q.fmt], dtype=torch.int8)[index]
         scale = torch.nn.functional.pad(scale, (0, pad_groups))
-        return GPUQuant("int8", BLOCK, k, _pad_k(grid, kp).contiguous(), scale.contiguous())
+        return GPUQuant("int8", group, k, _pad_k(grid, kp).contiguous(), scale.contiguous())
     if q.fmt == "q8_0":
         scale = torch.nn.functional.pad(scale, (0, pad_groups))
         return GPUQuant("int8", BLOCK, k, _pad_k(data, kp).contiguous(), scale.contiguous())
@@ -195,7 +198,8 @@ def from_qtensor(q: QTensor) -> GPUQuant:
         mins = torch.nn.functional.pad(mins, (0, pad_groups))
         return GPUQuant("int4", BLOCK, k, pack_nibbles(_pad_k(values, kp)), scale.contiguous(),
                         mins.contiguous())  # fmt: skip
-    raise ValueError(f"no GPU layout for the {q.fmt} format (Q8_0, Q4_1, IQ4, IQ3_S repack)")
+    raise ValueError(f"no GPU layout for the {q.fmt} format (Q8_0, Q4_1, Q1_0, IQ4, MXFP4, NVFP4 "
+                     "and the codebook types repack)")
 
 
 Q4_K_BYTES = 144  # d f16, dmin f16, scales[12], qs[128] for 256 values
