@@ -198,8 +198,10 @@ def from_qtensor(q: QTensor) -> GPUQuant:
         mins = torch.nn.functional.pad(mins, (0, pad_groups))
         return GPUQuant("int4", BLOCK, k, pack_nibbles(_pad_k(values, kp)), scale.contiguous(),
                         mins.contiguous())  # fmt: skip
-    raise ValueError(f"no GPU layout for the {q.fmt} format (Q8_0, Q4_1, Q1_0, IQ4, MXFP4, NVFP4 "
-                     "and the codebook types repack)")
+    raise ValueError(
+        f"no GPU layout for the {q.fmt} format (Q8_0, Q4_1, Q1_0, IQ4, MXFP4, NVFP4 "
+        "and the codebook types repack)"
+    )
 
 
 Q4_K_BYTES = 144  # d f16, dmin f16, scales[12], qs[128] for 256 values
