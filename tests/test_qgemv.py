@@ -47,6 +47,24 @@ def test_qgemv_equals_the_dequantized_product(fmt, group, dtype, norm):
     _close(got, qgemv_reference(w, x, norm_weight=nw), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_in_groups_of_16_equals_the_dequantized_product(dtype):
+    """Groups of 16 (the GGUF repacks of the types with a scale per 16 values: IQ2_XS, IQ2_S,
+    IQ1_M, NVFP4), built directly (no gguf, so the GPU stage runs it too), 1 and 5 tokens, the
+    5-token rows bitwise the lone tokens'."""
+    torch.manual_seed(6)
+    L, O, K = 2, 29, 176  # K padded to 192: the tail's groups are zero
+    q = torch.randint(-43, 44, (L, O, 192), dtype=torch.int8)
+    q[..., K:] = 0
+    scale = (torch.rand(L, O, 192 // 16) * 0.02 + 1e-3).half()
+    w = gpu_pack.GPUQuant("int8", 16, K, q, scale).to(DEVICE)
+    x = torch.randn(5, L, K, device=DEVICE).to(dtype)
+    got = qgemv(w, x)
+    _close(got, qgemv_reference(w, x), dtype)
+    alone = torch.stack([qgemv(w, x[s]) for s in range(5)])
+    assert torch.equal(got, alone)
+
+
 @pytest.mark.parametrize("fmt,group", [("int8", 32), ("int4", 128)])
 def test_each_tokens_row_is_independent_of_the_token_count(fmt, group):
     """Batch invariance, bitwise: token s of an S-token call equals a 1-token call on it."""
