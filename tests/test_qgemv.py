@@ -118,16 +118,18 @@ def test_q4_k_repacks_to_ggufs_dequantization():
 
 GRIDDED = [("IQ4_NL", 96), ("IQ4_XS", 512), ("IQ3_S", 512), ("IQ3_XXS", 256), ("IQ2_XXS", 512),
            ("IQ1_S", 256), ("MXFP4", 96), ("IQ2_XS", 256), ("IQ2_S", 512), ("IQ1_M", 256),
-           ("NVFP4", 192), ("Q1_0", 384)]  # fmt: skip
-PER_16 = ("IQ2_XS", "IQ2_S", "IQ1_M", "NVFP4")  # a scale per 16 values: groups of 16
+           ("NVFP4", 192), ("Q1_0", 384), ("Q4_0", 96), ("Q5_0", 160), ("Q6_K", 256),
+           ("Q3_K", 512)]  # fmt: skip
+PER_16 = ("IQ2_XS", "IQ2_S", "IQ1_M", "NVFP4", "Q6_K", "Q3_K")  # groups of 16
 
 
 @pytest.mark.parametrize("ggml_type, k", GRIDDED)
 def test_grid_blocks_repack_with_ggufs_values(ggml_type, k):
     """IQ4's grid values as int8 with the block's scale (IQ4_XS: d times its 6-bit scale, in
     fp32; the codebook types' times their power of two; the per-16 types in groups of 16; Q1_0
-    as +-1), IQ3_S's re-laid nibbles as int4 (scale 2 d s, min -15 d s): the reference
-    dequantization bit for bit, and the product on it."""
+    as +-1; Q5_0, Q6_K, Q3_K less their offset), IQ3_S's re-laid nibbles and Q4_0's as int4
+    (scale 2 d s, min -15 d s; d, -8 d): the reference dequantization bit for bit, and the
+    product on it."""
     pytest.importorskip("gguf")
     from gguf_kit import random_raw
 
@@ -138,13 +140,14 @@ def test_grid_blocks_repack_with_ggufs_values(ggml_type, k):
     raw = torch.from_numpy(random_raw(ggml_type, n, k, seed=k))
     g = gpu_pack.from_qtensor(from_gguf(ggml_type, raw, (n, k)))
     want = gguf_dequantize(raw, ggml_type, (n, k))
-    fmt, group = "int4" if ggml_type == "IQ3_S" else "int8", 16 if ggml_type in PER_16 else 32
+    fmt = "int4" if ggml_type in ("IQ3_S", "Q4_0") else "int8"
+    group = 16 if ggml_type in PER_16 else 32
     assert g.fmt == fmt and g.group == group and torch.equal(g.dequantize()[0], want)
     x = torch.randn(2, 1, k, device=DEVICE)
     _close(qgemv(g.to(DEVICE), x), x @ want.T.to(DEVICE), x.dtype)
 
 
-@pytest.mark.parametrize("ggml_type, k", [("Q6_K", 256), ("Q5_0", 64)])
+@pytest.mark.parametrize("ggml_type, k", [("Q2_K", 256), ("Q5_1", 64), ("Q5_K", 256)])
 def test_types_without_a_gpu_layout_are_refused_by_name(ggml_type, k):
     """Refused, naming the format, not repacked wrong (repack_gguf repacks only
     qlinear.REPACKED; the rest load as floats)."""
@@ -155,7 +158,7 @@ def test_types_without_a_gpu_layout_are_refused_by_name(ggml_type, k):
     from expresslane.weights.quant import from_gguf
 
     q = from_gguf(ggml_type, torch.from_numpy(random_raw(ggml_type, 3, k, seed=1)), (3, k))
-    with pytest.raises(ValueError, match=f"no GPU layout for the {q.fmt}"):
+    with pytest.raises(ValueError, match=f"no GPU layout for the {q.fmt} format"):
         gpu_pack.from_qtensor(q)
     assert ggml_type not in REPACKED
 

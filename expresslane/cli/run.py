@@ -73,9 +73,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "fp32 scale per row (int8-row); computed in fp32. 16-bit weights: --dtype. GPU: int8 "
         "(groups of 32) or int4 (groups of 128, with mins), int8-g128 / int4-g32 for the other "
         "group size: the layer projections quantized at load, products in Triton. gguf: a GGUF "
-        "file's own blocks (the CPU's default; on a GPU, Q8_0, Q4_1, Q4_K, Q1_0, IQ4, MXFP4, "
-        "NVFP4 and the IQ1-IQ3 types on the quantized products, the rest bf16; default there: "
-        "dequantized, the fused bf16 step)",
+        "file's own blocks (the CPU's default; on a GPU, every type but Q5_1, Q5_K and Q2_K on "
+        "the quantized products, those bf16; default there: dequantized, the fused bf16 step)",
     )
     p.add_argument(
         "--devices",

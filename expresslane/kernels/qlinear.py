@@ -107,16 +107,17 @@ def quantize_model(model: Laneformer, name: str) -> Laneformer:
 
 
 # GGUF types with a GPU layout
-REPACKED = ("Q8_0", "Q4_1", "Q4_K", "Q1_0", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4", "IQ3_S",
-            "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")  # fmt: skip
+REPACKED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K", "Q3_K", "Q1_0", "IQ4_NL", "IQ4_XS",
+            "MXFP4", "NVFP4", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S",
+            "IQ1_M")  # fmt: skip
 
 
 @torch.no_grad()
 def repack_gguf(model: Laneformer, path) -> Laneformer:
     """The layer projections and the head of a model loaded from the GGUF file `path` (one
     lane: Llama-family files) on the file's blocks of REPACKED, repacked (gpu_pack.from_qtensor:
-    Q4_1 and IQ3_S as int4, Q4_K's as stored, the rest as int8 values, in groups of 32 or, for
-    the types with a scale per 16 values, 16)."""
+    Q4_0, Q4_1 and IQ3_S as int4, Q4_K's as stored, the rest as int8 values, in groups of 32 or,
+    for the types with a scale per 16 values, 16)."""
     from ..checkpoint import hf_name
     from ..gguf.tensors import GGUFCheckpoint
 

@@ -154,54 +154,61 @@ def quantize(w: torch.Tensor, fmt: str, group: int, scale_dtype=torch.float16) -
     return GPUQuant("int4", group, k, pack_nibbles(q), scale.contiguous(), mins.contiguous())
 
 
+# GGUF formats whose values go to int8 less an offset, times their (per-16 or per-32) scale
+_OFFSET = {"q1_0": 1, "q5_0": 16, "q6_k": 32, "q3_k": 4}
+_PER_16 = (*blocks.GRID16, "nvfp4", "q6_k", "q3_k")  # a scale per 16 values: groups of 16
+_TWO_LEVEL = (*blocks.XS, *blocks.GRID16, "q6_k", "q3_k")  # d per 256 times an int8 scale
+
+
 def from_qtensor(q: QTensor) -> GPUQuant:
-    """A packed CPU weight in GGUF Q8_0, Q4_1, Q1_0, IQ4_NL, IQ4_XS, MXFP4, NVFP4 blocks or a
-    codebook type (IQ3_S ... IQ1_M), repacked for the GPU (same values). IQ4's grid is not
-    linear, so its values go to int8 (the grid value itself, with the block's scale): 8 bits a
-    value where the file has 4, half of bf16's bytes; a kernel that looks the grid up in
-    registers would keep IQ4's (not done). So do the codebook types' (their scale times f),
-    MXFP4's and NVFP4's, and Q1_0's (+-1), except IQ3_S's, whose re-laid nibbles are linear,
-    w = (d s) (2 q - 15): int4 with a scale 2 d s and a min -15 d s per 32, both exact in fp32.
-    The types with a scale per 16 values (IQ2_XS, IQ2_S, IQ1_M, NVFP4) take groups of 16."""
+    """A packed CPU weight in GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q6_K, Q3_K, Q1_0, IQ4_NL,
+    IQ4_XS, MXFP4, NVFP4, the codebook types IQ3_S ... IQ1_M), repacked for the GPU with the same
+    values, all exact in fp32 (an f16 d times an int8 scale and a power of two).
+    - Linear nibbles go to int4 with a scale and a min per 32: Q4_1's, Q4_0's (min -8 d), and
+      IQ3_S's re-laid ones, w = (d s) (2 q - 15) (scale 2 d s, min -15 d s).
+    - The rest go to int8, the value itself with its block's scale: Q8_0; Q5_0, Q6_K, Q3_K and
+      Q1_0 less their offset; the grids' values (IQ4's, MXFP4's, the codebook types', which are
+      not linear): 8 bits a value where the file has 1.5-6, half of bf16's bytes. A kernel that
+      looks a grid up in registers would keep the file's bits (not done).
+    The types with a scale per 16 values take groups of 16. Q5_1, Q5_K and Q2_K (a min per
+    block, which int8 has not) have no layout here; Q4_K repacks from its bytes (from_q4_k)."""
     lane = q.data.dim() == 2  # (N, K): one lane
-    data, scale, mins, sub = [None if t is None else (t.unsqueeze(0) if lane else t)
-                              for t in (q.data, q.scale, q.mins, q.sub)]  # fmt: skip
-    k = q.shape[-1]
-    kp = _padded(k, BLOCK)
-    group = 16 if q.fmt in (*blocks.GRID16, "nvfp4") else BLOCK
-    pad_groups = (kp - k) // group
-    if q.fmt in blocks.XS or q.fmt in blocks.GRID16:  # d per 256 times an int8 scale per group
+    data, scale, mins, high, sub = [None if t is None else (t.unsqueeze(0) if lane else t)
+                                    for t in (q.data, q.scale, q.mins, q.high, q.sub)]  # fmt: skip
+    k, kp = q.shape[-1], _padded(q.shape[-1], BLOCK)
+    group = 16 if q.fmt in _PER_16 else BLOCK
+    if q.fmt in _TWO_LEVEL:  # d per 256 times an int8 scale per group, fp32 as the reference
         d = scale.float().repeat_interleave(blocks.QK // group, dim=-1)  # (L, N, K/group)
         scale = d * sub.view(torch.int8).float() * blocks.FACTOR.get(q.fmt, 1.0)
-    if q.fmt == "q1_0":  # values 0 or 2: w = d (q - 1), +-d
-        values = blocks.values(q.fmt, data, None).to(torch.int8) - 1  # (L, N, K)
-        scale = torch.nn.functional.pad(scale, (0, pad_groups))
-        return GPUQuant("int8", BLOCK, k, _pad_k(values, kp).contiguous(), scale.contiguous())
-    if q.fmt == "iq3_s":
-        values = blocks.unpack_nibbles(data)
-        pad = torch.nn.functional.pad
-        scale, mins = pad(2 * scale, (0, pad_groups)), pad(-15 * scale, (0, pad_groups))
-        return GPUQuant("int4", BLOCK, k, pack_nibbles(_pad_k(values, kp)), scale.contiguous(),
-                        mins.contiguous())  # fmt: skip
+    if q.fmt == "q8_0":
+        return _int8(data, scale, group, k, kp)
+    if q.fmt in _OFFSET:
+        values = blocks.values(q.fmt, data, high).to(torch.int16) - _OFFSET[q.fmt]  # (L, N, K)
+        return _int8(values.to(torch.int8), scale, group, k, kp)
+    if q.fmt in ("q4_0", "q4_1", "iq3_s"):
+        values = blocks.unpack_nibbles(data)  # (L, N, K) 0..15, in value order
+        if q.fmt == "q4_0":
+            mins = -8 * scale.float()
+        elif q.fmt == "iq3_s":
+            scale, mins = 2 * scale, -15 * scale
+        return _int4(values, scale, mins, k, kp)
     if q.fmt in blocks.GRID:
         index = blocks.values(q.fmt, data, None).long()  # (L, N, K)
         grid = torch.tensor(blocks.GRID[q.fmt], dtype=torch.int8)[index]
-        scale = torch.nn.functional.pad(scale, (0, pad_groups))
-        return GPUQuant("int8", group, k, _pad_k(grid, kp).contiguous(), scale.contiguous())
-    if q.fmt == "q8_0":
-        scale = torch.nn.functional.pad(scale, (0, pad_groups))
-        return GPUQuant("int8", BLOCK, k, _pad_k(data, kp).contiguous(), scale.contiguous())
-    if q.fmt == "q4_1":
-        b = data.reshape(*data.shape[:-1], -1, BLOCK // 2)  # (L, N, K/32, 16)
-        values = torch.cat((b & 0x0F, b >> 4), dim=-1).reshape(*data.shape[:-1], -1)
-        scale = torch.nn.functional.pad(scale, (0, pad_groups))
-        mins = torch.nn.functional.pad(mins, (0, pad_groups))
-        return GPUQuant("int4", BLOCK, k, pack_nibbles(_pad_k(values, kp)), scale.contiguous(),
-                        mins.contiguous())  # fmt: skip
-    raise ValueError(
-        f"no GPU layout for the {q.fmt} format (Q8_0, Q4_1, Q1_0, IQ4, MXFP4, NVFP4 "
-        "and the codebook types repack)"
-    )
+        return _int8(grid, scale, group, k, kp)
+    raise ValueError(f"no GPU layout for the {q.fmt} format (a min per block: int8 has none)")
+
+
+def _int8(values: torch.Tensor, scale: torch.Tensor, group: int, k: int, kp: int) -> GPUQuant:
+    scale = torch.nn.functional.pad(scale, (0, (kp - k) // group))
+    return GPUQuant("int8", group, k, _pad_k(values, kp).contiguous(), scale.contiguous())
+
+
+def _int4(values, scale, mins, k: int, kp: int) -> GPUQuant:
+    pad = (0, (kp - k) // BLOCK)
+    scale, mins = torch.nn.functional.pad(scale, pad), torch.nn.functional.pad(mins, pad)
+    return GPUQuant("int4", BLOCK, k, pack_nibbles(_pad_k(values, kp)), scale.contiguous(),
+                    mins.contiguous())  # fmt: skip
 
 
 Q4_K_BYTES = 144  # d f16, dmin f16, scales[12], qs[128] for 256 values
