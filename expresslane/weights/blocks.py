@@ -9,8 +9,8 @@ fp32 reference, with gguf-py's order of operations, so the two agree bit for bit
     q4_0   data (N, K/2) nibbles, scale f16 per 32                   w = d (q - 8)
     q4_1   ... and mins f16 per 32                                   w = d q + m
     q5_0   nibbles, high (N, K/8) bit masks, scale f16 per 32        w = d (q - 16)
-    q1_0   data (N, K/8): the bits as q5_0's masks, scale f16 per 32 w = d (q - 1), q = 2 bit
     q5_1   ... and mins f16 per 32                                   w = d q + m
+    q1_0   data (N, K/8): the bits as q5_0's masks, scale f16 per 32 w = d (q - 1), q = 2 bit
     q4_k   nibbles, scale d and mins dmin f16 per 256, sub (N, K/16) uint8: per 256 eight
            6-bit scales s then eight mins m, one per 32 values       w = (d s) q - (dmin m)
     q5_k   as q4_k, and high (N, K/8)
