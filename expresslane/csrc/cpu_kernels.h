@@ -41,9 +41,10 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
 #define IS_SWAPPED(fmt) (IS_HALF16(fmt) || (fmt) == FMT_NVFP4)
 /* a d per superblock of 256 values (K a multiple of 256), else per block of 32 */
 #define IS_SUPER(fmt) ((fmt) == FMT_Q4_K || (fmt) == FMT_Q5_K || IS_XS(fmt) || IS_HALF16(fmt))
-/* f16 scales in a row of K values: a d per 256, NVFP4's per 16, else per 32 */
-#define SCALES_PER_ROW(fmt, K) \
-    (IS_SUPER(fmt) ? (K) / 256 : (fmt) == FMT_NVFP4 ? (K) / 16 : (K) / 32)
+/* K is a multiple of this: a superblock of 256, Q1_0's block of 128, else a block of 32 */
+#define BLOCK_VALUES(fmt) (IS_SUPER(fmt) ? 256 : (fmt) == FMT_Q1_0 ? 128 : 32)
+/* f16 scales in a row of K values: one a block, NVFP4's per 16 */
+#define SCALES_PER_ROW(fmt, K) ((fmt) == FMT_NVFP4 ? (K) / 16 : (K) / BLOCK_VALUES(fmt))
 
 /* A weight matrix (lanes, N, K) in one format (expresslane/weights/quant.py's QTensor fields).
    Seven 8-byte words, so a layer descriptor's seven consecutive entries can be read as one. */
@@ -51,9 +52,9 @@ typedef struct {
     int64_t fmt;
     const void *data;   /* rows of K values; nibble formats: K / 2 bytes of nibbles per row,
                            crumb formats K / 4, q1_0 K / 8 (masks) */
-    const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*, q1_0, iq4_nl, mxfp4: f16 per
-                           block of 32 values; nvfp4: f16 per 16; K-quants, iq4_xs, codebooks:
-                           f16 d per 256 */
+    const void *scale;  /* int8: fp32 per row; q8_0, q4_*, q5_*, iq4_nl, mxfp4: f16 per block
+                           of 32 values; nvfp4: f16 per 16; q1_0 per 128; K-quants, iq4_xs,
+                           codebooks: f16 d per 256 */
     const void *rowsum; /* int8: int32 per row, the sum of its values */
     const void *mins;   /* q4_1, q5_1: f16 per block of 32; q4_K, q5_K, q2_K: f16 dmin per 256 */
     const void *high;   /* q5_*, q3_K: K / 8 bytes per row, q6_K: K / 4 (the bit masks) */

@@ -293,7 +293,7 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
                       S - TMAX * INT_TOKENS, L, N, K, threads, work, lowp);
     const int fmt = (int)w->fmt;
     if (!el_supports(fmt)) return -1;
-    if ((fmt == FMT_Q8_0 || IS_NIBBLE(fmt)) && K % (IS_SUPER(fmt) ? 256 : 32)) return -2;
+    if ((fmt == FMT_Q8_0 || IS_NIBBLE(fmt)) && K % BLOCK_VALUES(fmt)) return -2;
     void *own = NULL;
     if (!work) {
         work = own = aligned_alloc(64, (size_t)el_matmul_scratch(S, L, K));

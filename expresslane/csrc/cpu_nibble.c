@@ -9,7 +9,7 @@
 
      q4_0   d f16, m = -8 d              q4_1   d, m f16
      q5_0   d f16, m = -16 d             q5_1   d, m f16
-     q1_0   d f16, m = -d, q = 2 bit (its bits as q5's masks, no nibbles)
+     q1_0   d f16 per 128, m = -d, q = 2 bit (its bits as q5's masks, no nibbles)
      q4_K   per 256: d, dmin f16, per 32 a 6-bit scale s and min m: w = (d s) q - (dmin m)
      q5_K   as q4_K, one more bit
      q6_K   per 256: d f16, per 16 an int8 scale s: w = (d s) (q - 32)
@@ -133,6 +133,12 @@ T_VNNI INLINE __m512 f16_halves(const uint16_t *d, int64_t n) {
     return _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(s));
 }
 
+/* Q1_0: the d of each of the 16 blocks of 32 from block b (a d per 4 blocks), zero past nb */
+T_VNNI INLINE __m512 q1_scales(const uint16_t *d, int64_t nb, int64_t b) {
+    const int64_t n4 = (nb - b >= 16 ? 16 : nb - b) / 4;
+    return quarter_scales(_mm_maskz_loadu_epi16((__mmask8)((1u << n4) - 1), d + b / 4));
+}
+
 /* group g of a row (n <= 4 blocks in it) */
 T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t *d,
                                  const uint8_t *high, const int8_t *sub, int64_t g, int64_t n) {
@@ -185,6 +191,8 @@ T_VNNI INLINE group_t load_group(const int FMT, const uint8_t *q, const uint16_t
                                                      : _mm256_cvtepi8_epi32(s));
     } else if (FMT == FMT_NVFP4) {
         G.dv = f16_halves(d + g * 8, n);
+    } else if (FMT == FMT_Q1_0) { /* a group is a block of 128 */
+        G.dv = _mm512_set1_ps(_cvtsh_ss(d[g]));
     } else {
         G.dv = quarter_scales(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), d + g * 4));
     }
@@ -274,7 +282,8 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
                                         : 1.0f;
     for (int64_t b = 0; b < nb; b += 16) { /* the last 16 masked */
         const __mmask16 m = MASK(nb, b);
-        __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + b));
+        __m512 mv = FMT == FMT_Q1_0 ? q1_scales(src, nb, b)
+                                    : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + b));
         for (int t = 0; t < T; t++)
             acc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(m, xs[t] + b), acc[t]);
     }
@@ -390,7 +399,7 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
         q0 = v0;
     }
     if (FMT == FMT_Q4_0 || FMT == FMT_Q5_0 || FMT == FMT_Q1_0) {
-        const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[blk]));
+        const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[FMT == FMT_Q1_0 ? blk / 4 : blk]));
         const __m512 off = _mm512_set1_ps(FMT == FMT_Q4_0 ? 8.0f : FMT == FMT_Q5_0 ? 16.0f : 1.0f);
         w0 = _mm512_mul_ps(dv, _mm512_sub_ps(q0, off));
         w1 = _mm512_mul_ps(dv, _mm512_sub_ps(q1, off));
@@ -485,7 +494,7 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
 #undef DEQ_CASE
     default: return -1;
     }
-    if (!(el_features() & HAS_VNNI) || K % 32 || (IS_SUPER(w->fmt) && K % 256)) return -1;
+    if (!(el_features() & HAS_VNNI) || K % BLOCK_VALUES(w->fmt)) return -1;
     const int64_t rb = K * (bf16 ? 2 : 4);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t r = 0; r < N; r++) row(w, r, K, (char *)out + r * rb, bf16);

@@ -10,7 +10,8 @@ fp32 reference, with gguf-py's order of operations, so the two agree bit for bit
     q4_1   ... and mins f16 per 32                                   w = d q + m
     q5_0   nibbles, high (N, K/8) bit masks, scale f16 per 32        w = d (q - 16)
     q5_1   ... and mins f16 per 32                                   w = d q + m
-    q1_0   data (N, K/8): the bits as q5_0's masks, scale f16 per 32 w = d (q - 1), q = 2 bit
+    q1_0   data (N, K/8): the bits as q5_0's masks, scale f16 per 128
+                                                                     w = d (q - 1), q = 2 bit
     q4_k   nibbles, scale d and mins dmin f16 per 256, sub (N, K/16) uint8: per 256 eight
            6-bit scales s then eight mins m, one per 32 values       w = (d s) q - (dmin m)
     q5_k   as q4_k, and high (N, K/8)
@@ -33,8 +34,8 @@ fp32 reference, with gguf-py's order of operations, so the two agree bit for bit
 The codebook types' indices stand for 4 or 8 values each; they are re-laid as the nibbles of
 their values (weights/grids.py says why), and TQ2_0 and TQ1_0 (ternary), which have no format of
 their own here, as q2_k (d = dmin = the file's d, every scale and min 1, so w = d q - d). Both
-keep the values bit for bit, in more bytes than the file. Q1_0 keeps its bits (+-d), its d per
-128 values repeated per 32 (1.5 bits a value where the file has 1.125).
+keep the values bit for bit, in more bytes than the file. Q1_0 keeps its bits (+-d) and its d
+per 128 values: the file's 1.125 bits a value.
 
 Nibbles: in each block of 32 values, byte j holds value j in its low nibble and value j + 16 in
 its high one (GGUF's Q4_0 / Q4_1 order; the K-quants are re-laid to it). Q6_K's block is stored
@@ -90,7 +91,7 @@ BITS = {
 
 def block_values(fmt: str) -> int:
     """K must be a multiple of this for `fmt`."""
-    return QK if fmt in K_QUANTS else 32
+    return QK if fmt in K_QUANTS else 128 if fmt == "q1_0" else 32
 
 
 def values_per_byte(fmt: str) -> int:
@@ -239,9 +240,10 @@ def dequantize(fmt, data, scale, mins=None, high=None, sub=None) -> torch.Tensor
         return (ds * q.reshape(*lead, -1, 8, 32) - dm).reshape(*lead, -1)
     d = scale.float().unsqueeze(-1)  # (..., K/32, 1)
     qb = q.reshape(*lead, -1, 32)
-    if fmt in ("q4_0", "q5_0", "q1_0"):
-        off = {"q4_0": 8.0, "q5_0": 16.0, "q1_0": 1.0}[fmt]
-        return (d * (qb - off)).reshape(*lead, -1)
+    if fmt == "q1_0":  # a d per 128 values
+        return (d * (q.reshape(*lead, -1, 128) - 1.0)).reshape(*lead, -1)
+    if fmt in ("q4_0", "q5_0"):
+        return (d * (qb - (8.0 if fmt == "q4_0" else 16.0))).reshape(*lead, -1)
     return (d * qb + mins.float().unsqueeze(-1)).reshape(*lead, -1)
 
 

@@ -122,8 +122,7 @@ def _nvfp4_fields(b: torch.Tensor, N: int, K: int) -> dict:
 
 def _binary_fields(b: torch.Tensor, N: int, K: int) -> dict:
     """Q1_0 blocks (N, K/128, 18): d, then a bit a value -> q1_0, the bits as masks."""
-    scale = f16(b[..., :2]).repeat_interleave(4, -1)  # (N, K/32): a d per 32 values
-    return dict(data=pack_masks(unpack_bits(b[..., 2:]).reshape(N, K)), scale=scale)
+    return dict(data=pack_masks(unpack_bits(b[..., 2:]).reshape(N, K)), scale=f16(b[..., :2]))
 
 
 def _codebook_fields(ggml_type: str, fmt: str, b: torch.Tensor, N: int, K: int) -> dict:

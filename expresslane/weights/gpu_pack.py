@@ -182,6 +182,8 @@ def from_qtensor(q: QTensor) -> GPUQuant:
         scale = d * sub.view(torch.int8).float() * blocks.FACTOR.get(q.fmt, 1.0)
     if q.fmt == "q8_0":
         return _int8(data, scale, group, k, kp)
+    if q.fmt == "q1_0":  # a d per 128 values, per 32 here
+        scale = scale.repeat_interleave(4, dim=-1)
     if q.fmt in _OFFSET:
         values = blocks.values(q.fmt, data, high).to(torch.int16) - _OFFSET[q.fmt]  # (L, N, K)
         return _int8(values.to(torch.int8), scale, group, k, kp)
