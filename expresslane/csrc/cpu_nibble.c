@@ -119,18 +119,20 @@ T_VNNI INLINE __m512 k_scales(uint16_t d, __m128i s4, int is_signed) {
     return _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(ds));
 }
 
+/* 8 values, value i on lanes 2i and 2i + 1 (a 16-value scale on the lanes of its half block) */
+T_VNNI INLINE __m512 on_pairs(__m256 v) {
+    const __m512i pick = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(v));
+}
+
 /* f16 d of the superblock times 8 byte scales of 16 values, scale i on lanes 2i and 2i + 1 */
 T_VNNI INLINE __m512 half_scales(uint16_t d, __m256i s8) {
-    const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d)), _mm256_cvtepi32_ps(s8));
-    const __m512i pick = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    return _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(ds));
+    return on_pairs(_mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d)), _mm256_cvtepi32_ps(s8)));
 }
 
 /* 2n f16 scales of 16 values (n <= 4 blocks), scale i on lanes 2i and 2i + 1 */
 T_VNNI INLINE __m512 f16_halves(const uint16_t *d, int64_t n) {
-    const __m256 s = _mm256_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << (2 * n)) - 1), d));
-    const __m512i pick = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    return _mm512_permutexvar_ps(pick, _mm512_castps256_ps512(s));
+    return on_pairs(_mm256_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << (2 * n)) - 1), d)));
 }
 
 /* Q1_0: the d of each of the 16 blocks of 32 from block b (a d per 4 blocks), zero past nb */
@@ -263,29 +265,21 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
         for (int t = 0; t < T; t++) off[t] = _mm512_mul_ps(acc[t], _mm512_set1_ps(k));
         return;
     }
-    if (FMT == FMT_NVFP4) { /* per 16 values: - 128 d_j, the 16-value sums of x after the
-                               32-value ones; the last 16 masked */
-        for (int64_t h = 0; h < 2 * nb; h += 16) {
-            const __mmask16 m = MASK(2 * nb, h);
-            const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, d + h));
-            for (int t = 0; t < T; t++)
-                acc[t] = _mm512_fmadd_ps(dv, _mm512_maskz_loadu_ps(m, xs[t] + Kp / 32 + h), acc[t]);
-        }
-        for (int t = 0; t < T; t++) off[t] = _mm512_mul_ps(acc[t], _mm512_set1_ps(-128.0f));
-        return;
-    }
+    /* an f16 scale per block of 32 (NVFP4: per 16 values, with x's 16-value sums after the
+       32-value ones), times x's sums */
     const uint16_t *src = FMT == FMT_Q4_1 || FMT == FMT_Q5_1 ? mn : d;
-    const float k = FMT == FMT_Q1_0     ? -1.0f
-                    : FMT == FMT_Q4_0   ? -8.0f
-                    : FMT == FMT_Q5_0   ? -16.0f
-                    : IS_NL(FMT)        ? -128.0f
-                                        : 1.0f;
-    for (int64_t b = 0; b < nb; b += 16) { /* the last 16 masked */
-        const __mmask16 m = MASK(nb, b);
+    const int64_t n = FMT == FMT_NVFP4 ? 2 * nb : nb, at = FMT == FMT_NVFP4 ? Kp / 32 : 0;
+    const float k = FMT == FMT_Q1_0                 ? -1.0f
+                    : FMT == FMT_Q4_0               ? -8.0f
+                    : FMT == FMT_Q5_0               ? -16.0f
+                    : IS_NL(FMT) || FMT == FMT_NVFP4 ? -128.0f
+                                                    : 1.0f;
+    for (int64_t b = 0; b < n; b += 16) { /* the last 16 masked */
+        const __mmask16 m = MASK(n, b);
         __m512 mv = FMT == FMT_Q1_0 ? q1_scales(src, nb, b)
                                     : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + b));
         for (int t = 0; t < T; t++)
-            acc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(m, xs[t] + b), acc[t]);
+            acc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(m, xs[t] + at + b), acc[t]);
     }
     for (int t = 0; t < T; t++)
         off[t] = k == 1.0f ? acc[t] : _mm512_mul_ps(acc[t], _mm512_set1_ps(k));
