@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
-from ..weights.gguf_blocks import crumb_values, iq4_xs_scales, q3_k_high, q3_k_scales
+from ..weights.gguf_blocks import crumb_values, iq4_xs_scales, k_scales, q3_k_high, q3_k_scales
 from ..weights.grids import (
     CODEBOOK,
     IQ4_VALUES,
@@ -134,19 +134,6 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
     return (_f16(b, 0) * q.float() + _f16(b, 2)).reshape(-1)
 
 
-def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, 12) packed bytes -> (scales, mins), each (n, 8) fp32: 6 bits per entry.
-
-    Entries 0-3 are the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); entries 4-7 take their
-    low 4 bits from bytes 8-11 and their top 2 bits from the top bits of bytes 0-3 / 4-7.
-    """
-    s = s.to(torch.int32)
-    lo_sc, lo_mn = s[:, 0:4] & 63, s[:, 4:8] & 63
-    hi_sc = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)
-    hi_mn = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
-    return torch.cat((lo_sc, hi_sc), 1).float(), torch.cat((lo_mn, hi_mn), 1).float()
-
-
 def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """(n, 128) bytes -> (n, 8, 32): sub-block 2i = low nibbles of bytes 32i.., 2i+1 = high."""
     qs = qs.reshape(-1, 4, 32)
@@ -154,14 +141,14 @@ def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    sc, mn = _k_scales(b[:, 4:16])
+    sc, mn = (t.float() for t in k_scales(b[:, 4:16]))
     d, dmin = _f16(b, 0) * sc, _f16(b, 2) * mn  # (n, 8)
     q = _k_nibbles(b[:, 16:144]).float()
     return (d[..., None] * q - dmin[..., None]).reshape(-1)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    sc, mn = _k_scales(b[:, 4:16])
+    sc, mn = (t.float() for t in k_scales(b[:, 4:16]))
     d, dmin = _f16(b, 0) * sc, _f16(b, 2) * mn  # (n, 8)
     qh = b[:, 16:48].to(torch.int32)  # (n, 32): bit k of byte l is value l of sub-block k
     high = ((qh[:, None, :] >> torch.arange(8, dtype=torch.int32)[None, :, None]) & 1) << 4

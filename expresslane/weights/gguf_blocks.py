@@ -47,12 +47,14 @@ TYPES = {
 }  # fmt: skip
 
 
-def _k_scales(s: torch.Tensor) -> torch.Tensor:
-    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins (..., 12) -> (..., 16): 8 s, then 8 m."""
+def k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins (..., 12) -> (scales, mins), each (..., 8)
+    in s's dtype (ggml's get_scale_min_k4): entries 0-3 the low 6 bits of bytes 0-3 / 4-7,
+    entries 4-7 4 bits from bytes 8-11 and their top 2 from the top of bytes 0-3 / 4-7."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), -1)
     mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), -1)
-    return torch.cat((sc, mn), -1)
+    return sc, mn
 
 
 # GGUF's packed fields of the 2- and 3-bit and IQ4_XS blocks, unpacked in the matrix's order (also
@@ -211,6 +213,6 @@ def gguf_fields(ggml_type: str, data: torch.Tensor, N: int, K: int) -> tuple[str
     if fmt == "q5_k":
         qh = b[..., 16:48].reshape(N, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
         q = q | ((qh & 1).reshape(N, K) << 4)  # (N, K/256, 8, 32): bit c of byte i, value 32c+i
-    sub = _k_scales(b[..., 4:16]).reshape(N, -1).contiguous()
+    sub = torch.cat(k_scales(b[..., 4:16]), -1).reshape(N, -1).contiguous()  # 8 s, then 8 m
     return fmt, dict(data=pack_nibbles(q), high=pack_high(q, fmt), scale=f16(b[..., 0:2]),
                      mins=f16(b[..., 2:4]), sub=sub)  # fmt: skip

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import ConfigError
 from . import blocks
+from .gguf_blocks import k_scales
 from .quant import BLOCK, QTensor
 
 CHUNK = 64  # int4 values per 32-byte nibble chunk (Q4_K's order)
@@ -189,8 +190,9 @@ def from_qtensor(q: QTensor) -> GPUQuant:
         return _int8(values.to(torch.int8), scale, group, k, kp)
     if q.fmt in ("q4_0", "q4_1", "iq3_s"):
         values = blocks.unpack_nibbles(data)  # (L, N, K) 0..15, in value order
-        if q.fmt == "q4_0":
-            mins = -8 * scale.float()
+        if q.fmt == "q4_0":  # both fp32, as the kernel's other int4 repacks keep one dtype
+            scale = scale.float()
+            mins = -8 * scale
         elif q.fmt == "iq3_s":
             scale, mins = 2 * scale, -15 * scale
         return _int4(values, scale, mins, k, kp)
@@ -216,15 +218,6 @@ def _int4(values, scale, mins, k: int, kp: int) -> GPUQuant:
 Q4_K_BYTES = 144  # d f16, dmin f16, scales[12], qs[128] for 256 values
 
 
-def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., 12) bytes -> 6-bit (scales, mins), each (..., 8) int32 (ggml's get_scale_min_k4)."""
-    s = s.to(torch.int32)
-    lo_sc, lo_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
-    hi_sc = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
-    hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    return torch.cat((lo_sc, hi_sc), -1), torch.cat((lo_mn, hi_mn), -1)
-
-
 def from_q4_k(raw: torch.Tensor, n: int, k: int) -> GPUQuant:
     """GGUF Q4_K bytes of an (N, K) matrix (K % 256 == 0) as int4 in groups of 32, one lane.
 
@@ -237,7 +230,7 @@ def from_q4_k(raw: torch.Tensor, n: int, k: int) -> GPUQuant:
     b = raw.reshape(n, k // 256, Q4_K_BYTES)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # (N, K/256, 1)
     dmin = b[..., 2:4].contiguous().view(torch.float16).float()
-    sc, mn = _k_scales(b[..., 4:16])  # (N, K/256, 8)
+    sc, mn = k_scales(b[..., 4:16])  # (N, K/256, 8)
     scale = (d * sc.float()).reshape(n, -1)
     mins = -(dmin * mn.float()).reshape(n, -1)
     qs = b[..., 16:].reshape(n, k // 2).contiguous()
