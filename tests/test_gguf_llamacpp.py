@@ -106,7 +106,7 @@ def test_every_type_in_the_file_dequantizes_like_gguf_py(type_name, smollm2_gguf
 def _ggml_dequantize(raw: np.ndarray, kind: str, n: int) -> np.ndarray:
     """llama.cpp's dequantize_row_<kind> (libggml-base, beside llama_cpp) on n values."""
     _need_llama_cpp()
-    lib = variants._libggml()
+    lib = variants.libggml()
     fn = getattr(lib, f"dequantize_row_{kind.lower()}")
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
     raw, out = np.ascontiguousarray(raw), np.zeros(n, dtype=np.float32)

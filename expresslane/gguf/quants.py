@@ -224,7 +224,7 @@ def _nvfp4(b: torch.Tensor) -> torch.Tensor:
     d = ue4m3_half(b[:, :4]).unsqueeze(-1)  # (n, 4, 1)
     qs = b[:, 4:36].reshape(-1, 4, 8)  # (n, sub-block, 8)
     grid = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
-    return (d * grid[torch.cat((qs & 0x0F, qs >> 4), -1).long()]).reshape(-1)
+    return (d * grid[_nibbles(qs).long()]).reshape(-1)
 
 
 def _q1_0(b: torch.Tensor) -> torch.Tensor:

@@ -163,14 +163,15 @@ def _ggml_quantize(x: np.ndarray, type_name: str) -> np.ndarray:
     rows, K = x.shape
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.zeros((rows, K // bv * bb), dtype=np.uint8)
-    done = _libggml().ggml_quantize_chunk(int(qtype), x.ctypes.data, out.ctypes.data, 0, rows, K,
+    done = libggml().ggml_quantize_chunk(int(qtype), x.ctypes.data, out.ctypes.data, 0, rows, K,
                                           None)  # fmt: skip
     if done != out.nbytes:
         raise CheckpointError(f"ggml_quantize_chunk({type_name}) wrote {done} of {out.nbytes} B")
     return out
 
 
-def _libggml():
+def libggml():
+    """llama-cpp-python's libggml-base (ctypes), its quantizer's argument types declared."""
     try:
         import llama_cpp
     except ImportError:
