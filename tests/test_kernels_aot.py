@@ -66,7 +66,8 @@ def test_aot_rejects_unknown_model_and_interpreter(monkeypatch, capsys):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for args, word in [(("--model", "no-such-model"), "no-such-model"),
-                       (("--arch", "7"), "--arch 7"), (("--sms", "0"), "--sms 0")]:  # fmt: skip
+                       (("--arch", "7"), "--arch 7"), (("--sms", "0"), "--sms 0"),
+                       (("--quant", "int3"), "'int3'")]:  # fmt: skip
         assert aot_cli.main(list(args)) == 2
         assert word in capsys.readouterr().err
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -139,12 +140,15 @@ def test_blocks_per_sm_follows_cuda_occupancy_rules():
 
 
 def test_quantized_products_compile_for_sm90():
-    """kernels/qgemv.py at the Llama-1B shapes (layers and head), int8 and int4, 1 and 8 tokens,
-    with and without the fused norm: the integers stream in 16-byte loads, nothing spills, PDL."""
-    out = aot("--model", "llama-3.2-1b", "--kernel", "qgemv", "--quant", "int8", "int4", "--json")
+    """kernels/qgemv.py at the Llama-1B shapes (layers and head), int8 and int4 and the GGUF
+    repacks' int8 in groups of 16, 1 and 8 tokens, with and without the fused norm: the integers
+    stream in 16-byte loads, nothing spills, PDL."""
+    out = aot("--model", "llama-3.2-1b", "--kernel", "qgemv", "--quant", "int8", "int4",
+              "gguf-int8-g16", "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.strip().splitlines()[-1])["kernels"]
     assert {r["kernel"].split("INT4=")[1][:4] for r in rows} == {"True", "Fals"}
+    assert {int(r["kernel"].split("GROUP=")[1].split(",")[0]) for r in rows} == {16, 32, 128}
     for r in rows:
         assert r["loads"].get("128", 0) >= 1, f"{r['kernel']}: loads {r['loads']}"
         assert r["spill_bytes"] == 0 and r["blocks_per_sm"] >= 4 and r["pdl"], r

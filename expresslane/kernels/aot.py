@@ -24,7 +24,8 @@ SM).
     python -m expresslane.kernels.aot --model laneformer-2b [--arch 90] [--quant int8 int4] [--json]
 
 `--quant int8 int4` adds the quantized products of kernels/qgemv.py at the model's layer and
-head shapes, 1 and 8 tokens, with and without the fused RMSNorm.
+head shapes, 1 and 8 tokens, with and without the fused RMSNorm (`gguf-int8-g16`: the GGUF
+repacks' int8 in groups of 16).
 """
 
 from __future__ import annotations
@@ -44,7 +45,12 @@ import torch
 
 from ..errors import ConfigError
 from ..presets import load_model_config
-from ..weights.gpu_pack import gpu_format
+from ..weights.gpu_pack import GPU_QUANTIZATIONS
+
+# --quant's formats: the --quantization names, and the GGUF repacks' int8 in groups of 16
+# (weights/gpu_pack.py's from_qtensor, for the types with a scale per 16 values), which no
+# --quantization name asks for but `--quantization gguf` runs.
+AOT_QUANT = {**GPU_QUANTIZATIONS, "gguf-int8-g16": ("int8", 16)}
 
 # Launch options that are not kernel parameters (triton's launch keywords).
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "launch_cooperative_grid")
@@ -219,7 +225,7 @@ def record_quant_products(model_ref: str, formats: list[str], sms: int, pdl: boo
                           arch: int | None = 90, tokens: tuple[int, ...] = (1, 8)):  # fmt: skip
     """The launches of the quantized products (kernels/qgemv.py) of one layer of the model in
     each --quantization format, for each token count, without and with the fused RMSNorm."""
-    from ..weights.gpu_pack import CHUNK, GPUQuant, gpu_format
+    from ..weights.gpu_pack import CHUNK, GPUQuant
     from .qgemv import qgemv
 
     cfg = load_model_config(model_ref)
@@ -231,7 +237,7 @@ def record_quant_products(model_ref: str, formats: list[str], sms: int, pdl: boo
                   (cfg.vocab_size, L * D if head == "lane" else D))  # fmt: skip
     with recording(sms, pdl, arch) as launches, torch.device("meta"):
         for name in formats:
-            fmt, group = gpu_format(name)
+            fmt, group = AOT_QUANT[name]
             for i, (o, k) in enumerate(shapes):
                 lanes = 1 if i == 4 and cfg.lm_head_type != "vocab_parallel" else L
                 kp = -(-k // max(CHUNK, group)) * max(CHUNK, group)
@@ -508,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.sms < 1:
             raise ConfigError(f"--sms {args.sms}: expected the GPU's SM count (>= 1)")
         for name in args.quant:
-            gpu_format(name)
+            if name not in AOT_QUANT:
+                raise ConfigError(f"--quant {name!r}: expected one of {', '.join(AOT_QUANT)}")
         if not 1 <= args.tokens <= 8:
             raise ConfigError(f"--tokens {args.tokens}: expected 1 to 8")
     except ConfigError as e:
