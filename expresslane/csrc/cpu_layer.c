@@ -122,7 +122,10 @@ T_F static inline __m512 exp_neg(__m512 x) {
    scores of all heads, and fetches the value row ATT_AHEAD slots on meanwhile, so that the
    values are in cache when each head sums them. Read a KV head at a time, rows Hkv hd floats
    apart, the loads waited on memory (perf: the slowest instructions were loads of a row's
-   third and fourth cache lines), at about 8 GB/s a thread. */
+   third and fourth cache lines), at about 8 GB/s a thread. Scoring 16 slots at once, their
+   dots left as lanes and summed together (simd.h's sums16), was no faster (2026-11-28, two
+   versions: decode at 1,000 slots 0.94x and 0.98x the tok/s, a 256-token prompt level): the
+   stream, not the sums, sets the pace. */
 #define ATT_AHEAD 4
 
 /* a slot holding position p, to a query at `position` (window win, 0: none) */

@@ -294,7 +294,9 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
                           __m512 *res, const int T, const int LOWP) {
     const int64_t CB = LOWP ? 192 : 256, nb = K / 32;
     /* one accumulator a token: T of them are the independent chains (a second per token, for
-       odd groups, was no faster at T = 1 and slower at T = 5) */
+       odd groups, was no faster at T = 1 and slower at T = 5). Measured and not taken
+       (BENCHMARKS.md, 2026-11-28): two rows at a time sharing x's loads (level), and blocks of
+       6 or 8 tokens, which one accumulator would allow (1.1-1.25x the time at 40 tokens). */
     __m512 acc[TMAX];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     int64_t g = 0;
