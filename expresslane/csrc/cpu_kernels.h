@@ -3,8 +3,9 @@
 
      cpu_activations.c  the CPU's features, and x in the form each format's kernels read
      cpu_matmul.c       el_matmul: the float, int8 and Q8_0 kernels and the driver
-     cpu_nibble.c       the 2- to 6-bit GGUF formats (Q4_0 ... Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
-                        MXFP4, NVFP4) and the codebook types re-laid as nibbles (IQ3_S ... IQ1_M)
+     cpu_nibble.c       the 1- to 6-bit GGUF formats (Q4_0 ... Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
+                        MXFP4, NVFP4, Q1_0) and the codebook types re-laid as nibbles (IQ3_S ...
+                        IQ1_M)
 
    There is one product, for S tokens; one token is its S = 1 case (the same kernels). */
 #ifndef EXPRESSLANE_CPU_KERNELS_H

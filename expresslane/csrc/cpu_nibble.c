@@ -315,26 +315,37 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
     /* LOWP: sx[t] is 1 (x's scales are in acc already): a multiply by 1 changes no bits */
 }
 
+/* row r of a matrix, its data at q: with its f16 scales, mins, high bits' masks and sub-scales */
+typedef struct {
+    const uint8_t *q, *high;
+    const uint16_t *d, *mn;
+    const int8_t *sub;
+} wrow_t;
+
+T_VNNI INLINE wrow_t wrow(const int FMT, const qmat_t *w, int64_t r, int64_t K, const char *q) {
+    const int64_t per = SCALES_PER_ROW(FMT, K);
+    wrow_t o;
+    o.q = (const uint8_t *)q;
+    o.d = (const uint16_t *)w->scale + r * per;
+    o.mn = w->mins ? (const uint16_t *)w->mins + r * per : NULL;
+    o.high = w->high ? (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8)) : NULL;
+    o.sub = w->sub ? (const int8_t *)w->sub + r * (K / (IS_XS(FMT) ? 32 : 16)) : NULL;
+    return o;
+}
+
 /* one row for the T tokens of a span */
 T_VNNI INLINE void row_t(const int FMT, const span_t *sp, int64_t r, const char *wr,
                          const char *xp, const int64_t *v, __m512 *res, const int T,
                          const int LOWP) {
-    const qmat_t *w = sp->w;
     const int64_t K = sp->K, Kp = sp->P->Kp;
-    const int64_t per = SCALES_PER_ROW(FMT, K);
-    const uint16_t *d = (const uint16_t *)w->scale + r * per;
-    const uint16_t *mn = w->mins ? (const uint16_t *)w->mins + r * per : NULL;
-    const uint8_t *high = w->high ? (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8))
-                                  : NULL;
-    const int8_t *sub = w->sub ? (const int8_t *)w->sub + r * (K / (IS_XS(FMT) ? 32 : 16))
-                               : NULL;
+    const wrow_t w = wrow(FMT, sp->w, r, K, wr);
     const float *bsum[TMAX];
     float sx[TMAX];
     for (int t = 0; t < T; t++) {
         bsum[t] = sp->P->xs + v[t] * (Kp / 32 + Kp / 16);
         sx[t] = sp->P->sx[v[t]];
     }
-    rows_t(FMT, (const uint8_t *)wr, d, mn, high, sub, xp, bsum, sx, K, Kp, res, T, LOWP);
+    rows_t(FMT, w.q, w.d, w.mn, w.high, w.sub, xp, bsum, sx, K, Kp, res, T, LOWP);
 }
 
 /* every format of this file, once: each gets its span and decoder functions, and a case in
@@ -440,22 +451,15 @@ T_VNNI INLINE void deq_block(const int FMT, const uint8_t *ql, const uint8_t *qh
 T_VNNI INLINE void deq_row(const int FMT, const qmat_t *w, int64_t r, int64_t K, void *out,
                            int bf16) {
     const int64_t nb = K / 32;
-    const int64_t per = SCALES_PER_ROW(FMT, K);
-    const uint8_t *q = (const uint8_t *)w->data + r * el_row_bytes(FMT, K);
-    const uint16_t *d = (const uint16_t *)w->scale + r * per;
-    const uint16_t *mn = w->mins ? (const uint16_t *)w->mins + r * per : NULL;
-    const uint8_t *high = w->high ? (const uint8_t *)w->high + r * (K / (FMT == FMT_Q6_K ? 4 : 8))
-                                  : NULL;
-    const int8_t *sub = w->sub ? (const int8_t *)w->sub + r * (K / (IS_XS(FMT) ? 32 : 16))
-                               : NULL;
+    const wrow_t f = wrow(FMT, w, r, K, (const char *)w->data + r * el_row_bytes(FMT, K));
     uint8_t lo[64] __attribute__((aligned(64))), hi[64] __attribute__((aligned(64)));
     for (int64_t g = 0; g * 4 < nb; g++) {
         const int64_t n = nb - g * 4 >= 4 ? 4 : nb - g * 4;
-        const group_t G = load_group(FMT, q, d, high, sub, g, n);
+        const group_t G = load_group(FMT, f.q, f.d, f.high, f.sub, g, n);
         _mm512_store_si512(lo, G.lo);
         _mm512_store_si512(hi, G.hi);
         for (int64_t b = 0; b < n; b++)
-            deq_block(FMT, lo + 16 * b, hi + 16 * b, d, mn, sub, g * 4 + b, out, bf16);
+            deq_block(FMT, lo + 16 * b, hi + 16 * b, f.d, f.mn, f.sub, g * 4 + b, out, bf16);
     }
 }
 

@@ -39,7 +39,14 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
-from ..weights.gguf_blocks import crumb_values, iq4_xs_scales, k_scales, q3_k_high, q3_k_scales
+from ..weights.gguf_blocks import (
+    TYPES,
+    crumb_values,
+    iq4_xs_scales,
+    k_scales,
+    q3_k_high,
+    q3_k_scales,
+)
 from ..weights.grids import (
     CODEBOOK,
     IQ4_VALUES,
@@ -51,14 +58,9 @@ from ..weights.grids import (
 )
 from .reader import GGUFHeader
 
-SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
-             "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", *CODEBOOK, "TQ2_0", "TQ1_0", "MXFP4", "NVFP4",
-             "Q1_0")  # fmt: skip
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q2_K": 84,
-               "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18,
-               "IQ4_XS": 136, "IQ3_S": 110, "IQ3_XXS": 98, "IQ2_XXS": 66, "IQ2_XS": 74,
-               "IQ2_S": 82, "IQ1_S": 50, "IQ1_M": 56, "TQ2_0": 66, "TQ1_0": 54,
-               "MXFP4": 17, "NVFP4": 36, "Q1_0": 18}  # fmt: skip
+# every block type's bytes a block: gguf_blocks.TYPES's, the one table of them
+BLOCK_BYTES = {name: size for name, (_, _, size) in TYPES.items()}
+SUPPORTED = ("F32", "F16", "BF16", *BLOCK_BYTES)
 
 
 def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -224,7 +224,7 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
 def record_quant_products(model_ref: str, formats: list[str], sms: int, pdl: bool,
                           arch: int | None = 90, tokens: tuple[int, ...] = (1, 8)):  # fmt: skip
     """The launches of the quantized products (kernels/qgemv.py) of one layer of the model in
-    each --quantization format, for each token count, without and with the fused RMSNorm."""
+    each format of AOT_QUANT, for each token count, without and with the fused RMSNorm."""
     from ..weights.gpu_pack import CHUNK, GPUQuant
     from .qgemv import qgemv
 

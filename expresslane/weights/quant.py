@@ -8,11 +8,11 @@ A `QTensor` is a weight (..., N, K) (leading lane axes allowed) in one storage f
                                  (..., N) int32, sum_k data, for kernels with integer inputs
     q8_0                         GGUF Q8_0 kept as it was stored, planar: data (..., N, K) int8,
                                  scale (..., N, K/32) f16: w = d_block * q
-    q4_0 q4_1 q5_0 q5_1          GGUF's 2- to 6-bit blocks kept as stored, re-laid planar
-    q4_k q5_k q6_k q3_k q2_k     (nibbles or 2-bit crumbs in `data`, higher bits in `high`,
-    iq4_nl iq4_xs mxfp4 nvfp4    block scales in `scale` / `mins`, K-quant sub-block scales in
-    iq3_s ... iq1_m              `sub`): see blocks.py, which owns their layout and reference
-                                 values, and gguf_blocks.py, which re-lays a file's blocks
+    q4_0 q4_1 q5_0 q5_1 q1_0     GGUF's 1- to 6-bit blocks kept as stored, re-laid planar
+    q4_k q5_k q6_k q3_k q2_k     (nibbles, 2-bit crumbs or q1_0's bits in `data`, higher bits
+    iq4_nl iq4_xs mxfp4 nvfp4    in `high`, block scales in `scale` / `mins`, K-quant sub-block
+    iq3_s ... iq1_m              scales in `sub`): see blocks.py, which owns their layout and
+                                 reference values, and gguf_blocks.py, which re-lays a file's blocks
 
 A GGUF file may store the parts of one fused matrix in different formats (llama.cpp's Q4_K_M: Q
 and K in Q5_0, V in Q8_0); their stack is a QTensor of format "mixed" whose `stack` holds the
