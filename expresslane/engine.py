@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, cache_dtype
 from .config import ModelConfig, SamplingParams
 from .errors import RequestError
 from .generation import Stats, Step
@@ -63,6 +63,7 @@ class Engine:
         ring_headroom: int | None = None,
         grammar_graphs: bool = True,
         prefill_dtype: str = "float32",
+        kv_cache_dtype: str = "auto",
     ):
         """`capture`: CUDA graphs for the static step (default: on CUDA), all captured at load.
         `prefill_warmup`: a few prefills at load (`warm_up_prefill`; default: with capture on
@@ -73,7 +74,9 @@ class Engine:
         prompts with bf16 products where the weights are quantized, bf16 or fp16 (step/prefill.py:
         faster, the logits within bf16's rounding of fp32's); "int8": that, and the C step's
         GGUF block-format products with 8-bit activations for shorter prompts, as llama.cpp's;
-        "float32" (default): exact. Decode steps are exact whatever it is."""
+        "float32" (default): exact. Decode steps are exact whatever it is. `kv_cache_dtype`
+        (vLLM's flag): "auto" is the model's dtype; a CPU also takes float16 or bfloat16, each
+        key and value rounded once (cache.py)."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.max_len = max_model_len or self.cfg.max_position_embeddings
@@ -94,7 +97,8 @@ class Engine:
         if headroom < spec_k:
             why = f"ring_headroom={headroom}: speculation writes {spec_k} drafts ahead"
             raise RequestError(why, "ring_headroom")
-        self.cache = KVCache(self.cfg, self.max_len, self.device, self.dtype, headroom=headroom)
+        kv_dtype = cache_dtype(kv_cache_dtype, self.dtype, self.device)
+        self.cache = KVCache(self.cfg, self.max_len, self.device, kv_dtype, headroom=headroom)
         self.prefix = PrefixReuse(self.cache, enabled=prefix_reuse)
         self.stats = Stats()
         if not 1 <= steps_per_replay <= MAX_OVERRUN:

@@ -96,7 +96,7 @@ class Attention(nn.Module):
         kpos = positions
         if cache is not None:
             k, v, kpos = cache.update(self.layer, k[0], v[0], positions)
-            k, v = k[None], v[None]  # (1, T, H_kv, hd)
+            k, v = k[None].to(q.dtype), v[None].to(q.dtype)  # (1, T, H_kv, hd); a half cache
         T = k.shape[1]
         # A long chunk outside decode whose keys all lie in the window: the cache returns keys
         # exactly at positions 0..T-1 (slot == position; a ring past its window fails the

@@ -168,6 +168,7 @@ def test_bad_checkpoints_exit_2_with_one_line(broken, capsys, kind, words):
         (["--devices", "3"], "--devices 3: must divide num_lanes=8"),  # before any process starts
         (["--devices", "0"], "--devices 0"),
         (["--logprobs", "21"], "logprobs"),
+        (["--kv-cache-dtype", "fp8"], "kv-cache-dtype"),
     ],
 )
 def test_bad_flags_exit_2(random_laneformer_dir, capsys, argv, word):
@@ -247,6 +248,16 @@ def test_run_json_names_the_weight_format(random_laneformer_dir, capsys, flags, 
     code, out, _ = _run(capsys, *argv, "--device", "cpu", *flags)
     res = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and res["dtype"] == "float32" and res["weights"] == weights
+
+
+@pytest.mark.parametrize(
+    "flags, kv", [([], "float32"), (["--kv-cache-dtype", "bfloat16"], "bfloat16")]
+)
+def test_run_json_names_the_kv_cache_dtype(random_laneformer_dir, capsys, flags, kv):
+    argv = ["run", str(random_laneformer_dir), "--prompt", "x", "--max-tokens", "3", "--json"]
+    code, out, _ = _run(capsys, *argv, "--device", "cpu", *flags)
+    res = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and res["kv_cache_dtype"] == kv and res["completion_tokens"] == 3
 
 
 def test_fetch_prints_the_cached_path_offline(tmp_path, monkeypatch, capsys):

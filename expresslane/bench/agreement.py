@@ -46,7 +46,8 @@ PROMPTS = (
 )
 
 
-def engine_for(path, fmt: str, max_len: int, compile: bool = False) -> Engine:
+def engine_for(path, fmt: str, max_len: int, compile: bool = False,
+               kv_cache_dtype: str = "auto") -> Engine:  # fmt: skip
     """A CPU engine on the packed step with weights in `fmt` ("gguf": a GGUF file's blocks)."""
     model = load_model(path, device="cpu", dtype="float32", progress=False)
     if fmt.startswith("gpu-"):
@@ -60,7 +61,7 @@ def engine_for(path, fmt: str, max_len: int, compile: bool = False) -> Engine:
     # prefix reuse off: a bench's rounds repeat one prompt, and its TTFT is a cold prefill's
     # (with reuse, rounds after the first prefilled one token: the 2026-11-27 GGUF table's TTFT)
     return Engine(model, max_model_len=max_len, decode="graph", compile=compile,
-                  prefix_reuse=False)  # fmt: skip
+                  prefix_reuse=False, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
 
 
 def same_prefix(a: list[int], b: list[int]) -> int:

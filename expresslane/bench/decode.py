@@ -53,6 +53,7 @@ class BenchConfig:
     kernels: str = "auto"  # the fused Triton step: auto (on CUDA), on, off, or both (ablation)
     compile_backend: str = "inductor"  # the compiled peers' torch.compile backend
     prefill_dtype: str = "float32"  # a CPU's long prompts: fp32 or bf16 products (Engine)
+    kv_cache_dtype: str = "auto"  # the model's, or on a CPU float16 / bfloat16 (Engine)
 
 
 def bench_engine(engine: Engine, cfg: BenchConfig, context: int) -> dict:
@@ -99,7 +100,8 @@ class EngineRunner:
         self.engine = Engine(self.model, max_model_len=context_needed(self.cfg), decode=decode,
                              compile=self.compiled, kernels=self.kernels,
                              prefix_reuse=False, grammar_graphs=False,
-                             prefill_dtype=self.cfg.prefill_dtype)  # fmt: skip
+                             prefill_dtype=self.cfg.prefill_dtype,
+                             kv_cache_dtype=self.cfg.kv_cache_dtype)  # fmt: skip
         # one-time costs (imports, torch.compile, graph capture) stay out of the measured rows
         warm = SamplingParams(max_tokens=self.cfg.warmup_tokens, ignore_eos=True)
         list(self.engine.generate([1, 2, 3], warm))

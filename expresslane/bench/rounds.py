@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,18 +49,26 @@ class Contestant:
 def ours_eager(checkpoint: Path, cfg: BenchConfig, max_len: int) -> Contestant:
     """The model's own forward per token (the reference path, and the CPU default before)."""
     model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
-    engine = Engine(model, max_model_len=max_len, decode="eager", prefix_reuse=False)  # cold
-    return Contestant(
-        "expresslane eager", "float32, model forward", lambda ctx: bench_engine(engine, cfg, ctx)
-    )
+    engine = Engine(model, max_model_len=max_len, decode="eager", prefix_reuse=False,
+                    kv_cache_dtype=cfg.kv_cache_dtype)  # cold  # fmt: skip
+    note = "float32, model forward" + kv_note(cfg)
+    return Contestant("expresslane eager", note, lambda ctx: bench_engine(engine, cfg, ctx))
+
+
+def kv_note(cfg: BenchConfig) -> str:
+    """What a row's weights column adds for a cache not in the model's dtype (llama.cpp's rows
+    keep its own default, an f16 cache)."""
+    return "" if cfg.kv_cache_dtype == "auto" else f", kv {cfg.kv_cache_dtype}"
 
 
 def ours(checkpoint: Path, fmt: str, cfg: BenchConfig, max_len: int) -> Contestant:
-    engine = engine_for(checkpoint, fmt, max_len, compile=cfg.compile)
+    engine = engine_for(checkpoint, fmt, max_len, compile=cfg.compile,
+                        kv_cache_dtype=cfg.kv_cache_dtype)  # fmt: skip
     if fmt == "gguf":
         fmt = "gguf " + "/".join(sorted(engine.model.packed.formats))
     name = "expresslane" + ("+compile" if cfg.compile else "")
     note = f"{fmt}, compiled in {engine.compile_s:.1f} s" if cfg.compile else fmt
+    note += kv_note(cfg)
     return Contestant(name, note, lambda ctx: bench_engine(engine, cfg, ctx))
 
 
@@ -131,13 +139,17 @@ def run_rounds(contestants: list[Contestant], contexts, rounds: int) -> list[dic
 
 
 def bench_vs_llamacpp(
-    model_cfg: ModelConfig, cfg: BenchConfig, checkpoint: Path, formats: list[str], rounds: int
-) -> tuple[list[dict], list[str]]:
-    """Rows for our formats, transformers and llama.cpp's matching GGUF types; and notes."""
+    model_cfg: ModelConfig, cfg: BenchConfig, checkpoint: Path, formats: list[str], rounds: int,
+    kv_cache_dtypes: list[str] | None = None,
+) -> tuple[list[dict], list[str]]:  # fmt: skip
+    """Rows for our formats (each with every KV cache dtype asked; default cfg's), transformers
+    and llama.cpp's matching GGUF types; and notes."""
     max_len = context_needed(cfg)
     fmts = ["float32"] + [f for f in formats if f != "float32"]  # fp32 first: the reference
+    kvs = kv_cache_dtypes or [cfg.kv_cache_dtype]
     t = time.perf_counter()
-    contestants = [ours(checkpoint, f, cfg, max_len) for f in fmts]
+    contestants = [ours(checkpoint, f, replace(cfg, kv_cache_dtype=kv), max_len)
+                   for f in fmts for kv in kvs]  # fmt: skip
     contestants.append(ours_eager(checkpoint, cfg, max_len))
     model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
     setup = PeerSetup(model.cfg, model, torch.device("cpu"), torch.float32, cfg.decode_tokens,

@@ -28,6 +28,7 @@ from ..bench.bandwidth import copy_bandwidth_gb_s, datasheet_tb_s
 from ..bench.ceiling import bytes_per_token
 from ..bench.decode import BenchConfig, parallel_rows, run_bench
 from ..bench.weights import random_checkpoint
+from ..cache import KV_CACHE_DTYPES
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import ModelConfig
 from ..errors import ConfigError
@@ -35,7 +36,11 @@ from ..parallel import launch
 from ..presets import get_preset, preset_names
 from ..speculative.drafting import SpeculativeConfig
 from ..step.threads import choose_threads
-from .run import add_prefill_dtype_argument, add_speculative_argument, speculative_from_args
+from .run import (
+    add_prefill_dtype_argument,
+    add_speculative_argument,
+    speculative_from_args,
+)
 
 HELP = "benchmark time to first token, prefill and batch-1 decode speed (with a peer baseline)"
 
@@ -55,6 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     add_prefill_dtype_argument(p)
+    p.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto"],
+        choices=list(KV_CACHE_DTYPES),
+        help="our engine's KV cache (run's flag); with --peer llama.cpp several, each a row of "
+        "every format, in the same rounds (llama.cpp keeps its f16 cache)",
+    )
     p.add_argument("--no-peer", action="store_true", help="skip the transformers baseline")
     p.add_argument(
         "--peer",
@@ -165,7 +178,8 @@ def main(args: argparse.Namespace) -> int:
         if device.type != "cpu" or checkpoint is None:
             raise ConfigError("--peer llama.cpp: a checkpoint on the CPU (--device cpu)")
         fmts, n = args.formats or list(PEER_FORMATS), args.rounds
-        rows, notes = rounds.bench_vs_llamacpp(model_cfg, cfg, checkpoint, fmts, n)
+        kvs = list(dict.fromkeys(args.kv_cache_dtype))
+        rows, notes = rounds.bench_vs_llamacpp(model_cfg, cfg, checkpoint, fmts, n, kvs)
         return _report(args, name, rows, machine, 1, notes, render=rounds.table)
     if not args.json:
         print(table.HEADER, flush=True)
@@ -222,7 +236,16 @@ def _bench_config(args: argparse.Namespace, device: str, peer: bool) -> BenchCon
         kernels=args.kernels,
         compile_backend=args.peer_compile_backend,
         prefill_dtype=args.prefill_dtype,
+        kv_cache_dtype=_one_kv_cache_dtype(args),
     )
+
+
+def _one_kv_cache_dtype(args: argparse.Namespace) -> str:
+    """The first --kv-cache-dtype; several only where rounds compare them (--peer llama.cpp)."""
+    if len(set(args.kv_cache_dtype)) > 1 and args.peer != "llama.cpp":
+        raise ConfigError("--kv-cache-dtype: several only with --peer llama.cpp (its rounds "
+                          "compare them); otherwise one")  # fmt: skip
+    return args.kv_cache_dtype[0]
 
 
 def _threads(args: argparse.Namespace, cfg: ModelConfig, devices: int) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..bench.ceiling import bytes_per_token
+from ..cache import KV_CACHE_DTYPES
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..config import SamplingParams
 from ..engine import Engine
@@ -47,6 +48,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     add_prefill_dtype_argument(p)
+    add_kv_cache_dtype_argument(p)
     p.add_argument(
         "--max-model-len",
         type=int,
@@ -96,6 +98,17 @@ def add_prefill_dtype_argument(p: argparse.ArgumentParser) -> None:
         "short ones' bf16 weights with x in bf16; int8 also takes the GGUF block formats' "
         "activations in 8 bits per block, as llama.cpp does (up to ~1.3x faster on short "
         "prompts). Decoding stays exact",
+    )
+
+
+def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="the KV cache's dtype: auto is the model's (fp32 on a CPU); a CPU also takes float16 "
+        "(llama.cpp's default) or bfloat16: half the memory and half the bytes attention reads a "
+        "token, each key and value rounded once",
     )
 
 
@@ -194,6 +207,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
         speculative=speculative_from_args(args),
         quantization=quantization,
         prefill_dtype=getattr(args, "prefill_dtype", "float32"),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
     return engine, Tokenizer.from_dir(path)
 
@@ -279,6 +293,7 @@ def generate_and_print(
                     "device": str(engine.device),
                     "dtype": str(engine.dtype).removeprefix("torch."),  # of the activations
                     **weight_formats(engine),
+                    "kv_cache_dtype": str(engine.cache.k[0].dtype).removeprefix("torch."),
                     **({"logprobs": logprobs} if params.logprobs is not None else {}),
                     **extra,
                 }

@@ -2,7 +2,8 @@
 
    The same arithmetic as expresslane/step/packed.py's decode_layer for a Llama-family layer
    (one lane, where every DTP reduce is the identity): RMSNorm, the Q/K/V product (+ biases),
-   RoPE (rotate-half or interleaved pairs), the KV-cache write at slot position % cap, attention
+   RoPE (rotate-half or interleaved pairs), the KV-cache write at slot position % cap (fp32, or
+   rounded to fp16 or bf16 as torch rounds: kv_dtype), attention
    over the first min(live, cap) slots masked by their positions (and the sliding window), the
    output product, the residual, RMSNorm, the gate/up product, SiLU(gate) * up, the down product
    and the residual, all fp32. Products are el_matmul (cpu_matmul.c: each weight read once for all S
@@ -30,7 +31,7 @@
    and K in Q5_0, V in Q8_0), with its rows (0: absent) */
 #define PARTS(X, m) MAT(X, m) X(m##_rows) MAT(X, m##_1) X(m##_1_rows) MAT(X, m##_2) X(m##_2_rows)
 #define FIELDS(X)                                                                              \
-    X(dim) X(heads) X(kv_heads) X(head_dim) X(ffn) X(cap) X(window) X(rope_half)                \
+    X(dim) X(heads) X(kv_heads) X(head_dim) X(ffn) X(cap) X(window) X(rope_half) X(kv_dtype)    \
     X(attention_norm) X(qkv_bias) X(ffn_norm) X(k_cache) X(v_cache) X(pos_cache)               \
     PARTS(X, qkv) PARTS(X, wo) PARTS(X, w13) PARTS(X, w2)
 #define AS_ENUM(name) F_##name,
@@ -128,24 +129,52 @@ T_F static inline __m512 exp_neg(__m512 x) {
    stream, not the sums, sets the pace. */
 #define ATT_AHEAD 4
 
+/* the cache's element types (a descriptor's kv_dtype; step/native.py's KV_DTYPES): fp32, or
+   16 bits a value (--kv-cache-dtype), half the bytes a slot streams */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+/* 16 values of a cache row at i as fp32 (the last partial chunk masked); kvt is a constant
+   where attend_chunk_impl is inlined, so each type's loop has its own loads */
+T_F INLINE __m512 load_kv(const char *p, int kvt, int64_t n, int64_t i) {
+    if (kvt == KV_F32) return load16((const float *)p, n, i);
+    const uint16_t *u = (const uint16_t *)p + i;
+    const __m256i b = n - i >= 16 ? _mm256_loadu_si256((const __m256i *)u)
+                                  : _mm256_maskz_loadu_epi16(MASK(n, i), u);
+    if (kvt == KV_F16) return _mm512_cvtph_ps(b);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); /* bf16 */
+}
+
+/* x rounded to the cache's type and stored at p[i], bit for bit as torch's .to(dtype) rounds:
+   to nearest, ties to even (c10's round_to_nearest_even for bf16, NaN as 0x7FC0) */
+T_F static inline void store_kv(char *p, int kvt, int64_t i, float x) {
+    if (kvt == KV_F32) {
+        ((float *)p)[i] = x;
+    } else if (kvt == KV_F16) {
+        ((uint16_t *)p)[i] = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+    } else {
+        union { float f; uint32_t u; } b = {x};
+        ((uint16_t *)p)[i] = x != x ? 0x7FC0 : (uint16_t)((b.u + 0x7FFF + ((b.u >> 16) & 1)) >> 16);
+    }
+}
+
 /* a slot holding position p, to a query at `position` (window win, 0: none) */
 static inline int visible(int64_t p, int64_t position, int64_t win) {
     return p >= 0 && p <= position && (win == 0 || p > position - win);
 }
 
-T_F static inline void prefetch_floats(const float *p, int64_t count) {
-    for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(p + i, 0, 3);
+T_F static inline void prefetch_bytes(const char *p, int64_t count) {
+    for (int64_t i = 0; i < count; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
 /* The Hq query heads (G per KV head) over slots [s0, s1): scores in sc (head h at sc + h n),
    part = m[Hq], l[Hq], o[Hq][hd] with o = sum_s e^(score_s - m) v_s. chunks = ceil(hd / 16)
-   <= 32 accumulators (a constant for head_dim 64 and 128). */
+   <= 32 accumulators (a constant for head_dim 64 and 128); kvt: the cache's type, a constant. */
 T_F static inline __attribute__((always_inline)) void attend_chunk_impl(
-    const float *q, int64_t Hq, int64_t Hkv, const float *kc, const float *vc, const int64_t *pc,
+    const float *q, int64_t Hq, int64_t Hkv, const char *kc, const char *vc, const int64_t *pc,
     int64_t hd, int64_t n, int64_t s0, int64_t s1, int64_t position, int64_t win, float *sc,
-    float *part, const int64_t chunks) {
+    float *part, const int64_t chunks, const int kvt) {
     const float scale = 1.0f / sqrtf((float)hd);
-    const int64_t G = Hq / Hkv, row = Hkv * hd;
+    const int64_t G = Hq / Hkv, es = kvt == KV_F32 ? 4 : 2, row = Hkv * hd * es; /* bytes */
     float *m = part, *l = part + Hq, *o = part + 2 * Hq;
     int any = 0; /* a visible key: else the chunk weighs 0 (merge_chunks), and nothing is summed */
     for (int64_t s = s0; s < s1 && !any; s++) any = visible(pc[s], position, win);
@@ -156,18 +185,19 @@ T_F static inline __attribute__((always_inline)) void attend_chunk_impl(
     for (int64_t s = s0; s < s1; s++) {
         const int ok = visible(pc[s], position, win);
         if (s + ATT_AHEAD < n) { /* rows of the cache only */
-            prefetch_floats(kc + (s + ATT_AHEAD) * row, row);
-            prefetch_floats(vc + (s + ATT_AHEAD) * row, row);
+            prefetch_bytes(kc + (s + ATT_AHEAD) * row, row);
+            prefetch_bytes(vc + (s + ATT_AHEAD) * row, row);
         }
         for (int64_t h = 0; h < Hq; h++) {
             if (!ok) {
                 sc[h * n + s] = -INFINITY;
                 continue;
             }
-            const float *k = kc + s * row + (h / G) * hd;
+            const char *k = kc + s * row + (h / G) * hd * es;
             __m512 acc = _mm512_setzero_ps();
             for (int64_t c = 0; c < chunks; c++)
-                acc = _mm512_fmadd_ps(load16(q + h * hd, hd, 16 * c), load16(k, hd, 16 * c), acc);
+                acc = _mm512_fmadd_ps(load16(q + h * hd, hd, 16 * c), load_kv(k, kvt, hd, 16 * c),
+                                      acc);
             sc[h * n + s] = _mm512_reduce_add_ps(acc) * scale;
         }
     }
@@ -190,28 +220,35 @@ T_F static inline __attribute__((always_inline)) void attend_chunk_impl(
         __m512 acc[32];
         for (int64_t c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
         for (int64_t s = s0; s < s1; s++) {
-            const float *v = vc + s * row + (h / G) * hd;
+            const char *v = vc + s * row + (h / G) * hd * es;
             const __m512 e = _mm512_set1_ps(sc[h * n + s]);
             for (int64_t c = 0; c < chunks; c++)
-                acc[c] = _mm512_fmadd_ps(e, load16(v, hd, 16 * c), acc[c]);
+                acc[c] = _mm512_fmadd_ps(e, load_kv(v, kvt, hd, 16 * c), acc[c]);
         }
         for (int64_t c = 0; c < chunks; c++)
             _mm512_mask_storeu_ps(o + h * hd + 16 * c, MASK(hd, 16 * c), acc[c]);
     }
 }
 
-/* head_dim 64 and 128 (most models) with the chunk count known: the accumulators stay in registers */
-T_F static void attend_chunk(const float *q, int64_t Hq, int64_t Hkv, const float *kc,
-                             const float *vc, const int64_t *pc, int64_t hd, int64_t n,
+/* head_dim 64 and 128 (most models) with the chunk count known: the accumulators stay in
+   registers; one loop per cache type */
+T_F static void attend_chunk(const float *q, int64_t Hq, int64_t Hkv, const char *kc,
+                             const char *vc, const int64_t *pc, int64_t hd, int64_t n,
                              int64_t s0, int64_t s1, int64_t position, int64_t win, float *sc,
-                             float *part) {
+                             float *part, int kvt) {
+#define IMPL(HD, CH, T) \
+    attend_chunk_impl(q, Hq, Hkv, kc, vc, pc, HD, n, s0, s1, position, win, sc, part, CH, T)
+#define BY_TYPE(HD, CH)                                                                    \
+    (kvt == KV_F16 ? IMPL(HD, CH, KV_F16) : kvt == KV_BF16 ? IMPL(HD, CH, KV_BF16) \
+                                                           : IMPL(HD, CH, KV_F32))
     if (hd == 64)
-        attend_chunk_impl(q, Hq, Hkv, kc, vc, pc, 64, n, s0, s1, position, win, sc, part, 4);
+        BY_TYPE(64, 4);
     else if (hd == 128)
-        attend_chunk_impl(q, Hq, Hkv, kc, vc, pc, 128, n, s0, s1, position, win, sc, part, 8);
+        BY_TYPE(128, 8);
     else
-        attend_chunk_impl(q, Hq, Hkv, kc, vc, pc, hd, n, s0, s1, position, win, sc, part,
-                          (hd + 15) / 16);
+        BY_TYPE(hd, (hd + 15) / 16);
+#undef BY_TYPE
+#undef IMPL
 }
 
 /* o (Hq hd): the chunks' parts merged in slot order. A chunk with no visible key (max -inf)
@@ -245,14 +282,14 @@ T_F static void merge_chunks(float *parts, int64_t nch, int64_t Hq, int64_t hd, 
 static void attend(const int64_t *d, const float *q, int64_t position, int64_t n, float *sc,
                    float *parts, float *o, int threads) {
     const int64_t Hq = d[F_heads], Hkv = d[F_kv_heads], hd = d[F_head_dim];
-    const float *kc = PTR(d, k_cache, const float), *vc = PTR(d, v_cache, const float);
+    const char *kc = PTR(d, k_cache, const char), *vc = PTR(d, v_cache, const char);
     const int64_t *pc = PTR(d, pos_cache, const int64_t);
     const int64_t nch = (n + ATT_CHUNK - 1) / ATT_CHUNK, stride = att_part(Hq, hd);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && nch >= 2)
     for (int64_t c = 0; c < nch; c++) {
         const int64_t s0 = c * ATT_CHUNK, s1 = s0 + ATT_CHUNK < n ? s0 + ATT_CHUNK : n;
         attend_chunk(q, Hq, Hkv, kc, vc, pc, hd, n, s0, s1, position, d[F_window], sc,
-                     parts + c * stride);
+                     parts + c * stride, (int)d[F_kv_dtype]);
     }
     merge_chunks(parts, nch, Hq, hd, o);
 }
@@ -330,7 +367,8 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
     for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, PTR(d, attention_norm, const float), D, eps, xn + t * D);
     rc |= PRODUCT(d, qkv, xn, qkv, S, nq, D, threads, work);
     const float *bias = PTR(d, qkv_bias, const float);
-    float *kc = PTR(d, k_cache, float), *vc = PTR(d, v_cache, float);
+    char *kc = PTR(d, k_cache, char), *vc = PTR(d, v_cache, char);
+    const int kvt = (int)d[F_kv_dtype];
     /* slots of distinct tokens differ while S <= cap: the writes are then any thread's */
 #pragma omp parallel for schedule(static) num_threads(threads) if (par && S <= cap)
     for (int64_t t = 0; t < S; t++) {
@@ -340,7 +378,8 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
         rope(q, Hq, hd, c + t * half, s + t * half, (int)d[F_rope_half]);
         rope(k, Hkv, hd, c + t * half, s + t * half, (int)d[F_rope_half]);
         const int64_t slot = (position + t) % cap;
-        for (int64_t i = 0; i < Hkv * hd; i++) kc[slot * Hkv * hd + i] = k[i], vc[slot * Hkv * hd + i] = v[i];
+        for (int64_t i = 0; i < Hkv * hd; i++)
+            store_kv(kc, kvt, slot * Hkv * hd + i, k[i]), store_kv(vc, kvt, slot * Hkv * hd + i, v[i]);
         PTR(d, pos_cache, int64_t)[slot] = position + t;
     }
     attend_tokens(d, qkv, nq, position, S, n, sc, o, threads);

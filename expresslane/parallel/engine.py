@@ -58,6 +58,7 @@ class ParallelEngine(Engine):
         prefill_chunk: int = 2048,
         role: str = "spmd",
         prefix_reuse: bool = True,
+        kv_cache_dtype: str = "auto",
     ):
         if role not in ROLES:
             raise ValueError(f"role {role!r}: expected one of {ROLES}")
@@ -65,7 +66,8 @@ class ParallelEngine(Engine):
         # the single-device decode graph (sampler inside the step) has no place for. No prefill
         # warm-up: a prefill exchanges too, and this rank's exchange is not set up yet.
         super().__init__(model, max_model_len, prefill_chunk, decode="eager",
-                         prefix_reuse=prefix_reuse, prefill_warmup=False)  # fmt: skip
+                         prefix_reuse=prefix_reuse, prefill_warmup=False,
+                         kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         self.cfg = model.global_cfg
         self.ex, self.place, self.role = model.exchange, model.place, role
         self.lost: GroupLostError | None = None

@@ -194,6 +194,7 @@ def load_engine(args: argparse.Namespace, device: str | None = None):
         max_model_len=args.max_model_len,
         role=_ROLE["role"],
         prefix_reuse=not getattr(args, "no_prefix_reuse", False),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
     return engine, Tokenizer.from_dir(path)
 

@@ -46,6 +46,8 @@ except ImportError:  # not built (no compiler at install time): the compiled Pyt
     _native = None
 
 DEQUANT_DTYPES = (torch.float32, torch.bfloat16)  # what csrc's el_dequant writes
+# the cache types cpu_layer.c reads and writes (its kv_dtype codes; --kv-cache-dtype)
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # formats whose products can take x at llama.cpp's precision (csrc/cpu_kernels.h's lowp): GGUF's
 # block formats (8 bits a value, a scale per 32-value block) and bf16 (x rounded to bf16)
 LOWP_FORMATS = frozenset({*GGUF_FORMATS, "bfloat16"})
@@ -188,7 +190,7 @@ class NativeStep:
             and cfg.num_lanes == 1
             and cfg.lm_head_type == "replicate"
             and (cfg.num_heads // cfg.num_kv_heads) * -(-cfg.head_dim // 16) <= 32  # registers
-            and all(k.dtype == torch.float32 and k.device.type == "cpu" for k in cache.k)
+            and all(k.dtype in KV_DTYPES and k.device.type == "cpu" for k in cache.k)
         )
 
     def __init__(self, weights: PackedWeights, cfg: ModelConfig, inv_freq: torch.Tensor,
@@ -223,6 +225,7 @@ class NativeStep:
             dim=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.intermediate_size, cap=c.k[i].shape[0],
             window=cfg.window(i) or 0, rope_half=int(cfg.rope_style == "half"),
+            kv_dtype=KV_DTYPES[c.k[i].dtype],
         )  # fmt: skip
         for name, m in (("qkv", w.wqkv), ("wo", w.wo), ("w13", w.w13), ("w2", w.w2)):
             pieces = m.pieces  # up to three row ranges, each in its own format
