@@ -171,6 +171,10 @@ class Worker:
         self.mean_job_s = 1.0  # moving average of a job's time on the engine (Retry-After)
         self.metrics.capture_seconds.set(getattr(engine, "capture_s", 0.0))
         self.metrics.warmup_seconds.set(getattr(engine, "warmup_s", 0.0))
+        cache = getattr(engine, "cache", None)
+        if cache is not None:  # --kv-cache-dtype as loaded
+            dtype = str(cache.k[0].dtype).removeprefix("torch.")
+            self.metrics.cache_config(dtype, cache.max_len, cache.nbytes)
         self._thread = threading.Thread(target=self._loop, name="expresslane-engine", daemon=True)
         self._thread.start()
 

@@ -215,6 +215,13 @@ def test_tokenizer_routes(server):
 
 
 # --- metrics ----------------------------------------------------------------------------------
+def test_metrics_name_the_kv_cache_as_loaded(server):
+    """vLLM's cache_config_info: a 1 labelled with the cache's dtype and context, and its bytes."""
+    m = metrics(server)
+    assert metric(m, "cache_config_info", cache_dtype="float32", max_model_len=CTX) == 1
+    assert metric(m, "kv_cache_bytes") == server.engine.cache.nbytes > 0
+
+
 def test_metrics_count_a_request(server):
     before = metrics(server)
     post(server, "/v1/completions", dict(prompt=[5, 6, 7, 8], max_tokens=4, ignore_eos=True))
