@@ -143,8 +143,9 @@ class Metrics:
     def cache_config(self, cache_dtype: str, max_model_len: int, nbytes: int) -> None:
         """The KV cache as loaded: vLLM's `cache_config_info` (a 1 labelled with its config) and
         its bytes."""
+        labels = ["cache_dtype", "max_model_len", "model_name"]  # sorted, as exposed
         info = Gauge(PREFIX + "cache_config_info", "The KV cache's configuration (labels).",
-                     ["cache_dtype", "max_model_len", "model_name"], registry=self.registry)  # fmt: skip
+                     labels, registry=self.registry)  # fmt: skip
         info.labels(cache_dtype, str(max_model_len), self.model_name).set(1)
         size = Gauge(PREFIX + "kv_cache_bytes", "Bytes of keys and values allocated at load.",
                      ["model_name"], registry=self.registry)  # fmt: skip
