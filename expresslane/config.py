@@ -312,6 +312,11 @@ GREEDY_TEMPERATURE = 1e-5
 FP32_MAX = 3.4028234663852886e38
 
 
+# SamplingParams' logits adjustments (sampler.Penalties), by the name the API gives each
+ADJUSTMENTS = ("logit_bias", "min_tokens", "repetition_penalty", "frequency_penalty",
+               "presence_penalty")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -326,10 +331,22 @@ class SamplingParams:
     skip_special_tokens: bool = True  # vLLM's default: special tokens never reach the text
     spaces_between_special_tokens: bool = True
     grammar: Any = None  # a compiled grammar.Grammar: decoding is constrained to it
+    # vLLM's logits adjustments (sampler.Penalties), applied before temperature in this order:
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's {token id: bias}, as pairs
+    min_tokens: int = 0  # the end-of-text and stop ids masked until this many tokens
+    repetition_penalty: float = 1.0  # prompt and output tokens: positive logits / p, others * p
+    frequency_penalty: float = 0.0  # output tokens: minus this times their count
+    presence_penalty: float = 0.0  # output tokens: minus this once
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Any of the penalties, logit_bias or min_tokens away from its neutral value."""
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0
+                    or self.frequency_penalty or self.presence_penalty)  # fmt: skip
 
     def validate(self) -> None:
         def check(ok: bool, param: str, rule: str) -> None:
@@ -359,3 +376,24 @@ class SamplingParams:
             "logprobs",
             "must be an integer in [0, 20]",
         )
+        self._validate_adjustments(check)
+
+    def _validate_adjustments(self, check) -> None:
+        """vLLM's and OpenAI's ranges; token ids against the vocabulary: Engine.check_logit_bias."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            check(_number(v) and -2.0 <= v <= 2.0, name, "must be a number in [-2, 2]")
+        r = self.repetition_penalty
+        check(_number(r) and 0.0 < r <= FP32_MAX, "repetition_penalty",
+              "must be a finite number > 0 (1: off)")  # fmt: skip
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+              "min_tokens", "must be an integer in [0, max_tokens]")  # fmt: skip
+        rule = "maps token ids (integers >= 0) to biases in [-100, 100]"
+        for tok, bias in self.logit_bias:
+            ok = isinstance(tok, int) and tok >= 0 and _number(bias) and -100 <= bias <= 100
+            check(ok, "logit_bias", rule)
+
+
+
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)

@@ -22,12 +22,12 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .cache import KVCache, cache_dtype
-from .config import ModelConfig, SamplingParams
+from .config import ADJUSTMENTS, ModelConfig, SamplingParams
 from .errors import RequestError
 from .generation import Stats, Step
 from .model import Laneformer
 from .prefix import PrefixReuse
-from .sampler import make_generator, sample
+from .sampler import Penalties, make_generator, sample
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.drafting import SpeculativeConfig
 from .step.captures import Captures
@@ -46,6 +46,7 @@ PREPARED = (SamplingParams(), SamplingParams(temperature=1.0),
 
 class Engine:
     grammars = True  # constrained decoding (structured.py) runs on this engine
+    adjusts_logits = True  # penalties, logit_bias and min_tokens (sampler.Penalties)
 
     def __init__(
         self,
@@ -230,6 +231,25 @@ class Engine:
                 param="prompt",
             )
 
+    def check_sampling(self, params: SamplingParams) -> None:
+        """What SamplingParams.validate cannot know: logit_bias's ids against this vocabulary,
+        and the logits adjustments' combinations. Decided: with a grammar they are refused
+        (its forced tokens and checked drafts would have to be counted as picks), and so on an
+        engine without them (the vocab-parallel pick)."""
+        if not params.adjusts_logits:
+            return
+        neutral = SamplingParams()
+        name = next(n for n in ADJUSTMENTS if getattr(params, n) != getattr(neutral, n))
+        if not self.adjusts_logits:
+            raise RequestError(f"{name}: not supported by this engine (several devices)", name)
+        if params.grammar is not None:
+            raise RequestError(f"{name}: not supported together with structured output", name)
+        V = self.cfg.vocab_size
+        bad = [t for t, _ in params.logit_bias if t >= V]
+        if bad:
+            why = f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})"
+            raise RequestError(why, "logit_bias")
+
     def stop_ids(self, params: SamplingParams) -> set[int]:
         eos = set() if params.ignore_eos else set(self.cfg.eos_token_ids)
         return eos | set(params.stop_token_ids)
@@ -285,6 +305,7 @@ class Engine:
     ) -> Iterator[Step]:
         params.validate()
         self.check_prompt(prompt_ids)
+        self.check_sampling(params)
         if params.grammar is not None and not self.grammars:
             msg = "structured output: not supported by this engine (several devices) yet"
             raise RequestError(msg, param="response_format")
@@ -293,18 +314,25 @@ class Engine:
         stops = self.stop_ids(params)
         gen = make_generator(params, self.device)
         self.stats = st = Stats(prompt_tokens=len(prompt_ids))
-        if self.speculator is not None:
-            self.speculator.begin(st.extra)
+        # penalties and the like: each pick on the logits after the step's forward, which a
+        # captured graph's pick and a verify's accepted drafts would skip (neither is used)
+        pen = None
+        if params.adjusts_logits:
+            pen = Penalties(params, prompt_ids, self.cfg.vocab_size, stops, self.device)
+        spec = self.speculator if pen is None else None
+        if spec is not None:
+            spec.begin(st.extra)
         if budget == 0:
             st.finish_reason = "length"
             return
-        use_graph = self.decode == "graph" and params.logprobs is None and params.grammar is None
+        use_graph = (self.decode == "graph" and params.logprobs is None and params.grammar is None
+                     and pen is None)  # fmt: skip
         graph = self.captures.graph_for(params) if use_graph else None  # may compile: no clock yet
         # logprobs on the split graphs (step/split.py): the forward, then a pick that computes
         # the logprobs in the same replay (the first token's come from the prefill's logits)
         lp_pick = None
         if (params.logprobs is not None and params.grammar is None and self.speculator is None
-                and self.split_steps is not None):  # fmt: skip
+                and self.split_steps is not None and pen is None):  # fmt: skip
             lp_pick = self.split_steps.pick_graph(params, masked=False)
         t0 = time.perf_counter()
         if graph is not None:
@@ -330,6 +358,10 @@ class Engine:
                     lp_pick.launch()
                     tok, lp_logits = lp_pick.token(), None
                     lps = lp_pick.logprobs()
+                elif pen is not None:  # logprobs from the model's logits, as vLLM's default
+                    tok, _ = self._pick(pen.apply(logits), params, gen)
+                    lp_logits = logits if params.logprobs is not None else None
+                    pen.advance(tok)
                 else:
                     tok, lp_logits = self._pick(logits, params, gen)
                 step = self.make_step(tok, lp_logits, params, stops, i == budget - 1, t0, lps)
@@ -340,7 +372,7 @@ class Engine:
                 if not self._go_on(cancel):
                     st.finish_reason, over = "abort", True
                     return
-                if graph is not None or self.speculator is not None or stream is not None:
+                if graph is not None or spec is not None or stream is not None:
                     if stream is None:
                         stream = self._stream(
                             prompt_ids, step.token, params, gen, budget - 1, graph

@@ -1,5 +1,6 @@
 """Logits -> next token on the model's device: greedy, temperature, top-k, top-p, min-p, and
-a grammar's token mask (packed bits in a static buffer, `apply_token_mask`).
+a grammar's token mask (packed bits in a static buffer, `apply_token_mask`); before them, a
+request's logit_bias, min_tokens and penalties (`Penalties`, with its counts on the device).
 
 Sampling draws with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals a
 multinomial draw and needs no host round trip; the noise comes from a per-request
@@ -53,6 +54,54 @@ class SamplerKnobs:
         self.temperature.fill_(1.0 if params.greedy else params.temperature)
         self.top_p.fill_(params.top_p)
         self.min_p.fill_(params.min_p)
+
+
+class Penalties:
+    """One request's logits adjustments, vLLM's in vLLM's order: logit_bias, then min_tokens
+    (end-of-text and stop ids at -inf until that many tokens), then the repetition penalty
+    (tokens of the prompt or the output: a positive logit divided by it, another multiplied,
+    as transformers' RepetitionPenaltyLogitsProcessor), then the frequency penalty (times each
+    output token's count) and the presence penalty (once per output token), all before the
+    temperature. The counts live on the logits' device and `advance` adds a picked token there,
+    so a step needs no host copy of them."""
+
+    def __init__(self, params: SamplingParams, prompt_ids, vocab_size: int, stop_ids,
+                 device: torch.device):  # fmt: skip
+        self.params, self.generated = params, 0
+        self.counts = torch.zeros(vocab_size, device=device)  # each output token's count
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # prompt or output
+        if params.repetition_penalty != 1.0 and len(prompt_ids):
+            self.seen[torch.tensor(list(prompt_ids), device=device)] = True
+        self.bias = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias, strict=True)
+            self.bias = torch.zeros(vocab_size, device=device)
+            self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
+        stops = sorted(t for t in stop_ids if 0 <= t < vocab_size)
+        self.stops = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (..., V) -> adjusted fp32 logits (a new tensor)."""
+        p, x = self.params, logits.float()
+        if self.bias is not None:
+            x = x + self.bias
+        if self.generated < p.min_tokens and self.stops is not None:
+            x = x.index_fill(-1, self.stops, float("-inf"))
+        if p.repetition_penalty != 1.0:
+            r = p.repetition_penalty
+            x = torch.where(self.seen, torch.where(x > 0, x / r, x * r), x)
+        if p.frequency_penalty:
+            x = x - p.frequency_penalty * self.counts
+        if p.presence_penalty:
+            x = x - p.presence_penalty * (self.counts > 0)
+        return x
+
+    def advance(self, token: torch.Tensor | int) -> None:
+        """Count a picked token (a device tensor: no host copy)."""
+        t = torch.as_tensor(token, device=self.counts.device).view(1)
+        self.counts.index_add_(0, t, torch.ones(1, device=self.counts.device))
+        self.seen.index_fill_(0, t, True)
+        self.generated += 1
 
 
 def apply_token_mask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:

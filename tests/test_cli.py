@@ -169,6 +169,10 @@ def test_bad_checkpoints_exit_2_with_one_line(broken, capsys, kind, words):
         (["--devices", "0"], "--devices 0"),
         (["--logprobs", "21"], "logprobs"),
         (["--kv-cache-dtype", "fp8"], "kv-cache-dtype"),
+        (["--frequency-penalty", "3"], "--frequency-penalty=3"),
+        (["--logit-bias", '{"x": 1}'], "--logit-bias: expected a JSON object"),
+        (["--logit-bias", '{"100000": 1}'], "logit_bias: token id 100000 is outside"),
+        (["--min-tokens", "9", "--max-tokens", "4"], "--min-tokens=9"),
     ],
 )
 def test_bad_flags_exit_2(random_laneformer_dir, capsys, argv, word):
@@ -258,6 +262,25 @@ def test_run_json_names_the_kv_cache_dtype(random_laneformer_dir, capsys, flags,
     code, out, _ = _run(capsys, *argv, "--device", "cpu", *flags)
     res = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and res["kv_cache_dtype"] == kv and res["completion_tokens"] == 3
+
+
+def test_run_takes_the_penalties_and_logit_bias(random_laneformer_dir, capsys):
+    """The CLI's flags reach the sampler: run's tokens are the engine's with the same params."""
+    argv = ["run", str(random_laneformer_dir), "--prompt", "x y z", "--max-tokens", "12",
+            "--json", "--device", "cpu", "--ignore-eos"]  # fmt: skip
+    flags = ["--repetition-penalty", "1.4", "--presence-penalty", "0.5", "--logit-bias",
+             '{"7": 3.5}']  # fmt: skip
+    code, out, _ = _run(capsys, *argv, *flags)
+    got = json.loads(out.strip().splitlines()[-1])
+    assert code == 0
+    engine = Engine.from_pretrained(str(random_laneformer_dir), device="cpu", progress=False)
+    ids = Tokenizer.from_dir(random_laneformer_dir).encode("x y z")
+    params = SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.4,
+                            presence_penalty=0.5, logit_bias=((7, 3.5),))  # fmt: skip
+    assert got["token_ids"] == list(engine.generate(ids, params))
+    assert got["token_ids"] != list(
+        engine.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    )
 
 
 def test_fetch_prints_the_cached_path_offline(tmp_path, monkeypatch, capsys):

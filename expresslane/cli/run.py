@@ -152,6 +152,21 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="prompt and output tokens' positive logits divided by it, others "
+                   "multiplied (1: off)")  # fmt: skip
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="minus this times an output token's count, in [-2, 2]")  # fmt: skip
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="minus this once an output token appeared, in [-2, 2]")  # fmt: skip
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="no end of text or stop id before this many tokens")  # fmt: skip
+    p.add_argument(
+        "--logit-bias",
+        default=None,
+        metavar="JSON",
+        help="token id -> bias in [-100, 100], as OpenAI's: '{\"50\": -100}'",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -181,12 +196,30 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         logprobs=getattr(args, "logprobs", None),
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        min_tokens=args.min_tokens,
+        logit_bias=logit_bias_from(args.logit_bias),
     )
     try:
         params.validate()
     except Exception as e:  # RequestError names the parameter; on the CLI it is a flag
         raise ConfigError(f"--{str(e).replace('_', '-')}") from None
     return params
+
+
+def logit_bias_from(text: str | None) -> tuple[tuple[int, float], ...]:
+    """--logit-bias's JSON object as (token id, bias) pairs (exit 2 naming the flag)."""
+    if text is None:
+        return ()
+    why = "--logit-bias: expected a JSON object of token ids to numbers, e.g. '{\"50\": -100}'"
+    try:
+        bias = json.loads(text)
+        pairs = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
+    except (ValueError, TypeError, AttributeError):
+        raise ConfigError(why) from None
+    return pairs
 
 
 def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:

@@ -50,6 +50,7 @@ ROLES = ("spmd", "lead", "follow")
 
 class ParallelEngine(Engine):
     grammars = False  # the vocab-parallel pick takes no token mask yet
+    adjusts_logits = False  # nor a request's penalties (its logits are this rank's share)
 
     def __init__(
         self,

@@ -154,8 +154,14 @@ class Preparer:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             grammar=grammar,
+            logit_bias=req.bias_pairs(),
+            min_tokens=req.min_tokens or 0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
         )
         params.validate()
+        self.engine.check_sampling(params)
         return params
 
     # --- the routes' work -----------------------------------------------------------------

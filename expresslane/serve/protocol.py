@@ -108,6 +108,12 @@ class _SamplingRequest(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: Bool = False
+    # vLLM's logits adjustments (sampler.Penalties); null means the neutral value, as OpenAI's
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0)
+    min_tokens: Int | None = Field(None, ge=0)
+    logit_bias: dict[str, Float] | None = None  # {"token id": bias in [-100, 100]}
     n: Int = Field(1, ge=1, le=MAX_N)
     stream: Bool = False
     skip_special_tokens: Bool = True  # vLLM's: special tokens are left out of the text
@@ -120,6 +126,15 @@ class _SamplingRequest(_Request):
         if v is not None and not SEED_MIN <= v <= SEED_MAX:
             raise ValueError(f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
         return v
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias's keys as token ids (OpenAI sends them as strings)."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise RequestError(f"logit_bias: key {key!r} is not a token id", "logit_bias")
+            pairs.append((int(key), bias))
+        return tuple(sorted(pairs))
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

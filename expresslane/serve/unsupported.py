@@ -3,7 +3,7 @@
 Ignoring them would return an answer the client did not ask for (free text instead of the JSON
 its `response_format` demands, no tool call although `tools` were given), so each is refused
 with a 400 naming it, unless it carries its neutral value (what the client would get without
-sending it: `logit_bias: {}`, `presence_penalty: 0`, `tools: []`, ...). Fields that are unknown
+sending it: `best_of: 1`, `suffix: ""`, `tools: []`, ...). Fields that are unknown
 altogether are still ignored, as vLLM does: lm-eval forwards leftover generation kwargs.
 
 Implementing one of them means deleting its line here.
@@ -39,11 +39,6 @@ def _false(v: Any) -> bool:
 Neutral = Callable[[Any], bool]
 
 SAMPLING: dict[str, Neutral] = {
-    "logit_bias": _absent,
-    "presence_penalty": _zero,
-    "frequency_penalty": _zero,
-    "repetition_penalty": _one,
-    "min_tokens": _zero,
     "best_of": _one,
     "prompt_logprobs": lambda v: v is None,
     "include_stop_str_in_output": _false,
@@ -94,8 +89,7 @@ def _only(*values: Any) -> dict:
 
 
 SCHEMAS: dict[str, dict] = {
-    "logit_bias": _ABSENT, "presence_penalty": _only(0), "frequency_penalty": _only(0),
-    "repetition_penalty": _only(1), "min_tokens": _only(0), "best_of": _only(1),
+    "best_of": _only(1),
     "prompt_logprobs": _NULL, "include_stop_str_in_output": _only(False),
     "return_tokens_as_token_ids": _only(False), "truncate_prompt_tokens": _NULL,
     "priority": _only(0), "suffix": _ABSENT, "functions": _ABSENT,

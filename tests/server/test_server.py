@@ -215,6 +215,19 @@ def test_tokenizer_routes(server):
 
 
 # --- metrics ----------------------------------------------------------------------------------
+def test_penalties_and_logit_bias_give_the_engines_tokens(server):
+    """vLLM's fields reach the sampler: the server's greedy text equals the engine's with the
+    same adjustments (OpenAI's string keys for logit_bias), and the adjustments change it."""
+    ids = server.tok.encode("the quick brown fox")
+    fields = dict(frequency_penalty=0.8, presence_penalty=0.3, repetition_penalty=1.2,
+                  min_tokens=4)  # fmt: skip
+    bias = {str(ids[-1]): -100, "5": 7.5}
+    r = post(server, "/v1/completions", dict(prompt=ids, max_tokens=24, temperature=0,
+                                              logit_bias=bias, **fields))  # fmt: skip
+    want = greedy(server, ids, 24, logit_bias=((5, 7.5), (ids[-1], -100.0)), **fields)
+    assert r["choices"][0]["text"] == want != greedy(server, ids, 24)
+
+
 def test_metrics_name_the_kv_cache_as_loaded(server):
     """vLLM's cache_config_info: a 1 labelled with the cache's dtype and context, and its bytes."""
     m = metrics(server)

@@ -218,10 +218,22 @@ def test_body_not_sent_as_json_is_415(server, path, ctype):
     )
 
 
-UNIMPLEMENTED = [(C, "logit_bias", {"50": 100}), (C, "suffix", "end"),
-                 (C, "presence_penalty", 0.5), (C, "best_of", 3), (C, "prompt_logprobs", 1),
-                 (CH, "frequency_penalty", -1), (CH, "min_tokens", 4),
+UNIMPLEMENTED = [(C, "suffix", "end"), (C, "best_of", 3), (C, "prompt_logprobs", 1),
                  (CH, "functions", [{"name": "f"}])]  # fmt: skip
+# the logits adjustments out of range or malformed: a 400 naming each (test_penalties.py has
+# what they do)
+BAD_ADJUSTMENTS = [(C, "logit_bias", {"50": 100.5}), (C, "logit_bias", {"x": 1}),
+                   (C, "logit_bias", {"99999999": 1}), (C, "presence_penalty", 2.5),
+                   (CH, "frequency_penalty", "much"), (CH, "repetition_penalty", 0),
+                   (CH, "min_tokens", -1), (C, "min_tokens", 5)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "field", "value"), BAD_ADJUSTMENTS)
+def test_bad_logits_adjustments_are_400_naming_them(server, path, field, value):
+    base = {"prompt": "x"} if path == C else {"messages": USER}
+    r = httpx.post(server.url + path, json={**base, field: value, "max_tokens": 1})
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (400, field) and field in err["message"]
 
 
 @pytest.mark.parametrize(("path", "field", "value"), UNIMPLEMENTED)
@@ -233,7 +245,8 @@ def test_unimplemented_fields_are_400_naming_them(server, path, field, value):
 
 
 def test_neutral_values_of_unimplemented_fields_are_accepted(server):
-    neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "best_of": 1,
+    neutral = {"logit_bias": {}, "presence_penalty": None, "frequency_penalty": 0.0, "best_of": 1,
+               "repetition_penalty": None, "min_tokens": 0,
                "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
                "user": "me", "some_unknown_field": [1]}  # fmt: skip
     r = httpx.post(server.url + CH, json={"messages": USER, "max_tokens": 1, **neutral})

@@ -1,0 +1,189 @@
+"""A request's logits adjustments (sampler.Penalties): logit_bias, min_tokens, and the
+repetition, frequency and presence penalties, against references written apart.
+
+- One adjustment at a time and all together, on random logits: the formulas of the OpenAI and
+  vLLM docs written element by element, and transformers' RepetitionPenaltyLogitsProcessor.
+- Through the engine (the C step, the Python layers with lanes, the eager forward): greedy
+  tokens equal a cache-free loop over the model's forward with the reference adjustments; a
+  speculating engine gives the same tokens (the request runs without drafts).
+- min_tokens holds off the end of text; a bias of -100 keeps a token out of sampled text.
+- What cannot work is refused naming the field: out-of-range values, an id outside the
+  vocabulary, an adjustment with structured output or on an engine without them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import tiny
+import torch
+from test_packed_step import llama
+
+from expresslane.config import SamplingParams
+from expresslane.engine import Engine
+from expresslane.errors import RequestError
+from expresslane.sampler import Penalties
+from expresslane.speculative.drafting import SpeculativeConfig
+from expresslane.weights.packing import pack_model
+
+PROMPT = [1, 7, 9, 30, 11, 12, 40, 3, 5]
+
+
+def reference(logits: list[float], prompt, output, p: SamplingParams, stops) -> list[float]:
+    """The adjustments as the docs state them, one logit at a time (vLLM's order)."""
+    bias = dict(p.logit_bias)
+    out = []
+    for j, x in enumerate(logits):
+        x += bias.get(j, 0.0)
+        if len(output) < p.min_tokens and j in stops:
+            x = float("-inf")
+        if p.repetition_penalty != 1.0 and (j in prompt or j in output):
+            x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        c = output.count(j)
+        x -= p.frequency_penalty * c + p.presence_penalty * (c > 0)
+        out.append(x)
+    return out
+
+
+ADJUSTED = {
+    "logit_bias": SamplingParams(logit_bias=((3, 5.5), (17, -100.0), (40, 0.25))),
+    "min_tokens": SamplingParams(min_tokens=6),
+    "repetition": SamplingParams(repetition_penalty=1.7),
+    "repetition<1": SamplingParams(repetition_penalty=0.6),
+    "frequency": SamplingParams(frequency_penalty=0.9),
+    "presence": SamplingParams(presence_penalty=-1.25),
+    "all": SamplingParams(
+        logit_bias=((2, 3.0), (9, -2.0)),
+        min_tokens=3,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.7,
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", list(ADJUSTED))
+def test_each_adjustment_is_the_documented_formula(name):
+    p, V, stops = ADJUSTED[name], 50, {2, 9}
+    rng = random.Random(name)
+    pen = Penalties(p, PROMPT, V, stops, torch.device("cpu"))
+    output = []
+    for _ in range(8):  # a sequence with repeats: counts above 1
+        logits = [rng.uniform(-6, 6) for _ in range(V)]
+        got = pen.apply(torch.tensor(logits)).tolist()
+        want = reference(logits, PROMPT, output, p, stops)
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-5)
+        tok = rng.choice([3, 7, 9, 9, 30, 44])
+        pen.advance(torch.tensor(tok))
+        output.append(tok)
+
+
+def test_the_repetition_penalty_is_transformers_processors():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    p = SamplingParams(repetition_penalty=1.45)
+    pen = Penalties(p, PROMPT, 64, set(), torch.device("cpu"))
+    for t in (5, 60, 5):
+        pen.advance(t)
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(0)) * 4
+    seen = torch.tensor([[*PROMPT, 5, 60, 5]])
+    want = RepetitionPenaltyLogitsProcessor(1.45)(seen, logits.clone())
+    torch.testing.assert_close(pen.apply(logits[0]), want[0])
+
+
+def untied_llama():
+    """One lane, varied greedy text with repeats (the penalties change it), C-packed."""
+    model = llama(seed=4, tie_word_embeddings=False)
+    pack_model(model, "float32")
+    return model
+
+
+MODELS = {"c-step": untied_llama, "lanes": lambda: tiny.laneformer(seed=3)}
+
+
+def reference_greedy(model, p: SamplingParams, n: int) -> list[int]:
+    seq, out = list(PROMPT), []
+    stops = set() if p.ignore_eos else set(model.cfg.eos_token_ids)  # as vLLM's min_tokens
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq]))[0, -1].tolist()
+            adj = reference(logits, PROMPT, out, p, stops)
+            tok = max(range(len(adj)), key=adj.__getitem__)
+            seq.append(tok)
+            out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("name", ["repetition", "frequency", "presence", "all"])
+def test_greedy_tokens_are_the_reference_loops(model_name, name):
+    model = MODELS[model_name]()
+    p = ADJUSTED[name]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logit_bias=p.logit_bias,
+                            min_tokens=p.min_tokens, repetition_penalty=p.repetition_penalty,
+                            frequency_penalty=p.frequency_penalty,
+                            presence_penalty=p.presence_penalty)  # fmt: skip
+    want = reference_greedy(model, params, 20)
+    plain = list(
+        Engine(model, max_model_len=64).generate(
+            PROMPT, SamplingParams(max_tokens=20, ignore_eos=True)
+        )
+    )
+    assert want != plain  # the adjustment changes this text
+    for decode in ("graph", "eager"):  # graph: the CLI's CPU default, the packed step
+        engine = Engine(model, max_model_len=64, decode=decode)
+        assert list(engine.generate(PROMPT, params)) == want, (decode, engine.step_name)
+    spec = Engine(model, max_model_len=64, decode="graph", speculative=SpeculativeConfig(4, 3, 1))
+    assert list(spec.generate(PROMPT, params)) == want
+
+
+def test_min_tokens_holds_off_the_end_of_text():
+    model = untied_llama()
+    eos = model.cfg.eos_token_ids[0]
+    engine = Engine(model, max_model_len=64, decode="graph")
+    rush = ((eos, 100.0),)  # the end of text is the argmax at every step
+    assert list(engine.generate(PROMPT, SamplingParams(max_tokens=9, logit_bias=rush))) == [eos]
+    held = list(engine.generate(PROMPT, SamplingParams(max_tokens=9, logit_bias=rush,
+                                                       min_tokens=5)))  # fmt: skip
+    assert len(held) == 6 and held[-1] == eos and eos not in held[:5]
+    assert engine.stats.finish_reason == "stop"
+
+
+def test_a_bias_of_minus_100_keeps_a_token_out_of_sampled_text():
+    model = tiny.laneformer(seed=3)
+    engine = Engine(model, max_model_len=96)
+    base = SamplingParams(max_tokens=80, temperature=1.5, seed=11, ignore_eos=True)
+    free = list(engine.generate(PROMPT, base))
+    banned = max(set(free), key=free.count)  # the free text's most frequent token
+    kw = {**base.__dict__, "logit_bias": ((banned, -100.0),)}
+    biased = list(engine.generate(PROMPT, SamplingParams(**kw)))
+    assert banned not in biased and biased == list(engine.generate(PROMPT, SamplingParams(**kw)))
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(frequency_penalty=2.5), "frequency_penalty"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(min_tokens=30, max_tokens=20), "min_tokens"),
+        (dict(logit_bias=((4, 100.5),)), "logit_bias"),
+        (dict(logit_bias=((67, 1.0),)), "logit_bias"),  # the vocabulary is [0, 67)
+    ],
+)
+def test_values_out_of_range_are_refused_naming_the_field(kw, field):
+    engine = Engine(untied_llama(), max_model_len=64)
+    with pytest.raises(RequestError) as err:
+        list(engine.generate(PROMPT, SamplingParams(**kw)))
+    assert err.value.param == field and field in str(err.value)
+
+
+def test_with_structured_output_or_without_support_they_are_refused(monkeypatch):
+    engine = Engine(untied_llama(), max_model_len=64)
+    p = SamplingParams(presence_penalty=0.5, grammar=object())
+    with pytest.raises(RequestError, match="presence_penalty: not supported together"):
+        engine.check_sampling(p)
+    monkeypatch.setattr(engine, "adjusts_logits", False)
+    with pytest.raises(RequestError, match="min_tokens: not supported by this engine"):
+        engine.check_sampling(SamplingParams(min_tokens=2))
