@@ -187,3 +187,24 @@ def test_with_structured_output_or_without_support_they_are_refused(monkeypatch)
     monkeypatch.setattr(engine, "adjusts_logits", False)
     with pytest.raises(RequestError, match="min_tokens: not supported by this engine"):
         engine.check_sampling(SamplingParams(min_tokens=2))
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])],
+)  # fmt: skip
+def test_the_steps_pick_with_penalties_is_the_forwards_on_each_device(device):
+    """The decode path of the device (on a GPU the fused step, its forward captured) and the
+    model's own forward give the same adjusted tokens, greedy and seeded."""
+    model = tiny.laneformer(seed=3).to(device)
+    p = ADJUSTED["all"]
+    for temperature in (0.0, 0.9):
+        params = SamplingParams(max_tokens=16, temperature=temperature, seed=5, ignore_eos=True,
+                                logit_bias=p.logit_bias, min_tokens=p.min_tokens,
+                                repetition_penalty=p.repetition_penalty,
+                                frequency_penalty=p.frequency_penalty,
+                                presence_penalty=p.presence_penalty)  # fmt: skip
+        step = Engine(model, max_model_len=64, decode="graph")
+        eager = Engine(model, max_model_len=64, decode="eager")
+        assert list(step.generate(PROMPT, params)) == list(eager.generate(PROMPT, params))
