@@ -35,12 +35,12 @@ def stream_text(
     stops = engine.stop_ids(params)
     steps = engine.generate_steps(prompt_ids, params, cancel)
     try:
-        for step in steps:
+        for n, step in enumerate(steps, 1):
             special = step.token in stops and step.finish_reason == "stop"
             text = "" if special else detok.push(step.token)
             if step.finish_reason:
                 text += detok.flush()
-            emit, stopped = matcher.push(text)
+            emit, stopped = matcher.push(text, armed=n > params.min_tokens)  # vLLM's rule
             if stopped:
                 step.finish_reason = engine.stats.finish_reason = "stop"
                 yield emit, step

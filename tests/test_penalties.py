@@ -25,6 +25,8 @@ from expresslane.engine import Engine
 from expresslane.errors import RequestError
 from expresslane.sampler import Penalties
 from expresslane.speculative.drafting import SpeculativeConfig
+from expresslane.textgen import stream_text
+from expresslane.tokenizer import StopStringMatcher, Tokenizer
 from expresslane.weights.packing import pack_model
 
 PROMPT = [1, 7, 9, 30, 11, 12, 40, 3, 5]
@@ -208,3 +210,23 @@ def test_the_steps_pick_with_penalties_is_the_forwards_on_each_device(device):
         step = Engine(model, max_model_len=64, decode="graph")
         eager = Engine(model, max_model_len=64, decode="eager")
         assert list(step.generate(PROMPT, params)) == list(eager.generate(PROMPT, params))
+
+
+def test_stop_strings_wait_for_min_tokens_as_in_vllm(random_laneformer_dir):
+    """Before min_tokens a stop string does not stop (its first character is still held back);
+    one completed after them stops, cut where it began; through the engine, the same."""
+    m = StopStringMatcher(["ab"])
+    assert m.push("xxa", armed=False) == ("xx", False)
+    assert m.push("b", armed=False) == ("ab", False)  # inside min_tokens: text
+    assert m.push("xa", armed=False) == ("x", False)
+    assert m.push("bq", armed=True) == ("", True)  # straddles the bound: stops at its start
+    engine = Engine.from_pretrained(str(random_laneformer_dir), device="cpu", progress=False)
+    tok = Tokenizer.from_dir(random_laneformer_dir)
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    pieces = [t for t, _ in stream_text(engine, tok, PROMPT, free)]  # each token's text
+    text = "".join(pieces)
+    stop = next(p for p in pieces[:4] if p and text.count(p) == 1)  # once, in the 4 first
+    cut = "".join(t for t, _ in stream_text(engine, tok, PROMPT, free, [stop]))
+    assert cut == text[: text.index(stop)] != text
+    held = SamplingParams(max_tokens=12, ignore_eos=True, min_tokens=4)
+    assert "".join(t for t, _ in stream_text(engine, tok, PROMPT, held, [stop])) == text

@@ -90,11 +90,14 @@ class StopStringMatcher:
         self._held = ""
         self.stopped = False
 
-    def push(self, text: str) -> tuple[str, bool]:
+    def push(self, text: str, armed: bool = True) -> tuple[str, bool]:
+        """(text to emit, stopped). Not `armed` (vLLM's min_tokens not yet passed), a stop
+        string does not stop; a suffix that could begin one is still held, so one completed
+        once armed is cut where it began, as vLLM checks the new text and a stop's length back."""
         if self.stopped:
             return "", True
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0] if armed else []
         if hits:
             self.stopped, self._held = True, ""
             return buf[: min(hits)], True
