@@ -394,6 +394,5 @@ class SamplingParams:
             check(ok, "logit_bias", rule)
 
 
-
 def _number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)

@@ -24,6 +24,7 @@ class Step:
     finish_reason: str | None = None  # "stop", "length" or None while going on
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    stop_string: str | None = None  # the stop string that ended the text (textgen.stream_text)
 
 
 @dataclass

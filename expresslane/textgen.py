@@ -24,13 +24,16 @@ def stream_text(
     params: SamplingParams,
     stop: Sequence[str] = (),
     cancel: threading.Event | None = None,
+    include_stop: bool = False,
 ) -> Iterator[tuple[str, Step]]:
-    """Yield (new text, step) per generated token; text may be '' while bytes are pending."""
+    """Yield (new text, step) per generated token; text may be '' while bytes are pending.
+    A step that a stop string ended names it (`stop_string`); `include_stop` keeps it in the
+    text (vLLM's include_stop_str_in_output)."""
     # vLLM's default hides special tokens (a sampled <|endoftext|> that is no stop id for this
     # model would otherwise show up in the text); spaces_between_special_tokens changes nothing
     # here: these decoders, like vLLM's fast detokenizer, put no space between added tokens.
     detok = IncrementalDetokenizer(tok, params.skip_special_tokens, context=prompt_ids)
-    matcher = StopStringMatcher(list(stop))
+    matcher = StopStringMatcher(list(stop), include_stop)
     params = with_tokenizer_eos(engine, tok, params)
     stops = engine.stop_ids(params)
     steps = engine.generate_steps(prompt_ids, params, cancel)
@@ -43,6 +46,7 @@ def stream_text(
             emit, stopped = matcher.push(text, armed=n > params.min_tokens)  # vLLM's rule
             if stopped:
                 step.finish_reason = engine.stats.finish_reason = "stop"
+                step.stop_string = matcher.hit
                 yield emit, step
                 return
             if step.finish_reason:

@@ -187,7 +187,16 @@ class Preparer:
             for j in range(req.n):
                 params = self.sampling(req, max_tokens, req.logprobs, j, grammar)
                 echo_lp = req.echo and req.logprobs is not None
-                specs.append(ChoiceSpec(i * req.n + j, ids, params, req.stop_strings(), echo_lp))
+                specs.append(
+                    ChoiceSpec(
+                        i * req.n + j,
+                        ids,
+                        params,
+                        req.stop_strings(),
+                        echo_lp,
+                        req.include_stop_str_in_output,
+                    )
+                )
         echo, added = {}, {}
         if req.echo:
             for sp in specs:
@@ -219,7 +228,11 @@ class Preparer:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         specs = [
             ChoiceSpec(
-                j, ids, self.sampling(req, max_tokens, logprobs, j, grammar), req.stop_strings()
+                j,
+                ids,
+                self.sampling(req, max_tokens, logprobs, j, grammar),
+                req.stop_strings(),
+                include_stop=req.include_stop_str_in_output,
             )  # fmt: skip
             for j in range(req.n)
         ]

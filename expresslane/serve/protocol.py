@@ -108,6 +108,7 @@ class _SamplingRequest(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: Bool = False
+    include_stop_str_in_output: Bool = False  # vLLM's: the stop string stays in the text
     # vLLM's logits adjustments (sampler.Penalties); null means the neutral value, as OpenAI's
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)

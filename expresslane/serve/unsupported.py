@@ -41,7 +41,6 @@ Neutral = Callable[[Any], bool]
 SAMPLING: dict[str, Neutral] = {
     "best_of": _one,
     "prompt_logprobs": lambda v: v is None,
-    "include_stop_str_in_output": _false,
     "return_tokens_as_token_ids": _false,
     "truncate_prompt_tokens": lambda v: v is None,
     "priority": _zero,  # one FIFO queue
@@ -90,7 +89,7 @@ def _only(*values: Any) -> dict:
 
 SCHEMAS: dict[str, dict] = {
     "best_of": _only(1),
-    "prompt_logprobs": _NULL, "include_stop_str_in_output": _only(False),
+    "prompt_logprobs": _NULL,
     "return_tokens_as_token_ids": _only(False), "truncate_prompt_tokens": _NULL,
     "priority": _only(0), "suffix": _ABSENT, "functions": _ABSENT,
     "function_call": _only("none", "auto"), "audio": _ABSENT,

@@ -56,6 +56,7 @@ class ChoiceSpec:
     params: SamplingParams
     stop: list[str] = field(default_factory=list)
     echo_logprobs: bool = False  # score the prompt first (completions `echo` + `logprobs`)
+    include_stop: bool = False  # vLLM's include_stop_str_in_output
 
 
 @dataclass
@@ -282,7 +283,13 @@ class Worker:
         finish, stop_reason = None, None
         before, live = t.speculative, None  # the speculation figures of earlier choices
         for text, step in stream_text(
-            engine, self.tokenizer, spec.prompt_ids, params, spec.stop, job.cancel
+            engine,
+            self.tokenizer,
+            spec.prompt_ids,
+            params,
+            spec.stop,
+            job.cancel,
+            spec.include_stop,
         ):
             if engine.stats.extra.get("speculative") is not live:  # a new verify step
                 live = engine.stats.extra["speculative"]
@@ -300,7 +307,9 @@ class Worker:
             job.put(Event("delta", spec.index, text, info, count=1))
             if step.finish_reason:
                 finish = step.finish_reason
-                if finish == "stop" and step.token in params.stop_token_ids:
+                if finish == "stop" and step.stop_string is not None:
+                    stop_reason = step.stop_string  # vLLM's: the stop string, or the stop id
+                elif finish == "stop" and step.token in params.stop_token_ids:
                     stop_reason = step.token
         st = engine.stats
         if st.cached_tokens is not None and engine.prefix.enabled:

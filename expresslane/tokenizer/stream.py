@@ -85,10 +85,12 @@ class StopStringMatcher:
     push shows whether it does.
     """
 
-    def __init__(self, stops: Iterable[str]):
+    def __init__(self, stops: Iterable[str], include: bool = False):
         self.stops = [s for s in stops if s]  # an empty stop string would stop before any text
+        self.include = include  # vLLM's include_stop_str_in_output: the stop string is emitted
         self._held = ""
         self.stopped = False
+        self.hit: str | None = None  # the stop string that stopped the text
 
     def push(self, text: str, armed: bool = True) -> tuple[str, bool]:
         """(text to emit, stopped). Not `armed` (vLLM's min_tokens not yet passed), a stop
@@ -97,10 +99,11 @@ class StopStringMatcher:
         if self.stopped:
             return "", True
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0] if armed else []
-        if hits:
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
+        if hits and armed:
+            at, self.hit = min(hits, key=lambda h: (h[0], -len(h[1])))  # the first, the longest
             self.stopped, self._held = True, ""
-            return buf[: min(hits)], True
+            return buf[: at + len(self.hit) if self.include else at], True
         keep = self._partial_stop_length(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False

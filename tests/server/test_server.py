@@ -169,6 +169,12 @@ def test_stop_strings_and_stop_token_ids(server):
     r = server.cmpl(stop=stops, extra_body={"ignore_eos": True}, **kw)
     assert r.choices[0].text == full[: full.find(stop)]
     assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's: the string that matched
+    body = {"ignore_eos": True, "include_stop_str_in_output": True}
+    r = server.cmpl(stop=stops, extra_body=body, **kw)
+    assert r.choices[0].text == full[: full.find(stop) + len(stop)]
+    streamed = server.cmpl(stop=stops, extra_body=body, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
     gen = list(server.ref.generate(ids, SamplingParams(max_tokens=16, ignore_eos=True)))
     r = server.cmpl(extra_body={"stop_token_ids": [gen[2]], "ignore_eos": True}, **kw)
     assert r.usage.completion_tokens == gen.index(gen[2]) + 1
