@@ -90,6 +90,15 @@ class Preparer:
                 param=param,
             )
 
+    def truncated(self, ids: list[int], keep: int | None, max_tokens: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last `keep` ids; -1: as many as the context holds
+        beside `max_tokens` (or one token, when none was asked). Decided: vLLM's -1 keeps the
+        whole context, which then leaves no room to generate."""
+        if keep is None:
+            return ids
+        keep = self.engine.max_len - (max_tokens or 1) if keep == -1 else keep
+        return ids[-keep:] if keep > 0 else ids
+
     def check_prompt(self, ids: list[int], param: str) -> None:
         try:
             self.engine.check_prompt(ids)
@@ -171,13 +180,18 @@ class Preparer:
         self.check_n(req.n)
         before, after = (len(a) for a in self.tok.special_affixes)
         prompts: list[tuple[str | None, list[int], tuple[int, int]]] = []
+        keep = req.truncate_prompt_tokens
         for p in req.prompts():
             if isinstance(p, str):
-                self.check_text(p, "prompt")
+                if keep is None:  # truncated, a text longer than the context is fine
+                    self.check_text(p, "prompt")
                 ids = self.tok.encode(p, req.add_special_tokens)
                 added = (before, after) if req.add_special_tokens else (0, 0)
             else:  # token ids are used as given: no BOS is added (lm-eval's offsets rely on it)
                 ids, added = p, (0, 0)
+            cut = self.truncated(ids, keep, req.max_tokens)
+            if len(cut) < len(ids):  # what is left is echoed as its ids decode, as vLLM does
+                p, ids, added = cut, cut, (0, 0)
             self.check_prompt(ids, "prompt")
             prompts.append((p if isinstance(p, str) else None, ids, added))
         grammar = self.grammar(request_grammar(req.model_extra))
@@ -221,7 +235,8 @@ class Preparer:
                 raise RequestError(msg, param=spec.param)
             spec = plan.grammar
         grammar = self.grammar(spec)
-        ids = self.chat_prompt(req, plan)
+        asked = req.max_completion_tokens or req.max_tokens
+        ids = self.truncated(self.chat_prompt(req, plan), req.truncate_prompt_tokens, asked)
         self.check_prompt(ids, "messages")
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = self.max_tokens(req.max_completion_tokens or req.max_tokens, param, len(ids))
@@ -264,7 +279,8 @@ class Preparer:
             **(req.chat_template_kwargs or {}),
             **tool_kwargs,
         )
-        self.check_text(text, "messages")
+        if req.truncate_prompt_tokens is None:  # truncated, a longer text is fine
+            self.check_text(text, "messages")
         # The template writes its own special tokens (BOS included): add none when encoding.
         return self.tok.encode(text, add_special_tokens=False)
 

@@ -109,6 +109,8 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: Bool = False
     include_stop_str_in_output: Bool = False  # vLLM's: the stop string stays in the text
+    # vLLM's: keep the prompt's last k tokens (-1: as many as leave room for max_tokens)
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1)
     # vLLM's logits adjustments (sampler.Penalties); null means the neutral value, as OpenAI's
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
@@ -142,6 +144,9 @@ class _SamplingRequest(_Request):
 
     def check(self) -> None:
         unsupported.refuse_unsupported(self.model_extra, self.UNSUPPORTED)
+        if self.truncate_prompt_tokens == 0:
+            msg = "truncate_prompt_tokens: must be -1 or an integer >= 1"
+            raise RequestError(msg, param="truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             msg = "stream_options: only allowed when stream is true"
             raise RequestError(msg, param="stream_options")

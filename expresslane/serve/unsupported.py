@@ -42,7 +42,6 @@ SAMPLING: dict[str, Neutral] = {
     "best_of": _one,
     "prompt_logprobs": lambda v: v is None,
     "return_tokens_as_token_ids": _false,
-    "truncate_prompt_tokens": lambda v: v is None,
     "priority": _zero,  # one FIFO queue
 }
 COMPLETIONS: dict[str, Neutral] = {**SAMPLING, "suffix": _absent}
@@ -90,7 +89,7 @@ def _only(*values: Any) -> dict:
 SCHEMAS: dict[str, dict] = {
     "best_of": _only(1),
     "prompt_logprobs": _NULL,
-    "return_tokens_as_token_ids": _only(False), "truncate_prompt_tokens": _NULL,
+    "return_tokens_as_token_ids": _only(False),
     "priority": _only(0), "suffix": _ABSENT, "functions": _ABSENT,
     "function_call": _only("none", "auto"), "audio": _ABSENT,
     "modalities": {"anyOf": [*_ABSENT["anyOf"], {"const": ["text"]}]}, "prediction": _ABSENT,

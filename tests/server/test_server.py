@@ -182,6 +182,23 @@ def test_stop_strings_and_stop_token_ids(server):
     assert r.choices[0].model_extra["stop_reason"] == gen[2]
 
 
+def test_truncate_prompt_tokens_keeps_the_last_ones(server):
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context is served from its last
+    k tokens (completions and chat; an echo shows what was kept); 0 is a 400 naming it."""
+    ids = [(7 * i + 3) % 60 + 4 for i in range(CTX + 40)]  # longer than the context
+    body = dict(prompt=ids, max_tokens=6, temperature=0, truncate_prompt_tokens=9, echo=True)
+    r = post(server, "/v1/completions", body)
+    assert r["usage"]["prompt_tokens"] == 9
+    tail = server.tok.decode(ids[-9:])
+    assert r["choices"][0]["text"] == tail + greedy(server, ids[-9:], 6)
+    chat = post(server, "/v1/chat/completions", dict(
+        messages=[{"role": "user", "content": "word " * (4 * CTX)}], max_tokens=2,
+        truncate_prompt_tokens=-1))  # fmt: skip
+    assert chat["usage"]["prompt_tokens"] == CTX - 2
+    r = httpx.post(server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": 0})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "truncate_prompt_tokens")
+
+
 def test_n_choices_and_prompt_batches(server):
     r = server.cmpl(prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=3, temperature=1.0, seed=3)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
