@@ -196,11 +196,12 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         logprobs=getattr(args, "logprobs", None),
-        repetition_penalty=args.repetition_penalty,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        min_tokens=args.min_tokens,
-        logit_bias=logit_bias_from(args.logit_bias),
+        # a parallel rank's namespace may predate these flags: their neutral values
+        repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+        frequency_penalty=getattr(args, "frequency_penalty", 0.0),
+        presence_penalty=getattr(args, "presence_penalty", 0.0),
+        min_tokens=getattr(args, "min_tokens", 0),
+        logit_bias=logit_bias_from(getattr(args, "logit_bias", None)),
     )
     try:
         params.validate()

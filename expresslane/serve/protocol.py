@@ -110,13 +110,17 @@ class _SamplingRequest(_Request):
     ignore_eos: Bool = False
     include_stop_str_in_output: Bool = False  # vLLM's: the stop string stays in the text
     # vLLM's: keep the prompt's last k tokens (-1: as many as leave room for max_tokens)
-    truncate_prompt_tokens: Int | None = Field(None, ge=-1)
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1, json_schema_extra={"anyOf": [
+        {"type": "integer", "minimum": 1}, {"const": -1}, {"type": "null"}]})  # fmt: skip
     # vLLM's logits adjustments (sampler.Penalties); null means the neutral value, as OpenAI's
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: Float | None = Field(None, gt=0.0)
     min_tokens: Int | None = Field(None, ge=0)
-    logit_bias: dict[str, Float] | None = None  # {"token id": bias in [-100, 100]}
+    logit_bias: dict[str, Float] | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "object", "additionalProperties": False, "patternProperties": {
+            "^[0-9]+$": {"type": "number", "minimum": -100, "maximum": 100}}},
+        {"type": "null"}]})  # {"token id": bias in [-100, 100]}  # fmt: skip
     n: Int = Field(1, ge=1, le=MAX_N)
     stream: Bool = False
     skip_special_tokens: Bool = True  # vLLM's: special tokens are left out of the text

@@ -37,16 +37,24 @@ SEMANTIC = re.compile(
 
 
 def _bounded(body, vocab: int):
-    """A positive body made to reach generation: max_tokens capped, and token ids (a prompt's,
-    stop_token_ids) taken into the vocabulary. The schema allows any id, and which ids a model
-    refuses is its own (a semantic 400). Hypothesis's examples differ between runs and with the
-    test's source (derandomize fixes a seed, not what it explores): one CI run drew 15 of 20
-    prompts with an id out of range, and generation was reached 5 times."""
+    """A positive body made to reach generation: max_tokens capped (min_tokens to it), and
+    token ids (a prompt's, stop_token_ids, logit_bias's) taken into the vocabulary. The schema
+    allows any id, and which ids a model refuses is its own (a semantic 400). Hypothesis's
+    examples differ between runs and with the test's source (derandomize fixes a seed, not what
+    it explores): one CI run drew 15 of 20 prompts with an id out of range, and generation was
+    reached 5 times; 30 examples a generating route since the penalties' fields joined the
+    schema (20 then reached chat generation 9 times, the rest semantic 400s)."""
     if isinstance(body, dict):
         for key in ("max_tokens", "max_completion_tokens"):
             if _is_id(body.get(key)):  # an int, or a float JSON may give for one
                 body[key] = min(int(body[key]), MAX_TOKENS)
         body.setdefault("max_tokens", MAX_TOKENS)
+        if _is_id(body.get("min_tokens")):  # at most max_tokens: a relation, not a schema rule
+            limits = [int(body[k]) for k in ("max_tokens", "max_completion_tokens")
+                      if _is_id(body.get(k))]  # fmt: skip
+            body["min_tokens"] = min([int(body["min_tokens"]), *limits])
+        if isinstance(body.get("logit_bias"), dict):  # its ids into the vocabulary, as a prompt's
+            body["logit_bias"] = {str(int(k) % vocab): v for k, v in body["logit_bias"].items()}
         for key in ("prompt", "stop_token_ids"):
             if key in body:
                 body[key] = _in_vocab(body[key], vocab)
@@ -101,7 +109,7 @@ def test_fuzz_from_the_schema_reaches_generation_and_never_5xx(server):
             op = result.ok()
             generating = op.path in (C, CH)
             vocab = s.engine.cfg.vocab_size
-            _run(op, s.url, GenerationMode.POSITIVE, 20 if generating else 3, seen, failures, vocab)
+            _run(op, s.url, GenerationMode.POSITIVE, 30 if generating else 3, seen, failures, vocab)
             if op.method.upper() == "POST":
                 _run(op, s.url, GenerationMode.NEGATIVE, 5 if generating else 3, seen, failures,
                      vocab)  # fmt: skip
