@@ -128,3 +128,24 @@ def test_a_cache_dtype_that_is_not_built_or_not_the_models_on_a_gpu_is_refused()
     with pytest.raises(RequestError) as err:
         Engine(gqa_llama(16), max_model_len=64, kv_cache_dtype="int8")
     assert err.value.param == "kv_cache_dtype"
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_speculation_and_prefix_reuse_on_a_half_cache_keep_plain_greedy(name):
+    """Drafts verified on the half cache, and a second prompt sharing the first's prefix, give
+    the tokens of plain decoding from an empty cache of the same dtype."""
+    from expresslane.speculative.drafting import SpeculativeConfig
+
+    model = gqa_llama(16)
+    prompt = [(3 * i + 1) % 11 + 3 for i in range(30)]  # repeats: prompt lookup finds drafts
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    plain = Engine(model, max_model_len=128, kv_cache_dtype=name, decode="graph")
+    spec = Engine(model, max_model_len=128, kv_cache_dtype=name, decode="graph",
+                  speculative=SpeculativeConfig(4, 3, 1))  # fmt: skip
+    want = list(plain.generate(prompt, params))
+    assert list(spec.generate(prompt, params)) == want
+    assert spec.stats.extra["speculative"]["accepted_tokens"] > 0
+    longer = prompt + want[:8]
+    fresh = Engine(model, max_model_len=128, kv_cache_dtype=name, decode="graph")
+    assert list(plain.generate(longer, params)) == list(fresh.generate(longer, params))
+    assert plain.stats.cached_tokens > 0
