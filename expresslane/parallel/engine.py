@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import SamplingParams
-from ..engine import Engine
+from ..engine import PREFILL_CHUNK, Engine
 from ..generation import Step
 from ..sampler import sample
 from .exchange import gather_vocab, sample_sharded
@@ -56,7 +56,7 @@ class ParallelEngine(Engine):
         self,
         model: ParallelLaneformer,
         max_model_len: int | None = None,
-        prefill_chunk: int = 2048,
+        prefill_chunk: int = PREFILL_CHUNK,
         role: str = "spmd",
         prefix_reuse: bool = True,
         kv_cache_dtype: str = "auto",
