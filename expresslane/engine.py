@@ -46,11 +46,10 @@ PREPARED = (SamplingParams(), SamplingParams(temperature=1.0),
 
 # A prompt up to this many tokens prefills in one pass over the weights. A chunk after cached
 # ones attends through SDPA's bottom-right causal bias, which a CPU materialises as a mask and
-# computes whole (no causal skipping): on the 2-vCPU VM, SmolLM2 Q4_0, 4,000 tokens took 11.1-11.7
-# s in chunks of 2,048 against 10.1-10.2 s in one (transformers: 9.9-10.2 s), and 8,000 tokens
-# 35.4-36.1 s in chunks of 4,096 against 28.3-29.6 s in one (BENCHMARKS.md, "One pass for long
-# prompts"). The cost is memory for one chunk's activations: an 8B Llama's gate and up
-# products of 8,192 tokens are 470 MB each in fp32.
+# computes whole (no causal skipping): on the 2-vCPU VM, SmolLM2's shape, 8,000 tokens took
+# 34.9-39.9 s in chunks of 2,048 against 29.1-29.3 s in one (transformers: 27.4-27.9 s;
+# BENCHMARKS.md, "One pass for long prompts"). The cost is memory for one chunk's activations:
+# an 8B Llama's gate and up products of 8,192 tokens are 470 MB each in fp32.
 PREFILL_CHUNK = 8192
 
 
