@@ -22,18 +22,19 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .cache import KVCache, cache_dtype
-from .config import ADJUSTMENTS, ModelConfig, SamplingParams
+from .config import ModelConfig, SamplingParams
 from .errors import RequestError
 from .generation import Stats, Step
 from .model import Laneformer
 from .prefix import PrefixReuse
-from .sampler import Penalties, make_generator, sample
+from .sampler import Penalties, check_adjustments, make_generator, sample
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.drafting import SpeculativeConfig
 from .step.captures import Captures
 from .step.choose import check_prefill_dtype, choose_prefill, choose_step
 from .step.fused import MAX_OVERRUN
 from .step.graph import DecodeGraph, committed_tokens
+from .step.prefill import PREFILL_CHUNK, warm_up
 from .step.split import STEP_TOKENS, SplitSteps, forward_logits
 from .structured.decoding import constrained_steps
 from .weights.packing import load_packed
@@ -42,15 +43,6 @@ from .weights.packing import load_packed
 # UIs send). Others (top-k, min-p) run uncaptured until the engine is idle (`idle`).
 PREPARED = (SamplingParams(), SamplingParams(temperature=1.0),
             SamplingParams(temperature=1.0, top_p=0.9))  # fmt: skip
-
-
-# A prompt up to this many tokens prefills in one pass over the weights. A chunk after cached
-# ones attends through SDPA's bottom-right causal bias, which a CPU materialises as a mask and
-# computes whole (no causal skipping): on the 2-vCPU VM, SmolLM2's shape, 8,000 tokens took
-# 34.9-39.9 s in chunks of 2,048 against 29.1-29.3 s in one (transformers: 27.4-27.9 s;
-# BENCHMARKS.md, "One pass for long prompts"). The cost is memory for one chunk's activations:
-# an 8B Llama's gate and up products of 8,192 tokens are 470 MB each in fp32.
-PREFILL_CHUNK = 8192
 
 
 class Engine:
@@ -84,9 +76,8 @@ class Engine:
         prompts with bf16 products where the weights are quantized, bf16 or fp16 (step/prefill.py:
         faster, the logits within bf16's rounding of fp32's); "int8": that, and the C step's
         GGUF block-format products with 8-bit activations for shorter prompts, as llama.cpp's;
-        "float32" (default): exact. Decode steps are exact whatever it is. `kv_cache_dtype`
-        (vLLM's flag): "auto" is the model's dtype; a CPU also takes float16 or bfloat16, each
-        key and value rounded once (cache.py)."""
+        "float32" (default): exact. Decode steps are exact whatever it is. `kv_cache_dtype`:
+        vLLM's flag (cache.py)."""
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.max_len = max_model_len or self.cfg.max_position_embeddings
@@ -166,24 +157,9 @@ class Engine:
         self.captures.split_steps = split
 
     def warm_up_prefill(self) -> float:
-        """Prefill a few prompt lengths once, at load, then forget them: the cache emptied and
-        prefix reuse started afresh. On the H200 the process's first 1,024-token prefill of
-        laneformer-2b took 144 ms against 27 ms after: first-use costs in the caching allocator
-        and the library kernels (and the fused prefill kernel's Triton compile), paid once per
-        process; no request may pay them. Lengths that take each attention form (a short
-        chunk's masked path, SDPA's causal one) up to a whole chunk. Returns the seconds spent
-        (also `warmup_s`)."""
-        t = time.perf_counter()
-        longest = min(self.prefill_chunk, self.max_len - 1)
-        for n in sorted({n for n in (5, 17, 128, 512) if n < longest} | {longest}):
-            self.cache.reset()  # each one cold, as a new prompt's
-            self.prefill([i % self.cfg.vocab_size for i in range(n)])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.cache.reset()
-        self.prefix = PrefixReuse(self.cache, enabled=self.prefix.enabled)
-        self.stats = Stats()
-        spent = time.perf_counter() - t
+        """A few prefills at load, then forgotten (step/prefill.py warm_up); the seconds spent
+        (also added to `warmup_s`)."""
+        spent = warm_up(self)
         self.warmup_s += spent
         return spent
 
@@ -240,24 +216,8 @@ class Engine:
                 param="prompt",
             )
 
-    def check_sampling(self, params: SamplingParams) -> None:
-        """What SamplingParams.validate cannot know: logit_bias's ids against this vocabulary,
-        and the logits adjustments' combinations. Decided: with a grammar they are refused
-        (its forced tokens and checked drafts would have to be counted as picks), and so on an
-        engine without them (the vocab-parallel pick)."""
-        if not params.adjusts_logits:
-            return
-        neutral = SamplingParams()
-        name = next(n for n in ADJUSTMENTS if getattr(params, n) != getattr(neutral, n))
-        if not self.adjusts_logits:
-            raise RequestError(f"{name}: not supported by this engine (several devices)", name)
-        if params.grammar is not None:
-            raise RequestError(f"{name}: not supported together with structured output", name)
-        V = self.cfg.vocab_size
-        bad = [t for t, _ in params.logit_bias if t >= V]
-        if bad:
-            why = f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {V})"
-            raise RequestError(why, "logit_bias")
+    def check_sampling(self, params: SamplingParams) -> None:  # what validate() cannot know
+        check_adjustments(params, self.cfg.vocab_size, self.adjusts_logits)
 
     def stop_ids(self, params: SamplingParams) -> set[int]:
         eos = set() if params.ignore_eos else set(self.cfg.eos_token_ids)
@@ -323,19 +283,15 @@ class Engine:
         stops = self.stop_ids(params)
         gen = make_generator(params, self.device)
         self.stats = st = Stats(prompt_tokens=len(prompt_ids))
-        # penalties and the like: each pick on the logits after the step's forward, which a
-        # captured graph's pick and a verify's accepted drafts would skip (neither is used)
-        pen = None
-        if params.adjusts_logits:
-            pen = Penalties(params, prompt_ids, self.cfg.vocab_size, stops, self.device)
+        # penalties: picks from the forward's logits, never a graph's pick or a verify's drafts
+        pen = Penalties.of(params, prompt_ids, self.cfg.vocab_size, stops, self.device)
         spec = self.speculator if pen is None else None
         if spec is not None:
             spec.begin(st.extra)
         if budget == 0:
             st.finish_reason = "length"
             return
-        use_graph = (self.decode == "graph" and params.logprobs is None and params.grammar is None
-                     and pen is None)  # fmt: skip
+        use_graph = self.decode == "graph" and (params.logprobs, params.grammar, pen) == (None,) * 3
         graph = self.captures.graph_for(params) if use_graph else None  # may compile: no clock yet
         # logprobs on the split graphs (step/split.py): the forward, then a pick that computes
         # the logprobs in the same replay (the first token's come from the prefill's logits)

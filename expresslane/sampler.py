@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingParams
+from .config import ADJUSTMENTS, SamplingParams
+from .errors import RequestError
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -56,6 +57,25 @@ class SamplerKnobs:
         self.min_p.fill_(params.min_p)
 
 
+def check_adjustments(params: SamplingParams, vocab_size: int, supported: bool) -> None:
+    """What SamplingParams.validate cannot know: logit_bias's ids against the vocabulary, and
+    the adjustments' combinations. Decided: with a grammar they are refused (its forced tokens
+    and checked drafts would have to count as picks), and so on an engine whose pick takes none
+    (`supported` False: the vocab-parallel one)."""
+    if not params.adjusts_logits:
+        return
+    neutral = SamplingParams()
+    name = next(n for n in ADJUSTMENTS if getattr(params, n) != getattr(neutral, n))
+    if not supported:
+        raise RequestError(f"{name}: not supported by this engine (several devices)", name)
+    if params.grammar is not None:
+        raise RequestError(f"{name}: not supported together with structured output", name)
+    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if bad:
+        why = f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        raise RequestError(why, "logit_bias")
+
+
 class Penalties:
     """One request's logits adjustments, vLLM's in vLLM's order: logit_bias, then min_tokens
     (end-of-text and stop ids at -inf until that many tokens), then the repetition penalty
@@ -79,6 +99,14 @@ class Penalties:
             self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
         stops = sorted(t for t in stop_ids if 0 <= t < vocab_size)
         self.stops = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_ids, vocab_size: int, stop_ids,
+           device: torch.device) -> Penalties | None:  # fmt: skip
+        """A request's adjustments, or None where it asks for none."""
+        return (
+            cls(params, prompt_ids, vocab_size, stop_ids, device) if params.adjusts_logits else None
+        )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (..., V) -> adjusted fp32 logits (a new tensor)."""

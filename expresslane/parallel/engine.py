@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import SamplingParams
-from ..engine import PREFILL_CHUNK, Engine
+from ..engine import Engine
 from ..generation import Step
 from ..sampler import sample
+from ..step.prefill import PREFILL_CHUNK
 from .exchange import gather_vocab, sample_sharded
 from .model import ParallelLaneformer
 from .rendezvous import GroupLostError, group_guard, is_peer_failure, joined_timeout_s

@@ -19,15 +19,28 @@ Per layer, with the past partials kept exactly as `Laneformer.forward` keeps the
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..cache import KVCache
+from ..generation import Stats
 from ..kernels import ref, use_triton
 from ..model import Block, FeedForward, Laneformer, Partials, RMSNorm
+from ..prefix import PrefixReuse
 from ..weights.packing import products_in
 from ..weights.quant import GGUF_FORMATS
 from .native import LOWP_FORMATS, available, native_dequantize
 from .packed import PackedDecoder
+
+# A prompt up to this many tokens prefills in one pass over the weights (Engine's
+# prefill_chunk). A chunk after cached ones attends through SDPA's bottom-right causal bias,
+# which a CPU materialises as a mask and computes whole (no causal skipping): on the 2-vCPU VM,
+# SmolLM2's shape, 8,000 tokens took 34.9-39.9 s in chunks of 2,048 against 29.1-29.3 s in one
+# (transformers: 27.4-27.9 s; BENCHMARKS.md, "One pass for long prompts"). The cost is memory
+# for one chunk's activations: an 8B Llama's gate and up products of 8,192 tokens are 470 MB
+# each in fp32.
+PREFILL_CHUNK = 8192
 
 # The longest chunk of new prompt tokens that prefills through the packed step rather than the
 # model's layers, by the layers' products and the weights' formats: where the two crossed in
@@ -62,6 +75,26 @@ LOWP_BY_DTYPE = {"float32": frozenset(), "bfloat16": frozenset({"bfloat16"}), "i
 # precision). The inputs round to bf16, about as fine as llama.cpp's 8-bit blocks of
 # activations. fp32 weights keep fp32 products (a model stored in fp32 asks for fp32).
 BF16_PRODUCTS = frozenset({"bfloat16", "float16", "int8", *GGUF_FORMATS})
+
+
+def warm_up(engine) -> float:
+    """Prefill a few prompt lengths once, at load, then forget them: the engine's cache emptied,
+    its prefix reuse started afresh and its stats cleared. On the H200 the process's first
+    1,024-token prefill of laneformer-2b took 144 ms against 27 ms after: first-use costs in the
+    caching allocator and the library kernels (and the fused prefill kernel's Triton compile),
+    paid once per process; no request may pay them. Lengths that take each attention form (a
+    short chunk's masked path, SDPA's causal one) up to a whole chunk. Returns the seconds."""
+    t = time.perf_counter()
+    longest = min(engine.prefill_chunk, engine.max_len - 1)
+    for n in sorted({n for n in (5, 17, 128, 512) if n < longest} | {longest}):
+        engine.cache.reset()  # each one cold, as a new prompt's
+        engine.prefill([i % engine.cfg.vocab_size for i in range(n)])
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    engine.cache.reset()
+    engine.prefix = PrefixReuse(engine.cache, enabled=engine.prefix.enabled)
+    engine.stats = Stats()
+    return time.perf_counter() - t
 
 
 def supports(model) -> bool:
