@@ -39,6 +39,15 @@ class TokenText:
         return hit
 
 
+class TokenIds(TokenText):
+    """vLLM's return_tokens_as_token_ids: each logprobs token as "token_id:N" (its bytes those
+    of that string, as vLLM encodes them), for clients that map tokens back to ids."""
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        name = f"token_id:{token_id}"
+        return name, list(name.encode())
+
+
 class TextOffsets:
     """Where each token of one stretch of returned text starts, token after token.
 

@@ -32,7 +32,7 @@ from ..tokenizer.bounds import text_bytes
 from . import protocol as P
 from .formats import ChatFormat, CompletionFormat
 from .guards import ServeLimits
-from .logprobs import TokenText
+from .logprobs import TokenIds, TokenText
 from .offload import TokenizeOffload
 from .structured import request_grammar
 from .tools import ToolPlan, plan_tools, prompt_messages
@@ -120,6 +120,10 @@ class Preparer:
                 param=param,
             )
         return min(asked, room)
+
+    def token_text(self, req: P._SamplingRequest) -> TokenText:
+        """How logprobs name tokens: their text (cached), or vLLM's "token_id:N"."""
+        return TokenIds(self.tok) if req.return_tokens_as_token_ids else self.text
 
     def check_n(self, n: int) -> None:
         if n > self.limits.max_n:
@@ -218,8 +222,8 @@ class Preparer:
                 echo[sp.index] = text if text is not None else self.tok.decode(ids)
                 added[sp.index] = extra
         contexts = {sp.index: sp.prompt_ids for sp in specs}  # what the text was decoded after
-        fmt = CompletionFormat(model, self.text, echo, req.logprobs is not None, added, contexts,
-                               req.skip_special_tokens)  # fmt: skip
+        fmt = CompletionFormat(model, self.token_text(req), echo, req.logprobs is not None, added,
+                               contexts, req.skip_special_tokens)  # fmt: skip
         prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
         return Prepared(specs, prompt_tokens, req.stream, req.include_usage, fmt)
 
@@ -251,8 +255,8 @@ class Preparer:
             )  # fmt: skip
             for j in range(req.n)
         ]
-        fmt = ChatFormat(model, self.text, req.n, req.logprobs, plan if plan and plan.parses
-                         else None)  # fmt: skip
+        fmt = ChatFormat(model, self.token_text(req), req.n, req.logprobs,
+                         plan if plan and plan.parses else None)  # fmt: skip
         return Prepared(specs, len(ids), req.stream, req.include_usage, fmt)
 
     def template(self, req: P.ChatCompletionRequest) -> str:

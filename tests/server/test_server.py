@@ -97,6 +97,28 @@ def test_echo_logprobs_equal_model_log_softmax(server):
         assert got["token_logprobs"][-1] == max(got["top_logprobs"][-1].values())
 
 
+def test_return_tokens_as_token_ids_names_each_logprobs_token_by_id(server):
+    """vLLM's field: completions (echoed prompt too) and chat name tokens "token_id:N", the ids
+    the engine picked, with the same logprobs as the text-named request."""
+    ids = [5, 9, 30, 7]
+    body = dict(prompt=ids, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    named = post(server, "/v1/completions", body)["choices"][0]["logprobs"]
+    by_id = post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    lp = by_id["choices"][0]["logprobs"]
+    out = list(server.ref.generate(ids, SamplingParams(max_tokens=5)))
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids + out]
+    assert lp["token_logprobs"] == named["token_logprobs"]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+    ask = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+               logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True)  # fmt: skip
+    chat = post(server, "/v1/chat/completions", ask)["choices"][0]["logprobs"]["content"]
+    for entry in chat:
+        assert entry["token"].startswith("token_id:") and entry["bytes"] == list(
+            entry["token"].encode()
+        )
+        assert entry["top_logprobs"][0]["token"].startswith("token_id:")
+
+
 def test_seeds_reproducible_and_equal_engine_sampling(server):
     ids = server.tok.encode("Once upon")
     kw = dict(prompt="Once upon", max_tokens=8, temperature=1.0, top_p=0.9,
