@@ -83,6 +83,11 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
         help="clamp max_tokens to what the context leaves instead of answering 400 "
         "(for clients that retry a 400 forever, such as EvalPlus)",
     )
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                   default=d.scheduling_policy,
+                   help="fcfs: requests in arrival order (a priority other than 0 is a "
+                   "400); priority: the lowest `priority` first, ties in arrival order "
+                   "(vLLM's)")  # fmt: skip
     p.add_argument("--allowed-origins", type=_origins, default=(),
                    help="web origins allowed by CORS: a JSON list as vLLM takes it, or "
                    "comma-separated (default none)")  # fmt: skip
@@ -112,6 +117,7 @@ def limits_from(args: argparse.Namespace):
         max_queue=args.max_queue,
         max_n=args.max_n,
         clamp_max_tokens=args.clamp_max_tokens,
+        scheduling_policy=args.scheduling_policy,
         allowed_origins=tuple(args.allowed_origins),
         allowed_headers=tuple(args.allowed_headers),
     )

@@ -36,10 +36,16 @@ class ServeLimits:
     max_queue: int = 128  # requests being prepared or waiting for the engine; beyond: 503
     max_n: int = 16  # choices per request (`n`)
     clamp_max_tokens: bool = False  # max_tokens beyond the context: clamp instead of 400
+    # vLLM's --scheduling-policy: fcfs (arrival order; a request's priority must be 0) or
+    # priority (the lowest `priority` first, ties in arrival order)
+    scheduling_policy: str = "fcfs"
     allowed_origins: tuple[str, ...] = ()  # CORS; none by default
     allowed_headers: tuple[str, ...] = ("*",)  # CORS request headers: all, as vLLM allows
 
     def validate(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy {self.scheduling_policy}: expected fcfs or "
+                              "priority")  # fmt: skip
         for name in ("max_request_bytes", "max_queue", "max_n"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")

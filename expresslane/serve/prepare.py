@@ -50,6 +50,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     fmt: CompletionFormat | ChatFormat
+    priority: int = 0  # the queue's order under --scheduling-policy priority (lowest first)
 
 
 class Preparer:
@@ -124,6 +125,14 @@ class Preparer:
     def token_text(self, req: P._SamplingRequest) -> TokenText:
         """How logprobs name tokens: their text (cached), or vLLM's "token_id:N"."""
         return TokenIds(self.tok) if req.return_tokens_as_token_ids else self.text
+
+    def priority(self, priority: int) -> int:
+        """vLLM's rule: a priority other than 0 needs --scheduling-policy priority."""
+        if priority and self.limits.scheduling_policy != "priority":
+            msg = ("priority: this server serves in arrival order (fcfs); start it with "
+                   "--scheduling-policy priority to order requests")  # fmt: skip
+            raise RequestError(msg, param="priority")
+        return priority
 
     def check_n(self, n: int) -> None:
         if n > self.limits.max_n:
@@ -225,7 +234,9 @@ class Preparer:
         fmt = CompletionFormat(model, self.token_text(req), echo, req.logprobs is not None, added,
                                contexts, req.skip_special_tokens)  # fmt: skip
         prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
-        return Prepared(specs, prompt_tokens, req.stream, req.include_usage, fmt)
+        return Prepared(
+            specs, prompt_tokens, req.stream, req.include_usage, fmt, self.priority(req.priority)
+        )
 
     def chat(self, body: bytes) -> Prepared:
         req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, body)
@@ -257,7 +268,9 @@ class Preparer:
         ]
         fmt = ChatFormat(model, self.token_text(req), req.n, req.logprobs,
                          plan if plan and plan.parses else None)  # fmt: skip
-        return Prepared(specs, len(ids), req.stream, req.include_usage, fmt)
+        return Prepared(
+            specs, len(ids), req.stream, req.include_usage, fmt, self.priority(req.priority)
+        )
 
     def template(self, req: P.ChatCompletionRequest) -> str:
         """The chat template's source a request renders with ('' when there is none)."""

@@ -110,6 +110,7 @@ class _SamplingRequest(_Request):
     ignore_eos: Bool = False
     include_stop_str_in_output: Bool = False  # vLLM's: the stop string stays in the text
     return_tokens_as_token_ids: Bool = False  # vLLM's: logprobs' tokens as "token_id:N"
+    priority: Int = 0  # vLLM's: lower first under --scheduling-policy priority
     # vLLM's: keep the prompt's last k tokens (-1: as many as leave room for max_tokens)
     truncate_prompt_tokens: Int | None = Field(None, ge=-1, json_schema_extra={"anyOf": [
         {"type": "integer", "minimum": 1}, {"const": -1}, {"type": "null"}]})  # fmt: skip

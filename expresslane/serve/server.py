@@ -157,8 +157,8 @@ class Service:
         """`fn(*args)` as a JSON response, built on the preparer's threads (as_json)."""
         return await self.preparer.run(as_json(fn), *args)
 
-    def submit(self, specs: list[ChoiceSpec]) -> Job:
-        return self.worker.submit(Job(specs, asyncio.get_running_loop()))
+    def submit(self, specs: list[ChoiceSpec], priority: int = 0) -> Job:
+        return self.worker.submit(Job(specs, asyncio.get_running_loop()), priority)
 
 
 def as_json(fn):
@@ -260,7 +260,7 @@ def _v1_routes(svc: Service) -> APIRouter:
     async def generate(request: Request, fn) -> Response | dict:
         s = svc.ready()
         prep = await s.prepare(request, fn)
-        job = s.submit(prep.specs)
+        job = s.submit(prep.specs, prep.priority)
         if prep.stream:
             return _sse(_stream(job, request, prep.fmt, prep.include_usage, prep.prompt_tokens))
         accs = await collect(job, request.receive)

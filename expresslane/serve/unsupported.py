@@ -41,7 +41,6 @@ Neutral = Callable[[Any], bool]
 SAMPLING: dict[str, Neutral] = {
     "best_of": _one,
     "prompt_logprobs": lambda v: v is None,
-    "priority": _zero,  # one FIFO queue
 }
 COMPLETIONS: dict[str, Neutral] = {**SAMPLING, "suffix": _absent}
 CHAT: dict[str, Neutral] = {
@@ -88,7 +87,7 @@ def _only(*values: Any) -> dict:
 SCHEMAS: dict[str, dict] = {
     "best_of": _only(1),
     "prompt_logprobs": _NULL,
-    "priority": _only(0), "suffix": _ABSENT, "functions": _ABSENT,
+    "suffix": _ABSENT, "functions": _ABSENT,
     "function_call": _only("none", "auto"), "audio": _ABSENT,
     "modalities": {"anyOf": [*_ABSENT["anyOf"], {"const": ["text"]}]}, "prediction": _ABSENT,
     "web_search_options": _ABSENT, "echo": _only(False),

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -167,7 +168,8 @@ class Worker:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics):
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
         self.served: deque[int] = deque(maxlen=10_000)  # job seqs in service order (tests, logs)
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        # (priority, arrival, job): the lowest priority first, ties in arrival order
+        self._queue: queue.PriorityQueue[tuple[float, int, Job | None]] = queue.PriorityQueue()
         self._seq = itertools.count()
         self.mean_job_s = 1.0  # moving average of a job's time on the engine (Retry-After)
         self.metrics.capture_seconds.set(getattr(engine, "capture_s", 0.0))
@@ -179,10 +181,12 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="expresslane-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> Job:
+    def submit(self, job: Job, priority: int = 0) -> Job:
+        """Queue a job: served by (priority, arrival), so in arrival order while every priority
+        is 0 (--scheduling-policy fcfs allows no other)."""
         job.seq = next(self._seq)
         self.metrics.waiting.inc()
-        self._queue.put(job)
+        self._queue.put((priority, job.seq, job))
         return job
 
     def queued(self) -> int:
@@ -190,7 +194,7 @@ class Worker:
         return self._queue.qsize()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._queue.put(None)
+        self._queue.put((math.inf, next(self._seq), None))  # after every waiting job
         self._thread.join(timeout)
 
     # --- the engine thread --------------------------------------------------------------------
@@ -198,7 +202,7 @@ class Worker:
         """The next job. An engine of several ranks is kept in touch while idle (`idle()`)."""
         while True:
             try:
-                return self._queue.get(timeout=getattr(self.engine, "idle_interval", None))
+                return self._queue.get(timeout=getattr(self.engine, "idle_interval", None))[2]
             except queue.Empty:
                 try:
                     self.engine.idle()  # keeps ranks in touch; captures what requests missed

@@ -29,10 +29,12 @@ MAX_TOKENS = 3  # generation is what is fuzzed, not its length
 # The tiny model's template takes user and assistant only; this one takes every role of the
 # schema, so that generated conversations reach generation
 EVERY_ROLE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
-# Refusals of schema-valid bodies that depend on the model or the prompt, not on the schema
+# Refusals of schema-valid bodies that depend on the model, the prompt or the server's flags,
+# not on the schema
 SEMANTIC = re.compile(
     r"maximum context length|outside the vocabulary|chat template|'max_(completion_)?tokens' is "
-    r"too large|continue_final_message|at least one token|no room to generate"
+    r"too large|continue_final_message|at least one token|no room to generate|"
+    r"serves in arrival order \(fcfs\)"  # a priority, where the server's policy takes none
 )
 
 

@@ -386,3 +386,43 @@ def test_limit_flags_parse_and_refuse_nonsense():
         ServeLimits(max_n=0).validate()
     with pytest.raises(ConfigError, match="--max-queue"):
         create_app(None, None, limits=ServeLimits(max_queue=0))
+
+
+def test_priority_scheduling_serves_the_lowest_first(server):
+    """vLLM's --scheduling-policy priority: while a request runs, a later one of priority -1
+    is served before an earlier one of priority 5. Under fcfs (the default) a priority other
+    than 0 is a 400 naming it."""
+    r = httpx.post(server.url + C, json={"prompt": "x", "max_tokens": 1, "priority": 3})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "priority")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with own_server(server, limits=ServeLimits(scheduling_policy="priority")) as s:
+        worker, gate = s.app.state.service.worker, threading.Event()
+        steps = s.engine.generate_steps
+
+        def held(*args, **kw):  # the first request holds the engine until the others queue
+            gate.wait(30)
+            yield from steps(*args, **kw)
+
+        s.engine.generate_steps = held
+
+        def until(cond):
+            deadline = time.monotonic() + 30
+            while not cond() and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+        def ask(priority):
+            body = {"prompt": "x", "max_tokens": 2, "temperature": 0, "priority": priority}
+            return httpx.post(s.url + C, json=body, timeout=60).status_code
+
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(ask, 0)
+            until(lambda: len(worker.served) == 1)  # running, held
+            late = pool.submit(ask, 5)
+            until(lambda: worker.queued() == 1)
+            urgent = pool.submit(ask, -1)
+            until(lambda: worker.queued() == 2)
+            gate.set()
+            assert [f.result() for f in (first, late, urgent)] == [200, 200, 200]
+        a, b, c = sorted(worker.served)  # arrival numbers: first, late, urgent
+        assert list(worker.served) == [a, c, b]
