@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 
+from .jobs import Accumulator, Event, TokenInfo
 from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
 from .protocol import new_id
 from .tools import ToolPlan, may_open_call, parse_calls
-from .worker import Accumulator, Event, TokenInfo
 
 
 class _Format:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .worker import TokenInfo
+from .jobs import TokenInfo
 
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # byte-fallback tokens
 

@@ -32,11 +32,11 @@ from ..tokenizer.bounds import text_bytes
 from . import protocol as P
 from .formats import ChatFormat, CompletionFormat
 from .guards import ServeLimits
+from .jobs import ChoiceSpec
 from .logprobs import TokenIds, TokenText
 from .offload import TokenizeOffload
 from .structured import request_grammar
 from .tools import ToolPlan, plan_tools, prompt_messages
-from .worker import ChoiceSpec
 
 THREADS = max(1, min(4, os.cpu_count() or 1))
 

@@ -44,10 +44,11 @@ from ..errors import ExpressLaneError, RequestError
 from ..tokenizer import Tokenizer
 from . import protocol as P
 from .guards import Refusal, ServeLimits, allowed_methods, key_check, read_json_body
+from .jobs import ChoiceSpec, Job, cancel_on_disconnect, coalesce, collect
 from .metrics import Metrics
 from .prepare import Preparer
 from .schema import install_openapi, route_docs
-from .worker import ChoiceSpec, Job, Worker, cancel_on_disconnect, coalesce, collect
+from .worker import Worker
 
 log = logging.getLogger("expresslane.serve")
 PLAYGROUND = Path(__file__).parent / "playground"

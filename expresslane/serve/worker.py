@@ -1,10 +1,9 @@
-"""The engine thread: one FIFO queue of jobs, one request on the device at a time.
+"""The engine thread: one queue of jobs, one request on the device at a time.
 
-The HTTP side builds a `Job` (one or more `ChoiceSpec`s: a prompt, its sampling parameters and
-stop strings) and `submit`s it. The worker thread takes jobs in arrival order and runs each
-choice through `stream_text`, pushing `Event`s back to the event loop through the job's
-channel. The event loop is woken only when it is actually waiting, so a fast decode loop does
-not pay one cross-thread call per token.
+The HTTP side builds a `Job` (jobs.py) and `submit`s it. The worker thread takes jobs by
+(priority, arrival): in arrival order while every priority is 0 (--scheduling-policy fcfs), and
+runs each choice through `stream_text`, pushing `Event`s back to the event loop through the
+job's channel.
 
 Cancellation: `job.cancel` is the engine's own `cancel` event, checked between prefill chunks
 and before every decode step; a job cancelled while still queued is skipped. Metrics (queue
@@ -14,8 +13,6 @@ waiting gauges) are recorded here, where the tokens are produced.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -23,143 +20,18 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ExpressLaneError
 from ..speculative.drafting import combine
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
+from .jobs import ChoiceSpec, Event, Job, TokenInfo
 from .metrics import Metrics
 
 log = logging.getLogger("expresslane.serve")
-
-
-@dataclass
-class TokenInfo:
-    """One token of a choice: its id, logprob and top alternatives (when asked for)."""
-
-    id: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
-
-
-@dataclass
-class ChoiceSpec:
-    """One sequence to generate: choice `index` of a request."""
-
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    echo_logprobs: bool = False  # score the prompt first (completions `echo` + `logprobs`)
-    include_stop: bool = False  # vLLM's include_stop_str_in_output
-
-
-@dataclass
-class Event:
-    """What the worker sends back: "echo", "delta", "finish" or "error"."""
-
-    kind: str
-    index: int = 0
-    text: str = ""
-    tokens: list[TokenInfo] = field(default_factory=list)  # with logprobs only
-    count: int = 0  # generated tokens this event covers
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: Exception | None = None
-
-
-@dataclass
-class Timings:
-    """Monotonic clock readings and counts for one request, over all its choices."""
-
-    arrival: float
-    start: float | None = None
-    first_token: float | None = None
-    end: float | None = None
-    prompt_tokens: int = 0  # distinct prompts (usage)
-    cached_tokens: int = 0  # of those, tokens the KV cache already held (prefix reuse)
-    prefill_tokens: int = 0  # tokens prefilled, every choice counted
-    completion_tokens: int = 0
-    prefill_s: float = 0.0  # engine: request start -> first token, summed over choices
-    decode_s: float = 0.0  # engine: first token -> last token, summed over choices
-    decode_steps: int = 0  # tokens after the first of each choice
-    speculative: dict | None = None  # drafted / kept so far, all choices (live; None: off)
-
-    def as_dict(self) -> dict:
-        """The `timings` object every response carries (OpenAI clients ignore it)."""
-
-        def ms(a: float | None, b: float | None) -> float | None:
-            return None if a is None or b is None else round((b - a) * 1e3, 3)
-
-        end = self.end if self.end is not None else time.monotonic()
-        tps = self.decode_steps / self.decode_s if self.decode_steps and self.decode_s else None
-        pps = self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
-        out = {
-            "queue_ms": ms(self.arrival, self.start),
-            "ttft_ms": ms(self.arrival, self.first_token),
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "prefill_tokens_per_s": None if pps is None else round(pps, 2),
-            "completion_tokens": self.completion_tokens,
-            "decode_ms": round(self.decode_s * 1e3, 3),
-            "decode_tokens_per_s": None if tps is None else round(tps, 2),
-            "e2e_ms": ms(self.arrival, end),
-        }
-        if self.speculative is not None:
-            out["speculative"] = self.speculative
-        return out
-
-
-class Job:
-    """One request in the queue; a thread-safe channel of Events from the worker to the loop."""
-
-    def __init__(self, choices: list[ChoiceSpec], loop: asyncio.AbstractEventLoop):
-        self.choices = choices
-        self.cancel = threading.Event()
-        self.timings = Timings(arrival=time.monotonic())
-        self.seq = -1  # arrival number, set by Worker.submit
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._items: deque[Event] = deque()
-        self._wake = asyncio.Event()
-        self._waiting = False
-        self._closed = False
-
-    def put(self, event: Event) -> None:
-        """Worker side: queue an event, waking the loop only if it sleeps on this job."""
-        with self._lock:
-            self._items.append(event)
-            wake, self._waiting = self._waiting, False
-        if wake:
-            self._loop.call_soon_threadsafe(self._wake.set)
-
-    def close(self) -> None:
-        """Worker side: no more events."""
-        with self._lock:
-            self._closed = True
-            wake, self._waiting = self._waiting, False
-        if wake:
-            self._loop.call_soon_threadsafe(self._wake.set)
-
-    async def next_batch(self) -> list[Event] | None:
-        """Loop side: every event available now (waiting for at least one); None at the end."""
-        while True:
-            with self._lock:
-                if self._items:
-                    batch = list(self._items)
-                    self._items.clear()
-                    return batch
-                if self._closed:
-                    return None
-                self._waiting = True
-                self._wake.clear()
-            await self._wake.wait()
 
 
 class Worker:
@@ -336,80 +208,3 @@ class Worker:
         m.finished(finish)
         job.put(Event("finish", spec.index, finish_reason=finish, stop_reason=stop_reason))
         return st.cached_tokens or 0
-
-
-# --- the event loop's side of a job -----------------------------------------------------------
-@dataclass
-class Accumulator:
-    """One choice of a non-streaming response, built up from the worker's events."""
-
-    pieces: list[str] = field(default_factory=list)
-    tokens: list[TokenInfo] = field(default_factory=list)
-    echo: list[TokenInfo] = field(default_factory=list)
-    count: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    def add(self, ev: Event) -> None:
-        if ev.kind == "echo":
-            self.echo = ev.tokens
-        elif ev.kind == "delta":
-            self.pieces.append(ev.text)
-            self.tokens.extend(ev.tokens)
-            self.count += ev.count
-        elif ev.kind == "finish":
-            self.finish_reason, self.stop_reason = ev.finish_reason, ev.stop_reason
-
-
-def coalesce(batch: list[Event]) -> list[Event]:
-    """Merge consecutive deltas of one choice: one SSE chunk per choice per wake-up."""
-    out: list[Event] = []
-    for ev in batch:
-        prev = out[-1] if out else None
-        if ev.kind == "delta" and prev and prev.kind == "delta" and prev.index == ev.index:
-            prev.text += ev.text
-            prev.tokens = prev.tokens + ev.tokens
-            prev.count += ev.count
-        else:
-            out.append(ev)
-    return out
-
-
-Receive = Callable[[], Awaitable[dict]]  # the ASGI receive channel of the request
-
-
-@contextlib.asynccontextmanager
-async def cancel_on_disconnect(job: Job, receive: Receive):
-    """Cancel `job` when the client disconnects (ASGI `http.disconnect`) or the block exits.
-
-    This is vLLM's `with_cancellation` idea: it works for streaming and non-streaming
-    responses alike, and during prefill, when nothing is being sent that could fail.
-    """
-
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        job.cancel.set()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        yield
-    finally:
-        watcher.cancel()
-        job.cancel.set()  # a no-op once the job has finished
-
-
-async def collect(job: Job, receive: Receive) -> dict[int, Accumulator]:
-    """Wait for a whole job; an error event is raised."""
-    accs = {spec.index: Accumulator() for spec in job.choices}
-    async with cancel_on_disconnect(job, receive):
-        while (batch := await job.next_batch()) is not None:
-            for ev in batch:
-                if ev.kind == "error":
-                    raise ev.error
-                accs[ev.index].add(ev)
-    return accs
