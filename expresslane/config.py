@@ -394,5 +394,21 @@ class SamplingParams:
             check(ok, "logit_bias", rule)
 
 
+def logit_bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias object ({"token id": bias}, keys as strings) as SamplingParams'
+    sorted (id, bias) pairs; the server's field and run's --logit-bias both read it here. The
+    biases' range is SamplingParams.validate's."""
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias: expected an object of token ids to biases", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise RequestError(f"logit_bias: key {key!r} is not a token id", "logit_bias")
+        if not _number(value):
+            raise RequestError(f"logit_bias: the bias of {key} is not a number", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
+
+
 def _number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)

@@ -89,6 +89,7 @@ class Penalties:
                  device: torch.device):  # fmt: skip
         self.params, self.generated = params, 0
         self.counts = torch.zeros(vocab_size, device=device)  # each output token's count
+        self._one = torch.ones(1, device=device)  # what `advance` adds: no allocation a step
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # prompt or output
         if params.repetition_penalty != 1.0 and len(prompt_ids):
             self.seen[torch.tensor(list(prompt_ids), device=device)] = True
@@ -127,7 +128,7 @@ class Penalties:
     def advance(self, token: torch.Tensor | int) -> None:
         """Count a picked token (a device tensor: no host copy)."""
         t = torch.as_tensor(token, device=self.counts.device).view(1)
-        self.counts.index_add_(0, t, torch.ones(1, device=self.counts.device))
+        self.counts.index_add_(0, t, self._one)
         self.seen.index_fill_(0, t, True)
         self.generated += 1
 

@@ -17,9 +17,9 @@ from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..bench.ceiling import bytes_per_token
 from ..cache import KV_CACHE_DTYPES
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
-from ..config import SamplingParams
+from ..config import SamplingParams, logit_bias_pairs
 from ..engine import Engine
-from ..errors import ConfigError, ExpressLaneError
+from ..errors import ConfigError, ExpressLaneError, RequestError
 from ..parallel import launch, rendezvous
 from ..speculative.drafting import SpeculativeConfig
 from ..step.choose import PREFILL_DTYPES, default_decode
@@ -214,13 +214,12 @@ def logit_bias_from(text: str | None) -> tuple[tuple[int, float], ...]:
     """--logit-bias's JSON object as (token id, bias) pairs (exit 2 naming the flag)."""
     if text is None:
         return ()
-    why = "--logit-bias: expected a JSON object of token ids to numbers, e.g. '{\"50\": -100}'"
     try:
-        bias = json.loads(text)
-        pairs = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
-    except (ValueError, TypeError, AttributeError):
-        raise ConfigError(why) from None
-    return pairs
+        return logit_bias_pairs(json.loads(text))
+    except (ValueError, RequestError) as e:  # RequestError names the field: the flag here
+        why = str(e).removeprefix("logit_bias: ") if isinstance(e, RequestError) else "not JSON"
+        raise ConfigError(f"--logit-bias: {why}; expected a JSON object such as "
+                          "'{\"50\": -100}'") from None  # fmt: skip
 
 
 def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:

@@ -30,7 +30,7 @@ from pydantic import (
     field_validator,
 )
 
-from ..config import FP32_MAX
+from ..config import FP32_MAX, logit_bias_pairs
 from ..errors import ExpressLaneError, RequestError
 from . import unsupported
 
@@ -137,13 +137,7 @@ class _SamplingRequest(_Request):
         return v
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
-        """logit_bias's keys as token ids (OpenAI sends them as strings)."""
-        pairs = []
-        for key, bias in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()):
-                raise RequestError(f"logit_bias: key {key!r} is not a token id", "logit_bias")
-            pairs.append((int(key), bias))
-        return tuple(sorted(pairs))
+        return logit_bias_pairs(self.logit_bias or {})
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
