@@ -38,6 +38,16 @@ SEMANTIC = re.compile(
 )
 
 
+# Fields the server reads from a body's extras though its schema does not declare them (the
+# structured-output and tool names of vLLM, llama.cpp and OpenAI: serve/structured.py, tested
+# in test_structured.py and server/test_server_structured.py). The fuzz draws extra keys at
+# random, and one run drew `"grammar": {...}`, a 400 ("must be a non-empty grammar text") for a
+# body the schema allows.
+UNDECLARED = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+              "guided_choice", "guided_grammar", "json_schema", "grammar", "tools",
+              "tool_choice")  # fmt: skip
+
+
 def _bounded(body, vocab: int):
     """A positive body made to reach generation: max_tokens capped (min_tokens to it), and
     token ids (a prompt's, stop_token_ids, logit_bias's) taken into the vocabulary. The schema
@@ -51,6 +61,8 @@ def _bounded(body, vocab: int):
             if _is_id(body.get(key)):  # an int, or a float JSON may give for one
                 body[key] = min(int(body[key]), MAX_TOKENS)
         body.setdefault("max_tokens", MAX_TOKENS)
+        for key in UNDECLARED:  # read beyond the schema: a random value there is its own 400
+            body.pop(key, None)
         if _is_id(body.get("min_tokens")):  # at most max_tokens: a relation, not a schema rule
             limits = [int(body[k]) for k in ("max_tokens", "max_completion_tokens")
                       if _is_id(body.get(k))]  # fmt: skip
