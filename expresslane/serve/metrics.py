@@ -61,7 +61,7 @@ class Metrics:
             E2E_BUCKETS,
         )
         self.queue_time = hist(
-            "request_queue_time_seconds", "Time a request waited in the FIFO queue.", E2E_BUCKETS
+            "request_queue_time_seconds", "Time a request waited in the queue.", E2E_BUCKETS
         )
         self.decode_tps = hist(
             "request_decode_tokens_per_second",
