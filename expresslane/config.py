@@ -337,6 +337,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # prompt and output tokens: positive logits / p, others * p
     frequency_penalty: float = 0.0  # output tokens: minus this times their count
     presence_penalty: float = 0.0  # output tokens: minus this once
+    # OpenAI's Predicted Outputs: token ids the answer is expected to repeat, drafted and
+    # verified as speculation (speculative/prediction.py): the speed changes, never the tokens
+    prediction: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -377,6 +380,11 @@ class SamplingParams:
             "must be an integer in [0, 20]",
         )
         self._validate_adjustments(check)
+        if not all(isinstance(t, int) and t >= 0 for t in self.prediction):
+            raise RequestError("prediction: must be token ids (integers >= 0)", "prediction")
+        if self.prediction and self.adjusts_logits:  # their picks do not speculate
+            why = "prediction: cannot be combined with penalties, logit_bias or min_tokens"
+            raise RequestError(why, "prediction")
 
     def _validate_adjustments(self, check) -> None:
         """vLLM's and OpenAI's ranges; token ids against the vocabulary: Engine.check_logit_bias."""

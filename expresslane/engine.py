@@ -30,10 +30,11 @@ from .prefix import PrefixReuse
 from .sampler import Penalties, check_adjustments, make_generator, sample
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.drafting import SpeculativeConfig
+from .speculative.prediction import check_prediction
 from .step.captures import Captures
 from .step.choose import check_prefill_dtype, choose_prefill, choose_step
 from .step.fused import MAX_OVERRUN
-from .step.graph import DecodeGraph, committed_tokens
+from .step.graph import committed_tokens
 from .step.prefill import PREFILL_CHUNK, warm_up
 from .step.split import STEP_TOKENS, SplitSteps, forward_logits
 from .structured.decoding import constrained_steps
@@ -48,6 +49,7 @@ PREPARED = (SamplingParams(), SamplingParams(temperature=1.0),
 class Engine:
     grammars = True  # constrained decoding (structured.py) runs on this engine
     adjusts_logits = True  # penalties, logit_bias and min_tokens (sampler.Penalties)
+    predicts = True  # a request's predicted output is verified as drafts (speculative/)
 
     def __init__(
         self,
@@ -114,17 +116,18 @@ class Engine:
         self._prefill = choose_prefill(model, kernels, self.step, prefill_dtype)
         self.compile = compile
         self.capture = self.device.type == "cuda" if capture is None else capture
-        self.speculator = None
-        if speculative:
-            capture_verify = self.capture and self.decode == "graph"
-            self.speculator = SpeculativeDecoder(self.step, self.cache, speculative,
-                                                 capture=capture_verify)  # fmt: skip
+        verify = (self.step, self.cache, self.capture and self.decode == "graph")
+        self.speculator = SpeculativeDecoder(*verify, speculative) if speculative else None
+        # what verifies a request's predicted output: the speculator, else drafts of its own
+        own = self.predicts and SpeculativeDecoder.for_predictions(*verify)
+        self.predictor = self.speculator or own or None
         # constrained decoding's forward and masked pick on graphs of their own (step/split.py)
         split = None
         if self.capture and self.decode == "graph" and grammar_graphs:
             split = SplitSteps(self.step, self.cfg.vocab_size, capture=True)
         self.captures = Captures(self.step, steps_per_replay, self.capture, compile,
-                                 choice.compile_graph, self.speculator, split)  # fmt: skip
+                                 choice.compile_graph, self.speculator, split,
+                                 self.predictor)  # fmt: skip
         if compile and self.decode == "graph":
             self.captures.graph_for(SamplingParams())  # the greedy step; others at first use
         if self.capture and self.decode == "graph":
@@ -188,15 +191,10 @@ class Engine:
         (computed in fp32), and a GGUF file keeps its blocks; elsewhere `dtype` is the
         model's (packing.load_plan)."""
         model = load_packed(path, device, dtype, quantization, progress)
-        if quantization == "gguf" and _on_gpu(model):  # the file's blocks (packing.GGUF_BLOCKS)
-            from .gguf import find_gguf
-            from .kernels.qlinear import repack_gguf
+        if quantization is not None and next(model.parameters()).device.type != "cpu":
+            from .kernels.qlinear import place_quantized  # imports triton
 
-            repack_gguf(model, find_gguf(path))
-        elif quantization is not None and _on_gpu(model):
-            from .kernels.qlinear import quantize_model
-
-            quantize_model(model, quantization)  # the GPU formats (packing.load_plan)
+            place_quantized(model, path, quantization)
         return cls(model, max_model_len=max_model_len, **engine_kw)
 
     # --- request checks -----------------------------------------------------------------------
@@ -218,6 +216,12 @@ class Engine:
 
     def check_sampling(self, params: SamplingParams) -> None:  # what validate() cannot know
         check_adjustments(params, self.cfg.vocab_size, self.adjusts_logits)
+        check_prediction(params, self.cfg.vocab_size, self.predicts)
+
+    def speculator_for(self, params: SamplingParams) -> SpeculativeDecoder | None:
+        """Whose drafts a request's tokens come through: the predictor when it brings a
+        prediction, else the speculator (None: plain decoding)."""
+        return self.predictor if params.prediction else self.speculator
 
     def stop_ids(self, params: SamplingParams) -> set[int]:
         eos = set() if params.ignore_eos else set(self.cfg.eos_token_ids)
@@ -285,7 +289,7 @@ class Engine:
         self.stats = st = Stats(prompt_tokens=len(prompt_ids))
         # penalties: picks from the forward's logits, never a graph's pick or a verify's drafts
         pen = Penalties.of(params, prompt_ids, self.cfg.vocab_size, stops, self.device)
-        spec = self.speculator if pen is None else None
+        spec = self.speculator_for(params) if pen is None else None
         if spec is not None:
             spec.begin(st.extra)
         if budget == 0:
@@ -296,7 +300,7 @@ class Engine:
         # logprobs on the split graphs (step/split.py): the forward, then a pick that computes
         # the logprobs in the same replay (the first token's come from the prefill's logits)
         lp_pick = None
-        if (params.logprobs is not None and params.grammar is None and self.speculator is None
+        if (params.logprobs is not None and params.grammar is None and spec is None
                 and self.split_steps is not None and pen is None):  # fmt: skip
             lp_pick = self.split_steps.pick_graph(params, masked=False)
         t0 = time.perf_counter()
@@ -340,7 +344,7 @@ class Engine:
                 if graph is not None or spec is not None or stream is not None:
                     if stream is None:
                         stream = self._stream(
-                            prompt_ids, step.token, params, gen, budget - 1, graph
+                            spec, prompt_ids, step.token, params, gen, budget - 1, graph
                         )
                     continue
                 if self.decode == "graph":  # logprobs: the step, captured where we capture
@@ -353,11 +357,11 @@ class Engine:
             if not over:
                 self._left_early()
 
-    def _stream(self, prompt_ids, token: int, params, gen, n: int, graph: DecodeGraph | None):
+    def _stream(self, spec, prompt_ids, token: int, params, gen, n: int, graph):
         """The `n` tokens after the first (`token`), with the logits of their logprobs or None;
         the cache commits each token once the forward it fed has produced the next."""
-        if self.speculator is not None:
-            return self.speculator.steps(prompt_ids, token, params, gen, n, graph)
+        if spec is not None:
+            return spec.steps(prompt_ids, token, params, gen, n, graph)
         graph.load(torch.tensor(token, device=self.device), position=len(prompt_ids))
         return ((t, None) for t in committed_tokens(graph, self.cache, token, n))
 
@@ -394,7 +398,3 @@ class Engine:
             out.append(self.prefill_forward(chunk, cache=self.cache)[0])
             self.cache.commit(prompt_ids[s : s + self.prefill_chunk])
         return torch.cat(out).float().log_softmax(-1)
-
-
-def _on_gpu(model) -> bool:
-    return next(model.parameters()).device.type != "cpu"

@@ -149,6 +149,13 @@ def test_speculative_and_prefix_reuse_keep_the_tokens(kit):
     assert drafted == plain
     figures = spec.stats.extra["speculative"]
     assert figures["draft_tokens"] > 0 and figures["accepted_tokens"] > 0, figures
+    # a predicted output (prediction.py): its drafts cut to the grammar's prefix, then verified
+    edited = [*plain[:5], *plain[7:]]
+    for engine_ in (engine, spec):
+        predicted, _ = _decode(engine_, tok, grammar, prompt=prompt, prediction=tuple(edited))
+        assert predicted == plain
+        figures = engine_.stats.extra["speculative"]
+        assert figures["accepted_prediction_tokens"] > 0, figures
 
 
 def test_logprobs_under_a_grammar(kit):

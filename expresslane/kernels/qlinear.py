@@ -94,6 +94,15 @@ def _head(model: Laneformer) -> tuple[nn.Module, str, torch.Tensor]:
 
 
 @torch.no_grad()
+def place_quantized(model: Laneformer, path, quantization: str) -> Laneformer:
+    """`--quantization` on a GPU: a GGUF file's blocks repacked ("gguf"), else a GPU format."""
+    if quantization == "gguf":  # the file's blocks (packing.GGUF_BLOCKS)
+        from ..gguf import find_gguf
+
+        return repack_gguf(model, find_gguf(path))
+    return quantize_model(model, quantization)  # the GPU formats (packing.load_plan)
+
+
 def quantize_model(model: Laneformer, name: str) -> Laneformer:
     """Quantize the layer projections and the head in place (`name`: a GPU_QUANTIZATIONS key)."""
     fmt, group = gpu_format(name)

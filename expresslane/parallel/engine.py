@@ -52,6 +52,7 @@ ROLES = ("spmd", "lead", "follow")
 class ParallelEngine(Engine):
     grammars = False  # the vocab-parallel pick takes no token mask yet
     adjusts_logits = False  # nor a request's penalties (its logits are this rank's share)
+    predicts = False  # nor drafts: its decode is eager, one token a step
 
     def __init__(
         self,

@@ -1,3 +1,3 @@
-"""Speculative decoding by prompt lookup: the config, drafter and exact acceptance rule
-(`drafting.py`) and the loop that verifies drafts on the engine's own step and streams what is
-kept (`decoder.py`)."""
+"""Speculative decoding: the config, the prompt-lookup drafter and the exact acceptance rule
+(`drafting.py`), drafts from a request's predicted output (`prediction.py`), and the loop that
+verifies drafts on the engine's own step and streams what is kept (`decoder.py`)."""

@@ -1,9 +1,10 @@
-"""The speculative decode loop: draft by prompt lookup, verify in one call, stream what is kept.
+"""The speculative decode loop: draft (by prompt lookup, or from the request's predicted output),
+verify in one call, stream what is kept.
 
-`SpeculativeDecoder(step, cache, cfg)` verifies on the engine's own step (step/protocol.py):
-the verify is `DecodeGraph(step, width=k + 1)` (step/graph.py), the same step the plain tokens
-come from, so each verified row has the bits of a decode step and greedy speculation is plain
-greedy decoding exactly, on every device (captured on a GPU, eager on a CPU).
+`SpeculativeDecoder(step, cache, capture, cfg)` verifies on the engine's own step
+(step/protocol.py): the verify is `DecodeGraph(step, width=k + 1)` (step/graph.py), the same
+step the plain tokens come from, so each verified row has the bits of a decode step and greedy
+speculation is plain greedy decoding exactly, on every device (captured on a GPU, eager on a CPU).
 
 `steps` produces a request's tokens after the first (which the engine picks from the prefill
 logits), one at a time, so the engine's loop applies stop tokens, stop strings, `max_tokens`
@@ -31,8 +32,9 @@ from ..config import SamplingParams
 from ..sampler import sample, structure_key
 from ..step.graph import DecodeGraph, committed_tokens
 from ..step.protocol import Step
-from ..step.split import step_rows
+from ..step.split import STEP_TOKENS, step_rows
 from .drafting import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
+from .prediction import drafter_for
 
 # What each draft adds to a verify step, in decode steps (BackOff's break-even). On a CPU the
 # packed verify computes every row on weights it reads once; its cost per extra row relative to
@@ -44,18 +46,38 @@ from .drafting import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
 # forward) measured 0.1-0.15. A GPU at batch 1 streams the weights once for all rows.
 DRAFT_COST = {"cpu": 0.15}
 DRAFT_COST_DEFAULT = 0.02
+# The drafts of a request's predicted output where the engine has no --speculative-config: a
+# verify of 8 rows, the fused GPU step's most (step/split.py STEP_TOKENS) and the ring headroom
+# every engine's cache has (engine.py).
+PREDICTION_TOKENS = STEP_TOKENS - 1
 
 
 class SpeculativeDecoder:
-    def __init__(self, step: Step, cache: KVCache, cfg: SpeculativeConfig,
-                 capture: bool = False):  # fmt: skip
-        """`capture`: the verify graphs are captured (a GPU), like the decode graphs."""
+    def __init__(self, step: Step, cache: KVCache, capture: bool, cfg: SpeculativeConfig,
+                 lookup: bool = True):  # fmt: skip
+        """`capture`: the verify graphs are captured (a GPU), like the decode graphs.
+        `lookup`: prompt lookup drafts (the engine's --speculative-config); without it only a
+        request's predicted output does (prediction.py), k = `cfg.num_speculative_tokens`."""
         self.step, self.cache, self.cfg = step, cache, cfg
-        self.capture = capture
+        self.capture, self.lookup = capture, lookup
         self.device = cache.k[0].device
         self.graphs: dict[tuple, DecodeGraph] = {}  # by (structure, captured)
         self.stats = SpecStats()
         self._extra: dict = {}
+
+    @classmethod
+    def for_predictions(cls, step: Step, cache: KVCache, capture: bool):
+        """A verifier of predicted outputs alone (no prompt lookup), with drafts of
+        PREDICTION_TOKENS as the cache's rings allow; None where they leave a forward one row
+        (a prediction is then a hint nothing uses). Its verify graphs are made at a prediction's
+        first request and, on a GPU, captured while the engine is idle (step/captures.py)."""
+        room = cache.forward_room()  # None: any number of rows
+        k = PREDICTION_TOKENS if room is None else min(PREDICTION_TOKENS, room - 1)
+        if k < 1:
+            return None
+        cfg = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_max=1,
+                                prompt_lookup_min=1)  # fmt: skip
+        return cls(step, cache, capture, cfg, lookup=False)
 
     def begin(self, extra: dict) -> None:
         """A request starts: its figures are published in `extra` (the engine's Stats.extra)."""
@@ -91,9 +113,9 @@ class SpeculativeDecoder:
 
         `graph`: the engine's decode graph for this request (static path), or None (eager).
         """
-        cfg = self.cfg
         want_lp = params.logprobs is not None
-        drafter = NgramDrafter(cfg, [*prompt_ids, first])
+        drafter = self.drafter(prompt_ids, params)
+        drafter.extend([first])
         backoff = BackOff(DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT))
         vgraph = self.verify_graph(params, generator, graph is not None and graph.capture)
         last, pos, left = first, len(prompt_ids), budget  # `last` sits at `pos`, not yet cached
@@ -113,7 +135,7 @@ class SpeculativeDecoder:
             if drafts:
                 new, rows = self._verify(vgraph, last, drafts, pos)
                 kept = min(len(new) - 1, len(drafts))
-                self.stats.add(len(drafts), kept)
+                self.stats.add(len(drafts), kept, drafter.from_prediction)
                 backoff.verified(len(drafts), kept)
                 self._extra["speculative"] = self.stats.as_dict()
             else:  # one plain step (on the graph path one whole replay)
@@ -127,6 +149,15 @@ class SpeculativeDecoder:
             last, pos, left = new[-1], pos + len(new), left - len(new)
             if not drafts:
                 backoff.plain(len(new))
+
+    def drafter(self, prompt_ids: Sequence[int], params: SamplingParams):
+        """The request's drafter (prediction.py): its predicted output first, if any, then
+        prompt lookup over the prompt where this decoder looks up; the caller extends the first
+        token."""
+        drafter = drafter_for(self.cfg if self.lookup else None, prompt_ids, params.prediction)
+        if drafter is None:
+            raise ValueError("a speculative decoder without prompt lookup needs a prediction")
+        return drafter
 
     def _draft(self, drafter: NgramDrafter, pos: int, left: int) -> list[int]:
         """Drafts for positions pos + 1 .. pos + k: fewer near max_tokens; none where the k + 1

@@ -100,6 +100,8 @@ class NgramDrafter:
     last few tokens.
     """
 
+    from_prediction = False  # its drafts come from the sequence (prediction.py's do not)
+
     def __init__(self, cfg: SpeculativeConfig, tokens: list[int] | None = None):
         self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
         self.seq: list[int] = []
@@ -230,16 +232,22 @@ class BackOff:
 
 @dataclass
 class SpecStats:
-    """One request's figures: verify steps, drafted tokens, kept drafts."""
+    """One request's figures: verify steps, drafted tokens, kept drafts; of those, the drafts
+    copied from a predicted output (prediction.py) kept and not kept."""
 
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
-    def add(self, drafted: int, kept: int) -> None:
+    def add(self, drafted: int, kept: int, predicted: bool = False) -> None:
         self.verify_steps += 1
         self.draft_tokens += drafted
         self.accepted_tokens += kept
+        if predicted:
+            self.accepted_prediction_tokens += kept
+            self.rejected_prediction_tokens += drafted - kept
 
     def as_dict(self) -> dict:
         steps, drafted = self.verify_steps, self.draft_tokens
@@ -249,7 +257,13 @@ class SpecStats:
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.accepted_tokens / drafted, 4) if drafted else None,
             "mean_accepted_per_verify": round(self.accepted_tokens / steps, 4) if steps else None,
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
+            "rejected_prediction_tokens": self.rejected_prediction_tokens,
         }
+
+
+COUNTS = ("verify_steps", "draft_tokens", "accepted_tokens", "accepted_prediction_tokens",
+          "rejected_prediction_tokens")  # fmt: skip
 
 
 def combine(*figures: dict | None) -> dict:
@@ -257,7 +271,6 @@ def combine(*figures: dict | None) -> dict:
     total = SpecStats()
     for f in figures:
         if f:
-            total.verify_steps += f["verify_steps"]
-            total.draft_tokens += f["draft_tokens"]
-            total.accepted_tokens += f["accepted_tokens"]
+            for name in COUNTS:
+                setattr(total, name, getattr(total, name) + f.get(name, 0))
     return total.as_dict()

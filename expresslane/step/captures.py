@@ -21,14 +21,17 @@ from .graph import DecodeGraph
 
 class Captures:
     def __init__(self, step, steps_per_replay: int, capture: bool, compile: bool,
-                 compile_graph: bool, speculator=None, split_steps=None):  # fmt: skip
+                 compile_graph: bool, speculator=None, split_steps=None,
+                 predictor=None):  # fmt: skip
         """`compile`: compile each graph's step when it is made (the time goes to `compile_s`);
         `compile_graph`: what DecodeGraph compiles (step/choose.py). `speculator`: its verify
         graphs are captured with the decode graph of the same structure. `split_steps`:
-        constrained decoding's graphs, or None."""
+        constrained decoding's graphs, or None. `predictor`: the verifier of predicted outputs
+        when it is not the speculator; its graphs are captured only while idle."""
         self.step, self.steps_per_replay = step, steps_per_replay
         self.capture_on, self.compile, self.compile_graph = capture, compile, compile_graph
         self.speculator, self.split_steps = speculator, split_steps
+        self.verifiers = tuple({id(v): v for v in (speculator, predictor) if v}.values())
         self.graphs: dict[tuple, DecodeGraph] = {}
         self.compile_s = 0.0  # seconds spent compiling decode steps: at load, not in requests
         self.capture_s = 0.0  # seconds spent capturing graphs: at load or between requests
@@ -67,7 +70,7 @@ class Captures:
 
     def pending(self) -> list[tuple[DecodeGraph, int]]:
         """(graph, bucket) pairs that requests ran uncaptured."""
-        spec = self.speculator.graphs.values() if self.speculator is not None else ()
+        spec = [g for v in self.verifiers for g in v.graphs.values()]
         split = self.split_steps.graphs() if self.split_steps is not None else ()
         return [(g, b) for g in (*self.graphs.values(), *spec, *split) for b in g.pending()]
 

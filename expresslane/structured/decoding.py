@@ -12,7 +12,8 @@ engine hands over after the prefill, so prefix reuse works as for any request). 
   computing it in line (microseconds to a millisecond a token), so it runs in line there too;
 - jump-forward: the tokens the grammar forces (`Matcher.forced`, the only continuation) are
   appended without sampling and go through the step with the picked token, several per call;
-- with speculative decoding, prompt-lookup drafts are cut to the prefix the grammar accepts,
+- with speculative decoding (or a request's predicted output), the drafts are cut to the prefix
+  the grammar accepts,
   and each verified row is masked by the grammar's state before it (`Matcher.masks`), so what
   is kept is exactly what constrained decoding would pick (greedy) or its distribution;
 - a complete grammar ends the request at once with the end-of-text token, and a dead end (no
@@ -40,7 +41,7 @@ import torch
 
 from ..config import SamplingParams
 from ..sampler import SamplerKnobs, apply_token_mask, sample
-from ..speculative.drafting import NgramDrafter, accept
+from ..speculative.drafting import accept
 from ..step.split import SplitSteps, forward_logits, step_rows
 from .grammar import GrammarError, Matcher
 
@@ -82,9 +83,9 @@ class _Constrained:
         self.knobs.load(params)
         cuda = engine.device.type == "cuda"
         self.host = torch.empty(words, dtype=torch.int32, pin_memory=cuda)
-        spec = engine.speculator
+        spec = engine.speculator_for(params)  # prompt lookup, or drafts from a prediction
         self.spec = spec
-        self.drafter = NgramDrafter(spec.cfg, list(prompt_ids)) if spec is not None else None
+        self.drafter = spec.drafter(prompt_ids, params) if spec is not None else None
         # the chained mode (step/split.py): the picked token's forward runs behind the pick
         self.chained = self.picker is not None and self.split.chain and self.drafter is None
         self.eos = next(iter(engine.cfg.eos_token_ids), None)
@@ -151,7 +152,7 @@ class _Constrained:
             self.matcher.consume(t)
         self.drafter.extend(new)
         kept = len(new) - 1
-        self.spec.stats.add(len(drafts), kept)
+        self.spec.stats.add(len(drafts), kept, self.drafter.from_prediction)
         self.spec._extra["speculative"] = self.spec.stats.as_dict()
         return new
 
