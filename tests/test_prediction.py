@@ -189,3 +189,35 @@ def test_no_room_for_drafts_means_plain_decoding(lane):
     plain = list(eng.generate(PROMPT, params))
     pred = SamplingParams(max_tokens=20, ignore_eos=True, prediction=tuple(plain))
     assert list(eng.generate(PROMPT, pred)) == plain
+
+
+# --- the CLI ------------------------------------------------------------------------------------
+def test_cli_prediction_keeps_the_text(tmp_path, capsys):
+    import json
+
+    from expresslane.__main__ import main
+
+    args = ["run", "--prompt", "import os\n", "--max-tokens", "40", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (tmp_path / "p.txt").write_text(plain["text"])
+    assert main([*args, "--prediction", str(tmp_path / "p.txt")]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["token_ids"] == plain["token_ids"]
+    assert got["speculative"]["accepted_prediction_tokens"] > 0
+
+
+@pytest.mark.parametrize("extra, says", [
+    ([], "cannot read it"),
+    (["--presence-penalty", "0.5"], "penalties"),
+    (["--devices", "2"], "parallel engine"),
+])  # fmt: skip
+def test_cli_refusals_exit_2_naming_the_flag(tmp_path, capsys, extra, says):
+    from expresslane.__main__ import main
+
+    path = tmp_path / ("missing.txt" if not extra else "p.txt")
+    if extra:
+        path.write_text("x = 1\n")
+    assert main(["run", "--prediction", str(path), "--max-tokens", "4", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "--prediction" in err and says in err, err

@@ -10,23 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
-from pathlib import Path
 
 from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..bench.ceiling import bytes_per_token
 from ..cache import KV_CACHE_DTYPES
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
-from ..config import SamplingParams, logit_bias_pairs
+from ..config import SamplingParams
 from ..engine import Engine
-from ..errors import ConfigError, ExpressLaneError, RequestError
+from ..errors import ConfigError
 from ..parallel import launch, rendezvous
 from ..speculative.drafting import SpeculativeConfig
 from ..step.choose import PREFILL_DTYPES, default_decode
 from ..step.threads import set_threads
-from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
+from .sampling import add_sampling_arguments, sampling_from_args, with_json_schema, with_prediction
 
 HELP = "generate from one prompt (or one chat message) and stream the text"
 
@@ -143,32 +141,6 @@ def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
     return cfg
 
 
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="prompt and output tokens' positive logits divided by it, others "
-                   "multiplied (1: off)")  # fmt: skip
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="minus this times an output token's count, in [-2, 2]")  # fmt: skip
-    p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="minus this once an output token appeared, in [-2, 2]")  # fmt: skip
-    p.add_argument("--min-tokens", type=int, default=0,
-                   help="no end of text or stop id before this many tokens")  # fmt: skip
-    p.add_argument(
-        "--logit-bias",
-        default=None,
-        metavar="JSON",
-        help="token id -> bias in [-100, 100], as OpenAI's: '{\"50\": -100}'",
-    )
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     src = p.add_mutually_exclusive_group()
@@ -184,42 +156,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="constrain the output to this JSON schema (a .json file; structured output)",
     )
-
-
-def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        logprobs=getattr(args, "logprobs", None),
-        # a parallel rank's namespace may predate these flags: their neutral values
-        repetition_penalty=getattr(args, "repetition_penalty", 1.0),
-        frequency_penalty=getattr(args, "frequency_penalty", 0.0),
-        presence_penalty=getattr(args, "presence_penalty", 0.0),
-        min_tokens=getattr(args, "min_tokens", 0),
-        logit_bias=logit_bias_from(getattr(args, "logit_bias", None)),
+    p.add_argument(
+        "--prediction",
+        metavar="FILE",
+        help="the answer expected, mostly (a file being edited; OpenAI's Predicted Outputs): "
+        "drafted and verified, so only the speed changes",
     )
-    try:
-        params.validate()
-    except Exception as e:  # RequestError names the parameter; on the CLI it is a flag
-        raise ConfigError(f"--{str(e).replace('_', '-')}") from None
-    return params
-
-
-def logit_bias_from(text: str | None) -> tuple[tuple[int, float], ...]:
-    """--logit-bias's JSON object as (token id, bias) pairs (exit 2 naming the flag)."""
-    if text is None:
-        return ()
-    try:
-        return logit_bias_pairs(json.loads(text))
-    except (ValueError, RequestError) as e:  # RequestError names the field: the flag here
-        why = str(e).removeprefix("logit_bias: ") if isinstance(e, RequestError) else "not JSON"
-        raise ConfigError(f"--logit-bias: {why}; expected a JSON object such as "
-                          "'{\"50\": -100}'") from None  # fmt: skip
 
 
 def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
@@ -267,6 +209,9 @@ def weight_formats(engine) -> dict:
 def main(args: argparse.Namespace) -> int:
     speculative_from_args(args)  # a bad --speculative-config exits 2 before anything loads
     params = sampling_from_args(args)  # bad flags fail before any rank starts
+    if getattr(args, "prediction", None) and launch.parallel_requested(args):
+        raise ConfigError("--prediction: the parallel engine (--devices N) does not draft; "
+                          "use one device")  # fmt: skip
     if launch.parallel_requested(args):  # --devices 0 is refused there
         return launch.run_parallel(args, generate_on_rank)
     engine, tok = load_engine(args)
@@ -290,6 +235,7 @@ def generate_and_print(
     args, engine, tok: Tokenizer, params: SamplingParams, extra: dict | None = None
 ) -> int:
     """Encode --prompt/--chat, stream the text (or collect it for --json), print the figures."""
+    params = with_prediction(args, engine, tok, with_json_schema(args, engine, tok, params))
     if not args.json and args.model is None and has_trained_model():
         label_embedded_answer(args, params)
     if args.chat is not None:
@@ -297,7 +243,6 @@ def generate_and_print(
         prompt_ids = tok.encode(text, add_special_tokens=False)
     else:
         prompt_ids = tok.encode(args.prompt if args.prompt is not None else "def ")
-    params = with_json_schema(args, engine, tok, params)
     pieces, token_ids, logprobs = [], [], []
     for piece, step in stream_text(engine, tok, prompt_ids, params, args.stop):
         pieces.append(piece)
@@ -341,23 +286,6 @@ def generate_and_print(
         )
     sys.stdout.flush()
     return 0
-
-
-def with_json_schema(args, engine, tok: Tokenizer, params: SamplingParams) -> SamplingParams:
-    """`params` constrained to the --json-schema file's schema (compiled here, llguidance)."""
-    path = getattr(args, "json_schema", None)
-    if path is None:
-        return params
-    try:
-        schema = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--json-schema {path}: cannot read a JSON schema ({e})") from None
-    try:
-        spec = GrammarSpec.json_schema(schema, "--json-schema")
-        grammar = GrammarCompiler(tok, engine.cfg.vocab_size).compile(spec)
-    except ExpressLaneError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    return replace(params, grammar=grammar)
 
 
 def label_embedded_answer(args: argparse.Namespace, params: SamplingParams) -> None:

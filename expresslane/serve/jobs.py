@@ -110,6 +110,12 @@ class Job:
         self._waiting = False
         self._closed = False
 
+    def predicted(self) -> dict | None:
+        """The speculation figures of a request that brought a prediction (its usage details)."""
+        if not any(c.params.prediction for c in self.choices):
+            return None
+        return self.timings.speculative or {}
+
     def put(self, event: Event) -> None:
         """Worker side: queue an event, waking the loop only if it sleeps on this job."""
         with self._lock:

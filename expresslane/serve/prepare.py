@@ -143,6 +143,15 @@ class Preparer:
         """The compiled grammar of a request's structured output (cached by its hash)."""
         return None if spec is None else self.grammars.compile(spec)
 
+    def prediction(self, req: P._SamplingRequest) -> tuple[int, ...]:
+        """The predicted output's token ids (no special tokens: it stands for the answer's
+        text); a text longer than the context is refused as a prompt would be."""
+        if req.prediction is None:
+            return ()
+        text = req.prediction.text()
+        self.check_text(text, "prediction")
+        return tuple(self.tok.encode(text, False))
+
     def sampling(
         self,
         req: P._SamplingRequest,
@@ -150,6 +159,7 @@ class Preparer:
         logprobs: int | None,
         choice: int,
         grammar=None,
+        prediction: tuple[int, ...] = (),
     ) -> SamplingParams:
         seed = req.seed
         if seed is None and self.rng is not None:
@@ -181,6 +191,7 @@ class Preparer:
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
+            prediction=prediction,
         )
         params.validate()
         self.engine.check_sampling(params)
@@ -208,11 +219,12 @@ class Preparer:
             self.check_prompt(ids, "prompt")
             prompts.append((p if isinstance(p, str) else None, ids, added))
         grammar = self.grammar(request_grammar(req.model_extra))
+        prediction = self.prediction(req)
         specs = []
         for i, (_, ids, _) in enumerate(prompts):
             max_tokens = self.max_tokens(req.max_tokens, "max_tokens", len(ids))
             for j in range(req.n):
-                params = self.sampling(req, max_tokens, req.logprobs, j, grammar)
+                params = self.sampling(req, max_tokens, req.logprobs, j, grammar, prediction)
                 echo_lp = req.echo and req.logprobs is not None
                 specs.append(
                     ChoiceSpec(
@@ -256,11 +268,12 @@ class Preparer:
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         max_tokens = self.max_tokens(req.max_completion_tokens or req.max_tokens, param, len(ids))
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prediction = self.prediction(req)
         specs = [
             ChoiceSpec(
                 j,
                 ids,
-                self.sampling(req, max_tokens, logprobs, j, grammar),
+                self.sampling(req, max_tokens, logprobs, j, grammar, prediction),
                 req.stop_strings(),
                 include_stop=req.include_stop_str_in_output,
             )  # fmt: skip

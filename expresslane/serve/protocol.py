@@ -93,11 +93,41 @@ def _state_rules(schema: dict, cls: type) -> None:
     schema["allOf"] = list(cls.RULES)
 
 
+class ContentPart(_Request):
+    type: str = Field(json_schema_extra={"enum": ["text"]})  # others: a 400 naming the type
+    text: str | None = None
+
+
+class Prediction(_Request):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (a file to edit)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        bad = [p.type for p in self.content if p.type != "text"]
+        if bad:
+            raise RequestError(f"prediction.content: part of type {bad[0]!r} is not supported "
+                               "(text only)", param="prediction")  # fmt: skip
+        return "".join(p.text or "" for p in self.content)
+
+
 class _SamplingRequest(_Request):
     # extra fields are kept, to refuse unsupported ones by name
     model_config = ConfigDict(extra="allow", json_schema_extra=_state_rules)
     UNSUPPORTED: ClassVar[dict] = unsupported.SAMPLING
-    RULES: ClassVar[list] = [_needs("stream_options", {"type": "object"}, "stream", True)]
+    RULES: ClassVar[list] = [
+        _needs("stream_options", {"type": "object"}, "stream", True),
+        {  # a prediction's drafts and the logits adjustments' picks do not mix (config.py)
+            "if": {"properties": {"prediction": {"type": "object"}}, "required": ["prediction"]},
+            "then": {"properties": {
+                "presence_penalty": {"enum": [None, 0]}, "frequency_penalty": {"enum": [None, 0]},
+                "repetition_penalty": {"enum": [None, 1]}, "min_tokens": {"enum": [None, 0]},
+                "logit_bias": {"anyOf": [{"type": "null"}, {"maxProperties": 0}]}}},
+        },
+    ]  # fmt: skip
 
     model: str | None = None
     temperature: Float = Field(1.0, ge=0.0)
@@ -123,6 +153,9 @@ class _SamplingRequest(_Request):
         {"type": "object", "additionalProperties": False, "patternProperties": {
             "^[0-9]+$": {"type": "number", "minimum": -100, "maximum": 100}}},
         {"type": "null"}]})  # {"token id": bias in [-100, 100]}  # fmt: skip
+    # OpenAI's Predicted Outputs (chat); here on completions too: drafts verified as
+    # speculation (speculative/prediction.py), so only the speed changes
+    prediction: Prediction | None = None
     n: Int = Field(1, ge=1, le=MAX_N)
     stream: Bool = False
     skip_special_tokens: Bool = True  # vLLM's: special tokens are left out of the text
@@ -193,11 +226,6 @@ class CompletionRequest(_SamplingRequest):
         """One entry per prompt: a string or a list of token ids."""
         p = self.prompt
         return [p] if isinstance(p, str) or _token_ids(p) else list(p)
-
-
-class ContentPart(_Request):
-    type: str = Field(json_schema_extra={"enum": ["text"]})  # others: a 400 naming the type
-    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -299,7 +327,7 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
 
 
 _FIELDS = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart,
-                          StreamOptions, TokenizeRequest, DetokenizeRequest)
+                          Prediction, StreamOptions, TokenizeRequest, DetokenizeRequest)
            for name in m.model_fields}  # fmt: skip
 
 
@@ -357,10 +385,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          predicted: dict | None = None) -> dict:  # fmt: skip
+    """OpenAI's usage; `predicted`: a prediction's speculation figures (SpecStats.as_dict)."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},  # prefix reuse
     }
+    if predicted is not None:  # OpenAI's counts: drafts from the prediction kept, not kept
+        names = ("accepted_prediction_tokens", "rejected_prediction_tokens")
+        out["completion_tokens_details"] = {k: predicted.get(k, 0) for k in names}
+    return out

@@ -48,11 +48,19 @@ class PromptTokensDetails(_Open):
     cached_tokens: int  # prompt tokens the KV cache already held: reused, not prefilled
 
 
+class CompletionTokensDetails(_Open):
+    """With a `prediction` (OpenAI's Predicted Outputs): its drafts the model kept, and not."""
+
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(_Open):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class Timings(_Open):

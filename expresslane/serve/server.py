@@ -266,7 +266,7 @@ def _v1_routes(svc: Service) -> APIRouter:
             return _sse(_stream(job, request, prep.fmt, prep.include_usage, prep.prompt_tokens))
         accs = await collect(job, request.receive)
         n = sum(a.count for a in accs.values())
-        usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens)
+        usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens, job.predicted())
         # detokenizing thousands of echoed tokens for text_offset is no work for the loop either
         return await s.reply(prep.fmt.response, accs, usage, job.timings.as_dict())
 
@@ -386,7 +386,9 @@ async def _stream(
                 {
                     **base,
                     "choices": [],
-                    "usage": P.usage(prompt_tokens, generated, job.timings.cached_tokens),
+                    "usage": P.usage(
+                        prompt_tokens, generated, job.timings.cached_tokens, job.predicted()
+                    ),
                     "completion_tokens": generated,
                     "timings": job.timings.as_dict(),
                 }

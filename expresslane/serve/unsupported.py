@@ -49,7 +49,6 @@ CHAT: dict[str, Neutral] = {
     "function_call": lambda v: v in (None, "none", "auto"),
     "audio": _absent,
     "modalities": lambda v: _absent(v) or v == ["text"],
-    "prediction": _absent,
     "web_search_options": _absent,
     "echo": _false,  # vLLM's chat echo
 }
@@ -89,7 +88,7 @@ SCHEMAS: dict[str, dict] = {
     "prompt_logprobs": _NULL,
     "suffix": _ABSENT, "functions": _ABSENT,
     "function_call": _only("none", "auto"), "audio": _ABSENT,
-    "modalities": {"anyOf": [*_ABSENT["anyOf"], {"const": ["text"]}]}, "prediction": _ABSENT,
+    "modalities": {"anyOf": [*_ABSENT["anyOf"], {"const": ["text"]}]},
     "web_search_options": _ABSENT, "echo": _only(False),
 }  # fmt: skip
 
