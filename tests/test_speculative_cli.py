@@ -47,15 +47,23 @@ def test_parallel_engine_refuses_to_speculate(random_laneformer_dir, capsys):
 
 
 def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
+    from dataclasses import replace
+
     from expresslane.bench.spec_workloads import MERGE, Workload
-    from expresslane.bench.speculative import run_speculative_bench, spec_table
+    from expresslane.bench.speculative import prompt_ids, run_speculative_bench, spec_table
     from expresslane.checkpoint import load_model
+    from expresslane.config import SamplingParams
+    from expresslane.engine import Engine
     from expresslane.speculative.drafting import SpeculativeConfig
     from expresslane.tokenizer import Tokenizer
 
     model = load_model(random_laneformer_dir, device="cpu", dtype="float32", progress=False)
     tok = Tokenizer.from_dir(random_laneformer_dir)
-    work = (Workload("copy", "edit", f"Reprint:\n{MERGE}", 24), Workload("free", "free", "hi", 24))
+    copy = Workload("copy", "edit", f"Reprint:\n{MERGE}", 24)
+    # its prediction: the random model's own answer (the bench's edits predict the file)
+    ids = prompt_ids(tok, copy)
+    answer = tok.decode(list(Engine(model).generate(ids, SamplingParams(max_tokens=24))))
+    work = (replace(copy, prediction=answer), Workload("free", "free", "hi", 24))
     rows, by_kind, cost = run_speculative_bench(
         model, tok, SpeculativeConfig(4, 3, 1), workloads=work, decode="graph"
     )  # as `run` builds the engines on a CPU: the packed step, the packed verify
@@ -64,7 +72,11 @@ def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
         assert r["identical"] and r["tokens"] > 1
         assert r["speedup"] == r["spec_tok_s"] / r["plain_tok_s"]
         assert r["draft_tokens"] >= r["accepted_tokens"] >= 0
-    assert set(by_kind) == {"edit", "free"}
+    copy, free = rows
+    assert copy["pred_identical"] and "pred_tok_s" not in free  # a prediction where one is given
+    assert copy["pred_speedup"] == copy["pred_tok_s"] / copy["plain_tok_s"]
+    assert copy["accepted_prediction_tokens"] + copy["rejected_prediction_tokens"] > 0
+    assert set(by_kind) == {"edit", "free"} and "pred_speedup" in by_kind["edit"]
     assert cost["path"].startswith("packed") and cost["rows"] == [1, 2, 3, 4, 5]  # one step
     assert len(cost["relative"]) == 5 and all(r > 0 for r in cost["relative"])
     text = spec_table(rows, by_kind, cost)

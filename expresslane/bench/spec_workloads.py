@@ -3,6 +3,8 @@
 "edit": code edits whose answer reprints a file with a small change (type hints, a rename, a
 one-line fix), where prompt lookup should shine; "quote": answers that quote their input;
 "free": free generation, the control where drafts are rare and must cost (almost) nothing.
+Edits and quotes carry a `prediction`: the text their answer reprints, as a client of OpenAI's
+Predicted Outputs would send it (the original file, the quoted lines).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class Workload:
     kind: str  # "edit", "quote" or "free"
     message: str  # one user message, rendered with the model's chat template
     max_tokens: int = 384
+    prediction: str | None = None  # what the answer reprints (OpenAI's Predicted Outputs)
 
 
 MERGE = """def merge_counts(first, second, minimum):
@@ -100,12 +103,14 @@ WORKLOADS = (
         "type-hints",
         "edit",
         f"Add type hints to this function. Reply with the whole function.\n\n```python\n{MERGE}```",
+        prediction=f"```python\n{MERGE}```",
     ),
     Workload(
         "rename",
         "edit",
         "Rename the variable `data` to `records` everywhere in this file. Reply with the whole "
         f"file.\n\n```python\n{INVENTORY}```",
+        prediction=f"```python\n{INVENTORY}```",
     ),
     Workload(
         "fix-line",
@@ -113,17 +118,20 @@ WORKLOADS = (
         "In this file, `average_gap` divides by the wrong length: it should divide by "
         "`len(gaps)`. Fix that line and print the whole file again.\n\n"
         f"```python\n{STATS}```",
+        prediction=f"```python\n{STATS}```",
     ),
     Workload(
         "quote-log",
         "quote",
         f"Here is a server log:\n\n```\n{LOG}```\n\nQuote every ERROR line exactly, then say "
         "what went wrong.",
+        prediction="\n".join(line for line in LOG.splitlines() if " ERROR " in line),
     ),
     Workload(
         "quote-text",
         "quote",
         f"Repeat this paragraph word for word, then explain it in one sentence.\n\n{PARAGRAPH}",
+        prediction=PARAGRAPH,
     ),
     Workload("story", "free", "Write a short story about a lighthouse keeper and a map.", 256),
     Workload("explain", "free", "Explain how a hash table works, with a small example.", 256),

@@ -1,4 +1,6 @@
-"""The speculative decoding benchmark: plain vs prompt-lookup decoding on the shipped workloads.
+"""The speculative decoding benchmark: plain vs prompt-lookup decoding on the shipped workloads,
+and, where a workload carries one, plain decoding given its predicted output (OpenAI's
+Predicted Outputs: the plain engine drafts from it, no --speculative-config).
 
 For each workload (bench/spec_workloads.py) plain and speculative greedy decoding run on the same
 weights, interleaved: the order alternates from one run to the next, so that a shared machine's
@@ -37,10 +39,11 @@ def prompt_ids(tokenizer, w: Workload) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _run(engine: Engine, ids: list[int], max_tokens: int) -> tuple[list[int], dict]:
+def _run(engine: Engine, ids: list[int], max_tokens: int, prediction: tuple[int, ...] = ()):
     """Greedy tokens and figures: decode tokens/s (wall) and CPU seconds per decoded token."""
     out, cpu = [], []
-    for step in engine.generate_steps(ids, SamplingParams(max_tokens=max_tokens)):
+    params = SamplingParams(max_tokens=max_tokens, prediction=prediction)
+    for step in engine.generate_steps(ids, params):
         out.append(step.token)
         cpu.append(time.process_time())
     n = len(out) - 1
@@ -59,14 +62,20 @@ def top2_gap(model: Laneformer, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def bench_workload(plain: Engine, spec: Engine, ids: list[int], w: Workload, repeats: int):
-    """Interleaved runs of one workload -> a row (order alternates with the repeat index)."""
-    runs: dict[str, list[dict]] = {"plain": [], "spec": []}
+def bench_workload(plain: Engine, spec: Engine, ids: list[int], w: Workload, repeats: int,
+                   prediction: tuple[int, ...] = ()):  # fmt: skip
+    """Interleaved runs of one workload -> a row (order alternates with the repeat index). With
+    a `prediction` (the workload's, tokenized) a third way: the plain engine given it."""
+    ways = {"plain": (plain, ()), "spec": (spec, ())}
+    if prediction:
+        ways["pred"] = (plain, prediction)
+    runs: dict[str, list[dict]] = {name: [] for name in ways}
     outs: dict[str, list[int]] = {}
     for r in range(repeats):
-        order = ("plain", "spec") if r % 2 == 0 else ("spec", "plain")
+        order = list(ways) if r % 2 == 0 else list(ways)[::-1]
         for which in order:
-            outs[which], f = _run(plain if which == "plain" else spec, ids, w.max_tokens)
+            engine, pred = ways[which]
+            outs[which], f = _run(engine, ids, w.max_tokens, pred)
             runs[which].append(f)
     fig = runs["spec"][-1]["spec"]
 
@@ -96,6 +105,13 @@ def bench_workload(plain: Engine, spec: Engine, ids: list[int], w: Workload, rep
     row["cpu_speedup"] = cpu[0] / cpu[1] if cpu[0] and cpu[1] else None
     if diff is not None:
         row.update(first_difference=diff, top2_gap=top2_gap(plain.model, ids + a[:diff]))
+    if prediction:
+        got = runs["pred"][-1]["spec"]
+        row.update(pred_tok_s=median("pred", "tok_s"), pred_identical=outs["pred"] == a,
+                   pred_tokens=len(prediction),
+                   accepted_prediction_tokens=got["accepted_prediction_tokens"],
+                   rejected_prediction_tokens=got["rejected_prediction_tokens"])  # fmt: skip
+        row["pred_speedup"] = row["pred_tok_s"] / row["plain_tok_s"] if row["plain_tok_s"] else None
     return row
 
 
@@ -170,24 +186,37 @@ def run_speculative_bench(
     spec = Engine(model, max_model_len=max_len, speculative=cfg, **engine_kw)
     for engine in (plain, spec):  # one-time costs (imports, lazy inits) stay out of the rows
         _run(engine, prompts[0][:32], 16)
-    rows = [
-        bench_workload(plain, spec, p, w, repeats) for p, w in zip(prompts, workloads, strict=True)
+    preds = [
+        tuple(tokenizer.encode(w.prediction, False)) if w.prediction else () for w in workloads
     ]
+    rows = [bench_workload(plain, spec, p, w, repeats, pred)
+            for p, w, pred in zip(prompts, workloads, preds, strict=True)]  # fmt: skip
     by_kind = {}
     for kind in KINDS:
-        for key in ("speedup", "cpu_speedup"):
-            ups = [r[key] for r in rows if r["kind"] == kind and r[key]]
+        for key in ("speedup", "cpu_speedup", "pred_speedup"):
+            ups = [r[key] for r in rows if r["kind"] == kind and r.get(key)]
             if ups:
                 by_kind.setdefault(kind, {})[key] = math.exp(sum(map(math.log, ups)) / len(ups))
     cost = verify_cost(spec, prompts[0], cfg.num_speculative_tokens)
     return rows, by_kind, cost
 
 
+def _pred_cells(r: dict) -> str:
+    """The prediction's columns: tokens/s, speedup over plain, kept / drafted from it ("same"
+    unless its output differs from plain's, which would be a bug: it is marked)."""
+    if "pred_tok_s" not in r:
+        return ""
+    kept = f"{r['accepted_prediction_tokens']}/"
+    kept += f"{r['accepted_prediction_tokens'] + r['rejected_prediction_tokens']}"
+    mark = "" if r["pred_identical"] else " DIFFERS"
+    return f" {r['pred_tok_s']:>8.2f} {r['pred_speedup']:>5.2f}x {kept:>9}{mark}"
+
+
 def spec_table(rows: list[dict], by_kind: dict, cost: dict | None = None) -> str:
     head = (
         f"{'workload':<11} {'kind':<5} {'prompt':>6} {'tokens':>6} {'plain t/s':>9} "
         f"{'spec t/s':>8} {'speedup':>7} {'cpu x':>6} {'drafted':>7} {'kept':>5} "
-        f"{'kept/step':>9} {'identical':>9}"
+        f"{'kept/step':>9} {'identical':>9} {'pred t/s':>8} {'pred x':>6} {'pred kept':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -197,10 +226,11 @@ def spec_table(rows: list[dict], by_kind: dict, cost: dict | None = None) -> str
             f"{r['workload']:<11} {r['kind']:<5} {r['prompt_tokens']:>6} {r['tokens']:>6} "
             f"{r['plain_tok_s']:>9.2f} {r['spec_tok_s']:>8.2f} {r['speedup']:>6.2f}x {cpu} "
             f"{r['draft_tokens']:>7} {r['accepted_tokens']:>5} "
-            f"{r['mean_accepted_per_verify'] or 0:>9.2f} {same:>9}"
+            f"{r['mean_accepted_per_verify'] or 0:>9.2f} {same:>9}" + _pred_cells(r)
         )
     means = ", ".join(
-        f"{k} {v['speedup']:.2f}x (cpu time {v.get('cpu_speedup', 0):.2f}x)"
+        f"{k} {v['speedup']:.2f}x (cpu time {v.get('cpu_speedup', 0):.2f}x"
+        + (f"; prediction {v['pred_speedup']:.2f}x)" if "pred_speedup" in v else ")")
         for k, v in by_kind.items()
     )
     lines.append(f"geometric mean speedup: {means}")
