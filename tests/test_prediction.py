@@ -32,11 +32,13 @@ def lane():
 
 # --- the drafter ------------------------------------------------------------------------------
 def test_drafts_start_at_the_first_token_and_follow():
-    d = PredictionDrafter([10, 11, 12, 13, 14, 15])
-    assert d.propose(3) == [10, 11, 12] and d.from_prediction and d.strong
+    d = PredictionDrafter([*range(10, 22)])
+    assert d.propose(3) == [10, 11, 12] and d.from_prediction and not d.strong
     d.extend([10, 11])
-    assert d.propose(3) == [12, 13, 14]
-    d.extend([12, 13, 14, 15])
+    assert d.propose(3) == [12, 13, 14] and not d.strong
+    d.extend([*range(12, 18)])  # 8 tokens followed: strong (a back-off pause lets it draft)
+    assert d.propose(3) == [18, 19, 20] and d.strong
+    d.extend([*range(18, 22)])
     assert d.propose(3) == [] and not d.from_prediction  # the prediction is used up
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from .jobs import Accumulator, Event, TokenInfo
-from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs
+from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .protocol import new_id
 from .tools import ToolPlan, may_open_call, parse_calls
 
@@ -119,6 +119,8 @@ class CompletionFormat(_Format):
                 ).take([t.id for t in a.tokens], len(text))
                 lp = completion_logprobs(a.echo + a.tokens, self.text, offsets)
             choices.append(self._choice(i, text, lp, a.finish_reason, a.stop_reason))
+            if a.prompt is not None:  # vLLM's, per choice
+                choices[-1]["prompt_logprobs"] = prompt_logprobs(a.prompt, self.text)
         return {**self.envelope(), "choices": choices, "usage": usage, "timings": timings}
 
 
@@ -209,9 +211,9 @@ class ChatFormat(_Format):
             message, finish = self._message(a.text, a.finish_reason)
             choices.append({"index": i, "message": message, "logprobs": self._lp(a.tokens),
                             "finish_reason": finish, "stop_reason": a.stop_reason})  # fmt: skip
-        return {
-            **self.envelope("chat.completion"),
-            "choices": choices,
-            "usage": usage,
-            "timings": timings,
-        }
+        out = {**self.envelope("chat.completion"), "choices": choices, "usage": usage,
+               "timings": timings}  # fmt: skip
+        scored = next((a.prompt for a in accs.values() if a.prompt is not None), None)
+        if scored is not None:  # vLLM's, once for the request: its choices share the prompt
+            out["prompt_logprobs"] = prompt_logprobs(scored, self.text)
+        return out

@@ -25,6 +25,7 @@ class TokenInfo:
     id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    rank: int | None = None  # in the vocabulary, 1 the most likely (vLLM's prompt_logprobs)
 
 
 @dataclass
@@ -37,11 +38,12 @@ class ChoiceSpec:
     stop: list[str] = field(default_factory=list)
     echo_logprobs: bool = False  # score the prompt first (completions `echo` + `logprobs`)
     include_stop: bool = False  # vLLM's include_stop_str_in_output
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and top n
 
 
 @dataclass
 class Event:
-    """What the worker sends back: "echo", "delta", "finish" or "error"."""
+    """What the worker sends back: "echo", "prompt_logprobs", "delta", "finish" or "error"."""
 
     kind: str
     index: int = 0
@@ -155,6 +157,7 @@ class Accumulator:
     pieces: list[str] = field(default_factory=list)
     tokens: list[TokenInfo] = field(default_factory=list)
     echo: list[TokenInfo] = field(default_factory=list)
+    prompt: list[TokenInfo] | None = None  # vLLM's prompt_logprobs, when asked
     count: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -166,6 +169,8 @@ class Accumulator:
     def add(self, ev: Event) -> None:
         if ev.kind == "echo":
             self.echo = ev.tokens
+        elif ev.kind == "prompt_logprobs":
+            self.prompt = ev.tokens
         elif ev.kind == "delta":
             self.pieces.append(ev.text)
             self.tokens.extend(ev.tokens)

@@ -119,3 +119,20 @@ def chat_logprobs(tokens: list[TokenInfo], text: TokenText) -> list[dict]:
         entry(t.id, t.logprob) | {"top_logprobs": [entry(i, v) for i, v in t.top or []]}
         for t in tokens
     ]
+
+
+def prompt_logprobs(tokens: list[TokenInfo], text: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token {token id: {logprob,
+    rank, decoded_token}} for the prompt's own token (its rank in the vocabulary) and the top n
+    (ranks 1..n); the ids are JSON object keys, so strings."""
+
+    def entry(tid: int, lp: float, rank: int | None) -> dict:
+        return {"logprob": lp, "rank": rank, "decoded_token": text(tid)[0]}
+
+    out: list[dict | None] = [None]
+    for t in tokens[1:]:
+        row = {str(t.id): entry(t.id, t.logprob, t.rank)}
+        for rank, (tid, lp) in enumerate(t.top or [], 1):
+            row.setdefault(str(tid), entry(tid, lp, rank))
+        out.append(row)
+    return out

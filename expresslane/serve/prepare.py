@@ -233,7 +233,8 @@ class Preparer:
                         params,
                         req.stop_strings(),
                         echo_lp,
-                        req.include_stop_str_in_output,
+                        include_stop=req.include_stop_str_in_output,
+                        prompt_logprobs=req.prompt_logprobs,
                     )
                 )
         echo, added = {}, {}
@@ -276,6 +277,7 @@ class Preparer:
                 self.sampling(req, max_tokens, logprobs, j, grammar, prediction),
                 req.stop_strings(),
                 include_stop=req.include_stop_str_in_output,
+                prompt_logprobs=req.prompt_logprobs if j == 0 else None,  # once: a shared prompt
             )  # fmt: skip
             for j in range(req.n)
         ]

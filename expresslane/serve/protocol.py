@@ -120,6 +120,9 @@ class _SamplingRequest(_Request):
     UNSUPPORTED: ClassVar[dict] = unsupported.SAMPLING
     RULES: ClassVar[list] = [
         _needs("stream_options", {"type": "object"}, "stream", True),
+        {"if": {"properties": {"prompt_logprobs": {"type": "integer"}},
+                "required": ["prompt_logprobs"]},
+         "then": {"properties": {"stream": {"const": False}}}},
         {  # a prediction's drafts and the logits adjustments' picks do not mix (config.py)
             "if": {"properties": {"prediction": {"type": "object"}}, "required": ["prediction"]},
             "then": {"properties": {
@@ -153,6 +156,8 @@ class _SamplingRequest(_Request):
         {"type": "object", "additionalProperties": False, "patternProperties": {
             "^[0-9]+$": {"type": "number", "minimum": -100, "maximum": 100}}},
         {"type": "null"}]})  # {"token id": bias in [-100, 100]}  # fmt: skip
+    # vLLM's: each prompt token's logprob, rank and the top n (not with stream, as in vLLM)
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI's Predicted Outputs (chat); here on completions too: drafts verified as
     # speculation (speculative/prediction.py), so only the speed changes
     prediction: Prediction | None = None
@@ -180,6 +185,9 @@ class _SamplingRequest(_Request):
         if self.truncate_prompt_tokens == 0:
             msg = "truncate_prompt_tokens: must be -1 or an integer >= 1"
             raise RequestError(msg, param="truncate_prompt_tokens")
+        if self.prompt_logprobs is not None and self.stream:
+            msg = "prompt_logprobs: not available when stream is true (as in vLLM)"
+            raise RequestError(msg, param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             msg = "stream_options: only allowed when stream is true"
             raise RequestError(msg, param="stream_options")

@@ -88,12 +88,25 @@ class CompletionLogprobs(_Open):
     text_offset: list[int]
 
 
+class PromptLogprob(_Open):
+    """vLLM's: one token's logprob, its rank in the vocabulary (1: the most likely), its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: null for the first token, then {token id: PromptLogprob} per token
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(_Open):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Open):
@@ -155,6 +168,7 @@ class ChatCompletionResponse(_Open):
     choices: list[ChatChoice]
     usage: Usage
     timings: Timings
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(_Open):

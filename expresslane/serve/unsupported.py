@@ -38,10 +38,7 @@ def _false(v: Any) -> bool:
 
 Neutral = Callable[[Any], bool]
 
-SAMPLING: dict[str, Neutral] = {
-    "best_of": _one,
-    "prompt_logprobs": lambda v: v is None,
-}
+SAMPLING: dict[str, Neutral] = {"best_of": _one}
 COMPLETIONS: dict[str, Neutral] = {**SAMPLING, "suffix": _absent}
 CHAT: dict[str, Neutral] = {
     **SAMPLING,
@@ -85,7 +82,6 @@ def _only(*values: Any) -> dict:
 
 SCHEMAS: dict[str, dict] = {
     "best_of": _only(1),
-    "prompt_logprobs": _NULL,
     "suffix": _ABSENT, "functions": _ABSENT,
     "function_call": _only("none", "auto"), "audio": _ABSENT,
     "modalities": {"anyOf": [*_ABSENT["anyOf"], {"const": ["text"]}]},

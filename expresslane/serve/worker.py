@@ -120,34 +120,48 @@ class Worker:
                 job.put(Event("finish", spec.index, finish_reason="abort"))
                 self.metrics.finished("abort")
                 continue
-            if spec.echo_logprobs:
-                echo = self._prompt_logprobs(spec, job.cancel)
-                if echo is None:  # cancelled during the scoring prefill
+            scores = spec.echo_logprobs or spec.prompt_logprobs is not None
+            if scores:
+                scored = self._prompt_logprobs(spec, job.cancel)
+                if scored is None:  # cancelled during the scoring prefill
                     job.put(Event("finish", spec.index, finish_reason="abort"))
                     self.metrics.finished("abort")
                     continue
-                job.put(Event("echo", spec.index, tokens=echo))
+                if spec.echo_logprobs:
+                    job.put(Event("echo", spec.index, tokens=scored[0]))
+                if spec.prompt_logprobs is not None:
+                    job.put(Event("prompt_logprobs", spec.index, tokens=scored[1]))
             cached = self._generate(job, spec)
-            if first and not spec.echo_logprobs:  # an echo scored the prompt itself just now
+            if first and not scores:  # a scoring prefill took the prompt itself just now
                 t.cached_tokens += cached
         self.metrics.prompt_tokens.inc(t.prompt_tokens)
 
-    def _prompt_logprobs(self, spec: ChoiceSpec, cancel) -> list[TokenInfo] | None:
-        """The prompt's tokens with the logprob the model gave each (the first has none)."""
+    def _prompt_logprobs(self, spec: ChoiceSpec, cancel):
+        """The prompt scored: (its tokens with the logprob the model gave each and the top
+        `logprobs`, for echo; with each one's vocabulary rank and the top `prompt_logprobs`,
+        for vLLM's field); the first token has none. None when cancelled."""
         ids = spec.prompt_ids
         lp = self.engine.prompt_logprobs(ids, cancel=cancel)  # (S, V): row i scores token i+1
         if lp is None:
             return None
         target = torch.tensor(ids[1:], device=lp.device, dtype=torch.long)[:, None]
-        chosen = lp[:-1].gather(1, target)[:, 0].tolist()
-        n = spec.params.logprobs or 0
-        top = lp[:-1].topk(n, dim=-1) if n > 0 else None
-        top_ids = top.indices.tolist() if top is not None else [[] for _ in chosen]
-        top_vals = top.values.tolist() if top is not None else [[] for _ in chosen]
-        out = [TokenInfo(ids[0])]
-        for i, t in enumerate(ids[1:]):
-            out.append(TokenInfo(t, chosen[i], list(zip(top_ids[i], top_vals[i], strict=True))))
-        return out
+        chosen = lp[:-1].gather(1, target)  # (S - 1, 1)
+        ranks = (lp[:-1] > chosen).sum(-1).add(1).tolist()  # ties share the better rank
+        chosen = chosen[:, 0].tolist()
+
+        def scored(n: int, rank: bool) -> list[TokenInfo]:
+            top = lp[:-1].topk(n, dim=-1) if n > 0 else None
+            top_ids = top.indices.tolist() if top is not None else [[] for _ in chosen]
+            top_vals = top.values.tolist() if top is not None else [[] for _ in chosen]
+            out = [TokenInfo(ids[0])]
+            for i, t in enumerate(ids[1:]):
+                out.append(TokenInfo(t, chosen[i], list(zip(top_ids[i], top_vals[i], strict=True)),
+                                     ranks[i] if rank else None))  # fmt: skip
+            return out
+
+        echo = scored(spec.params.logprobs or 0, False) if spec.echo_logprobs else None
+        prompt = spec.prompt_logprobs
+        return echo, (scored(prompt, True) if prompt is not None else None)
 
     def _generate(self, job: Job, spec: ChoiceSpec) -> int:
         """Run one choice, relaying its tokens; returns the prompt tokens the cache held."""

@@ -45,6 +45,7 @@ class PredictionDrafter:
         self.at: int | None = 0  # the prediction's index of the next expected token; None: lost
         self.left_at = 0  # where the output last left the prediction (the re-alignment's start)
         self.from_prediction = False  # did the last proposal come from the prediction?
+        self.followed = 0  # output tokens in a row that match the prediction where aligned
         self.ends: dict[tuple, list[int]] = {}  # n-gram -> its end indices (exclusive), ascending
         for n in range(ALIGN_MIN, ALIGN_MAX + 1):
             for end in range(n, len(self.pred) + 1):
@@ -56,8 +57,9 @@ class PredictionDrafter:
             self.out.append(t)
             if self.at is not None and self.at < len(self.pred) and self.pred[self.at] == t:
                 self.at += 1
+                self.followed += 1
             elif self.at is not None:
-                self.left_at, self.at = self.at, None
+                self.left_at, self.at, self.followed = self.at, None, 0
         if self.fallback is not None:
             self.fallback.extend(tokens)
 
@@ -67,6 +69,7 @@ class PredictionDrafter:
             ends = self.ends.get(tuple(self.out[-n:]))
             if ends:
                 ahead = [e for e in ends if e >= self.left_at]
+                self.followed = n
                 return ahead[0] if ahead else ends[-1]
         return None
 
@@ -83,10 +86,12 @@ class PredictionDrafter:
 
     @property
     def strong(self) -> bool:
-        """Drafting from the prediction (a back-off pause does not stop it), or the fallback's
-        full-length match."""
+        """Drafting from the prediction where the output has followed it for ALIGN_MAX tokens
+        (a back-off pause does not stop such drafts), or the fallback's full-length match. A
+        re-alignment on a few tokens is not strong: on text that only shares short phrases with
+        the prediction (a log's dates), its drafts missed, and the pauses keep that cheap."""
         if self.from_prediction:
-            return True
+            return self.followed >= ALIGN_MAX
         return self.fallback is not None and self.fallback.strong
 
 

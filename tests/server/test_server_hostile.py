@@ -218,14 +218,15 @@ def test_body_not_sent_as_json_is_415(server, path, ctype):
     )
 
 
-UNIMPLEMENTED = [(C, "suffix", "end"), (C, "best_of", 3), (C, "prompt_logprobs", 1),
+UNIMPLEMENTED = [(C, "suffix", "end"), (C, "best_of", 3), (CH, "web_search_options", {"a": 1}),
                  (CH, "functions", [{"name": "f"}])]  # fmt: skip
 # the logits adjustments out of range or malformed: a 400 naming each (test_penalties.py has
 # what they do)
 BAD_ADJUSTMENTS = [(C, "logit_bias", {"50": 100.5}), (C, "logit_bias", {"x": 1}),
                    (C, "logit_bias", {"99999999": 1}), (C, "presence_penalty", 2.5),
                    (CH, "frequency_penalty", "much"), (CH, "repetition_penalty", 0),
-                   (CH, "min_tokens", -1), (C, "min_tokens", 5)]  # fmt: skip
+                   (CH, "min_tokens", -1), (C, "min_tokens", 5), (C, "prompt_logprobs", -1),
+                   (CH, "prediction", {"type": "content", "content": 5})]  # fmt: skip
 
 
 @pytest.mark.parametrize(("path", "field", "value"), UNIMPLEMENTED + BAD_ADJUSTMENTS)
