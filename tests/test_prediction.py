@@ -193,6 +193,31 @@ def test_no_room_for_drafts_means_plain_decoding(lane):
     assert list(eng.generate(PROMPT, pred)) == plain
 
 
+# --- on a GPU ---------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_prediction_is_plain_greedy_and_captured_only_while_idle(lane):
+    """The fused step: a prediction's first request verifies uncaptured (no capture inside it),
+    the engine captures its verify graph once idle, and the captured one gives the same tokens,
+    all equal to plain greedy decoding of the same step."""
+    import copy
+
+    m = copy.deepcopy(lane).to("cuda")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    eng = Engine(m, max_model_len=128, decode="graph")
+    plain = list(eng.generate(PROMPT, params))
+    pred = SamplingParams(max_tokens=40, ignore_eos=True, prediction=tuple(plain[:12] + plain[14:]))
+    before = eng.capture_s
+    assert list(eng.generate(PROMPT, pred)) == plain
+    assert eng.capture_s == before  # nothing captured inside the request
+    assert eng.captures.pending()  # its verify graph waits for an idle engine
+    while eng.captures.pending():
+        eng.idle()
+    assert list(eng.generate(PROMPT, pred)) == plain
+    assert all(not g.missing for g in eng.predictor.graphs.values())
+    assert eng.stats.extra["speculative"]["accepted_prediction_tokens"] > 20
+
+
 # --- the CLI ------------------------------------------------------------------------------------
 def test_cli_prediction_keeps_the_text(tmp_path, capsys):
     import json
