@@ -121,8 +121,7 @@ class Engine:
         # what verifies a request's predicted output: the speculator, else drafts of its own
         own = self.predicts and SpeculativeDecoder.for_predictions(*verify)
         self.predictor = self.speculator or own or None
-        # constrained decoding's forward and masked pick on graphs of their own (step/split.py)
-        split = None
+        split = None  # constrained decoding's forward and pick on graphs (step/split.py)
         if self.capture and self.decode == "graph" and grammar_graphs:
             split = SplitSteps(self.step, self.cfg.vocab_size, capture=True)
         self.captures = Captures(self.step, steps_per_replay, self.capture, compile,
@@ -147,7 +146,7 @@ class Engine:
 
     # compile_s: seconds spent compiling decode steps (at load, not in requests); capture_s:
     # capturing graphs (at load or between requests); split_steps: constrained decoding's
-    # graphs (step/split.py) or None. All three are the captures' (step/captures.py).
+    # graphs (step/split.py) or None: the captures' (step/captures.py).
     compile_s = property(lambda self: self.captures.compile_s)
     capture_s = property(lambda self: self.captures.capture_s)
 
@@ -185,13 +184,14 @@ class Engine:
         max_model_len: int | None = None,
         progress: bool = True,
         quantization: str | None = None,
+        lora: tuple[tuple[str, float], ...] = (),
         **engine_kw,
     ) -> Engine:
         """On a CPU, 16-bit `dtype` and `quantization` choose the packed weights' format
-        (computed in fp32), and a GGUF file keeps its blocks; elsewhere `dtype` is the
-        model's (packing.load_plan)."""
-        model = load_packed(path, device, dtype, quantization, progress)
-        if quantization is not None and next(model.parameters()).device.type != "cpu":
+        (computed in fp32), and a GGUF file keeps its blocks; elsewhere `dtype` is the model's
+        (packing.load_plan). `lora`: (adapter, scale) pairs merged at load (weights/lora.py)."""
+        model = load_packed(path, device, dtype, quantization, progress, lora)
+        if quantization is not None and _on_gpu(model):
             from .kernels.qlinear import place_quantized  # imports triton
 
             place_quantized(model, path, quantization)
@@ -369,12 +369,8 @@ class Engine:
         """A sampled token as a Step, counted in self.stats (Stats.record: the arguments)."""
         return self.stats.record(tok, logits, params, stops, last, t0, lps)
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[int]:
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 cancel: threading.Event | None = None) -> Iterator[int]:  # fmt: skip
         for step in self.generate_steps(prompt_ids, params, cancel):
             yield step.token
 
@@ -398,3 +394,7 @@ class Engine:
             out.append(self.prefill_forward(chunk, cache=self.cache)[0])
             self.cache.commit(prompt_ids[s : s + self.prefill_chunk])
         return torch.cat(out).float().log_softmax(-1)
+
+
+def _on_gpu(model) -> bool:
+    return next(model.parameters()).device.type != "cpu"

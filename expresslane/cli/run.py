@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from ..assets import SUMMARY, default_model_dir, has_trained_model
@@ -141,8 +142,37 @@ def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
     return cfg
 
 
+def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    """run and serve: LoRA adapters merged into the weights at load (weights/lora.py)."""
+    p.add_argument("--lora", action="append", default=[], metavar="PATH",
+                   help="a LoRA adapter (a PEFT folder or a GGUF adapter file), merged into the "
+                   "weights at load; repeatable: they add up (llama.cpp's flag)")  # fmt: skip
+    p.add_argument("--lora-scaled", nargs=2, action="append", default=[],
+                   metavar=("PATH", "SCALE"),
+                   help="a LoRA adapter with its delta multiplied by SCALE")  # fmt: skip
+
+
+def lora_from_args(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """(adapter, scale) pairs from --lora, --lora-scaled and serve's --lora-modules."""
+    pairs = [(p, 1.0) for p in getattr(args, "lora", None) or []]
+    for path, scale in getattr(args, "lora_scaled", None) or []:
+        try:
+            value = float(scale)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ConfigError(f"--lora-scaled {path} {scale}: the scale must be a finite number")
+        pairs.append((path, value))
+    pairs += [(path, 1.0) for _, path in getattr(args, "lora_modules", None) or []]
+    if pairs and launch.parallel_requested(args):
+        raise ConfigError("--lora: the parallel engine (--devices N) loads shards; adapters are "
+                          "merged on one device")  # fmt: skip
+    return tuple(pairs)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_lora_arguments(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="raw text prompt (BOS added as the tokenizer says)")
     src.add_argument("--chat", help="one user message, rendered with the chat template")
@@ -183,6 +213,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
         quantization=quantization,
         prefill_dtype=getattr(args, "prefill_dtype", "float32"),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        lora=lora_from_args(args),
     )
     return engine, Tokenizer.from_dir(path)
 
@@ -208,6 +239,7 @@ def weight_formats(engine) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     speculative_from_args(args)  # a bad --speculative-config exits 2 before anything loads
+    lora_from_args(args)  # and bad --lora flags
     params = sampling_from_args(args)  # bad flags fail before any rank starts
     if getattr(args, "prediction", None) and launch.parallel_requested(args):
         raise ConfigError("--prediction: the parallel engine (--devices N) does not draft; "

@@ -19,13 +19,25 @@ import threading
 import time
 
 from ..parallel import launch
-from .run import add_model_arguments, add_prefix_argument, load_engine, speculative_from_args
+from .run import (
+    add_lora_arguments,
+    add_model_arguments,
+    add_prefix_argument,
+    load_engine,
+    lora_from_args,
+    speculative_from_args,
+)
 
 HELP = "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) and playground"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_lora_arguments(p)
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+                   metavar="NAME=PATH",
+                   help="vLLM's flag, one adapter: merged into the weights at load and served as "
+                   "NAME (the base model is then not served; one server per adapter)")  # fmt: skip
     add_prefix_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
@@ -123,12 +135,31 @@ def limits_from(args: argparse.Namespace):
     )
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH")
+    return name, path
+
+
+def _base_name(args: argparse.Namespace) -> str:
+    return os.path.basename(os.path.normpath(args.model)) if args.model else "expresslane"
+
+
 def _names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """(names listed and reported, aliases also accepted: the model path as given)."""
+    """(names listed and reported, aliases also accepted: the model path as given). With
+    --lora-modules the adapter's name alone: the merged weights are not the base model's."""
+    if len(args.lora_modules) > 1:
+        from ..errors import ConfigError
+
+        why = "one adapter per server (merged into the weights at load); start one per adapter"
+        raise ConfigError(f"--lora-modules: {why}")
+    if args.lora_modules:
+        return [args.lora_modules[0][0]], []
     if args.served_model_name:
         return args.served_model_name, []
     if args.model:  # the folder's name is reported; the path is accepted but never shown
-        base = os.path.basename(os.path.normpath(args.model)) or "expresslane"
+        base = _base_name(args) or "expresslane"
         return [base], [args.model] if args.model != base else []
     return ["expresslane"], []
 
@@ -164,6 +195,8 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     speculative_from_args(args)  # a bad --speculative-config exits 2 before the server starts
+    lora_from_args(args)
+    _names(args)
     if launch.parallel_requested(args) and not launch.in_launch():
         return launch.launch(args, main)  # one process per device; rank 0 serves
 
@@ -180,7 +213,7 @@ def main(args: argparse.Namespace) -> int:
         served_model_name=names,
         api_key=args.api_key,
         seed=args.seed,
-        root=names[0],
+        root=_base_name(args) if args.lora_modules else names[0],  # an adapter's parent
         aliases=aliases,
         limits=limits,
     )

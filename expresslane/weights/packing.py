@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from ..gguf import find_gguf
 from ..model import Laneformer, lane_linear
 from .gpu_pack import GPU_QUANTIZATIONS
+from .lora import load_adapter, merge
 from .quant import (
     FLOAT_FORMATS,
     GGUF_FORMATS,
@@ -123,17 +124,20 @@ def load_plan(
 
 def load_packed(
     path, device: str = "auto", dtype: str = "auto", quantization: str | None = None,
-    progress: bool = True,
+    progress: bool = True, lora: tuple[tuple[str, float], ...] = (),
 ) -> Laneformer:  # fmt: skip
-    """A checkpoint loaded and packed as the flags say (load_plan): what `run` decodes with."""
+    """A checkpoint loaded and packed as the flags say (load_plan): what `run` decodes with.
+    `lora`: (adapter path, scale) pairs merged into the weights first (weights/lora.py)."""
     from ..checkpoint import load_config, load_model, resolve_model_dir
 
     if device == "auto":  # once, by the model's size: the plan and the load must agree
         device = str(resolve_device(device, load_config(resolve_model_dir(path))))
     load_dtype, fmt = load_plan(device, dtype, quantization, path)
     model = load_model(path, device=device, dtype=load_dtype, progress=progress)
+    adapted = merge(model, [load_adapter(p, model.cfg, s) for p, s in lora]) if lora else set()
+    model.lora_adapted = adapted  # a GPU's repack of the file's blocks would drop them
     if fmt == "gguf":  # the file's quantized blocks, kept as they are where a kernel reads them
-        pack_gguf(model, find_gguf(path))
+        pack_gguf(model, find_gguf(path), adapted)
     elif fmt is not None:
         pack_model(model, fmt)
     return model
@@ -250,11 +254,13 @@ def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights
     return PackedWeights(fmt, embed, layers, model.model.norm.gamma, head)
 
 
-def pack_gguf(model: Laneformer, path) -> PackedWeights:
+def pack_gguf(model: Laneformer, path, adapted: set[str] = frozenset()) -> PackedWeights:
     """Pack a model loaded from the GGUF file `path` with that file's own blocks where a kernel
     reads them (F32/F16/BF16 and weights/gguf_blocks.TYPES; a fused matrix whose parts differ is a
     "mixed" stack of them); any other type is packed as fp32 from the loaded (dequantized)
-    weights. Installs it as pack_model does."""
+    weights. `adapted`: module paths a LoRA changed (weights/lora.py), packed from the model's
+    merged weights instead: fp32 where the file stores floats, Q8_0 where it stores quantized
+    blocks. Installs it as pack_model does."""
     from ..checkpoint import hf_name
     from ..gguf.tensors import GGUFCheckpoint
 
@@ -269,8 +275,14 @@ def pack_gguf(model: Laneformer, path) -> PackedWeights:
         raw = ck.raw(key)
         return from_gguf(raw.ggml_type, raw.data, tuple(raw.shape))
 
+    def merged(module_path: str, w: torch.Tensor) -> QTensor:
+        kind = ck.raw(hf_name(cfg, module_path + ".weight")).ggml_type
+        fmt = "float32" if kind in ("F32", "F16", "BF16") or w.shape[-1] % 32 else "q8_0"
+        return quantize(w[0], fmt)  # the lane axis of one lane off, as a file's blocks come
+
     def fused(paths: list[str], weights: list[torch.Tensor]) -> QTensor:
-        parts = [stored(p) for p in paths]
+        parts = [merged(p, w) if p in adapted else stored(p)
+                 for p, w in zip(paths, weights, strict=True)]  # fmt: skip
         if all(p is not None for p in parts):  # formats may differ: a "mixed" stack
             q = stack_rows(parts)
             return q.map(lambda t: t.unsqueeze(0))  # one lane
