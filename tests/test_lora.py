@@ -143,36 +143,12 @@ def test_bad_adapters_are_refused_by_name(llama_dir, tmp_path, change, says):
 
 
 # --- a GGUF adapter on the real model, against llama.cpp -----------------------------------------
-def permute_rows(b: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter's Q/K row order (the inverse of gguf/tensors.unpermute_rows)."""
-    rows = b.shape[0]
-    return b.reshape(heads, 2, rows // heads // 2, *b.shape[1:]).transpose(1, 2).reshape(b.shape)
-
-
 def gguf_adapter(path, cfg, rank=8, alpha=16.0, seed=0) -> None:
-    """A random adapter on q, k, v and down of every layer, written as llama.cpp writes one."""
-    gguf = pytest.importorskip("gguf")
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_string("general.type", "adapter")
-    w.add_string("adapter.type", "lora")
-    w.add_float32("adapter.lora.alpha", alpha)
-    g = torch.Generator().manual_seed(seed)
-    dims = {"attn_q": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-            "attn_k": (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
-            "attn_v": (cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size),
-            "ffn_down": (cfg.hidden_size, cfg.intermediate_size)}  # fmt: skip
-    for i in range(cfg.num_layers):
-        for name, (out, inp) in dims.items():
-            a = torch.randn(rank, inp, generator=g) * 0.02
-            b = torch.randn(out, rank, generator=g) * 0.02
-            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(name)
-            b = permute_rows(b, heads) if heads else b
-            w.add_tensor(f"blk.{i}.{name}.weight.lora_a", a.numpy())
-            w.add_tensor(f"blk.{i}.{name}.weight.lora_b", b.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """A random adapter on q, k, v and down of every layer, as llama.cpp writes one."""
+    pytest.importorskip("gguf")
+    from expresslane.bench.lora import write_adapter
+
+    write_adapter(path, cfg, rank, alpha, ("q", "k", "v", "down"), seed)
 
 
 def test_gguf_adapter_gives_llama_cpps_logits(smollm2_gguf, tmp_path):

@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from ..gguf import find_gguf
 from ..kernels.qlinear import quantized_reference
 from ..tokenizer import Tokenizer
+from ..weights.lora import load_adapter, merge
 from ..weights.packing import pack_gguf, pack_model, packed_format
 
 CPU_FORMATS = ("bfloat16", "float16", "int8", "int8-row", "gguf")
@@ -47,15 +48,17 @@ PROMPTS = (
 
 
 def engine_for(path, fmt: str, max_len: int, compile: bool = False,
-               kv_cache_dtype: str = "auto") -> Engine:  # fmt: skip
-    """A CPU engine on the packed step with weights in `fmt` ("gguf": a GGUF file's blocks)."""
+               kv_cache_dtype: str = "auto", lora=()) -> Engine:  # fmt: skip
+    """A CPU engine on the packed step with weights in `fmt` ("gguf": a GGUF file's blocks),
+    `lora`'s (adapter, scale) pairs merged first (weights/lora.py)."""
     model = load_model(path, device="cpu", dtype="float32", progress=False)
+    adapted = merge(model, [load_adapter(a, model.cfg, s) for a, s in lora]) if lora else set()
     if fmt.startswith("gpu-"):
         quantized_reference(model, fmt.removeprefix("gpu-"))
     elif fmt == "gguf":
         if find_gguf(path) is None:
             raise ConfigError(f"--formats gguf: {path} is not a GGUF file")
-        pack_gguf(model, find_gguf(path))
+        pack_gguf(model, find_gguf(path), adapted)
     elif fmt != "float32":
         pack_model(model, packed_format(fmt))
     # prefix reuse off: a bench's rounds repeat one prompt, and its TTFT is a cold prefill's

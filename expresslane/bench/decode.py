@@ -54,6 +54,7 @@ class BenchConfig:
     compile_backend: str = "inductor"  # the compiled peers' torch.compile backend
     prefill_dtype: str = "float32"  # a CPU's long prompts: fp32 or bf16 products (Engine)
     kv_cache_dtype: str = "auto"  # the model's, or on a CPU float16 / bfloat16 (Engine)
+    lora: tuple[tuple[str, float], ...] = ()  # (adapter, scale): --peer llama.cpp rounds only
 
 
 def bench_engine(engine: Engine, cfg: BenchConfig, context: int) -> dict:

@@ -171,12 +171,14 @@ def _copy_tokenizer(w, source: Path) -> None:
 class LlamaCppPeer:
     """One GGUF loaded by llama-cpp-python, decoding greedily one token per eval."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int):
+    def __init__(self, path: Path, threads: int, n_ctx: int, lora: tuple | None = None):
+        """`lora`: (adapter path, scale), applied by llama.cpp at run time."""
         from llama_cpp import Llama
 
+        extra = {"lora_path": str(lora[0]), "lora_scale": lora[1]} if lora else {}
         self.llm = Llama(
             model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-            n_batch=512, verbose=False,
+            n_batch=512, verbose=False, **extra,
         )  # fmt: skip
         self.n_vocab = self.llm.n_vocab()
 

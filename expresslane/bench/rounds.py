@@ -63,9 +63,10 @@ def kv_note(cfg: BenchConfig) -> str:
 
 def ours(checkpoint: Path, fmt: str, cfg: BenchConfig, max_len: int) -> Contestant:
     engine = engine_for(checkpoint, fmt, max_len, compile=cfg.compile,
-                        kv_cache_dtype=cfg.kv_cache_dtype)  # fmt: skip
+                        kv_cache_dtype=cfg.kv_cache_dtype, lora=cfg.lora)  # fmt: skip
     if fmt == "gguf":
         fmt = "gguf " + "/".join(sorted(engine.model.packed.formats))
+    fmt += " + LoRA merged" if cfg.lora else ""
     name = "expresslane" + ("+compile" if cfg.compile else "")
     note = f"{fmt}, compiled in {engine.compile_s:.1f} s" if cfg.compile else fmt
     note += kv_note(cfg)
@@ -79,10 +80,10 @@ def peer(spec: str, setup: PeerSetup) -> Contestant:
 
 
 def llamacpp_peers(
-    setup: PeerSetup, types: list[str], checkpoint: Path
+    setup: PeerSetup, types: list[str], checkpoint: Path, lora=()
 ) -> tuple[list[Contestant], list[str]]:
     """llama.cpp on our weights, one contestant per GGUF type ("file": a GGUF checkpoint run as
-    it is); notes say what was skipped."""
+    it is, with `lora`'s one adapter applied at run time); notes say what was skipped."""
     if not llamacpp.available():
         return [], [
             "llama.cpp peer skipped: llama-cpp-python is not installed (building it takes ~18 "
@@ -94,14 +95,16 @@ def llamacpp_peers(
     out = [peer(f"llama.cpp={t}", setup) for t in types if t != "file"]
     if "file" in types:
         path = find_gguf(checkpoint)
-        runner = llamacpp.LlamaCppPeer(path, torch.get_num_threads(), n_ctx=setup.max_len)
+        runner = llamacpp.LlamaCppPeer(path, torch.get_num_threads(), n_ctx=setup.max_len,
+                                       lora=lora[0] if lora else None)  # fmt: skip
         s = setup
 
         def run(ctx: int) -> dict:
             prompt = prompt_ids(s.cfg.vocab_size, ctx, torch.device("cpu"))[0].tolist()
             return runner.generate(prompt, s.decode_tokens, s.warmup_tokens)
 
-        out.append(Contestant("llama.cpp", f"the GGUF file ({path.name})", run, runner.close))
+        note = f"the GGUF file ({path.name})" + (" + LoRA at run time" if lora else "")
+        out.append(Contestant("llama.cpp", note, run, runner.close))
     return out, []
 
 
@@ -150,14 +153,17 @@ def bench_vs_llamacpp(
     t = time.perf_counter()
     contestants = [ours(checkpoint, f, replace(cfg, kv_cache_dtype=kv), max_len)
                    for f in fmts for kv in kvs]  # fmt: skip
-    contestants.append(ours_eager(checkpoint, cfg, max_len))
+    if not cfg.lora:  # the base model's forward and transformers' know no adapter
+        contestants.append(ours_eager(checkpoint, cfg, max_len))
     model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
     setup = PeerSetup(model.cfg, model, torch.device("cpu"), torch.float32, cfg.decode_tokens,
                       cfg.warmup_tokens, max_len, shared={"checkpoint": checkpoint})  # fmt: skip
-    if cfg.peers:
+    if cfg.peers and not cfg.lora:
         contestants.append(peer("transformers", setup))
-    types = list(dict.fromkeys(PEER_OF[f] for f in fmts))
-    peers, notes = llamacpp_peers(setup, types, checkpoint)
+    # with an adapter llama.cpp runs the file itself and applies it at run time (the types it
+    # would write from our weights would be the base's)
+    types = ["file"] if cfg.lora else list(dict.fromkeys(PEER_OF[f] for f in fmts))
+    peers, notes = llamacpp_peers(setup, types, checkpoint, cfg.lora)
     contestants += peers
     notes.append(f"set-up (loads, compilation, GGUF writes) {time.perf_counter() - t:.0f} s")
     try:

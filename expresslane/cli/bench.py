@@ -37,8 +37,10 @@ from ..presets import get_preset, preset_names
 from ..speculative.drafting import SpeculativeConfig
 from ..step.threads import choose_threads
 from .run import (
+    add_lora_arguments,
     add_prefill_dtype_argument,
     add_speculative_argument,
+    lora_from_args,
     speculative_from_args,
 )
 
@@ -50,16 +52,14 @@ PEER_FORMATS = ("float32", "bfloat16", "int8")  # --formats' default with --peer
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (or use --preset)")
-    p.add_argument(
-        "--preset",
-        default=None,
-        help=f"random weights of a real shape: {', '.join(preset_names())}",
-    )
+    p.add_argument("--preset", default=None,
+                   help=f"random weights of a real shape: {', '.join(preset_names())}")  # fmt: skip
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     add_prefill_dtype_argument(p)
+    add_lora_arguments(p)
     p.add_argument(
         "--kv-cache-dtype",
         nargs="+",
@@ -103,15 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="also time a gpt-fast checkout (its model.py and generate.py) on the same shape",
     )
-    p.add_argument(
-        "--compile", action="store_true", help="also run our engine with the compiled step"
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for both engines (default: the rule of `run --threads`)",
-    )
+    p.add_argument("--compile", action="store_true", help="also our engine's compiled step")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for both engines (default: run's rule)")  # fmt: skip
     p.add_argument(
         "--kernels",
         choices=("auto", "on", "off", "both", "persistent"),
@@ -127,18 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "no peer baseline there",
     )
     add_speculative_argument(p)
-    p.add_argument(
-        "--quantization",
-        choices=["int8", "int8-row"],
-        default=None,
-        help="--speculative-config: the weights as `run --quantization` packs them (CPU)",
-    )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="--speculative-config: runs per workload, plain and speculative alternating",
-    )
+    p.add_argument("--quantization", choices=["int8", "int8-row"], default=None,
+                   help="--speculative-config: weights as run's --quantization")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--speculative-config: runs per workload, alternating")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print only the JSON line")
 
 
@@ -237,7 +223,17 @@ def _bench_config(args: argparse.Namespace, device: str, peer: bool) -> BenchCon
         compile_backend=args.peer_compile_backend,
         prefill_dtype=args.prefill_dtype,
         kv_cache_dtype=_one_kv_cache_dtype(args),
+        lora=_lora(args),
     )
+
+
+def _lora(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """--lora / --lora-scaled: in the llama.cpp rounds, one adapter (llama-cpp-python's one)."""
+    pairs = lora_from_args(args)
+    if pairs and (args.peer != "llama.cpp" or len(pairs) > 1):
+        raise ConfigError("--lora: one adapter, with --peer llama.cpp (ours merged at load, "
+                          "llama.cpp's applied at run time, in the same rounds)")  # fmt: skip
+    return pairs
 
 
 def _one_kv_cache_dtype(args: argparse.Namespace) -> str:
