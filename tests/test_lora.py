@@ -284,3 +284,29 @@ def test_a_gpu_repack_of_the_files_blocks_refuses_a_merged_adapter(llama_dir):
     model.lora_adapted = {"model.layers.0.attention.wq"}
     with pytest.raises(ConfigError, match="--lora with --quantization gguf"):
         place_quantized(model, llama_dir, "gguf")
+
+
+def test_bench_rounds_run_ours_merged_and_llama_cpps_run_time_adapter(smollm2_gguf, tmp_path):
+    pytest.importorskip("llama_cpp")
+    from expresslane.bench.decode import BenchConfig
+    from expresslane.bench.rounds import bench_vs_llamacpp
+    from expresslane.gguf import variants
+
+    base = variants.ensure("F32")
+    adapter = tmp_path / "lora.gguf"
+    cfg = load_model(base, device="cpu", progress=False).cfg
+    gguf_adapter(adapter, cfg, alpha=64.0)
+    bench = BenchConfig(contexts=(16,), decode_tokens=6, warmup_tokens=2, peers=(),
+                        lora=((str(adapter), 1.0),))  # fmt: skip
+    rows, _ = bench_vs_llamacpp(cfg, bench, base, ["gguf"], rounds=1)
+    names = [(r["engine"], r["model"]) for r in rows]
+    assert [n for n, _ in names] == ["expresslane", "expresslane", "llama.cpp"], names
+    assert all("LoRA" in m for _, m in names)  # every row runs the adapter
+    assert rows[2]["same_tokens"] == rows[2]["tokens"]  # llama.cpp's run-time adapter: our tokens
+
+
+def test_bench_takes_lora_only_in_the_llama_cpp_rounds(capsys):
+    from expresslane.__main__ import main
+
+    assert main(["bench", "--preset", "llama-tiny", "--lora", "x.gguf"]) == 2
+    assert "--peer llama.cpp" in capsys.readouterr().err
