@@ -382,9 +382,6 @@ class SamplingParams:
         self._validate_adjustments(check)
         if not all(isinstance(t, int) and t >= 0 for t in self.prediction):
             raise RequestError("prediction: must be token ids (integers >= 0)", "prediction")
-        if self.prediction and self.adjusts_logits:  # their picks do not speculate
-            why = "prediction: cannot be combined with penalties, logit_bias or min_tokens"
-            raise RequestError(why, "prediction")
 
     def _validate_adjustments(self, check) -> None:
         """vLLM's and OpenAI's ranges; token ids against the vocabulary: Engine.check_logit_bias."""

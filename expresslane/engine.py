@@ -287,9 +287,9 @@ class Engine:
         stops = self.stop_ids(params)
         gen = make_generator(params, self.device)
         self.stats = st = Stats(prompt_tokens=len(prompt_ids))
-        # penalties: picks from the forward's logits, never a graph's pick or a verify's drafts
+        # penalties: picks from the forward's logits (a verify's rows adjusted one by one)
         pen = Penalties.of(params, prompt_ids, self.cfg.vocab_size, stops, self.device)
-        spec = self.speculator_for(params) if pen is None else None
+        spec = self.speculator_for(params)
         if spec is not None:
             spec.begin(st.extra)
         if budget == 0:
@@ -344,7 +344,7 @@ class Engine:
                 if graph is not None or spec is not None or stream is not None:
                     if stream is None:
                         stream = self._stream(
-                            spec, prompt_ids, step.token, params, gen, budget - 1, graph
+                            spec, prompt_ids, step.token, params, gen, budget - 1, graph, pen
                         )
                     continue
                 if self.decode == "graph":  # logprobs: the step, captured where we capture
@@ -357,11 +357,11 @@ class Engine:
             if not over:
                 self._left_early()
 
-    def _stream(self, spec, prompt_ids, token: int, params, gen, n: int, graph):
+    def _stream(self, spec, prompt_ids, token: int, params, gen, n: int, graph, pen=None):
         """The `n` tokens after the first (`token`), with the logits of their logprobs or None;
         the cache commits each token once the forward it fed has produced the next."""
         if spec is not None:
-            return spec.steps(prompt_ids, token, params, gen, n, graph)
+            return spec.steps(prompt_ids, token, params, gen, n, graph, pen)
         graph.load(torch.tensor(token, device=self.device), position=len(prompt_ids))
         return ((t, None) for t in committed_tokens(graph, self.cache, token, n))
 

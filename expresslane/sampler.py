@@ -132,6 +132,21 @@ class Penalties:
         self.seen.index_fill_(0, t, True)
         self.generated += 1
 
+    def apply_rows(self, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """A verify's logits (k + 1, V) adjusted row by row: row j as if drafts[:j] had been
+        picked (what a plain step would see there); the state is left as it was."""
+        saved = self.counts, self.seen, self.generated
+        self.counts, self.seen = self.counts.clone(), self.seen.clone()
+        try:
+            out = []
+            for j in range(rows.shape[0]):
+                out.append(self.apply(rows[j]))
+                if j < len(drafts):
+                    self.advance(drafts[j])
+            return torch.stack(out)
+        finally:
+            self.counts, self.seen, self.generated = saved
+
 
 def apply_token_mask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     """-inf where a token's bit is 0: logits (..., V), words (..., W) int32, bit j of word w

@@ -4,8 +4,9 @@ repetition, frequency and presence penalties, against references written apart.
 - One adjustment at a time and all together, on random logits: the formulas of the OpenAI and
   vLLM docs written element by element, and transformers' RepetitionPenaltyLogitsProcessor.
 - Through the engine (the C step, the Python layers with lanes, the eager forward): greedy
-  tokens equal a cache-free loop over the model's forward with the reference adjustments; a
-  speculating engine gives the same tokens (the request runs without drafts).
+  tokens equal a cache-free loop over the model's forward with the reference adjustments; so do
+  a speculating engine's and a predicted output's (each verify row adjusted as a plain step
+  there would be), and sampled speculation keeps the penalized distribution (chi-square).
 - min_tokens holds off the end of text; a bias of -100 keeps a token out of sampled text.
 - What cannot work is refused naming the field: out-of-range values, an id outside the
   vocabulary, an adjustment with structured output or on an engine without them.
@@ -138,6 +139,43 @@ def test_greedy_tokens_are_the_reference_loops(model_name, name):
         assert list(engine.generate(PROMPT, params)) == want, (decode, engine.step_name)
     spec = Engine(model, max_model_len=64, decode="graph", speculative=SpeculativeConfig(4, 3, 1))
     assert list(spec.generate(PROMPT, params)) == want
+    plain_engine = Engine(model, max_model_len=64, decode="graph")
+    for pred in (want, plain):  # a prediction that is right, and one the adjustment turns from
+        predicted = SamplingParams(**{**params.__dict__, "prediction": tuple(pred)})
+        assert list(plain_engine.generate(PROMPT, predicted)) == want
+        assert plain_engine.stats.extra["speculative"]["verify_steps"] > 0  # rows adjusted
+
+
+def test_sampled_speculation_keeps_the_penalized_distribution():
+    """The 2nd token, from a verify step whose draft row is penalized as a plain step would be,
+    over many seeds against its exact marginal sum_t1 p(t1) p(t2 | t1) with the presence
+    penalty written out (chi-square, p = 0.001)."""
+    from test_speculative import chi_square
+
+    from expresslane.sampler import filter_logits
+
+    lane = tiny.laneformer(seed=5)
+    prompt = [1, *range(3, 64)]  # every first token has a draft after it (prompt lookup)
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True,
+                            presence_penalty=1.5)  # fmt: skip
+    with torch.no_grad():
+        p1 = filter_logits(lane(torch.tensor([prompt]))[0, -1].double(), params).softmax(-1)
+        expected = torch.zeros(64, dtype=torch.float64)
+        for t1 in p1.nonzero()[:, 0].tolist():
+            logits = lane(torch.tensor([prompt + [t1]]))[0, -1].double()
+            logits[t1] -= 1.5  # the presence penalty of the one output token so far
+            expected += p1[t1] * filter_logits(logits, params).softmax(-1)
+    eng = Engine(lane, max_model_len=80, speculative=SpeculativeConfig(3, 2, 1))
+    counts = torch.zeros(64, dtype=torch.float64)
+    verified = 0
+    for seed in range(300):
+        counts[
+            list(eng.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed})))[1]
+        ] += 1
+        verified += eng.stats.extra["speculative"]["verify_steps"]
+    assert verified > 270
+    stat, crit = chi_square(counts, expected)
+    assert stat < crit, (stat, crit)
 
 
 def test_min_tokens_holds_off_the_end_of_text():

@@ -174,7 +174,6 @@ def test_refusals_name_the_field(lane):
     bad = [
         SamplingParams(prediction=(1, -2)),
         SamplingParams(prediction=(1, 64)),  # the vocabulary is 64
-        SamplingParams(prediction=(1, 2), presence_penalty=0.5),
     ]
     for p in bad:
         with pytest.raises(RequestError) as e:
@@ -236,7 +235,6 @@ def test_cli_prediction_keeps_the_text(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra, says", [
     ([], "cannot read it"),
-    (["--presence-penalty", "0.5"], "penalties"),
     (["--devices", "2"], "parallel engine"),
 ])  # fmt: skip
 def test_cli_refusals_exit_2_naming_the_flag(tmp_path, capsys, extra, says):

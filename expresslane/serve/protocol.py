@@ -123,13 +123,6 @@ class _SamplingRequest(_Request):
         {"if": {"properties": {"prompt_logprobs": {"type": "integer"}},
                 "required": ["prompt_logprobs"]},
          "then": {"properties": {"stream": {"const": False}}}},
-        {  # a prediction's drafts and the logits adjustments' picks do not mix (config.py)
-            "if": {"properties": {"prediction": {"type": "object"}}, "required": ["prediction"]},
-            "then": {"properties": {
-                "presence_penalty": {"enum": [None, 0]}, "frequency_penalty": {"enum": [None, 0]},
-                "repetition_penalty": {"enum": [None, 1]}, "min_tokens": {"enum": [None, 0]},
-                "logit_bias": {"anyOf": [{"type": "null"}, {"maxProperties": 0}]}}},
-        },
     ]  # fmt: skip
 
     model: str | None = None

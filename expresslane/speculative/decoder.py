@@ -29,11 +29,11 @@ import torch
 
 from ..cache import KVCache
 from ..config import SamplingParams
-from ..sampler import sample, structure_key
+from ..sampler import Penalties, sample, structure_key
 from ..step.graph import DecodeGraph, committed_tokens
 from ..step.protocol import Step
 from ..step.split import STEP_TOKENS, step_rows
-from .drafting import BackOff, NgramDrafter, SpecStats, SpeculativeConfig
+from .drafting import BackOff, NgramDrafter, SpecStats, SpeculativeConfig, accept
 from .prediction import drafter_for
 
 # What each draft adds to a verify step, in decode steps (BackOff's break-even). On a CPU the
@@ -108,16 +108,22 @@ class SpeculativeDecoder:
         generator: torch.Generator | None,
         budget: int,
         graph: DecodeGraph | None = None,
+        pen: Penalties | None = None,
     ) -> Iterator[tuple[int, torch.Tensor | None]]:
         """Up to `budget` (token, logits it was chosen from or None) after `first`.
 
         `graph`: the engine's decode graph for this request (static path), or None (eager).
+        `pen`: the request's logits adjustments (sampler.Penalties, `first` counted already):
+        its verify rows come from the step uncaptured, each adjusted as a plain step there
+        would be (`_verify_adjusted`), so the tokens are penalized plain decoding's.
         """
         want_lp = params.logprobs is not None
         drafter = self.drafter(prompt_ids, params)
         drafter.extend([first])
         backoff = BackOff(DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT))
-        vgraph = self.verify_graph(params, generator, graph is not None and graph.capture)
+        vgraph = None
+        if pen is None:
+            vgraph = self.verify_graph(params, generator, graph is not None and graph.capture)
         last, pos, left = first, len(prompt_ids), budget  # `last` sits at `pos`, not yet cached
         while left > 0:
             paused = not backoff.ready()
@@ -133,14 +139,17 @@ class SpeculativeDecoder:
             if paused and not drafter.strong:  # a full-length match is kept ~90% of the time
                 drafts = []
             if drafts:
-                new, rows = self._verify(vgraph, last, drafts, pos)
+                if pen is not None:
+                    new, rows = self._verify_adjusted(last, drafts, pos, params, generator, pen)
+                else:
+                    new, rows = self._verify(vgraph, last, drafts, pos)
                 kept = min(len(new) - 1, len(drafts))
                 self.stats.add(len(drafts), kept, drafter.from_prediction)
                 backoff.verified(len(drafts), kept)
                 self._extra["speculative"] = self.stats.as_dict()
             else:  # one plain step (on the graph path one whole replay)
                 n = 1 if graph is None else min(left, graph.steps)
-                pairs = list(self._plain(graph, last, pos, params, generator, n))
+                pairs = list(self._plain(graph, last, pos, params, generator, n, pen))
                 new, rows = [t for t, _ in pairs], [r for _, r in pairs]
             new = new[:left]
             for j, tok in enumerate(new):
@@ -175,7 +184,24 @@ class SpeculativeDecoder:
         self.cache.commit([last, *new[:-1]])  # the rejected: emptied inside the step
         return new, vgraph.rows
 
-    def _plain(self, graph, last, pos, params, generator, n: int):
+    def _verify_adjusted(self, last: int, drafts: list[int], pos: int, params, generator,
+                         pen: Penalties):  # fmt: skip
+        """A verify step whose rows are adjusted (penalties, logit_bias, min_tokens) before the
+        acceptance rule: the step's rows uncaptured, as constrained decoding verifies."""
+        rows = step_rows(self.step, [last, *drafts], pos)  # (k + 1, V)
+        adjusted = pen.apply_rows(rows, drafts)
+        kept, tokens = accept(adjusted, torch.tensor(drafts, device=self.device), params,
+                              generator)  # fmt: skip
+        out = torch.cat((kept.view(1), tokens)).tolist()  # the one host copy
+        n, new = out[0], out[1 : out[0] + 2]
+        self.cache.commit([last, *new[:-1]])
+        if n < len(drafts):
+            self.cache.truncate(pos + n + 1)  # the rejected drafts' slots emptied
+        for t in new:
+            pen.advance(t)
+        return new, rows
+
+    def _plain(self, graph, last, pos, params, generator, n: int, pen: Penalties | None = None):
         """`n` decode steps without drafts -> (token, logits or None) each."""
         if graph is not None:
             graph.load(torch.tensor(last, device=self.device), position=pos)
@@ -184,5 +210,8 @@ class SpeculativeDecoder:
         for _ in range(n):  # the step's forward, its scan bounded to the live slots
             logits = step_rows(self.step, [last], pos)[-1]
             self.cache.commit([last])
-            last, pos = int(sample(logits, params, generator)), pos + 1
+            picked = sample(logits if pen is None else pen.apply(logits), params, generator)
+            if pen is not None:
+                pen.advance(picked)
+            last, pos = int(picked), pos + 1
             yield last, logits

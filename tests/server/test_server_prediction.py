@@ -57,7 +57,6 @@ def test_completion_prediction_in_parts_and_streamed_usage(server):
         ({"type": "file", "content": "x"}, {}, "prediction.type"),
         ({"type": "content"}, {}, "prediction.content"),
         ({"type": "content", "content": [{"type": "image_url"}]}, {}, "image_url"),
-        ({"type": "content", "content": "x"}, {"presence_penalty": 0.5}, "penalties"),
         ({"type": "content", "content": "x" * 200_000}, {}, "maximum context length"),
     ],
 )
