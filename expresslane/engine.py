@@ -314,7 +314,7 @@ class Engine:
             return
         stream = None  # with a grammar, its tokens from the first on (structured.py)
         if params.grammar is not None:
-            stream = constrained_steps(self, prompt_ids, logits, params, gen, budget)
+            stream = constrained_steps(self, prompt_ids, logits, params, gen, budget, pen)
         # Over for every rank too: a stop or length token (all pick the same), an agreed abort.
         # A local, as a consumer may rewrite the step's and the stats' finish_reason (stop text).
         over, step = False, None

@@ -59,17 +59,19 @@ class SamplerKnobs:
 
 def check_adjustments(params: SamplingParams, vocab_size: int, supported: bool) -> None:
     """What SamplingParams.validate cannot know: logit_bias's ids against the vocabulary, and
-    the adjustments' combinations. Decided: with a grammar they are refused (its forced tokens
-    and checked drafts would have to count as picks), and so on an engine whose pick takes none
-    (`supported` False: the vocab-parallel one)."""
+    the adjustments' combinations: refused on an engine whose pick takes none (`supported`
+    False: the vocab-parallel one). Decided: with a grammar, min_tokens is refused (the grammar
+    decides where the output ends: one that allows only the end of text, min_tokens unmet, would
+    leave no token); the others apply before the grammar's mask."""
     if not params.adjusts_logits:
         return
     neutral = SamplingParams()
     name = next(n for n in ADJUSTMENTS if getattr(params, n) != getattr(neutral, n))
     if not supported:
         raise RequestError(f"{name}: not supported by this engine (several devices)", name)
-    if params.grammar is not None:
-        raise RequestError(f"{name}: not supported together with structured output", name)
+    if params.grammar is not None and params.min_tokens:
+        why = "min_tokens: not supported with structured output (the grammar ends the output)"
+        raise RequestError(why, "min_tokens")
     bad = [t for t, _ in params.logit_bias if t >= vocab_size]
     if bad:
         why = f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"

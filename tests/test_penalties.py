@@ -9,7 +9,7 @@ repetition, frequency and presence penalties, against references written apart.
   there would be), and sampled speculation keeps the penalized distribution (chi-square).
 - min_tokens holds off the end of text; a bias of -100 keeps a token out of sampled text.
 - What cannot work is refused naming the field: out-of-range values, an id outside the
-  vocabulary, an adjustment with structured output or on an engine without them.
+  vocabulary, min_tokens with structured output, any on an engine without them.
 """
 
 from __future__ import annotations
@@ -219,11 +219,11 @@ def test_values_out_of_range_are_refused_naming_the_field(kw, field):
     assert err.value.param == field and field in str(err.value)
 
 
-def test_with_structured_output_or_without_support_they_are_refused(monkeypatch):
+def test_min_tokens_with_structured_output_or_any_without_support_is_refused(monkeypatch):
     engine = Engine(untied_llama(), max_model_len=64)
-    p = SamplingParams(presence_penalty=0.5, grammar=object())
-    with pytest.raises(RequestError, match="presence_penalty: not supported together"):
-        engine.check_sampling(p)
+    engine.check_sampling(SamplingParams(presence_penalty=0.5, grammar=object()))  # taken
+    with pytest.raises(RequestError, match="min_tokens: not supported with structured output"):
+        engine.check_sampling(SamplingParams(min_tokens=2, grammar=object()))
     monkeypatch.setattr(engine, "adjusts_logits", False)
     with pytest.raises(RequestError, match="min_tokens: not supported by this engine"):
         engine.check_sampling(SamplingParams(min_tokens=2))

@@ -158,6 +158,46 @@ def test_speculative_and_prefix_reuse_keep_the_tokens(kit):
         assert figures["accepted_prediction_tokens"] > 0, figures
 
 
+def test_penalties_under_a_grammar_are_a_reference_loops(kit):
+    """Penalties and logit_bias before the grammar's mask: greedy tokens equal a loop over the
+    model's forward with the documented formulas (test_penalties.reference) and a fresh
+    matcher's masks; so do a speculating engine's and a predicted output's (rows adjusted and
+    masked one by one); forced tokens count as output."""
+    from test_penalties import reference
+
+    engine, tok, comp = kit
+    text = "def f(x):\n    return x + 1\n\n" * 3
+    prompt = tok.encode(text)
+    grammar = comp.compile(GrammarSpec("regex", "[a-z_ ():+1\\n]{1,40}"))
+    kw = dict(max_tokens=40, presence_penalty=1.2, frequency_penalty=0.4,
+              repetition_penalty=1.3, logit_bias=((tok.encode("x", False)[0], -3.0),))  # fmt: skip
+    params = SamplingParams(**kw)
+    m, seq, want = grammar.matcher(), list(prompt), []
+    eos = set(engine.cfg.eos_token_ids)
+    with torch.no_grad():
+        for _ in range(40):
+            if m.done:
+                want.append(next(iter(eos)))
+                break
+            logits = engine.model(torch.tensor([seq]))[0, -1]
+            adj = torch.tensor(reference(logits.tolist(), prompt, want, params, eos))
+            t = int(apply_token_mask(adj[None], m.fill())[0].argmax())
+            m.consume(t)
+            seq.append(t)
+            want.append(t)
+            if t in eos:
+                break
+    plain, _ = _decode(engine, tok, grammar, prompt=text, max_tokens=40)
+    assert want != plain  # the adjustments change this text
+    got, _ = _decode(engine, tok, grammar, prompt=text, **kw)
+    assert got == want
+    spec = Engine(engine.model, speculative=SpeculativeConfig(4, prompt_lookup_max=4,
+                                                              prompt_lookup_min=2))  # fmt: skip
+    assert _decode(spec, tok, grammar, prompt=text, **kw)[0] == want
+    predicted, _ = _decode(engine, tok, grammar, prompt=text, prediction=tuple(plain), **kw)
+    assert predicted == want and engine.stats.extra["speculative"]["verify_steps"] > 0
+
+
 def test_logprobs_under_a_grammar(kit):
     engine, tok, comp = kit
     grammar = comp.compile(GrammarSpec("choice", json.dumps(["alpha", "beta"])))

@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..config import SamplingParams
-from ..sampler import SamplerKnobs, apply_token_mask, sample
+from ..sampler import Penalties, SamplerKnobs, apply_token_mask, sample
 from ..speculative.drafting import accept
 from ..step.split import SplitSteps, forward_logits, step_rows
 from .grammar import GrammarError, Matcher
@@ -68,15 +68,18 @@ def _forward(engine, split: SplitSteps | None, ids: list[int], pos: int) -> torc
 class _Constrained:
     """One request's grammar state beside the engine: matcher, mask buffer, drafter."""
 
-    def __init__(self, engine, prompt_ids: Sequence[int], params: SamplingParams, gen):
-        self.engine, self.params, self.gen = engine, params, gen
+    def __init__(self, engine, prompt_ids: Sequence[int], params: SamplingParams, gen,
+                 pen: Penalties | None = None):  # fmt: skip
+        self.engine, self.params, self.gen, self.pen = engine, params, gen, pen
         self.matcher: Matcher = params.grammar.matcher()
         words = self.matcher.words.shape[1]
         # the captured forward and pick (step/split.py); with logprobs the pick is eager, on
         # the forward's logits buffer (read by the engine before the next forward)
         self.split = getattr(engine, "split_steps", None)
         self.picker = None
-        if self.split is not None and self.split.words == words and params.logprobs is None:
+        # (penalties adjust the logits before the mask: the eager pick, not the captured one)
+        if self.split is not None and self.split.words == words and params.logprobs is None \
+                and pen is None:  # fmt: skip
             self.picker = self.split.pick_graph(params)
             self.gen = self.picker.generator  # the request's one stream of draws
         self.knobs = SamplerKnobs(engine.device).with_token_mask(words)
@@ -111,11 +114,19 @@ class _Constrained:
             tok = self.picker.token()  # the one host copy
         else:
             self.knobs.token_mask.copy_(self.host, non_blocking=True)
-            tok = int(sample(logits, self.params, self.gen, self.knobs))  # the one host copy
-        self.matcher.consume(tok)
+            x = logits if self.pen is None else self.pen.apply(logits)
+            tok = int(sample(x, self.params, self.gen, self.knobs))  # the one host copy
+        self.consume([tok])
         if self.drafter is not None:
             self.drafter.extend([tok])
         return tok
+
+    def consume(self, tokens) -> None:
+        """Tokens that are output now: the matcher's, and the penalties' counts."""
+        for t in tokens:
+            self.matcher.consume(t)
+            if self.pen is not None:
+                self.pen.advance(t)
 
     def end(self) -> Iterator[tuple[int, None]]:
         """The grammar is complete: the end-of-text token, after which nothing may follow."""
@@ -140,6 +151,8 @@ class _Constrained:
         rows = None if self.split is None else self.split.rows(ids, pos)
         if rows is None:
             rows = step_rows(eng.step, ids, pos)
+        if self.pen is not None:  # each row as a plain step there would see it
+            rows = self.pen.apply_rows(rows, drafts)
         logits = apply_token_mask(rows, masks)  # (k + 1, V)
         kept, tokens = accept(logits, torch.tensor(drafts, device=eng.device), self.params,
                               self.gen)  # fmt: skip
@@ -148,8 +161,7 @@ class _Constrained:
         eng.cache.commit([last, *new[:-1]])  # the last token and the kept drafts: final
         if n < len(drafts):
             eng.cache.truncate(pos + n + 1)  # the rejected drafts' slots emptied
-        for t in new:
-            self.matcher.consume(t)
+        self.consume(new)
         self.drafter.extend(new)
         kept = len(new) - 1
         self.spec.stats.add(len(drafts), kept, self.drafter.from_prediction)
@@ -159,11 +171,12 @@ class _Constrained:
 
 def constrained_steps(
     engine, prompt_ids: Sequence[int], logits: torch.Tensor, params: SamplingParams, gen,
-    budget: int,
+    budget: int, pen: Penalties | None = None,
 ) -> Iterator[tuple[int, torch.Tensor | None]]:  # fmt: skip
     """Up to `budget` (token, logits of its logprobs or None) from the prefill's `logits` on;
-    the engine's loop makes the steps, stops and cancels between any two of them."""
-    c = _Constrained(engine, prompt_ids, params, gen)
+    the engine's loop makes the steps, stops and cancels between any two of them. `pen`: the
+    request's logits adjustments, applied before the mask (forced tokens count as output)."""
+    c = _Constrained(engine, prompt_ids, params, gen, pen)
     want_lp = params.logprobs is not None
     reserve = closing_reserve(budget)
     c.next_mask(closing=budget <= reserve)  # (nothing written yet: depth 0)
@@ -186,8 +199,7 @@ def constrained_steps(
             pos, left, last = pos + len(new), left - len(new), new[-1]
         if left == 0:
             return
-        for t in forced:
-            c.matcher.consume(t)
+        c.consume(forced)
         if forced and c.matcher.done:  # the forced tokens complete it: no forward for them
             yield from ((t, None) for t in forced)
             yield from c.end()
