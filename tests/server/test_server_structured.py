@@ -99,6 +99,12 @@ def test_json_schema_json_object_regex_choice(server):
     rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
     out = _chat(server, response_format=rf, max_tokens=40)
     jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
+    # penalties apply before the grammar's mask: still valid JSON; min_tokens is refused there
+    out = _chat(server, response_format=rf, max_tokens=40, frequency_penalty=1.5,
+                presence_penalty=1.0, repetition_penalty=1.3)  # fmt: skip
+    jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
+    refused = _chat(server, response_format=rf, min_tokens=3)
+    assert refused["status"] == 400 and refused["error"]["param"] == "min_tokens", refused
     out = _chat(server, response_format={"type": "json_object"}, max_tokens=150, seed=1)
     assert "choices" in out, out
     if out["choices"][0]["finish_reason"] == "stop":
