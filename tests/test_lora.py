@@ -69,8 +69,9 @@ def merged_by_hand(llama_dir, pairs, scale_of) -> Laneformer:
 
 
 def logits(model, ids=IDS) -> torch.Tensor:
+    dev = next(model.parameters()).device
     with torch.inference_mode():
-        return model(torch.tensor([ids]))[0].float()
+        return model(torch.tensor([ids], device=dev))[0].float().cpu()
 
 
 @pytest.mark.parametrize("decode", ["auto", "eager"])  # the packed C step, the model's forward
@@ -310,3 +311,22 @@ def test_bench_takes_lora_only_in_the_llama_cpp_rounds(capsys):
 
     assert main(["bench", "--preset", "llama-tiny", "--lora", "x.gguf"]) == 2
     assert "--peer llama.cpp" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_merge_decodes_the_cpu_merges_tokens(llama_dir, tmp_path):
+    """On a GPU the merge happens on the device's weights: logits of the CPU's merge, and the
+    fused step decodes the merged weights as the model's own forward does (a near tie, top-2
+    gap < 1e-5, the one allowed flip)."""
+    from test_speculative import assert_identical
+
+    model = load_model(llama_dir, device="cpu", dtype="float32", progress=False)
+    pairs = peft_adapter(tmp_path / "ad", model)
+    want = merged_by_hand(llama_dir, pairs, lambda m, r: 8.0 / r)
+    eng = Engine.from_pretrained(str(llama_dir), device="cuda", dtype="float32", progress=False,
+                                 lora=((str(tmp_path / "ad"), 1.0),))  # fmt: skip
+    assert torch.allclose(logits(eng.model, IDS), logits(want), atol=1e-4, rtol=1e-4)
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = list(Engine(eng.model, max_model_len=64, decode="eager").generate(IDS, p))
+    assert_identical(eng.model, IDS, plain, list(eng.generate(IDS, p)), [])
