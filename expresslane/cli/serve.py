@@ -149,13 +149,14 @@ def _base_name(args: argparse.Namespace) -> str:
 def _names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """(names listed and reported, aliases also accepted: the model path as given). With
     --lora-modules the adapter's name alone: the merged weights are not the base model's."""
-    if len(args.lora_modules) > 1:
+    modules = getattr(args, "lora_modules", None) or []
+    if len(modules) > 1:
         from ..errors import ConfigError
 
         why = "one adapter per server (merged into the weights at load); start one per adapter"
         raise ConfigError(f"--lora-modules: {why}")
-    if args.lora_modules:
-        return [args.lora_modules[0][0]], []
+    if modules:
+        return [modules[0][0]], []
     if args.served_model_name:
         return args.served_model_name, []
     if args.model:  # the folder's name is reported; the path is accepted but never shown
@@ -213,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
         served_model_name=names,
         api_key=args.api_key,
         seed=args.seed,
-        root=_base_name(args) if args.lora_modules else names[0],  # an adapter's parent
+        root=_base_name(args) if getattr(args, "lora_modules", None) else names[0],
         aliases=aliases,
         limits=limits,
     )
