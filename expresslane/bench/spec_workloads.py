@@ -9,6 +9,7 @@ Predicted Outputs would send it (the original file, the quoted lines).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 
@@ -137,3 +138,24 @@ WORKLOADS = (
     Workload("explain", "free", "Explain how a hash table works, with a small example.", 256),
 )
 KINDS = ("edit", "quote", "free")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m expresslane.bench.spec_workloads NAME [--prediction]`: a workload's message (or
+    its prediction) on stdout, for `run --chat "$(...)"` and `run --prediction FILE`."""
+    import argparse
+
+    by_name = {w.name: w for w in WORKLOADS}
+    p = argparse.ArgumentParser(prog="python -m expresslane.bench.spec_workloads")
+    p.add_argument("name", choices=list(by_name))
+    p.add_argument("--prediction", action="store_true", help="its prediction, not its message")
+    args = p.parse_args(argv)
+    w = by_name[args.name]
+    if args.prediction and w.prediction is None:
+        p.error(f"{w.name}: a {w.kind} workload has no prediction")
+    sys.stdout.write(w.prediction if args.prediction else w.message)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
