@@ -142,6 +142,14 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def model_card(args: argparse.Namespace) -> dict:
+    """create_app's names: the served names, the aliases, and `root` (with an adapter merged:
+    the base model's folder name, the adapter's parent)."""
+    names, aliases = _names(args)
+    root = _base_name(args) if getattr(args, "lora_modules", None) else names[0]
+    return {"served_model_name": names, "aliases": aliases, "root": root}
+
+
 def _base_name(args: argparse.Namespace) -> str:
     return os.path.basename(os.path.normpath(args.model)) if args.model else "expresslane"
 
@@ -205,19 +213,10 @@ def main(args: argparse.Namespace) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    names, aliases = _names(args)
     limits = limits_from(args)
     limits.validate()  # a ConfigError: one line and exit 2
-    app = create_app(
-        None,
-        None,
-        served_model_name=names,
-        api_key=args.api_key,
-        seed=args.seed,
-        root=_base_name(args) if getattr(args, "lora_modules", None) else names[0],
-        aliases=aliases,
-        limits=limits,
-    )
+    app = create_app(None, None, api_key=args.api_key, seed=args.seed, limits=limits,
+                     **model_card(args))  # fmt: skip
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30
