@@ -129,11 +129,12 @@ class ChatFormat(_Format):
 
     chunk_object = "chat.completion.chunk"
 
-    def __init__(
-        self, model: str, text: TokenText, n: int, logprobs: bool, tools: ToolPlan | None = None
-    ):
+    def __init__(self, model: str, text: TokenText, n: int, logprobs: bool,
+                 tools: ToolPlan | None = None, echo: str = ""):  # fmt: skip
+        """`echo`: text every answer begins with (vLLM's chat echo of a trailing assistant
+        message)."""
         super().__init__(model, text, "chatcmpl")
-        self.n, self.logprobs = n, logprobs
+        self.n, self.logprobs, self.echo = n, logprobs, echo
         self.tools = tools  # its calls are parsed out of the text (tools.py)
         self._held: dict[int, str] = {}  # per choice: streamed text held back (may open a call)
         self._flowing: set[int] = set()  # choices whose text is plain content
@@ -145,7 +146,7 @@ class ChatFormat(_Format):
         return [
             {
                 "index": j,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": "assistant", "content": self.echo},
                 "logprobs": None,
                 "finish_reason": None,
             }
@@ -209,6 +210,8 @@ class ChatFormat(_Format):
         choices = []
         for i, a in sorted(accs.items()):
             message, finish = self._message(a.text, a.finish_reason)
+            if self.echo:
+                message["content"] = self.echo + (message.get("content") or "")
             choices.append({"index": i, "message": message, "logprobs": self._lp(a.tokens),
                             "finish_reason": finish, "stop_reason": a.stop_reason})  # fmt: skip
         out = {**self.envelope("chat.completion"), "choices": choices, "usage": usage,

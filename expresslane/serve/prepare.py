@@ -282,10 +282,18 @@ class Preparer:
             for j in range(req.n)
         ]
         fmt = ChatFormat(model, self.token_text(req), req.n, req.logprobs,
-                         plan if plan and plan.parses else None)  # fmt: skip
+                         plan if plan and plan.parses else None, self.chat_echo(req))  # fmt: skip
         return Prepared(
             specs, len(ids), req.stream, req.include_usage, fmt, self.priority(req.priority)
         )
+
+    def chat_echo(self, req: P.ChatCompletionRequest) -> str:
+        """vLLM's chat `echo`: the text of a trailing message of the answer's role (assistant),
+        which the answer then begins with; '' otherwise."""
+        last = req.messages[-1]
+        if not req.echo or last.role != "assistant":
+            return ""
+        return last.for_template().get("content") or ""
 
     def template(self, req: P.ChatCompletionRequest) -> str:
         """The chat template's source a request renders with ('' when there is none)."""

@@ -257,6 +257,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool = True
     continue_final_message: Bool | None = None  # None: continue a trailing assistant message
+    echo: Bool = False  # vLLM's: the answer begins with a trailing assistant message's text
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}}}
     )

@@ -47,7 +47,6 @@ CHAT: dict[str, Neutral] = {
     "audio": _absent,
     "modalities": lambda v: _absent(v) or v == ["text"],
     "web_search_options": _absent,
-    "echo": _false,  # vLLM's chat echo
 }
 
 _seen_unknown: set[str] = set()
@@ -85,7 +84,7 @@ SCHEMAS: dict[str, dict] = {
     "suffix": _ABSENT, "functions": _ABSENT,
     "function_call": _only("none", "auto"), "audio": _ABSENT,
     "modalities": {"anyOf": [*_ABSENT["anyOf"], {"const": ["text"]}]},
-    "web_search_options": _ABSENT, "echo": _only(False),
+    "web_search_options": _ABSENT,
 }  # fmt: skip
 
 

@@ -144,6 +144,17 @@ def test_chat_greedy_and_continued_assistant_message(server):
     r2 = server.chat(messages=msgs2, temperature=0, max_completion_tokens=6)
     assert r2.usage.prompt_tokens == len(ids2)
     assert r2.choices[0].message.content == greedy(server, ids2, 6)
+    # vLLM's echo: the continued message's text, then the same answer; streamed alike
+    r3 = server.chat(
+        messages=msgs2, temperature=0, max_completion_tokens=6, extra_body={"echo": True}
+    )
+    assert r3.choices[0].message.content == "def f():" + greedy(server, ids2, 6)
+    chunks = server.chat(messages=msgs2, temperature=0, max_completion_tokens=6, stream=True,
+                         extra_body={"echo": True})  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r3.choices[0].message.content
+    r4 = server.chat(messages=msgs, temperature=0, max_tokens=6, extra_body={"echo": True})
+    assert r4.choices[0].message.content == r.choices[0].message.content  # last turn a user's
 
 
 # --- streaming --------------------------------------------------------------------------------
