@@ -150,21 +150,17 @@ def test_sampled_speculation_keeps_the_penalized_distribution():
     """The 2nd token, from a verify step whose draft row is penalized as a plain step would be,
     over many seeds against its exact marginal sum_t1 p(t1) p(t2 | t1) with the presence
     penalty written out (chi-square, p = 0.001)."""
-    from test_speculative import chi_square
-
-    from expresslane.sampler import filter_logits
+    from test_speculative import chi_square, second_token_marginal
 
     lane = tiny.laneformer(seed=5)
     prompt = [1, *range(3, 64)]  # every first token has a draft after it (prompt lookup)
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True,
                             presence_penalty=1.5)  # fmt: skip
-    with torch.no_grad():
-        p1 = filter_logits(lane(torch.tensor([prompt]))[0, -1].double(), params).softmax(-1)
-        expected = torch.zeros(64, dtype=torch.float64)
-        for t1 in p1.nonzero()[:, 0].tolist():
-            logits = lane(torch.tensor([prompt + [t1]]))[0, -1].double()
-            logits[t1] -= 1.5  # the presence penalty of the one output token so far
-            expected += p1[t1] * filter_logits(logits, params).softmax(-1)
+
+    def presence(logits, t1):  # the presence penalty of the one output token so far
+        logits[t1] -= 1.5
+
+    _, expected = second_token_marginal(lane, prompt, params, presence)
     eng = Engine(lane, max_model_len=80, speculative=SpeculativeConfig(3, 2, 1))
     counts = torch.zeros(64, dtype=torch.float64)
     verified = 0

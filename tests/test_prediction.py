@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import tiny
 import torch
-from test_speculative import chi_square, spec
+from test_speculative import chi_square, second_token_marginal, spec
 
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
@@ -144,15 +144,8 @@ def test_sampled_output_keeps_its_seed(lane, decode):
 def test_sampled_tokens_follow_the_model_distribution(lane):
     """The 2nd token (verified as a draft from the prediction) over many seeds against its exact
     marginal sum_t1 p(t1) p(t2 | t1) (chi-square, p = 0.001)."""
-    from expresslane.sampler import filter_logits
-
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
-    with torch.no_grad():
-        p1 = filter_logits(lane(torch.tensor([PROMPT]))[0, -1].double(), params).softmax(-1)
-        expected = torch.zeros(64, dtype=torch.float64)
-        for t1 in p1.nonzero()[:, 0].tolist():
-            logits = lane(torch.tensor([PROMPT + [t1]]))[0, -1].double()
-            expected += p1[t1] * filter_logits(logits, params).softmax(-1)
+    p1, expected = second_token_marginal(lane, PROMPT, params)
     likely = p1.argmax().item()  # a prediction the first draw often follows
     second = int(expected.argmax())
     eng = Engine(lane, max_model_len=80)

@@ -207,20 +207,30 @@ def test_acceptance_rule_follows_the_filtered_distribution():
     assert counts[k - 1].sum() > 300  # the deepest row was reached often enough to test
 
 
+def second_token_marginal(model, prompt, params, adjust=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(p(t1), the exact marginal of the 2nd token sum_t1 p(t1) p(t2 | t1)) under the plain
+    sampler's filter, from cache-free forwards; `adjust(logits, t1)` changes the 2nd step's
+    logits in place first (a penalty written out)."""
+    from expresslane.sampler import filter_logits
+
+    with torch.no_grad():
+        p1 = filter_logits(model(torch.tensor([prompt]))[0, -1].double(), params).softmax(-1)
+        expected = torch.zeros(p1.shape[-1], dtype=torch.float64)
+        for t1 in p1.nonzero()[:, 0].tolist():
+            logits = model(torch.tensor([prompt + [t1]]))[0, -1].double()
+            if adjust is not None:
+                adjust(logits, t1)
+            expected += p1[t1] * filter_logits(logits, params).softmax(-1)
+    return p1, expected
+
+
 def test_engine_samples_follow_the_model_distribution(lane):
     """Engine level: the 2nd generated token (from a verify step that has a draft) over many
     seeds against its exact marginal sum_t1 p(t1) p(t2 | t1) under the plain sampler's filter
     (chi-square, p = 0.001)."""
-    from expresslane.sampler import filter_logits
-
     prompt = [1, *range(3, 64)]  # every token the first step can draw has a draft after it
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=6, ignore_eos=True)
-    with torch.no_grad():
-        p1 = filter_logits(lane(torch.tensor([prompt]))[0, -1].double(), params).softmax(-1)
-        expected = torch.zeros(64, dtype=torch.float64)
-        for t1 in p1.nonzero()[:, 0].tolist():
-            logits = lane(torch.tensor([prompt + [t1]]))[0, -1].double()
-            expected += p1[t1] * filter_logits(logits, params).softmax(-1)
+    _, expected = second_token_marginal(lane, prompt, params)
     eng = Engine(lane, max_model_len=80, speculative=spec(3, 2, 1))
     counts = torch.zeros(64, dtype=torch.float64)
     verified = 0
