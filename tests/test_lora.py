@@ -241,7 +241,6 @@ def test_cli_lora_and_lora_scaled(smollm2_gguf, tmp_path, capsys):
 @pytest.mark.parametrize("args, says", [
     (["--lora", "/nonexistent/adapter"], "no such adapter"),
     (["--lora-scaled", "x", "nan"], "finite"),
-    (["--lora", "x", "--devices", "2"], "parallel"),
 ])  # fmt: skip
 def test_cli_bad_lora_flags_exit_2(capsys, args, says):
     from expresslane.__main__ import main

@@ -7,8 +7,10 @@ run a covering subset (4 processes on a shared 2-core CPU pay ~8 ms per collecti
 gathered logits equal the one-process model's within fp32 tolerance, 64 greedy tokens and 64
 seeded temperature-sampled tokens equal the one-process Engine's, each rank loads exactly its
 slices' bytes, and consuming DTP messages one layer early is caught by the logits comparison.
-The 2-rank group also runs `expresslane run` as torchrun ranks (rank 0 alone prints) and a
-serve-like lead with a follower (a closed stream and a cancel both stop the follower in step).
+The 2-rank group also runs `expresslane run` as torchrun ranks (rank 0 alone prints), a
+serve-like lead with a follower (a closed stream and a cancel both stop the follower in step),
+and the Llama case with a LoRA adapter merged into each rank's slices (the one-process merge's
+logits and tokens).
 Prefix reuse on 2 ranks (rings with DTP delay 2, and Llama): agent turns equal a cold
 one-process engine's, and a rank that lost its cache makes every rank start from 0.
 `expresslane bench --devices 2` on a preset decodes the single-device bench's tokens; a bad
@@ -163,8 +165,26 @@ def run_checkpoint(tmp_path_factory):
     )
 
 
-def _rank_work(rank: int, world: int, device: str, paths: dict, run_path: str) -> dict:
-    """One rank: every case (sampling on fewer of them at 4 ranks), then lead/follow and run."""
+@pytest.fixture(scope="module")
+def lora_case(checkpoints, tmp_path_factory):
+    """A PEFT adapter on the Llama case, and the one-process engine's logits and tokens with it
+    merged (weights/lora.py)."""
+    from test_lora import peft_adapter
+
+    path = checkpoints["llama"][0]
+    folder = tmp_path_factory.mktemp("lora") / "adapter"
+    peft_adapter(folder, load_model(path, device="cpu", progress=False))
+    ref = Engine.from_pretrained(path, device="cpu", progress=False, max_model_len=96,
+                                 decode="eager", lora=((str(folder), 1.0),))  # fmt: skip
+    with torch.no_grad():
+        logits = ref.model(torch.tensor([PROMPT]))[0]
+    return str(folder), dict(logits=logits, greedy=list(ref.generate(PROMPT, GREEDY)))
+
+
+def _rank_work(rank: int, world: int, device: str, paths: dict, run_path: str,
+               lora: str) -> dict:  # fmt: skip
+    """One rank: every case (sampling on fewer of them at 4 ranks), then lead/follow and run,
+    and at 2 ranks the Llama case with a LoRA adapter merged into each rank's slices."""
     results = {}
     for name, path in paths.items():
         if world == 4 and name not in AT_4:
@@ -191,6 +211,14 @@ def _rank_work(rank: int, world: int, device: str, paths: dict, run_path: str) -
     if world == 2:
         results["run"] = _run_as_torchrun_rank(rank, world, run_path)
         results["lead"] = _lead_follow(rank, world, run_path)
+        model = load_shard(paths["llama"], rank, world, device="cpu", lora=((lora, 1.0),))
+        with torch.no_grad():
+            local = model(torch.tensor([PROMPT]))[0]
+        engine = ParallelEngine(model, max_model_len=96, prefill_chunk=5)
+        results["lora"] = dict(
+            logits=gather_vocab(model.exchange, local, model.place.vocab_sizes),
+            greedy=list(engine.generate(PROMPT, GREEDY)),
+        )
     return results
 
 
@@ -262,9 +290,10 @@ def _serve_like(args, box: list) -> int:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_ranks_match_one_process(checkpoints, run_checkpoint, world):
+def test_ranks_match_one_process(checkpoints, run_checkpoint, lora_case, world):
     paths = {name: p for name, (p, _) in checkpoints.items()}
-    ranks = spawn(_rank_work, world, paths, run_checkpoint[0], device="cpu", threads=1)
+    ranks = spawn(_rank_work, world, paths, run_checkpoint[0], lora_case[0], device="cpu",
+                  threads=1)  # fmt: skip
     for name, (_, ref) in checkpoints.items():
         if name not in ranks[0]:
             continue
@@ -295,6 +324,10 @@ def test_ranks_match_one_process(checkpoints, run_checkpoint, world):
         assert json.loads(printed[0])["devices"] == 2
         lead = ranks[0]["lead"]
         assert lead == [ref["greedy"], ref["sampled"], ref["greedy"][:5], ref["scores"]]
+        lora, want = ranks[0]["lora"], lora_case[1]  # the adapter merged into each slice
+        assert (lora["logits"] - want["logits"]).abs().max().item() <= LOGITS_TOL
+        assert lora["greedy"] == want["greedy"] == ranks[1]["lora"]["greedy"]
+        assert want["greedy"] != checkpoints["llama"][1]["greedy"]  # the adapter matters
 
 
 def test_bytes_share_is_the_split_part_only(checkpoints):

@@ -164,10 +164,8 @@ def lora_from_args(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
             raise ConfigError(f"--lora-scaled {path} {scale}: the scale must be a finite number")
         pairs.append((path, value))
     pairs += [(path, 1.0) for _, path in getattr(args, "lora_modules", None) or []]
-    if pairs and launch.parallel_requested(args):
-        raise ConfigError("--lora: the parallel engine (--devices N) loads shards; adapters are "
-                          "merged on one device")  # fmt: skip
-    return tuple(pairs)
+    args.lora_pairs = tuple(pairs)  # what the ranks of --devices N read (parallel/launch.py)
+    return args.lora_pairs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -113,9 +113,10 @@ class ParallelEngine(Engine):
         dtype: str = "auto",
         max_model_len: int | None = None,
         role: str = "spmd",
+        lora: tuple[tuple[str, float], ...] = (),
         **kw,
     ) -> ParallelEngine:
-        model = load_shard(path, rank, world, device=device, dtype=dtype)
+        model = load_shard(path, rank, world, device=device, dtype=dtype, lora=lora)
         return cls(model, max_model_len=max_model_len, role=role, **kw)
 
     # --- keeping ranks together ---------------------------------------------------------------

@@ -195,6 +195,7 @@ def load_engine(args: argparse.Namespace, device: str | None = None):
         role=_ROLE["role"],
         prefix_reuse=not getattr(args, "no_prefix_reuse", False),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        lora=getattr(args, "lora_pairs", ()),  # cli/run.py lora_from_args, set before launch
     )
     return engine, Tokenizer.from_dir(path)
 

@@ -188,6 +188,17 @@ def read_gguf_adapter(path: Path, cfg: ModelConfig, scale: float = 1.0) -> LoraA
     return LoraAdapter(str(path), tuple(deltas))
 
 
+def summed(adapters: list[LoraAdapter]) -> dict[str, torch.Tensor]:
+    """Each adapted module's whole delta, every adapter's `scale * B @ A` added, (out, in) fp32:
+    what a rank merges into the whole tensor before it takes its slice (parallel/shard.py)."""
+    out: dict[str, torch.Tensor] = {}
+    for adapter in adapters:
+        for d in adapter.deltas:
+            delta = (d.b @ d.a) * d.scale
+            out[d.module] = out[d.module] + delta if d.module in out else delta
+    return out
+
+
 @torch.no_grad()
 def merge(model, adapters: list[LoraAdapter]) -> set[str]:
     """Add every adapter's deltas to `model`'s weights (fp32 sums, one rounding); returns the
