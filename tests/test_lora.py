@@ -265,6 +265,9 @@ def test_serve_names_the_adapter_alone():
         _names(two)
     with pytest.raises(SystemExit):
         p.parse_args(["--lora-modules", "no-equals-sign"])
+    named = p.parse_args(["b", "--lora-modules", "a=x", "--served-model-name", "base"])
+    with pytest.raises(ConfigError, match="only its NAME is served"):
+        _names(named)
 
 
 def test_a_laneformer_takes_no_adapter(tmp_path, capsys):

@@ -157,12 +157,15 @@ def _base_name(args: argparse.Namespace) -> str:
 def _names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """(names listed and reported, aliases also accepted: the model path as given). With
     --lora-modules the adapter's name alone: the merged weights are not the base model's."""
+    from ..errors import ConfigError
+
     modules = getattr(args, "lora_modules", None) or []
     if len(modules) > 1:
-        from ..errors import ConfigError
-
         why = "one adapter per server (merged into the weights at load); start one per adapter"
         raise ConfigError(f"--lora-modules: {why}")
+    if modules and args.served_model_name:
+        raise ConfigError("--served-model-name with --lora-modules: the adapter is merged into "
+                          "the weights, so only its NAME is served")  # fmt: skip
     if modules:
         return [modules[0][0]], []
     if args.served_model_name:
