@@ -170,7 +170,11 @@ def test_gguf_adapter_gives_llama_cpps_logits(smollm2_gguf, tmp_path):
     llm.close()
     gap = (logits(ours.model, SMOL_IDS) - theirs).abs().max().item()
     moved = (logits(plain.model, SMOL_IDS) - theirs).abs().max().item()
-    assert gap < 0.05 and moved > 20 * gap, (gap, moved)  # measured: 0.010 and 1.5
+    print(
+        f"\nours against llama.cpp, both with the adapter: {gap:.4f} max; the adapter moved "
+        f"llama.cpp's logits {moved:.3f} from the base's"
+    )
+    assert gap < 0.05 and moved > 20 * gap, (gap, moved)
 
 
 def test_gguf_adapter_on_quantized_blocks_packs_the_merge_as_q8_0(smollm2_gguf, tmp_path):
