@@ -110,7 +110,8 @@ def test_rslora_alpha_pattern_and_scale(llama_dir, tmp_path):
         ({"bias": "all"}, "bias"),
         ("lm_head", "projections only"),
         ("bin", "pickled"),
-        ("rank", "do not fit"),
+        ("rank", "an adapter for another model"),
+        ("ranks", "differ in rank"),
         ("layers", "lacks"),
     ],
 )
@@ -133,6 +134,8 @@ def test_bad_adapters_are_refused_by_name(llama_dir, tmp_path, change, says):
             t["base_model.model.lm_head.lora_B.weight"] = torch.zeros(64, 4)
         elif change == "rank":
             t[key] = torch.zeros(4, 7)
+        elif change == "ranks":
+            t[key] = torch.zeros(3, 64)  # B keeps rank 4
         else:
             far = key.replace("layers.0", "layers.9")
             t[far] = t[key].clone()

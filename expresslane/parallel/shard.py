@@ -25,7 +25,7 @@ from ..checkpoint import (
 )
 from ..errors import CheckpointError
 from ..rope import inv_frequencies
-from ..weights.lora import load_adapter, summed
+from ..weights.lora import check_fits, load_adapter, summed
 from .model import ParallelLaneformer
 from .placement import Placement
 
@@ -84,9 +84,7 @@ def load_shard(
 def _merged_share(cfg, handle, key, ours, shape, file, delta, place) -> torch.Tensor:
     """The rank's slice of a tensor with a LoRA delta (out, in) added to the whole of it."""
     whole = read_tensor(cfg, handle, key, ours, shape, file)  # ours: (1, out, in), one lane
-    if tuple(whole.shape[-2:]) != tuple(delta.shape):
-        raise CheckpointError(f"a LoRA adapter's delta for {ours} is {list(delta.shape)}; the "
-                              f"weight is {list(whole.shape[-2:])}")  # fmt: skip
+    check_fits(ours.removesuffix(".weight"), delta, whole.shape)
     merged = (whole.float() + delta).to(whole.dtype)
     hf = to_hf_tensor(cfg, ours, merged)
     return from_hf_tensor(cfg, ours, place.select(ours, hf, tuple(hf.shape)))

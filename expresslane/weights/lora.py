@@ -190,34 +190,38 @@ def read_gguf_adapter(path: Path, cfg: ModelConfig, scale: float = 1.0) -> LoraA
 
 def summed(adapters: list[LoraAdapter]) -> dict[str, torch.Tensor]:
     """Each adapted module's whole delta, every adapter's `scale * B @ A` added, (out, in) fp32:
-    what a rank merges into the whole tensor before it takes its slice (parallel/shard.py)."""
+    what merge adds to a weight once, and what a rank adds before it takes its slice
+    (parallel/shard.py)."""
     out: dict[str, torch.Tensor] = {}
     for adapter in adapters:
         for d in adapter.deltas:
+            if d.a.shape[0] != d.b.shape[1]:
+                raise CheckpointError(f"{adapter.path}: {d.module}: A {list(d.a.shape)} and B "
+                                      f"{list(d.b.shape)} differ in rank")  # fmt: skip
             delta = (d.b @ d.a) * d.scale
             out[d.module] = out[d.module] + delta if d.module in out else delta
     return out
 
 
+def check_fits(module: str, delta: torch.Tensor, weight_shape) -> None:
+    """A delta (out, in) against its weight's last two dimensions, or a refusal naming both."""
+    if tuple(delta.shape) != tuple(weight_shape[-2:]):
+        raise CheckpointError(f"a LoRA adapter's delta for {module} is {list(delta.shape)}; its "
+                              f"weight is {list(weight_shape[-2:])}: an adapter for another "
+                              "model?")  # fmt: skip
+
+
 @torch.no_grad()
 def merge(model, adapters: list[LoraAdapter]) -> set[str]:
-    """Add every adapter's deltas to `model`'s weights (fp32 sums, one rounding); returns the
-    adapted module paths. Shapes are checked against the model, naming the adapter."""
-    adapted = set()
-    for adapter in adapters:
-        for d in adapter.deltas:
-            try:
-                w = model.get_parameter(d.module + ".weight")  # (1, out, in): one lane
-            except AttributeError:
-                raise CheckpointError(f"{adapter.path}: adapts {d.module}, which this model "
-                                      "lacks (more layers than it has?)") from None  # fmt: skip
-            out, inp = w.shape[-2:]
-            if d.a.shape[1] != inp or d.b.shape[0] != out or d.a.shape[0] != d.b.shape[1]:
-                raise CheckpointError(
-                    f"{adapter.path}: {d.module}: A {list(d.a.shape)} and B {list(d.b.shape)} do "
-                    f"not fit its weight ({out}, {inp}): an adapter for another model?"
-                )
-            delta = (d.b.to(w.device) @ d.a.to(w.device)) * d.scale  # (out, in)
-            w.copy_((w.float() + delta).to(w.dtype))
-            adapted.add(d.module)
-    return adapted
+    """Add the adapters' deltas to `model`'s weights (summed in fp32, then one rounding to the
+    weights' dtype); returns the adapted module paths."""
+    deltas = summed(adapters)
+    for module, delta in deltas.items():
+        try:
+            w = model.get_parameter(module + ".weight")  # (1, out, in): one lane
+        except AttributeError:
+            raise CheckpointError(f"a LoRA adapter adapts {module}, which this model lacks (more "
+                                  "layers than it has?)") from None  # fmt: skip
+        check_fits(module, delta, w.shape)
+        w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
+    return set(deltas)
