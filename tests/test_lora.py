@@ -298,16 +298,24 @@ def test_a_laneformer_takes_no_adapter(tmp_path, capsys):
     assert "Llama-family" in capsys.readouterr().err  # the embedded model has lanes
 
 
-def test_a_gpu_repack_of_the_files_blocks_refuses_a_merged_adapter(llama_dir):
-    """On a GPU, --quantization gguf repacks the file's blocks: the merge would be lost."""
-    pytest.importorskip("triton")
+def test_a_gpu_repack_of_the_files_blocks_refuses_a_merged_adapter(tmp_path, monkeypatch):
+    """On a GPU, --quantization gguf repacks the file's blocks: the merge would be lost. The
+    refusal comes before anything loads."""
+    from expresslane.bench.llamacpp import write_gguf
     from expresslane.errors import ConfigError
-    from expresslane.kernels.qlinear import place_quantized
+    from expresslane.weights import packing
 
-    model = load_model(llama_dir, device="cpu", dtype="float32", progress=False)
-    model.lora_adapted = {"model.layers.0.attention.wq"}
-    with pytest.raises(ConfigError, match="--lora with --quantization gguf"):
-        place_quantized(model, llama_dir, "gguf")
+    model = init_weights(Laneformer(ModelConfig.from_hf_dict(dict(
+        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64))), seed=1)  # fmt: skip
+    path = write_gguf(model, None, tmp_path / "m.gguf", "Q8_0")
+    monkeypatch.setattr(packing, "resolve_device", lambda device, cfg=None: torch.device("cuda"))
+    from expresslane import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("loaded first"))
+    with pytest.raises(ConfigError, match="--lora with --quantization gguf on a GPU"):
+        packing.load_packed(path, "cuda", "bfloat16", "gguf", lora=(("adapter", 1.0),))
 
 
 def test_bench_rounds_run_ours_merged_and_llama_cpps_run_time_adapter(smollm2_gguf, tmp_path):

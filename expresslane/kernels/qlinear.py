@@ -99,17 +99,11 @@ def place_quantized(model: Laneformer, path, quantization: str) -> Laneformer:
     if quantization == "gguf":  # the file's blocks (packing.GGUF_BLOCKS)
         from ..gguf import find_gguf
 
-        if getattr(model, "lora_adapted", None):
-            why = (
-                "--lora with --quantization gguf on a GPU: the repack takes the file's blocks, "
-                "which the merged adapter changed; quantize the merged floats (int8, ...)"
-            )
-            raise ConfigError(why)
-
         return repack_gguf(model, find_gguf(path))
     return quantize_model(model, quantization)  # the GPU formats (packing.load_plan)
 
 
+@torch.no_grad()
 def quantize_model(model: Laneformer, name: str) -> Laneformer:
     """Quantize the layer projections and the head in place (`name`: a GPU_QUANTIZATIONS key)."""
     fmt, group = gpu_format(name)

@@ -133,9 +133,12 @@ def load_packed(
     if device == "auto":  # once, by the model's size: the plan and the load must agree
         device = str(resolve_device(device, load_config(resolve_model_dir(path))))
     load_dtype, fmt = load_plan(device, dtype, quantization, path)
+    if lora and quantization == GGUF_BLOCKS and fmt is None:  # a GPU: it repacks the file's
+        raise ConfigError("--lora with --quantization gguf on a GPU: the repack takes the file's "
+                          "blocks, which the merged adapter changes; quantize the merged floats "
+                          "(int8, ...)")  # fmt: skip
     model = load_model(path, device=device, dtype=load_dtype, progress=progress)
     adapted = merge(model, [load_adapter(p, model.cfg, s) for p, s in lora]) if lora else set()
-    model.lora_adapted = adapted  # a GPU's repack of the file's blocks would drop them
     if fmt == "gguf":  # the file's quantized blocks, kept as they are where a kernel reads them
         pack_gguf(model, find_gguf(path), adapted)
     elif fmt is not None:
