@@ -118,9 +118,9 @@ class Engine:
         self.capture = self.device.type == "cuda" if capture is None else capture
         verify = (self.step, self.cache, self.capture and self.decode == "graph")
         self.speculator = SpeculativeDecoder(*verify, speculative) if speculative else None
-        # what verifies a request's predicted output: the speculator, else drafts of its own
-        own = self.predicts and SpeculativeDecoder.for_predictions(*verify)
-        self.predictor = self.speculator or own or None
+        self.predictor = self.speculator  # what verifies a request's predicted output
+        if self.predictor is None and self.predicts:  # else a verifier of its own drafts
+            self.predictor = SpeculativeDecoder.for_predictions(*verify)
         split = None  # constrained decoding's forward and pick on graphs (step/split.py)
         if self.capture and self.decode == "graph" and grammar_graphs:
             split = SplitSteps(self.step, self.cfg.vocab_size, capture=True)

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from ..errors import ConfigError
 from ..parallel import launch
 from .run import (
     add_lora_arguments,
@@ -157,8 +158,6 @@ def _base_name(args: argparse.Namespace) -> str:
 def _names(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """(names listed and reported, aliases also accepted: the model path as given). With
     --lora-modules the adapter's name alone: the merged weights are not the base model's."""
-    from ..errors import ConfigError
-
     modules = getattr(args, "lora_modules", None) or []
     if len(modules) > 1:
         why = "one adapter per server (merged into the weights at load); start one per adapter"
