@@ -113,6 +113,8 @@ def test_rslora_alpha_pattern_and_scale(llama_dir, tmp_path):
         ("rank", "an adapter for another model"),
         ("ranks", "differ in rank"),
         ("layers", "lacks"),
+        ("truncated", "not a readable safetensors file"),
+        ("list-config", "expected a JSON object"),
     ],
 )
 def test_bad_adapters_are_refused_by_name(llama_dir, tmp_path, change, says):
@@ -124,6 +126,10 @@ def test_bad_adapters_are_refused_by_name(llama_dir, tmp_path, change, says):
     weights = folder / "adapter_model.safetensors"
     if change == "bin":
         weights.rename(folder / "adapter_model.bin")
+    elif change == "truncated":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif change == "list-config":
+        (folder / "adapter_config.json").write_text("[1, 2]")
     elif isinstance(change, str):
         from safetensors.torch import load_file
 

@@ -106,7 +106,10 @@ def read_peft(folder: Path, scale: float = 1.0) -> LoraAdapter:
     if not weights.exists():
         raise CheckpointError(f"{folder}: no adapter_model.safetensors (pickled adapter_model.bin "
                               "files are refused: they can run code)")  # fmt: skip
-    tensors = load_file(str(weights))
+    try:
+        tensors = load_file(str(weights))
+    except Exception as e:  # safetensors raises its own error types for bad files
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({e})") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])(?:\.\w+)?\.weight", key)
@@ -131,6 +134,8 @@ def _peft_config(folder: Path) -> dict:
         conf = json.loads(where.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{where}: not readable JSON ({e})") from None
+    if not isinstance(conf, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(conf).__name__}")
     refused = {
         "peft_type": conf.get("peft_type", "LORA") != "LORA",
         "use_dora": bool(conf.get("use_dora")),
