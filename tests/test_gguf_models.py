@@ -189,21 +189,19 @@ def test_every_end_marker_of_the_vocabulary_stops_generation(tmp_path):
 
 def test_qwen3_runs_in_the_engine_on_its_stored_blocks(tmp_path):
     """The CLI's path for a quantized qwen3 file: its Q8_0 blocks packed as stored, decoded in the
-    static step (the packed step has no q/k norms: the model's forward on the same weights) and
-    greedy tokens equal to transformers reading the same file."""
+    packed step's C layers (q/k norms included) and greedy tokens equal to transformers reading
+    the same file."""
     from expresslane.config import SamplingParams
     from expresslane.engine import Engine
     from expresslane.step.packed import PackedDecoder
-    from expresslane.step.protocol import EagerStep
     from expresslane.weights.packing import load_packed
 
     path = hf_to_gguf(_hf_model("qwen3-qk-norm"), tmp_path / "q8.gguf", weight_type="Q8_0")
     model = load_packed(path, device="cpu", progress=False)
     assert model.packed.formats == {"q8_0"}
     engine = Engine(model, max_model_len=64)
-    assert engine.decode == "graph" and isinstance(engine.step, EagerStep)
-    with pytest.raises(ValueError, match="q/k norms"):
-        PackedDecoder(model, engine.cache)
+    assert engine.decode == "graph" and isinstance(engine.step, PackedDecoder)
+    assert engine.step.step is not None  # the C layers
     prompt = TOKENS[0, :10].tolist()
     got = list(engine.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True)))
     tf = transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,8 +1,8 @@
 /* One decoder layer (and the head) of a one-lane model for S tokens (one: a decode step).
 
-   The same arithmetic as expresslane/step/packed.py's decode_layer for a Llama-family layer
+   The same arithmetic as expresslane/step/packed.py's layer for a Llama-family layer
    (one lane, where every DTP reduce is the identity): RMSNorm, the Q/K/V product (+ biases),
-   RoPE (rotate-half or interleaved pairs), the KV-cache write at slot position % cap (fp32, or
+   qwen3's RMSNorm of each query and key head over head_dim (q_norm / k_norm: 0 without), RoPE (rotate-half or interleaved pairs), the KV-cache write at slot position % cap (fp32, or
    rounded to fp16 or bf16 as torch rounds: kv_dtype), attention over the first min(live, cap)
    slots masked by their positions (and the sliding window; cpu_attention.c), the output
    product, the residual, RMSNorm, the gate/up product, SiLU(gate) * up, the down product and
@@ -33,7 +33,8 @@
 #define PARTS(X, m) MAT(X, m) X(m##_rows) MAT(X, m##_1) X(m##_1_rows) MAT(X, m##_2) X(m##_2_rows)
 #define FIELDS(X)                                                                              \
     X(dim) X(heads) X(kv_heads) X(head_dim) X(ffn) X(cap) X(window) X(rope_half) X(kv_dtype)    \
-    X(attention_norm) X(qkv_bias) X(ffn_norm) X(k_cache) X(v_cache) X(pos_cache)               \
+    X(attention_norm) X(qkv_bias) X(q_norm) X(k_norm) X(ffn_norm) X(k_cache) X(v_cache)        \
+    X(pos_cache)                                                                               \
     PARTS(X, qkv) PARTS(X, wo) PARTS(X, w13) PARTS(X, w2)
 #define AS_ENUM(name) F_##name,
 enum { FIELDS(AS_ENUM) F_COUNT };
@@ -136,6 +137,7 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
     for (int64_t t = 0; t < S; t++) rms_norm(h + t * D, PTR(d, attention_norm, const float), D, eps, xn + t * D);
     rc |= PRODUCT(d, qkv, xn, qkv, S, nq, D, threads, work);
     const float *bias = PTR(d, qkv_bias, const float);
+    const float *qn = PTR(d, q_norm, const float), *kn = PTR(d, k_norm, const float);
     const el_kv_t kv = {Hq, Hkv, hd, cap, d[F_window], (int)d[F_kv_dtype], PTR(d, k_cache, char),
                         PTR(d, v_cache, char), PTR(d, pos_cache, int64_t)};
     /* slots of distinct tokens differ while S <= cap: the writes are then any thread's */
@@ -144,6 +146,9 @@ T_F int el_layer(const int64_t *d, float *h, int64_t S, const float *c, const fl
         float *q = qkv + t * nq, *k = q + Hq * hd, *v = k + Hkv * hd;
         if (bias)
             for (int64_t i = 0; i < nq; i++) q[i] += bias[i];
+        if (qn) /* in place: rms_norm reads x whole (its sum of squares) before writing */
+            for (int64_t j = 0; j < Hq + Hkv; j++)
+                rms_norm(q + j * hd, j < Hq ? qn : kn, hd, eps, q + j * hd);
         rope(q, Hq, hd, c + t * half, s + t * half, (int)d[F_rope_half]);
         rope(k, Hkv, hd, c + t * half, s + t * half, (int)d[F_rope_half]);
         el_kv_write(&kv, (position + t) % cap, position + t, k, v);

@@ -25,7 +25,6 @@ from ..model import Laneformer
 from .fused import FusedDecoder, supports
 from .native import native_step_built
 from .packed import PackedDecoder
-from .packed import supports as packed_supports
 from .persistent import PersistentDecoder, unsupported
 from .prefill import LOWP_BY_DTYPE, FusedPrefill, StepPrefill
 from .prefill import supports as prefill_supports
@@ -81,10 +80,9 @@ def choose_step(model: Laneformer, cache: KVCache, decode: str = "auto", kernels
     if mode == "graph" and fused:
         return Choice(FusedDecoder(model, cache), mode, compile, "fused kernels")
     gpu_quantized = getattr(model, "gpu_quantization", None) is not None  # kernels/qlinear.py
-    if mode == "graph" and kernels == "auto" and not gpu_quantized and packed_supports(model.cfg):
+    if mode == "graph" and kernels == "auto" and not gpu_quantized:
         # off CUDA: the step on packed weights (one Q/K/V and one gate/up product per layer),
-        # which compiles its own layer and head (one graph each, not the whole step); a model
-        # it does not cover (q/k norms) decodes through its own forward on the same weights
+        # which compiles its own layer and head (one graph each, not the whole step)
         step = PackedDecoder(model, cache, compile=compile)
         return Choice(step, mode, False, "packed, C layers" if step.step else "packed")
     return Choice(EagerStep(model, cache), mode, compile, "forward")

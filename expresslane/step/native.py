@@ -7,11 +7,11 @@ at run time: fp32 and fp16 AVX-512F, bf16 AVX512_BF16, int8 and the GGUF block f
 
 - `NativeStep`: a one-lane (Llama-family) model's step as one C call per layer plus one for the
   head (csrc/cpu_layer.c), for S tokens at positions position..: S = 1 is a decode step, S = k + 1
-  the verify step of speculative decoding (packed_verify.py). The same arithmetic as
-  packed.decode_layer, with every intermediate in a scratch buffer allocated once. Each weight
-  is read once for all S, and a token's row has the same bits whatever S (the one-token product
-  is the S = 1 case of the same kernels, csrc/cpu_matmul.c). Used by PackedDecoder where it
-  applies (`NativeStep.supports`).
+  the verify step of speculative decoding. The same arithmetic as packed.layer (qwen3's q/k
+  norms included), with every intermediate in a scratch buffer allocated once. Each weight is
+  read once for all S, and a token's row has the same bits whatever S (the one-token product is
+  the S = 1 case of the same kernels, csrc/cpu_matmul.c). Used by PackedDecoder where it applies
+  (`NativeStep.supports`).
 - `native_dequantize`: a block-format matrix's values (fp32 or bf16) for a long prefill's GEMM.
 - `lowp_activations`: what x is to the products with `lowp` (a prompt at llama.cpp's precision),
   their reference.
@@ -219,6 +219,8 @@ class NativeStep:
             "attention_norm": w.attention_norm.float().contiguous(),
             "ffn_norm": w.ffn_norm.float().contiguous(),
             "qkv_bias": None if w.bqkv is None else w.bqkv.float().contiguous(),
+            "q_norm": None if w.q_norm is None else w.q_norm.float().contiguous(),
+            "k_norm": None if w.k_norm is None else w.k_norm.float().contiguous(),
             "k_cache": c.k[i], "v_cache": c.v[i], "pos_cache": c.pos[i],
         }  # fmt: skip
         sizes = dict(

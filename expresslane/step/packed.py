@@ -2,9 +2,10 @@
 
 One layer, one attention and one head with a token axis serve decode (S = 1) and the verify
 step of speculative decoding (S = k + 1). Per layer (`layer`): RMSNorm, one Q/K/V product,
-RoPE, every new key and value written to the cache, attention over the live cache slots, one
-output product and the DTP reduce, RMSNorm, one gate/up product, SiLU(gate) * up, one down
-product and the reduce (packing.py builds the weights, quant.py computes the products).
+qwen3's RMSNorm of each query and key head where the model has one, RoPE, every new key and
+value written to the cache, attention over the live cache slots, one output product and the
+DTP reduce, RMSNorm, one gate/up product, SiLU(gate) * up, one down product and the reduce
+(packing.py builds the weights, quant.py computes the products).
 Activations, RoPE, softmax and reduces are fp32 whatever the weights' format.
 
 Rows are independent of S: products go row by row (`quant.matvec`) or through the C kernels,
@@ -95,7 +96,7 @@ def layer(
     QTensor fields, its format first); kc/vc/pc its cache; positions (S,); span (live,) bounds
     the slots read. Keyword arguments are constants (one compilation per distinct set).
     """
-    attention_norm, qkv, bqkv, wo, ffn_norm, w13, w2 = w
+    attention_norm, qkv, bqkv, wo, ffn_norm, w13, w2, q_norm, k_norm = w
     S, L = h.shape[0], h.shape[1]
     qkv = product(QTensor(*qkv), rms_norm(h, attention_norm, eps), native)  # (S, L, n_qkv/L)
     if bqkv is not None:
@@ -104,6 +105,8 @@ def layer(
     q = qkv[..., :lq].reshape(S, heads, head_dim)  # lane l owns heads l*Hq/L ...
     k = qkv[..., lq : lq + lkv].reshape(S, kv_heads, head_dim)
     v = qkv[..., lq + lkv :].reshape(S, kv_heads, head_dim)
+    if q_norm is not None:  # qwen3: each head normalised over head_dim before RoPE
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rope(q, cos, sin, rope_style), apply_rope(k, cos, sin, rope_style)
     slots = positions % kc.shape[0]  # ring layers wrap
     kc.index_copy_(0, slots, k.to(kc.dtype))  # every key and value before any query attends
@@ -133,12 +136,6 @@ def _parts(q: QTensor) -> tuple:
     return q.flat
 
 
-def supports(cfg: ModelConfig) -> bool:
-    """The packed step covers every model but those with q/k norms (qwen3): the engine runs
-    those through the model's forward on the same packed weights."""
-    return not cfg.qk_norm
-
-
 class PackedDecoder:
     """The packed CPU step (module docstring): a `Step` (protocol.py)."""
 
@@ -149,8 +146,6 @@ class PackedDecoder:
         compile: bool = False,
         native: bool | None = None,
     ):
-        if not supports(model.cfg):
-            raise ValueError("the packed decode step does not cover q/k norms (qwen3)")
         self.cfg: ModelConfig = model.cfg
         self.cache = cache
         self.weights = pack_model(model)  # the model's own packing, or its dtype
@@ -165,7 +160,7 @@ class PackedDecoder:
             self.step = NativeStep(self.weights, self.cfg, model.inv_freq, cache, positions)
         self.layer_tensors = [
             (w.attention_norm, _parts(w.wqkv), w.bqkv, _parts(w.wo), w.ffn_norm, _parts(w.w13),
-             _parts(w.w2))
+             _parts(w.w2), w.q_norm, w.k_norm)
             for w in self.weights.layers
         ]  # fmt: skip
         self.compiled = compile and self.step is None

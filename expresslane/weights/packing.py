@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -69,15 +70,11 @@ def products_in(dtype: torch.dtype | None, dequantize: Callable | None = None) -
     the reference's, rounded), rounds its input to `dtype` (None: the input's own), multiplies
     in it, and returns the product in the input's dtype, biases added there. step/prefill.py
     runs a long prompt's products in bf16 this way, the weights from the C decoder."""
-    token = _PRODUCTS.set((dtype, dequantize or _rounded))
+    token = _PRODUCTS.set((dtype, dequantize or (lambda q, dt: q.dequantize().to(dt))))
     try:
         yield
     finally:
         _PRODUCTS.reset(token)
-
-
-def _rounded(q: QTensor, dtype: torch.dtype) -> torch.Tensor:
-    return q.dequantize().to(dtype)
 
 
 def packed_format(name: str) -> str:
@@ -155,6 +152,8 @@ class PackedLayer:
     ffn_norm: torch.Tensor
     w13: QTensor  # (L, 2 F / L, D): per lane its gate rows, then up
     w2: QTensor  # (L, D, F / L)
+    q_norm: torch.Tensor | None = None  # (hd,) qwen3's RMSNorm scale of every query head
+    k_norm: torch.Tensor | None = None  # (hd,) and of every key head; None without q/k norms
 
 
 @dataclass
@@ -237,6 +236,8 @@ def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights
                     [p + "feed_forward.w1", p + "feed_forward.w3"], [ff.w1.weight, ff.w3.weight]
                 ),
                 w2=mat([p + "feed_forward.w2"], [ff.w2.weight]),
+                q_norm=at.q_norm.gamma if model.cfg.qk_norm else None,
+                k_norm=at.k_norm.gamma if model.cfg.qk_norm else None,
             )
         )
     cfg = model.cfg
@@ -300,12 +301,9 @@ def pack_gguf(model: Laneformer, path, adapted: set[str] = frozenset()) -> Packe
 
 
 def _splits(total: int, parts: list[int]) -> list[tuple[int, int]]:
-    bounds, at = [], 0
-    for n in parts:
-        bounds.append((at, at + n))
-        at += n
-    assert at == total
-    return bounds
+    ends = list(accumulate(parts))
+    assert ends[-1] == total
+    return [(e - n, e) for n, e in zip(parts, ends, strict=True)]
 
 
 def _parts(model: Laneformer, i: int, w: PackedLayer):
