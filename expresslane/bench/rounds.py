@@ -89,10 +89,10 @@ def llamacpp_peers(
             "llama.cpp peer skipped: llama-cpp-python is not installed (building it takes ~18 "
             'min on 2 cores: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python)'
         ]
-    why = llamacpp.unsupported(setup.model)
-    if why is not None:
-        return [], [why]
-    out = [peer(f"llama.cpp={t}", setup) for t in types if t != "file"]
+    written = [t for t in types if t != "file"]  # the file itself: any architecture it runs
+    why = llamacpp.unsupported(setup.model) if written else None
+    notes = [why] if why is not None else []
+    out = [peer(f"llama.cpp={t}", setup) for t in written] if why is None else []
     if "file" in types:
         path = find_gguf(checkpoint)
         runner = llamacpp.LlamaCppPeer(path, torch.get_num_threads(), n_ctx=setup.max_len,
@@ -105,7 +105,7 @@ def llamacpp_peers(
 
         note = f"the GGUF file ({path.name})" + (" + LoRA at run time" if lora else "")
         out.append(Contestant("llama.cpp", note, run, runner.close))
-    return out, []
+    return out, notes
 
 
 def run_rounds(contestants: list[Contestant], contexts, rounds: int) -> list[dict]:

@@ -92,7 +92,7 @@ def ensure(type_name: str, cache: Path | None = None) -> Path:
         return _write_f32(fetch_smollm2(cache), out)
     if type_name in BY_MATRIX:
         return _write_f32(ensure("F32", cache), out, type_name)
-    return _quantize(ensure("F32", cache), out, type_name)
+    return quantize_file(ensure("F32", cache), out, type_name)
 
 
 # the files written a matrix at a time: (matrix K -> its type, quantizer) per file type
@@ -111,7 +111,7 @@ def _write_f32(src: Path, out: Path, file_type: str = "F32") -> Path:
     pick, by = BY_MATRIX.get(file_type, (None, None))
     header = read_header(src)
     reader = gguf.GGUFReader(src)  # for the value types of the metadata, which ours drops
-    with _atomic(out) as tmp:
+    with atomic_write(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), header.architecture)
         for field in reader.fields.values():
             if field.name.startswith("GGUF.") or field.name in _SKIPPED:
@@ -192,7 +192,7 @@ def libggml():
 _SKIPPED = ("general.architecture", "general.file_type", "general.alignment")
 
 
-def _quantize(src: Path, out: Path, type_name: str) -> Path:
+def quantize_file(src: Path, out: Path, type_name: str) -> Path:
     try:
         import llama_cpp
     except ImportError:
@@ -207,7 +207,7 @@ def _quantize(src: Path, out: Path, type_name: str) -> Path:
     if type_name.removesuffix(PURE) in NEEDS_IMATRIX:
         entries, keep = _ones_imatrix(src, llama_cpp)
         params.imatrix = ctypes.cast(entries, type(params.imatrix))
-    with _atomic(out) as tmp:
+    with atomic_write(out) as tmp:
         rc = llama_cpp.llama_model_quantize(
             str(src).encode(), str(tmp).encode(), ctypes.byref(params)
         )
@@ -231,7 +231,7 @@ def _ones_imatrix(src: Path, llama_cpp):
     return entries, keep
 
 
-class _atomic:
+class atomic_write:
     """A temporary name beside `out`, renamed to `out` on success, removed on failure."""
 
     def __init__(self, out: Path):
