@@ -35,6 +35,8 @@ from .guards import ServeLimits
 from .jobs import ChoiceSpec
 from .logprobs import TokenIds, TokenText
 from .offload import TokenizeOffload
+from .responses import ResponsesRequest, ResponseStore, chat_body, renamed
+from .responses_out import ResponseShape
 from .structured import request_grammar
 from .tools import ToolPlan, plan_tools, prompt_messages
 
@@ -286,6 +288,16 @@ class Preparer:
         return Prepared(
             specs, len(ids), req.stream, req.include_usage, fmt, self.priority(req.priority)
         )
+
+    def responses(self, body: bytes, store: ResponseStore) -> tuple[Prepared, ResponseShape]:
+        """A Responses API request, prepared as the chat request it becomes (responses.py)."""
+        req: ResponsesRequest = P.parse(ResponsesRequest, body)
+        chat, conversation = chat_body(req, store)
+        try:
+            prep = self.chat(chat)
+        except RequestError as e:
+            raise renamed(e) from None
+        return prep, ResponseShape(req, prep.fmt.model, conversation)
 
     def chat_echo(self, req: P.ChatCompletionRequest) -> str:
         """vLLM's chat `echo`: the text of a trailing message of the answer's role (assistant),

@@ -1,14 +1,12 @@
 """The OpenAI-compatible wire format: pydantic request models, error bodies, SSE, usage.
 
-Requests are parsed with `parse()`, which turns every pydantic failure (invalid JSON, a wrong
-type, an out-of-range value) into a `RequestError` naming the parameter, answered as a 400 in
-OpenAI's shape `{"error": {"message", "type", "param", "code"}}` rather than FastAPI's 422.
-Unknown fields are ignored (lm-eval forwards leftover generation kwargs); fields of the API that
-are not implemented are refused (unsupported.py). The same models give the OpenAPI schema.
+Requests are parsed with `parse()`: every pydantic failure becomes a `RequestError` naming the
+parameter, a 400 in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, not
+FastAPI's 422. Unknown fields are ignored (lm-eval sends leftover kwargs), unimplemented ones
+refused (unsupported.py). The same models give the OpenAPI schema.
 
 Defaults follow OpenAI and vLLM: temperature 1, top_p 1, top_k off, `max_tokens` 16 on
-completions and "the rest of the context" on chat. `stop` takes any number of strings (lm-eval
-sends more than OpenAI's 4).
+completions and the rest of the context on chat. `stop` takes any number of strings.
 """
 
 from __future__ import annotations
@@ -73,7 +71,7 @@ def _integral(v: Any) -> Any:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # _SamplingRequest's are kept, to refuse by name
 
 
 class StreamOptions(_Request):
@@ -115,7 +113,6 @@ class Prediction(_Request):
 
 
 class _SamplingRequest(_Request):
-    # extra fields are kept, to refuse unsupported ones by name
     model_config = ConfigDict(extra="allow", json_schema_extra=_state_rules)
     UNSUPPORTED: ClassVar[dict] = unsupported.SAMPLING
     RULES: ClassVar[list] = [
@@ -311,7 +308,8 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
         req = cls.model_validate_json(body or b"")
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
-        loc = [x for x in err["loc"] if isinstance(x, int) or x in _FIELDS]
+        known = _FIELDS | cls.model_fields.keys()  # a model's own (responses.py's) as well
+        loc = [x for x in err["loc"] if isinstance(x, int) or x in known]
         if err["type"] == "json_invalid":
             raise RequestError(
                 f"invalid JSON body: {err['msg'].removeprefix('Invalid JSON: ')}", param=None

@@ -7,8 +7,7 @@ and tools can be generated from the schema, and the tests validate real requests
 against it.
 
 The response models document; they do not filter. Every object allows further keys (as OpenAI
-clients do), so a new field in an answer (`usage.prompt_tokens_details`, figures in `timings`)
-stays valid; add it to its model here to document it.
+clients do), so a new field in an answer stays valid; add it to its model here to document it.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from pydantic.json_schema import models_json_schema
 from . import protocol as P
 from . import unsupported
 from .guards import ServeLimits
+from .responses import ResponsesRequest
 
 
 class _Open(BaseModel):
@@ -197,6 +197,48 @@ class ChatCompletionChunk(_Open):
     timings: Timings | None = None
 
 
+# --- the Responses API (responses.py, responses_out.py) ---------------------------------------
+class ResponseUsage(_Open):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    total_tokens: int
+
+
+class ResponseItem(_Open):
+    """A `message` (`content`: an `output_text`) or a `function_call` (`name`, `arguments`)."""
+
+    type: Literal["message", "function_call"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseObject(_Open):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[ResponseItem]
+    usage: ResponseUsage | None
+    incomplete_details: dict | None
+    previous_response_id: str | None
+    timings: Timings | None = None
+
+
+class ResponseEvent(_Open):
+    """A streamed event (`event: <type>`, this as `data`): responses_out.py lists them."""
+
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(_Open):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
 # --- the other routes -------------------------------------------------------------------------
 class ModelCard(_Open):
     id: str
@@ -240,18 +282,22 @@ class Health(_Open):
 ERRORS = {
     400: "Invalid request: the message names the parameter",
     401: "Missing or wrong API key (with --api-key)",
-    404: "Unknown model",
+    404: "Unknown model, or no stored response of that id",
     413: "Body larger than --max-request-bytes",
     415: "Body not declared as application/json",
     503: "Model still loading, or more than --max-queue requests waiting (Retry-After)",
 }
-SSE = "Server-sent events when `stream` is true: `data: <{}>` per chunk, then `data: [DONE]`."
+SSE = "Server-sent events when `stream` is true: `data: <{}>` each, then `data: [DONE]` (chat)."
 # route -> (summary, request model, response model, stream chunk model, error codes)
 ROUTES: dict[str, tuple] = {
     "completions": ("Complete a prompt (OpenAI legacy completions)", P.CompletionRequest,
                     CompletionResponse, CompletionChunk, (400, 401, 404, 413, 415, 503)),
     "chat": ("Answer a conversation (OpenAI chat completions)", P.ChatCompletionRequest,
              ChatCompletionResponse, ChatCompletionChunk, (400, 401, 404, 413, 415, 503)),
+    "responses": ("Answer input items (OpenAI's Responses API)", ResponsesRequest,
+                  ResponseObject, ResponseEvent, (400, 401, 404, 413, 415, 503)),
+    "response": ("A stored response", None, ResponseObject, None, (401, 404)),
+    "response_deleted": ("Forget a stored response", None, ResponseDeleted, None, (401, 404)),
     "tokenize": ("Text or messages to token ids (vLLM's /tokenize)", P.TokenizeRequest,
                  TokenizeResponse, None, (400, 401, 413, 415, 503)),
     "detokenize": ("Token ids to text", P.DetokenizeRequest, DetokenizeResponse, None,
@@ -338,8 +384,9 @@ def install_openapi(app: FastAPI, limits: ServeLimits, names: list[str] | None =
             found = schema.setdefault("components", {}).setdefault("schemas", {})
             for key, value in defs.get("$defs", {}).items():
                 found.setdefault(key, value)
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
-                found[name]["properties"]["n"]["maximum"] = limits.max_n
+            for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
+                if "n" in found[name]["properties"]:
+                    found[name]["properties"]["n"]["maximum"] = limits.max_n
                 if names:
                     model = found[name]["properties"]["model"]
                     model["anyOf"] = [{"enum": list(names)}, {"type": "null"}]

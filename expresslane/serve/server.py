@@ -29,13 +29,13 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
@@ -44,10 +44,12 @@ from ..errors import ExpressLaneError, RequestError
 from ..tokenizer import Tokenizer
 from . import protocol as P
 from .guards import Refusal, ServeLimits, allowed_methods, key_check, read_json_body
-from .jobs import ChoiceSpec, Job, cancel_on_disconnect, coalesce, collect
+from .jobs import ChoiceSpec, Job, collect
 from .metrics import Metrics
 from .prepare import Preparer
+from .responses import ResponseStore
 from .schema import install_openapi, route_docs
+from .streams import chat_stream, response_stream, sse_response
 from .worker import Worker
 
 log = logging.getLogger("expresslane.serve")
@@ -75,6 +77,7 @@ class Service:
         self.worker: Worker | None = None
         self.preparer: Preparer | None = None
         self.preparing = 0  # requests admitted and not yet submitted (body, template, tokens)
+        self.stored = ResponseStore()  # the Responses API's stored responses (responses.py)
         self.private: list[str] = []  # server paths that answers must not show
         self._hide(*aliases, root)
 
@@ -207,7 +210,7 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(limits.allowed_origins),
-            allow_methods=["GET", "HEAD", "POST", "OPTIONS"],
+            allow_methods=["GET", "HEAD", "POST", "DELETE", "OPTIONS"],
             allow_headers=list(limits.allowed_headers),
             max_age=600,
         )
@@ -263,7 +266,9 @@ def _v1_routes(svc: Service) -> APIRouter:
         prep = await s.prepare(request, fn)
         job = s.submit(prep.specs, prep.priority)
         if prep.stream:
-            return _sse(_stream(job, request, prep.fmt, prep.include_usage, prep.prompt_tokens))
+            return sse_response(
+                chat_stream(job, request, prep.fmt, prep.include_usage, prep.prompt_tokens)
+            )
         accs = await collect(job, request.receive)
         n = sum(a.count for a in accs.values())
         usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens, job.predicted())
@@ -277,6 +282,34 @@ def _v1_routes(svc: Service) -> APIRouter:
     @r.post("/chat/completions", **route_docs("chat"))
     async def chat(request: Request):
         return await generate(request, svc.ready().preparer.chat)
+
+    @r.post("/responses", **route_docs("responses"))
+    async def responses(request: Request):
+        s = svc.ready()
+        prep, shape = await s.prepare(request, partial(s.preparer.responses, store=s.stored))
+        job = s.submit(prep.specs, prep.priority)
+
+        def done(response: dict) -> dict:
+            if shape.req.store:
+                s.stored.put(response, shape.turn(response))
+            return response
+
+        if prep.stream:
+            return sse_response(response_stream(job, request, prep, shape, done))
+        accs = await collect(job, request.receive)
+        n = sum(a.count for a in accs.values())
+        usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens)
+        chat = partial(prep.fmt.response, accs, usage, job.timings.as_dict())
+        return await s.reply(lambda: done(shape.response(chat())))
+
+    @_get(r, "/responses/{response_id}", **route_docs("response"))
+    async def stored_response(response_id: str):
+        return svc.stored.get(response_id)[0]
+
+    @r.delete("/responses/{response_id}", **route_docs("response_deleted"))
+    async def delete_response(response_id: str):
+        svc.stored.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return r
 
@@ -338,62 +371,3 @@ def _root_routes(svc: Service) -> APIRouter:
         return await s.prepare(request, as_json(s.preparer.detokenize))
 
     return r
-
-
-# --- streaming ------------------------------------------------------------------------------
-def _sse(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        body,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-
-
-async def _stream(
-    job: Job, request: Request, fmt, include_usage: bool, prompt_tokens: int
-) -> AsyncIterator[str]:
-    """SSE events: one chunk per choice per batch of tokens, usage chunk, then [DONE].
-
-    Every chunk carries `completion_tokens` (so far, all choices) and each finishing chunk the
-    request's `timings`; both are extra top-level keys that OpenAI clients ignore.
-    """
-    base = fmt.envelope()
-    if include_usage:
-        base["usage"] = None
-    generated, failed = 0, False
-    try:
-        async with cancel_on_disconnect(job, request.receive):
-            for choice in fmt.start():
-                yield P.sse({**base, "choices": [choice], "completion_tokens": 0})
-            while (batch := await job.next_batch()) is not None:
-                for ev in coalesce(batch):
-                    if ev.kind == "error":
-                        failed = True
-                        yield P.sse(P.error_of(ev.error))
-                        continue
-                    generated += ev.count
-                    choice = fmt.chunk(ev)
-                    if choice is None:
-                        continue
-                    extra = {"completion_tokens": generated}
-                    if job.timings.speculative is not None:  # live, for the playground
-                        extra["speculative"] = job.timings.speculative
-                    if ev.kind == "finish":
-                        extra["timings"] = job.timings.as_dict()
-                    yield P.sse({**base, "choices": [choice], **extra})
-        if include_usage and not failed:
-            yield P.sse(
-                {
-                    **base,
-                    "choices": [],
-                    "usage": P.usage(
-                        prompt_tokens, generated, job.timings.cached_tokens, job.predicted()
-                    ),
-                    "completion_tokens": generated,
-                    "timings": job.timings.as_dict(),
-                }
-            )
-    except Exception as e:  # a bug while streaming: tell the client, keep the server up
-        log.exception("stream failed")
-        yield P.sse(P.error_of(e))
-    yield P.sse("[DONE]")
