@@ -14,6 +14,10 @@ process instead (TTFT from the request's start in the engine), where `--no-ring-
 measures what the rings' snapshot (prefix.py) brings.
 
     python -m expresslane.bench.agent MODEL [--turns 10] [--target-tokens 3000] [--engine]
+                                         [--api responses]
+
+`--api responses` sends the reusing server's turns through OpenAI's Responses API, each with
+only its new messages and the last answer's `previous_response_id`.
 
 Prints one table, then one JSON line.
 """
@@ -126,23 +130,52 @@ def system_prompt() -> str:
 Send = Callable[[list[dict], int], dict]
 
 
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:  # the server's own words (a prompt too long, ...)
+        detail = json.loads(e.read()).get("error", {}).get("message", e.reason)
+        raise ConfigError(f"the server answered {e.code}: {detail}") from None
+
+
 def http_sender(url: str) -> Send:
     """Greedy chat completions from a server; TTFT and cached tokens as it reports them."""
 
     def send(messages: list[dict], max_tokens: int) -> dict:
         body = dict(model="agent", messages=messages, max_tokens=max_tokens, temperature=0)
-        req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
-        try:
-            with urllib.request.urlopen(req, timeout=3600) as r:
-                out = json.loads(r.read())
-        except urllib.error.HTTPError as e:  # the server's own words (a prompt too long, ...)
-            detail = json.loads(e.read()).get("error", {}).get("message", e.reason)
-            raise ConfigError(f"the server answered {e.code}: {detail}") from None
+        out = _post(url + "/v1/chat/completions", body)
         usage = out["usage"]
         return {"text": out["choices"][0]["message"]["content"],
                 "ttft_ms": out["timings"]["ttft_ms"], "prompt_tokens": usage["prompt_tokens"],
                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
+
+    return send
+
+
+def responses_sender(url: str) -> Send:
+    """Greedy turns through the Responses API, as an agent on it sends them: a turn that
+    continues the last one sends only its new messages, with `previous_response_id` (the
+    server keeps the conversation); any other starts afresh."""
+    last: dict = {"id": None, "conversation": None}
+
+    def send(messages: list[dict], max_tokens: int) -> dict:
+        prev = last["conversation"]
+        goes_on = prev is not None and messages[: len(prev)] == prev
+        body = dict(model="agent", input=messages[len(prev) :] if goes_on else messages,
+                    max_output_tokens=max_tokens, temperature=0)  # fmt: skip
+        if goes_on:
+            body["previous_response_id"] = last["id"]
+        out = _post(url + "/v1/responses", body)
+        text = "".join(part["text"] for item in out["output"] if item["type"] == "message"
+                       for part in item["content"])  # fmt: skip
+        last.update(id=out["id"], conversation=[*messages, {"role": "assistant", "content": text}])
+        usage = out["usage"]
+        return {"text": text, "ttft_ms": out["timings"]["ttft_ms"],
+                "prompt_tokens": usage["input_tokens"],
+                "cached_tokens": usage["input_tokens_details"]["cached_tokens"]}  # fmt: skip
 
     return send
 
@@ -247,7 +280,11 @@ def run(args: argparse.Namespace) -> dict:
                        ring_snapshot=not args.no_ring_snapshot)  # fmt: skip
         else:
             urls = {r: start_server(stack, path, r, args) for r in (True, False)}
-            send = {r: http_sender(u) for r, u in urls.items()}
+            # --api responses: the reusing server gets the Responses API's turns (only the new
+            # messages each time), the other whole chat histories
+            hot = responses_sender if args.api == "responses" else http_sender
+            send = {r: (hot if r else http_sender)(u) for r, u in urls.items()}
+            out["api"] = args.api
             with urllib.request.urlopen(urls[True] + "/v1/models", timeout=60) as r:
                 max_len = json.loads(r.read())["data"][0]["max_model_len"]
         if args.target_tokens + args.answer_tokens >= max_len:
@@ -271,11 +308,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (as `run`)")
     p.add_argument("--engine", action="store_true",
                    help="drive two Engines in this process instead of two servers")  # fmt: skip
+    p.add_argument(
+        "--api",
+        choices=("chat", "responses"),
+        default="chat",
+        help="the reusing server's API (responses: previous_response_id turns)",
+    )
     p.add_argument("--no-ring-snapshot", action="store_true",
                    help="with --engine: the reusing engine keeps no ring snapshot")  # fmt: skip
     args = p.parse_args(argv)
     if args.turns < 1 or args.answer_tokens < 1 or args.target_tokens < 1:
         print("error: --turns, --answer-tokens and --target-tokens must be >= 1", file=sys.stderr)
+        return 2
+    if args.api == "responses" and args.engine:
+        print("error: --api responses needs the servers (not --engine)", file=sys.stderr)
         return 2
     if args.no_ring_snapshot and not args.engine:
         print("error: --no-ring-snapshot needs --engine (a server has no such knob)",

@@ -11,8 +11,13 @@ parts; `function_call` items as the assistant's `tool_calls` (merged into the as
 before them); `function_call_output` as a `tool` message; `reasoning` items are skipped (this
 engine produces none, and a client may echo another model's). Anything else (images, files,
 item references, built-in tools) is a 400 naming it, as are the fields this server does not
-implement (`background`, `conversation`, `prompt`, `reasoning` with an effort, `truncation:
-"auto"`). vLLM's sampling extensions (`top_k`, `seed`, penalties, ...) pass through as on chat.
+implement (`background`, `conversation`, `prompt`, `max_tool_calls`, `truncation: "auto"`).
+vLLM's sampling extensions (`top_k`, `seed`, penalties, ...) pass through as on chat.
+
+Decision: hints that agents send whatever the model (Codex, the Agents SDK) are accepted and
+not applied, as vLLM and llama.cpp's server take them: `reasoning` (this engine runs no
+reasoning; the response reports `effort: null`), `text.verbosity`, `include` values that add to
+items never produced here. Refusing them would stop those agents at their first request.
 
 Decision: a stored response (`store`, the API's default true) is kept in memory, the most
 recent `STORED` of them, for `previous_response_id` and `GET /v1/responses/{id}`. A server is
@@ -39,6 +44,11 @@ PASSED = ("seed", "top_k", "min_p", "stop", "presence_penalty", "frequency_penal
           "chat_template_kwargs", "priority", "skip_special_tokens", "structured_outputs",
           "include_stop_str_in_output")  # fmt: skip
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value that changes the output
+# OpenAI's other `include` values: each adds to items this server never produces (reasoning,
+# built-in tools' calls, input images), so each is accepted and has nothing to add
+INCLUDE_NOTHING = ("reasoning.encrypted_content", "web_search_call.action.sources",
+                   "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                   "file_search_call.results", "message.input_image.image_url")  # fmt: skip
 # chat's parameter names as a Responses client knows them (in errors)
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
           "response_format": "text.format"}  # fmt: skip
@@ -86,11 +96,9 @@ def refuse_unimplemented(req: ResponsesRequest) -> None:
             raise _bad(f"{name}: not supported by this server (leave it out)", name)
     if req.truncation == "auto":
         raise _bad("truncation: 'auto' is not supported (a prompt too long is a 400)", "truncation")
-    if req.reasoning and any(v is not None for v in req.reasoning.values()):
-        raise _bad("reasoning: this model does not reason (leave it out)", "reasoning")
-    unknown = [x for x in req.include or () if x != LOGPROBS]
+    unknown = [x for x in req.include or () if x != LOGPROBS and x not in INCLUDE_NOTHING]
     if unknown:
-        raise _bad(f"include: {unknown[0]!r} is not supported (only {LOGPROBS!r})", "include")
+        raise _bad(f"include: {unknown[0]!r} is not one of OpenAI's values", "include")
 
 
 def _text(content: Any, where: str) -> str:
