@@ -7,10 +7,10 @@ Cancellation is checked between prefill chunks, after the last one and between d
 the `cancel` event or simply stop iterating. `generate_steps` is the one generation loop: the
 parallel engine changes it through small hooks (request start, go on?, token pick, early end).
 Its slow reference is generation.py's `reference_generate`. With a `SpeculativeConfig` the
-tokens after the first come from speculative/decoder.py (prompt-lookup drafts verified in one
-call), through the same loop. A request with a grammar (`SamplingParams.grammar`) takes its
-tokens from structured/decoding.py, on graphs of their own where the engine captures
-(step/split.py).
+tokens after the first come from speculative/decoder.py (drafts of prompt lookup or of a draft
+model, verified in one call), through the same loop. A request with a grammar
+(`SamplingParams.grammar`) takes its tokens from structured/decoding.py, on graphs of their own
+where the engine captures (step/split.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from .model import Laneformer
 from .prefix import PrefixReuse
 from .sampler import Penalties, check_adjustments, make_generator, sample
 from .speculative.decoder import SpeculativeDecoder
+from .speculative.draft_model import load_draft
 from .speculative.drafting import SpeculativeConfig
 from .speculative.prediction import check_prediction
 from .step.captures import Captures
@@ -118,6 +119,8 @@ class Engine:
         self.capture = self.device.type == "cuda" if capture is None else capture
         verify = (self.step, self.cache, self.capture and self.decode == "graph")
         self.speculator = SpeculativeDecoder(*verify, speculative) if speculative else None
+        if speculative is not None and speculative.model is not None:  # vLLM's draft_model
+            self.speculator.draft = load_draft(Engine, speculative.model, self)
         self.predictor = self.speculator  # what verifies a request's predicted output
         if self.predictor is None and self.predicts:  # else a verifier of its own drafts
             self.predictor = SpeculativeDecoder.for_predictions(*verify)
@@ -203,16 +206,11 @@ class Engine:
             raise RequestError("prompt: must contain at least one token", param="prompt")
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.cfg.vocab_size)]
         if bad:
-            raise RequestError(
-                f"prompt: token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab_size})",
-                param="prompt",
-            )
+            raise RequestError(f"prompt: token id {bad[0]!r} is outside the vocabulary "
+                               f"[0, {self.cfg.vocab_size})", param="prompt")  # fmt: skip
         if len(prompt_ids) >= self.max_len:
-            raise RequestError(
-                f"prompt: {len(prompt_ids)} tokens leave no room to generate in "
-                f"the context of {self.max_len} tokens",
-                param="prompt",
-            )
+            raise RequestError(f"prompt: {len(prompt_ids)} tokens leave no room to generate in "
+                               f"the context of {self.max_len} tokens", param="prompt")  # fmt: skip
 
     def check_sampling(self, params: SamplingParams) -> None:  # what validate() cannot know
         check_adjustments(params, self.cfg.vocab_size, self.adjusts_logits)

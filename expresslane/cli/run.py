@@ -125,9 +125,10 @@ def add_speculative_argument(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         metavar="JSON",
-        help="speculative decoding by prompt lookup, as vLLM spells it: "
+        help="speculative decoding, as vLLM spells it: by prompt lookup "
         '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2}\'',
+        '"prompt_lookup_min": 2}\', or a draft model\'s greedy tokens '
+        '\'{"model": "DRAFT", "num_speculative_tokens": 4}\' (same vocabulary)',
     )
 
 

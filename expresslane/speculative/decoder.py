@@ -1,5 +1,5 @@
-"""The speculative decode loop: draft (by prompt lookup, or from the request's predicted output),
-verify in one call, stream what is kept.
+"""The speculative decode loop: draft (by prompt lookup, a draft model, or from the request's
+predicted output), verify in one call, stream what is kept.
 
 `SpeculativeDecoder(step, cache, capture, cfg)` verifies on the engine's own step
 (step/protocol.py): the verify is `DecodeGraph(step, width=k + 1)` (step/graph.py), the same
@@ -33,6 +33,7 @@ from ..sampler import Penalties, sample, structure_key
 from ..step.graph import DecodeGraph, committed_tokens
 from ..step.protocol import Step
 from ..step.split import STEP_TOKENS, step_rows
+from .draft_model import DraftModelDrafter
 from .drafting import BackOff, NgramDrafter, SpecStats, SpeculativeConfig, accept
 from .prediction import drafter_for
 
@@ -62,6 +63,7 @@ class SpeculativeDecoder:
         self.capture, self.lookup = capture, lookup
         self.device = cache.k[0].device
         self.graphs: dict[tuple, DecodeGraph] = {}  # by (structure, captured)
+        self.draft = None  # the draft model's engine (draft_model.py), set by the Engine
         self.stats = SpecStats()
         self._extra: dict = {}
 
@@ -120,7 +122,8 @@ class SpeculativeDecoder:
         want_lp = params.logprobs is not None
         drafter = self.drafter(prompt_ids, params)
         drafter.extend([first])
-        backoff = BackOff(DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT))
+        draft_cost = DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT)
+        backoff = BackOff(draft_cost + getattr(drafter, "cost", 0.0))  # a draft model's own
         vgraph = None
         if pen is None:
             vgraph = self.verify_graph(params, generator, graph is not None and graph.capture)
@@ -161,9 +164,13 @@ class SpeculativeDecoder:
 
     def drafter(self, prompt_ids: Sequence[int], params: SamplingParams):
         """The request's drafter (prediction.py): its predicted output first, if any, then
-        prompt lookup over the prompt where this decoder looks up; the caller extends the first
-        token."""
-        drafter = drafter_for(self.cfg if self.lookup else None, prompt_ids, params.prediction)
+        prompt lookup over the prompt, or the draft model, where this decoder drafts itself;
+        the caller extends the first token."""
+        own = None
+        if self.lookup and self.draft is not None:
+            own = DraftModelDrafter(self.draft, prompt_ids)
+        drafter = drafter_for(self.cfg if self.lookup else None, prompt_ids, params.prediction,
+                              own)  # fmt: skip
         if drafter is None:
             raise ValueError("a speculative decoder without prompt lookup needs a prediction")
         return drafter

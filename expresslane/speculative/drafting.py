@@ -3,7 +3,8 @@
 Drafting: the longest n-gram (n from `prompt_lookup_max` down to `prompt_lookup_min`) that ends
 the sequence so far (prompt and generated tokens) and occurred earlier in it proposes the tokens
 that followed its latest earlier occurrence, up to `num_speculative_tokens` (continuing the
-repeat periodically where it reaches the end of the sequence). No draft model.
+repeat periodically where it reaches the end of the sequence). A draft model's drafts:
+draft_model.py.
 
 Acceptance (`accept`): the model scores the last accepted token and the k drafts in one call;
 row j of its logits is the distribution of the token after input j. Greedy keeps the drafts
@@ -30,18 +31,20 @@ from ..config import SamplingParams
 from ..errors import ConfigError
 from ..sampler import SamplerKnobs, filter_logits
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` fields for prompt lookup (method "ngram")."""
+    """vLLM's `--speculative-config` fields: prompt lookup (method "ngram", the default), or a
+    smaller model's greedy drafts (method "draft_model", implied by `model`: its path)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    model: str | None = None  # the draft model (draft_model.py)
 
     @classmethod
     def from_json(cls, text: str, where: str = "--speculative-config") -> SpeculativeConfig:
@@ -56,17 +59,17 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "--speculative-config") -> SpeculativeConfig:
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "model"}  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(
                 f"{where}: unknown field {unknown[0]!r} (expected {', '.join(sorted(known))})"
             )
-        method = raw.get("method", "ngram")
+        method = raw.get("method", "draft_model" if "model" in raw else "ngram")
         if method not in METHODS:
-            raise ConfigError(
-                f"{where}: method={method!r}: only 'ngram' (prompt lookup) is supported"
-            )
+            raise ConfigError(f"{where}: method={method!r}: expected 'ngram' (prompt lookup) or "
+                              "'draft_model' (with `model`)")  # fmt: skip
 
         def count(name: str, value, hi: int) -> int:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
@@ -76,6 +79,8 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in raw:
             raise ConfigError(f"{where}: num_speculative_tokens is required")
         k = count("num_speculative_tokens", raw["num_speculative_tokens"], MAX_SPECULATIVE_TOKENS)
+        if method == "draft_model":
+            return cls._draft_model(raw, k, where)
         hi, lo = raw.get("prompt_lookup_max"), raw.get("prompt_lookup_min")
         if hi is None and lo is None:  # vLLM's defaults: one n-gram size, 5
             hi = lo = 5
@@ -86,7 +91,22 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"{where}: prompt_lookup_min={lo} is larger than prompt_lookup_max={hi}"
             )
+        if "model" in raw:
+            raise ConfigError(f"{where}: model: a draft model needs method 'draft_model'")
         return cls(num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo)
+
+    @classmethod
+    def _draft_model(cls, raw: dict, k: int, where: str) -> SpeculativeConfig:
+        model = raw.get("model")
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"{where}: method 'draft_model' needs `model`: the draft model's "
+                              "path or name")  # fmt: skip
+        looked = sorted(set(raw) & {"prompt_lookup_max", "prompt_lookup_min"})
+        if looked:
+            raise ConfigError(f"{where}: {looked[0]} is prompt lookup's (method 'ngram'), not "
+                              "a draft model's")  # fmt: skip
+        return cls(num_speculative_tokens=k, prompt_lookup_max=0, prompt_lookup_min=0,
+                   method="draft_model", model=model)  # fmt: skip
 
 
 class NgramDrafter:

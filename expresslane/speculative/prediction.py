@@ -95,11 +95,13 @@ class PredictionDrafter:
         return self.fallback is not None and self.fallback.strong
 
 
-def drafter_for(cfg, prompt_ids: Sequence[int], prediction: Sequence[int]):
-    """The request's drafter: prompt lookup over the prompt when the engine speculates
-    (`cfg` the engine's config, or None), drafts from the prediction first when there is one.
-    The first generated token is extended by the caller."""
-    lookup = NgramDrafter(cfg, list(prompt_ids)) if cfg is not None else None
+def drafter_for(cfg, prompt_ids: Sequence[int], prediction: Sequence[int], own=None):
+    """The request's drafter: `own` (a draft model's) or prompt lookup over the prompt when the
+    engine speculates (`cfg` the engine's config, or None), drafts from the prediction first
+    when there is one. The first generated token is extended by the caller."""
+    lookup = own
+    if lookup is None and cfg is not None:
+        lookup = NgramDrafter(cfg, list(prompt_ids))
     return PredictionDrafter(prediction, lookup) if prediction else lookup
 
 

@@ -1,0 +1,114 @@
+"""Speculative decoding with a draft model (vLLM's method "draft_model"): greedy output is plain
+greedy's whatever the draft, on the eager and the static step; the model as its own draft keeps
+every draft, another model some; sampling keeps the model's distribution (chi-square); the
+draft's cache follows the sequence through rejections; bad configurations are refused naming
+the field, a draft of another vocabulary too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_speculative import chi_square, second_token_marginal
+
+from expresslane.assets import build_random_model
+from expresslane.config import SamplingParams
+from expresslane.engine import Engine
+from expresslane.errors import ConfigError
+from expresslane.speculative.draft_model import DraftModelDrafter
+from expresslane.speculative.drafting import SpeculativeConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models
+
+
+def draft_config(path, k: int = 4) -> SpeculativeConfig:
+    return SpeculativeConfig.from_json(f'{{"model": "{path}", "num_speculative_tokens": {k}}}')
+
+
+@pytest.fixture(scope="module")
+def other_dir(tmp_path_factory):
+    """Another random model of the same shape and tokenizer: a draft that is often wrong."""
+    return build_random_model(tmp_path_factory.mktemp("other-draft"), seed=7)
+
+
+def _engine(path, **kw) -> Engine:
+    return Engine.from_pretrained(str(path), device="cpu", dtype="float32", max_model_len=128,
+                                  progress=False, **kw)  # fmt: skip
+
+
+PROMPT = [1, 12, 40, 7, 99, 3, 18, 5, 61, 22]
+
+
+@pytest.mark.parametrize("decode", ["eager", "graph"])
+def test_greedy_output_is_plain_greedy_whatever_the_draft(random_laneformer_dir, other_dir,
+                                                          decode):  # fmt: skip
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = list(_engine(random_laneformer_dir, decode=decode).generate(PROMPT, params))
+    same = _engine(random_laneformer_dir, decode=decode,
+                   speculative=draft_config(random_laneformer_dir))  # fmt: skip
+    assert list(same.generate(PROMPT, params)) == want
+    fig = same.stats.extra["speculative"]
+    assert fig["verify_steps"] > 0 and fig["accepted_tokens"] == fig["draft_tokens"], fig
+    other = _engine(random_laneformer_dir, decode=decode, speculative=draft_config(other_dir))
+    assert list(other.generate(PROMPT, params)) == want
+    fig = other.stats.extra["speculative"]
+    assert fig["draft_tokens"] > fig["accepted_tokens"], fig  # rejections happened, and were
+    # cut from the draft's cache: its next proposals still extended the right sequence
+    assert list(other.generate(PROMPT[:7], params)) == list(
+        _engine(random_laneformer_dir, decode=decode).generate(PROMPT[:7], params)
+    )
+
+
+def test_drafts_are_the_draft_models_greedy_continuation(random_laneformer_dir, other_dir):
+    """The drafter's proposals equal the draft model's own greedy tokens, also after the
+    sequence left them (a rejected draft) and came back through the cache's common prefix."""
+    draft = _engine(other_dir)
+    ref = _engine(other_dir)
+    drafter = DraftModelDrafter(draft, PROMPT)
+    want = list(ref.generate(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)))
+    assert drafter.propose(6) == want
+    drafter.extend([want[0], (want[1] + 1) % 97])  # the target kept one, then chose another
+    seq = [*PROMPT, want[0], (want[1] + 1) % 97]
+    again = list(ref.generate(seq, SamplingParams(max_tokens=3, ignore_eos=True)))
+    assert drafter.propose(3) == again
+
+
+def test_sampling_follows_the_model_distribution(random_laneformer_dir, other_dir):
+    """The 2nd generated token (from a verify step with the other model's draft) over many
+    seeds against its exact marginal under the plain sampler's filter (chi-square, p = 0.001)."""
+    eng = _engine(random_laneformer_dir, decode="eager", speculative=draft_config(other_dir, 2))
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=5, ignore_eos=True)
+    _, expected = second_token_marginal(eng.model, PROMPT, params)
+    counts = torch.zeros(expected.shape[0], dtype=torch.float64)
+    verified = 0
+    for seed in range(300):
+        p = SamplingParams(max_tokens=3, temperature=1.0, top_k=5, ignore_eos=True, seed=seed)
+        counts[list(eng.generate(PROMPT, p))[1]] += 1
+        verified += eng.stats.extra["speculative"]["verify_steps"]
+    assert verified > 270
+    stat, crit = chi_square(counts, expected)
+    assert stat < crit, (stat, crit)
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ('{"method": "draft_model", "num_speculative_tokens": 4}', "needs `model`"),
+        ('{"model": "", "num_speculative_tokens": 4}', "needs `model`"),
+        ('{"model": "x", "num_speculative_tokens": 4, "prompt_lookup_max": 3}',
+         "prompt_lookup_max is prompt lookup's"),
+        ('{"method": "ngram", "model": "x", "num_speculative_tokens": 4}',
+         "needs method 'draft_model'"),
+        ('{"model": "x"}', "num_speculative_tokens is required"),
+    ],
+)  # fmt: skip
+def test_config_errors_name_the_field(text, names):
+    with pytest.raises(ConfigError, match="--speculative-config") as e:
+        SpeculativeConfig.from_json(text)
+    assert names in str(e.value)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(random_laneformer_dir):
+    from expresslane.assets import default_model_dir
+
+    with pytest.raises(ConfigError, match="vocabulary"):
+        _engine(random_laneformer_dir, speculative=draft_config(default_model_dir()))
