@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_speculative import chi_square, second_token_marginal
 
-from expresslane.assets import build_random_model
+from expresslane.assets import build_random_model, default_model_dir
 from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.errors import ConfigError
@@ -107,8 +107,28 @@ def test_config_errors_name_the_field(text, names):
     assert names in str(e.value)
 
 
-def test_a_draft_of_another_vocabulary_is_refused(random_laneformer_dir):
-    from expresslane.assets import default_model_dir
+def test_run_with_a_draft_model_and_its_bad_paths(random_laneformer_dir, other_dir, capsys):
+    """`run --speculative-config '{"model": ...}'`: the plain tokens and the draft's figures in
+    --json; a draft path that is no model, or of another vocabulary, exits 2 naming it."""
+    import json
 
+    from expresslane.__main__ import main
+
+    argv = ["run", str(random_laneformer_dir), "--prompt", "hello", "--max-tokens", "24",
+            "--ignore-eos", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    spec = f'{{"model": "{other_dir}", "num_speculative_tokens": 3}}'
+    assert main([*argv, "--speculative-config", spec]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["token_ids"] == plain["token_ids"] and got["speculative"]["verify_steps"] > 0
+    for bad, words in ((other_dir / "nope", "nope"), (default_model_dir(), "vocabulary")):
+        spec = f'{{"model": "{bad}", "num_speculative_tokens": 3}}'
+        assert main([*argv, "--speculative-config", spec]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_draft_of_another_vocabulary_is_refused(random_laneformer_dir):
     with pytest.raises(ConfigError, match="vocabulary"):
         _engine(random_laneformer_dir, speculative=draft_config(default_model_dir()))

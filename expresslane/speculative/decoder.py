@@ -122,8 +122,9 @@ class SpeculativeDecoder:
         want_lp = params.logprobs is not None
         drafter = self.drafter(prompt_ids, params)
         drafter.extend([first])
-        draft_cost = DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT)
-        backoff = BackOff(draft_cost + getattr(drafter, "cost", 0.0))  # a draft model's own
+        cost = getattr(drafter, "cost", None)  # a draft model's, measured (draft_model.py)
+        backoff = BackOff(DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT) if cost is None
+                          else cost)  # fmt: skip
         vgraph = None
         if pen is None:
             vgraph = self.verify_graph(params, generator, graph is not None and graph.capture)

@@ -13,9 +13,15 @@ copy of every ring.
 The drafts are the draft model's argmax, a deterministic function of the sequence: the
 speculative decoder's acceptance rule (drafting.accept, for a one-hot draft distribution) keeps
 the target's output distribution exactly, and greedy output is plain greedy's, whatever the
-draft model. Only the speed depends on it: how often the target agrees, and what a draft token
-costs (`cost`: the draft's weight bytes over the target's, the share of a decode step one draft
-token streams at batch 1), which the back-off (drafting.BackOff) counts with the verify's.
+draft model. Only the speed depends on it: how often the target agrees, and what a draft
+costs. `measured_cost` times that once, at load, in the target's decode steps: the draft's
+forward of one token plus one more row of the target's verify. The back-off (drafting.BackOff)
+pauses drafting while verifies keep fewer drafts than that costs. Measured, not estimated from
+bytes: on the 2-vCPU VM a verify row cost 0.16 of an fp32 step and 0.48 of a bf16 one (bf16's
+products are bound by their dot products, fp32's by memory), so a Q8_0 draft paid for an fp32
+target (1.5x) and could not for a bf16 one (BENCHMARKS.md). The timing varies a little between
+processes, so a seeded sampled request can take another path of verifies and plain steps in
+another process (the same distribution; greedy output never changes).
 
 Decision: the draft and target must have the same vocabulary size (vLLM's check); a draft with
 another tokenizer of the same size would give drafts that are rarely kept, never a wrong output.
@@ -23,16 +29,14 @@ another tokenizer of the same size would give drafts that are rarely kept, never
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
+from ..config import SamplingParams
 from ..errors import ConfigError
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer (packed weights included): what a step streams."""
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+from ..step.graph import DecodeGraph
 
 
 def load_draft(engine_cls, path: str, target):
@@ -49,8 +53,41 @@ def load_draft(engine_cls, path: str, target):
             f"vocabulary and the model {target.cfg.vocab_size}: they must share a tokenizer"
         )
     draft.prefix.snapshot = None  # module docstring
-    draft.draft_cost = weight_bytes(draft.model) / max(1, weight_bytes(target.model))
+    draft.draft_cost = measured_cost(draft, target, target.speculator.cfg.num_speculative_tokens)
     return draft
+
+
+def measured_cost(draft, target, k: int, repeats: int = 3) -> float:
+    """One draft's cost in the target's decode steps (module docstring), on the paths a request
+    takes: the target's plain step and its verify of k + 1 rows (DecodeGraph, uncaptured), and
+    one token through the draft's prefill after one in its cache; each the best of `repeats`
+    after a warm-up, on a dummy sequence, both caches emptied after."""
+    ids = [1 + i % (target.cfg.vocab_size - 1) for i in range(k + 1)]
+    greedy, dev = SamplingParams(), target.device
+    plain = DecodeGraph(target.step, greedy, width=1, capture=False)
+    verify = DecodeGraph(target.step, greedy, width=k + 1, capture=False)
+
+    def best(run, setup) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            setup()
+            t = time.perf_counter()
+            run()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return min(times[1:])
+
+    with torch.inference_mode():
+        one = best(lambda: (plain.load(torch.tensor(ids[0], device=dev), position=0),
+                            plain.run()), target.cache.reset)  # fmt: skip
+        rows = best(lambda: (verify.load_drafts(ids[0], ids[1:], 0), verify.run()),
+                    target.cache.reset)  # fmt: skip
+        drafting = best(lambda: draft.prefill(ids[:2]),
+                        lambda: (draft.cache.reset(), draft.prefill(ids[:1])))  # fmt: skip
+    target.cache.reset()
+    draft.cache.reset()
+    return max(0.0, rows - one) / (k * one) + drafting / one
 
 
 class DraftModelDrafter:
@@ -62,7 +99,7 @@ class DraftModelDrafter:
     def __init__(self, draft, prompt_ids: Sequence[int]):
         self.draft = draft
         self.seq: list[int] = list(prompt_ids)
-        self.cost = getattr(draft, "draft_cost", 0.0)  # load_draft sets it
+        self.cost = getattr(draft, "draft_cost", None)  # load_draft measures it
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.seq.extend(tokens)
