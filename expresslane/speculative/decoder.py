@@ -47,6 +47,10 @@ from .prediction import drafter_for
 # forward) measured 0.1-0.15. A GPU at batch 1 streams the weights once for all rows.
 DRAFT_COST = {"cpu": 0.15}
 DRAFT_COST_DEFAULT = 0.02
+# A draft model's verify must yield this much more than its cost measured at load: that timing
+# (position 0, each model alone) missed ~15% of the real cost on the VM (a bf16 target whose
+# drafts measured 0.95 of a step ran at 0.89x plain while keeping every draft).
+DRAFT_MODEL_MARGIN = 1.15
 # The drafts of a request's predicted output where the engine has no --speculative-config: a
 # verify of 8 rows, the fused GPU step's most (step/split.py STEP_TOKENS) and the ring headroom
 # every engine's cache has (engine.py).
@@ -123,8 +127,10 @@ class SpeculativeDecoder:
         drafter = self.drafter(prompt_ids, params)
         drafter.extend([first])
         cost = getattr(drafter, "cost", None)  # a draft model's, measured (draft_model.py)
-        backoff = BackOff(DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT) if cost is None
-                          else cost)  # fmt: skip
+        if cost is None:
+            backoff = BackOff(DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT))
+        else:
+            backoff = BackOff(cost, margin=DRAFT_MODEL_MARGIN)
         vgraph = None
         if pen is None:
             vgraph = self.verify_graph(params, generator, graph is not None and graph.capture)

@@ -227,11 +227,12 @@ class BackOff:
     ~0.02), so one that keeps fewer than `draft_cost` * d drafts (none at all, always) yielded
     less than it cost: a miss.
     Consecutive misses pause drafting for 2, 4, 8, ... up to `max_pause` tokens of plain
-    decoding; a verify that pays resets the count.
+    decoding; a verify that pays resets the count. `margin` > 1 asks a verify to yield that
+    many times what it cost (a draft model's cost is measured at load, and underestimated).
     """
 
-    def __init__(self, draft_cost: float = 0.0, max_pause: int = 64):
-        self.draft_cost, self.max_pause = draft_cost, max_pause
+    def __init__(self, draft_cost: float = 0.0, max_pause: int = 64, margin: float = 1.0):
+        self.draft_cost, self.max_pause, self.margin = draft_cost, max_pause, margin
         self.misses = 0
         self.pause = 0  # plain tokens still to go before the next draft
 
@@ -243,7 +244,7 @@ class BackOff:
         self.pause -= tokens
 
     def verified(self, drafted: int, kept: int) -> None:
-        if kept > 0 and kept >= self.draft_cost * drafted:
+        if kept > 0 and kept + 1 >= self.margin * (1 + self.draft_cost * drafted):
             self.misses = 0
             return
         self.misses += 1
