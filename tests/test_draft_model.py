@@ -6,14 +6,18 @@ the field, a draft of another vocabulary too."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from test_speculative import chi_square, second_token_marginal
 
 from expresslane.assets import build_random_model, default_model_dir
-from expresslane.config import SamplingParams
+from expresslane.checkpoint import save_model
+from expresslane.config import ModelConfig, SamplingParams
 from expresslane.engine import Engine
 from expresslane.errors import ConfigError
+from expresslane.model import Laneformer, init_weights
 from expresslane.speculative.draft_model import DraftModelDrafter
 from expresslane.speculative.drafting import SpeculativeConfig
 
@@ -30,9 +34,33 @@ def other_dir(tmp_path_factory):
     return build_random_model(tmp_path_factory.mktemp("other-draft"), seed=7)
 
 
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory, random_laneformer_dir):
+    """A one-layer Llama with the random Laneformer's tokenizer: a draft that costs a fraction
+    of the model's step, as a real draft model does."""
+    cfg = ModelConfig.from_hf_dict(dict(
+        model_type="llama", vocab_size=512, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=1024, bos_token_id=1, eos_token_id=2))  # fmt: skip
+    out = tmp_path_factory.mktemp("small-draft")
+    save_model(init_weights(Laneformer(cfg), seed=3), out)
+    for f in random_laneformer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def _engine(path, **kw) -> Engine:
     return Engine.from_pretrained(str(path), device="cpu", dtype="float32", max_model_len=128,
                                   progress=False, **kw)  # fmt: skip
+
+
+def _speculating(path, draft, k: int = 4, **kw) -> Engine:
+    """An engine with `draft` whose measured cost is set to none: these tests check the
+    arithmetic of every verify, not the back-off (a draft as big as the model never pays)."""
+    eng = _engine(path, speculative=draft_config(draft, k), **kw)
+    eng.speculator.draft.draft_cost = 0.0
+    return eng
 
 
 PROMPT = [1, 12, 40, 7, 99, 3, 18, 5, 61, 22]
@@ -43,12 +71,11 @@ def test_greedy_output_is_plain_greedy_whatever_the_draft(random_laneformer_dir,
                                                           decode):  # fmt: skip
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     want = list(_engine(random_laneformer_dir, decode=decode).generate(PROMPT, params))
-    same = _engine(random_laneformer_dir, decode=decode,
-                   speculative=draft_config(random_laneformer_dir))  # fmt: skip
+    same = _speculating(random_laneformer_dir, random_laneformer_dir, decode=decode)
     assert list(same.generate(PROMPT, params)) == want
     fig = same.stats.extra["speculative"]
     assert fig["verify_steps"] > 0 and fig["accepted_tokens"] == fig["draft_tokens"], fig
-    other = _engine(random_laneformer_dir, decode=decode, speculative=draft_config(other_dir))
+    other = _speculating(random_laneformer_dir, other_dir, decode=decode)
     assert list(other.generate(PROMPT, params)) == want
     fig = other.stats.extra["speculative"]
     assert fig["draft_tokens"] > fig["accepted_tokens"], fig  # rejections happened, and were
@@ -75,7 +102,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(random_laneformer_dir, 
 def test_sampling_follows_the_model_distribution(random_laneformer_dir, other_dir):
     """The 2nd generated token (from a verify step with the other model's draft) over many
     seeds against its exact marginal under the plain sampler's filter (chi-square, p = 0.001)."""
-    eng = _engine(random_laneformer_dir, decode="eager", speculative=draft_config(other_dir, 2))
+    eng = _speculating(random_laneformer_dir, other_dir, 2, decode="eager")
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=5, ignore_eos=True)
     _, expected = second_token_marginal(eng.model, PROMPT, params)
     counts = torch.zeros(expected.shape[0], dtype=torch.float64)
@@ -107,7 +134,21 @@ def test_config_errors_name_the_field(text, names):
     assert names in str(e.value)
 
 
-def test_run_with_a_draft_model_and_its_bad_paths(random_laneformer_dir, other_dir, capsys):
+def test_a_draft_as_costly_as_the_model_leaves_requests_plain(random_laneformer_dir,
+                                                              other_dir, caplog):  # fmt: skip
+    """Measured at load, a draft that costs about a step of the model cannot pay even when
+    every draft is kept: a warning says so, requests decode plain (no verify), same tokens."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="expresslane"):
+        eng = _engine(random_laneformer_dir, speculative=draft_config(other_dir))
+    assert eng.speculator.draft.draft_cost > 0.5 and "decode plain" in caplog.text
+    assert list(eng.generate(PROMPT, params)) == list(
+        _engine(random_laneformer_dir).generate(PROMPT, params)
+    )
+    assert eng.stats.extra["speculative"]["verify_steps"] == 0
+
+
+def test_run_with_a_draft_model_and_its_bad_paths(random_laneformer_dir, small_dir, capsys):
     """`run --speculative-config '{"model": ...}'`: the plain tokens and the draft's figures in
     --json; a draft path that is no model, or of another vocabulary, exits 2 naming it."""
     import json
@@ -118,11 +159,11 @@ def test_run_with_a_draft_model_and_its_bad_paths(random_laneformer_dir, other_d
             "--ignore-eos", "--json"]  # fmt: skip
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    spec = f'{{"model": "{other_dir}", "num_speculative_tokens": 3}}'
+    spec = f'{{"model": "{small_dir}", "num_speculative_tokens": 3}}'
     assert main([*argv, "--speculative-config", spec]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["token_ids"] == plain["token_ids"] and got["speculative"]["verify_steps"] > 0
-    for bad, words in ((other_dir / "nope", "nope"), (default_model_dir(), "vocabulary")):
+    for bad, words in ((small_dir / "nope", "nope"), (default_model_dir(), "vocabulary")):
         spec = f'{{"model": "{bad}", "num_speculative_tokens": 3}}'
         assert main([*argv, "--speculative-config", spec]) == 2
         err = capsys.readouterr().err

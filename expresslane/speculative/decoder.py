@@ -34,7 +34,14 @@ from ..step.graph import DecodeGraph, committed_tokens
 from ..step.protocol import Step
 from ..step.split import STEP_TOKENS, step_rows
 from .draft_model import DraftModelDrafter
-from .drafting import BackOff, NgramDrafter, SpecStats, SpeculativeConfig, accept
+from .drafting import (
+    DRAFT_MODEL_MARGIN,
+    BackOff,
+    NgramDrafter,
+    SpecStats,
+    SpeculativeConfig,
+    accept,
+)
 from .prediction import drafter_for
 
 # What each draft adds to a verify step, in decode steps (BackOff's break-even). On a CPU the
@@ -47,10 +54,7 @@ from .prediction import drafter_for
 # forward) measured 0.1-0.15. A GPU at batch 1 streams the weights once for all rows.
 DRAFT_COST = {"cpu": 0.15}
 DRAFT_COST_DEFAULT = 0.02
-# A draft model's verify must yield this much more than its cost measured at load: that timing
-# (position 0, each model alone) missed ~15% of the real cost on the VM (a bf16 target whose
-# drafts measured 0.95 of a step ran at 0.89x plain while keeping every draft).
-DRAFT_MODEL_MARGIN = 1.15
+
 # The drafts of a request's predicted output where the engine has no --speculative-config: a
 # verify of 8 rows, the fused GPU step's most (step/split.py STEP_TOKENS) and the ring headroom
 # every engine's cache has (engine.py).
@@ -131,6 +135,9 @@ class SpeculativeDecoder:
             backoff = BackOff(DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT))
         else:
             backoff = BackOff(cost, margin=DRAFT_MODEL_MARGIN)
+            k = self.cfg.num_speculative_tokens
+            if k + 1 < DRAFT_MODEL_MARGIN * (1 + cost * k):  # not even a verify that keeps all
+                backoff.pause = budget + 1  # the whole request plain (load_draft warned)
         vgraph = None
         if pen is None:
             vgraph = self.verify_graph(params, generator, graph is not None and graph.capture)

@@ -29,6 +29,7 @@ another tokenizer of the same size would give drafts that are rarely kept, never
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -37,6 +38,9 @@ import torch
 from ..config import SamplingParams
 from ..errors import ConfigError
 from ..step.graph import DecodeGraph
+from .drafting import DRAFT_MODEL_MARGIN
+
+log = logging.getLogger("expresslane")
 
 
 def load_draft(engine_cls, path: str, target):
@@ -53,7 +57,13 @@ def load_draft(engine_cls, path: str, target):
             f"vocabulary and the model {target.cfg.vocab_size}: they must share a tokenizer"
         )
     draft.prefix.snapshot = None  # module docstring
-    draft.draft_cost = measured_cost(draft, target, target.speculator.cfg.num_speculative_tokens)
+    k = target.speculator.cfg.num_speculative_tokens
+    draft.draft_cost = cost = measured_cost(draft, target, k)
+    if k + 1 < DRAFT_MODEL_MARGIN * (1 + cost * k):
+        log.warning("the draft model %s costs %.2f decode steps of the model a draft (measured "
+                    "at load): a verify that keeps all %d drafts would not pay, so requests "
+                    "decode plain; a smaller draft model (or fewer bytes a weight) would",
+                    path, cost, k)  # fmt: skip
     return draft
 
 
