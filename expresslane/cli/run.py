@@ -127,7 +127,7 @@ def add_speculative_argument(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help="speculative decoding, as vLLM spells it: by prompt lookup "
         '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2}\', or a draft model\'s greedy tokens '
+        "\"prompt_lookup_min\": 2}', or a draft model's greedy tokens "
         '\'{"model": "DRAFT", "num_speculative_tokens": 4}\' (same vocabulary)',
     )
 
