@@ -123,7 +123,9 @@ def _methods(routes, scope: dict) -> set[str]:
 
 
 def key_check(svc):
-    """The dependency that guards a route with `svc.api_key` (when the server has one): 401."""
+    """The dependency that guards a route with `svc.api_key` (when the server has one): 401.
+    The key comes as `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>`
+    (Anthropic's)."""
     from fastapi import Depends
     from starlette.requests import Request
 
@@ -131,12 +133,14 @@ def key_check(svc):
         if svc.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" and "x-api-key" in request.headers:  # Anthropic's header
+            scheme, token = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not secrets.compare_digest(
             token.strip().encode(), svc.api_key.encode()
         ):
             challenge = 'Bearer error="invalid_token"' if token.strip() else "Bearer"
             raise Refusal(
-                "Invalid API key: send 'Authorization: Bearer <key>'",
+                "Invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                 401,
                 {"WWW-Authenticate": challenge},
             )

@@ -29,11 +29,13 @@ from ..errors import RequestError, TokenizerError
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from ..tokenizer.bounds import text_bytes
+from . import messages as M
 from . import protocol as P
 from .formats import ChatFormat, CompletionFormat
 from .guards import ServeLimits
 from .jobs import ChoiceSpec
 from .logprobs import TokenIds, TokenText
+from .messages_out import MessageShape
 from .offload import TokenizeOffload
 from .responses import ResponsesRequest, ResponseStore, chat_body, renamed
 from .responses_out import ResponseShape
@@ -298,6 +300,16 @@ class Preparer:
         except RequestError as e:
             raise renamed(e) from None
         return prep, ResponseShape(req, prep.fmt.model, conversation)
+
+    def messages(self, body: bytes, count: bool = False) -> tuple[Prepared, MessageShape]:
+        """An Anthropic Messages request, prepared as the chat request it becomes (messages.py);
+        `count`: /v1/messages/count_tokens, where max_tokens may be left out."""
+        req: M.MessagesRequest = P.parse(M.MessagesRequest, M.counted(body) if count else body)
+        try:
+            prep = self.chat(M.chat_body(req))
+        except RequestError as e:
+            raise M.renamed(e) from None
+        return prep, MessageShape(prep.fmt.model)
 
     def chat_echo(self, req: P.ChatCompletionRequest) -> str:
         """vLLM's chat `echo`: the text of a trailing message of the answer's role (assistant),

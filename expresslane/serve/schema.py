@@ -16,17 +16,24 @@ from typing import Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from . import protocol as P
 from . import unsupported
 from .guards import ServeLimits
+from .messages import MessagesRequest
 from .responses import ResponsesRequest
-
-
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+from .schema_apis import (
+    MessageEvent,
+    MessageObject,
+    PromptTokensDetails,
+    ResponseDeleted,
+    ResponseEvent,
+    ResponseObject,
+    Timings,
+    TokenCount,
+    _Open,
+)
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -44,10 +51,6 @@ class ErrorResponse(_Open):
 
 
 # --- shared pieces ----------------------------------------------------------------------------
-class PromptTokensDetails(_Open):
-    cached_tokens: int  # prompt tokens the KV cache already held: reused, not prefilled
-
-
 class CompletionTokensDetails(_Open):
     """With a `prediction` (OpenAI's Predicted Outputs): its drafts the model kept, and not."""
 
@@ -61,20 +64,6 @@ class Usage(_Open):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
-
-
-class Timings(_Open):
-    """Per-request figures (milliseconds, tokens/s); OpenAI clients ignore the key."""
-
-    queue_ms: float | None
-    ttft_ms: float | None
-    prompt_tokens: int
-    cached_tokens: int | None = None
-    prefill_tokens_per_s: float | None
-    completion_tokens: int
-    decode_ms: float
-    decode_tokens_per_s: float | None
-    e2e_ms: float | None
 
 
 FinishReason = Literal["stop", "length", "abort"] | None
@@ -197,48 +186,6 @@ class ChatCompletionChunk(_Open):
     timings: Timings | None = None
 
 
-# --- the Responses API (responses.py, responses_out.py) ---------------------------------------
-class ResponseUsage(_Open):
-    input_tokens: int
-    input_tokens_details: PromptTokensDetails
-    output_tokens: int
-    total_tokens: int
-
-
-class ResponseItem(_Open):
-    """A `message` (`content`: an `output_text`) or a `function_call` (`name`, `arguments`)."""
-
-    type: Literal["message", "function_call"]
-    id: str
-    status: Literal["in_progress", "completed", "incomplete"]
-
-
-class ResponseObject(_Open):
-    id: str
-    object: Literal["response"]
-    created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
-    model: str
-    output: list[ResponseItem]
-    usage: ResponseUsage | None
-    incomplete_details: dict | None
-    previous_response_id: str | None
-    timings: Timings | None = None
-
-
-class ResponseEvent(_Open):
-    """A streamed event (`event: <type>`, this as `data`): responses_out.py lists them."""
-
-    type: str
-    sequence_number: int
-
-
-class ResponseDeleted(_Open):
-    id: str
-    object: Literal["response"]
-    deleted: Literal[True]
-
-
 # --- the other routes -------------------------------------------------------------------------
 class ModelCard(_Open):
     id: str
@@ -298,6 +245,10 @@ ROUTES: dict[str, tuple] = {
                   ResponseObject, ResponseEvent, (400, 401, 404, 413, 415, 503)),
     "response": ("A stored response", None, ResponseObject, None, (401, 404)),
     "response_deleted": ("Forget a stored response", None, ResponseDeleted, None, (401, 404)),
+    "messages": ("Answer a conversation (Anthropic's Messages API)", MessagesRequest,
+                 MessageObject, MessageEvent, (400, 401, 404, 413, 415, 503)),
+    "count_tokens": ("Count a Messages request's input tokens", MessagesRequest, TokenCount,
+                     None, (400, 401, 404, 413, 415, 503)),
     "tokenize": ("Text or messages to token ids (vLLM's /tokenize)", P.TokenizeRequest,
                  TokenizeResponse, None, (400, 401, 413, 415, 503)),
     "detokenize": ("Token ids to text", P.DetokenizeRequest, DetokenizeResponse, None,
@@ -384,7 +335,12 @@ def install_openapi(app: FastAPI, limits: ServeLimits, names: list[str] | None =
             found = schema.setdefault("components", {}).setdefault("schemas", {})
             for key, value in defs.get("$defs", {}).items():
                 found.setdefault(key, value)
-            for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
+            for name in (
+                "CompletionRequest",
+                "ChatCompletionRequest",
+                "ResponsesRequest",
+                "MessagesRequest",
+            ):
                 if "n" in found[name]["properties"]:
                     found[name]["properties"]["n"]["maximum"] = limits.max_n
                 if names:

@@ -49,7 +49,7 @@ from .metrics import Metrics
 from .prepare import Preparer
 from .responses import ResponseStore
 from .schema import install_openapi, route_docs
-from .streams import chat_stream, response_stream, sse_response
+from .streams import chat_stream, message_stream, response_stream, sse_response
 from .worker import Worker
 
 log = logging.getLogger("expresslane.serve")
@@ -301,6 +301,25 @@ def _v1_routes(svc: Service) -> APIRouter:
         usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens)
         chat = partial(prep.fmt.response, accs, usage, job.timings.as_dict())
         return await s.reply(lambda: done(shape.response(chat())))
+
+    @r.post("/messages", **route_docs("messages"))
+    async def messages(request: Request):
+        s = svc.ready()
+        prep, shape = await s.prepare(request, s.preparer.messages)
+        job = s.submit(prep.specs, prep.priority)
+        if prep.stream:
+            return sse_response(message_stream(job, request, prep, shape))
+        accs = await collect(job, request.receive)
+        n = sum(a.count for a in accs.values())
+        usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens)
+        chat = partial(prep.fmt.response, accs, usage, job.timings.as_dict())
+        return await s.reply(lambda: shape.message(chat()))
+
+    @r.post("/messages/count_tokens", **route_docs("count_tokens"))
+    async def count_tokens(request: Request):
+        s = svc.ready()
+        prep, _ = await s.prepare(request, partial(s.preparer.messages, count=True))
+        return {"input_tokens": prep.prompt_tokens}
 
     @_get(r, "/responses/{response_id}", **route_docs("response"))
     async def stored_response(response_id: str):

@@ -1,5 +1,6 @@
-"""Server-sent event streams: chat and completion chunks ending in `data: [DONE]`, and the
-Responses API's typed events (responses_out.py).
+"""Server-sent event streams: chat and completion chunks ending in `data: [DONE]`, and the typed
+events of OpenAI's Responses API (responses_out.py) and Anthropic's Messages API
+(messages_out.py).
 
 Both relay a job's event batches as they come, under `cancel_on_disconnect` (a client that
 leaves cancels its job), and turn a failure into an error event rather than a cut stream.
@@ -15,6 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from . import protocol as P
 from .jobs import Job, cancel_on_disconnect, coalesce
+from .messages_out import MessageEvents, MessageShape
 from .prepare import Prepared
 from .responses_out import ResponseEvents, ResponseShape
 
@@ -103,6 +105,31 @@ async def response_stream(
         final, frames = events.finish_events(usage, job.timings.as_dict())
         done(final)
         for frame in frames:
+            yield frame
+    except Exception as e:  # a bug while streaming: tell the client, keep the server up
+        log.exception("stream failed")
+        yield events.error(P.error_of(e))
+
+
+async def message_stream(job: Job, request: Request, prep: Prepared, shape: MessageShape
+                         ) -> AsyncIterator[str]:  # fmt: skip
+    """Anthropic's Messages events for one job (messages_out.py)."""
+    events = MessageEvents(shape, prep.prompt_tokens)
+    generated = 0
+    try:
+        async with cancel_on_disconnect(job, request.receive):
+            for frame in events.start():
+                yield frame
+            while (batch := await job.next_batch()) is not None:
+                for ev in coalesce(batch):
+                    if ev.kind == "error":
+                        yield events.error(P.error_of(ev.error))
+                        return
+                    generated += ev.count
+                    choice = prep.fmt.chunk(ev)
+                    for frame in events.chunk(choice) if choice is not None else ():
+                        yield frame
+        for frame in events.finish_events({"completion_tokens": generated}):
             yield frame
     except Exception as e:  # a bug while streaming: tell the client, keep the server up
         log.exception("stream failed")

@@ -1,0 +1,141 @@
+"""Anthropic's Messages API out: a chat answer as a `message`, and its stream of events.
+
+`content` holds a `text` block (absent when the answer is only tool calls) and one `tool_use`
+block per call (`input`: the call's arguments as an object). `stop_reason`: `end_turn`,
+`max_tokens`, `stop_sequence` (with the `stop_sequence` that matched) or `tool_use`. Usage:
+`input_tokens`, `output_tokens`, and `cache_read_input_tokens` for the prompt tokens the KV
+cache already held (prefix reuse; `cache_creation_input_tokens` is 0: nothing is billed here).
+
+A stream is Anthropic's events (`event: <type>`, `data: <json>`): `message_start`, then per block
+`content_block_start`, its deltas (`text_delta`; a tool call's arguments as one
+`input_json_delta`, since the chat path parses calls when the answer ends) and
+`content_block_stop`, then `message_delta` (stop reason, output tokens) and `message_stop`. A
+failure is an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+
+def _usage(chat_usage: dict) -> dict:
+    cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"], "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": chat_usage["completion_tokens"]}  # fmt: skip
+
+
+def _stop(finish: str | None, stop_reason, calls: bool) -> tuple[str, str | None]:
+    """(Anthropic's stop_reason, the stop sequence that matched) of chat's finish."""
+    if calls:
+        return "tool_use", None
+    if finish == "length":
+        return "max_tokens", None
+    if isinstance(stop_reason, str):  # vLLM's stop_reason: the stop string that matched
+        return "stop_sequence", stop_reason
+    return "end_turn", None
+
+
+def _tool_use(call: dict) -> dict:
+    try:
+        args = json.loads(call["function"]["arguments"] or "{}")
+    except json.JSONDecodeError:  # an `auto` call whose arguments do not parse: kept as text
+        args = {"arguments": call["function"]["arguments"]}
+    if not isinstance(args, dict):
+        args = {"value": args}
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": args}
+
+
+class MessageShape:
+    """One request's answer in the Messages shape."""
+
+    def __init__(self, model: str):
+        self.model, self.id = model, f"msg_{uuid.uuid4().hex}"
+
+    def envelope(self, content: list, stop: tuple, usage: dict) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
+                "usage": usage}  # fmt: skip
+
+    @staticmethod
+    def content(text: str, calls: list[dict]) -> list[dict]:
+        blocks = [_tool_use(c) for c in calls]
+        if text or not calls:
+            blocks.insert(0, {"type": "text", "text": text})
+        return blocks
+
+    def message(self, chat: dict) -> dict:
+        """The `message` of a chat completion (formats.ChatFormat.response)."""
+        choice = chat["choices"][0]
+        msg, calls = choice["message"], choice["message"].get("tool_calls") or []
+        stop = _stop(choice["finish_reason"], choice.get("stop_reason"), bool(calls))
+        out = self.envelope(self.content(msg.get("content") or "", calls), stop,
+                            _usage(chat["usage"]))  # fmt: skip
+        if chat.get("timings") is not None:
+            out["timings"] = chat["timings"]  # an extra key, as on chat
+        return out
+
+
+class MessageEvents:
+    """The event stream of one message (module docstring), fed chat stream chunks."""
+
+    def __init__(self, shape: MessageShape, prompt_tokens: int):
+        self.shape, self.prompt_tokens = shape, prompt_tokens
+        self.text_open = False
+        self.calls: list[dict] = []
+        self.finish, self.stop_reason = None, None
+
+    @staticmethod
+    def event(kind: str, **fields) -> str:
+        return (
+            f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+        )
+
+    def start(self) -> list[str]:
+        usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+        msg = self.shape.envelope([], (None, None), usage)
+        return [self.event("message_start", message=msg)]
+
+    def chunk(self, choice: dict) -> list[str]:
+        out, delta = [], choice.get("delta") or {}
+        text = delta.get("content") or ""
+        if text:
+            if not self.text_open:
+                self.text_open = True
+                out.append(self.event("content_block_start", index=0,
+                                      content_block={"type": "text", "text": ""}))  # fmt: skip
+            out.append(self.event("content_block_delta", index=0,
+                                  delta={"type": "text_delta", "text": text}))  # fmt: skip
+        self.calls += delta.get("tool_calls") or []
+        if choice.get("finish_reason") is not None:
+            self.finish, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        return out
+
+    def finish_events(self, chat_usage: dict) -> list[str]:
+        out, at = [], 0
+        if self.text_open or not self.calls:
+            if not self.text_open:
+                out.append(self.event("content_block_start", index=0,
+                                      content_block={"type": "text", "text": ""}))  # fmt: skip
+            out.append(self.event("content_block_stop", index=0))
+            at = 1
+        for j, call in enumerate(self.calls, start=at):
+            block = _tool_use(call)
+            out += [
+                self.event("content_block_start", index=j,
+                           content_block={**block, "input": {}}),
+                self.event("content_block_delta", index=j,
+                           delta={"type": "input_json_delta",
+                                  "partial_json": json.dumps(block["input"])}),
+                self.event("content_block_stop", index=j),
+            ]  # fmt: skip
+        stop = _stop(self.finish, self.stop_reason, bool(self.calls))
+        delta = {"stop_reason": stop[0], "stop_sequence": stop[1]}
+        usage = {"output_tokens": chat_usage["completion_tokens"]}
+        return [*out, self.event("message_delta", delta=delta, usage=usage),
+                self.event("message_stop")]  # fmt: skip
+
+    def error(self, body: dict) -> str:
+        e = body["error"]
+        return self.event("error", error={"type": e.get("type"), "message": e["message"]})
