@@ -91,13 +91,16 @@ def test_threads_split_rows_and_change_nothing():
 
 
 @pytest.mark.parametrize(
-    "fmt, head_dim",
-    [pytest.param(f, 16, marks=needs[f]) for f in ALL]
-    + [pytest.param(f, hd, marks=needs[f]) for f in ("float32", "int8") for hd in (64, 128)],
-)
-def test_c_layers_equal_the_python_layers(fmt, head_dim):
+    "fmt, head_dim, family",
+    [pytest.param(f, 16, "mistral", marks=needs[f]) for f in ALL]
+    + [pytest.param(f, hd, "mistral", marks=needs[f]) for f in ("float32", "int8")
+       for hd in (64, 128)]
+    + [pytest.param(f, 16, "qwen3", marks=needs[f]) for f in ("float32", "q8_0")],
+)  # fmt: skip
+def test_c_layers_equal_the_python_layers(fmt, head_dim, family):
     """NativeStep (one C call per layer) against the same packed weights run by the Python
-    layer (packed.layer), token by token over a ring that wraps: logits and the cache."""
+    layer (packed.layer), token by token over a ring that wraps: logits and the cache. qwen3:
+    each query and key head's RMSNorm before RoPE (no ring)."""
     from test_packed_step import PROMPT, llama
 
     from expresslane.cache import KVCache
@@ -105,9 +108,10 @@ def test_c_layers_equal_the_python_layers(fmt, head_dim):
     from expresslane.weights.packing import pack_model
 
     heads = {16: 4, 64: 2, 128: 2}[head_dim]  # head_dim 64 and 128 have their own paths in C
-    model = llama(seed=11, model_type="mistral", sliding_window=6, num_hidden_layers=3,
-                  hidden_size=heads * head_dim, num_attention_heads=heads,
-                  num_key_value_heads={4: 2, 2: 1}[heads], intermediate_size=96)  # fmt: skip
+    ring = {"sliding_window": 6} if family == "mistral" else {}
+    model = llama(seed=11, model_type=family, num_hidden_layers=3, hidden_size=heads * head_dim,
+                  num_attention_heads=heads, num_key_value_heads={4: 2, 2: 1}[heads],
+                  intermediate_size=96, **ring)  # fmt: skip
     pack_model(model, fmt)
     out = {}
     for native in (True, False):

@@ -65,25 +65,6 @@ def test_packed_step_equals_the_forward_on_the_same_weights(name, fmt):
     torch.testing.assert_close(steps, full, rtol=1e-4, atol=tol)
 
 
-@pytest.mark.parametrize("name", ["qwen3-qk-norm", "qwen2-bias"])
-def test_python_layer_and_c_layers_agree_on_verify_chunks(name):
-    """The same step through the Python layer (products row by row) and the C layers: a prompt,
-    then chunks of 3 and 5 tokens (a verify's S), each row within fp32's summation order."""
-    model = MODELS[name]()
-    pack_model(model, "float32")
-    out = []
-    for native in (False, True):
-        cache = KVCache(model.cfg, max_len=32)
-        cache.static = True
-        dec = PackedDecoder(model, cache, native=native)
-        assert (dec.step is not None) == native
-        with torch.no_grad():
-            rows = [dec.forward(torch.tensor(PROMPT[a:b]), torch.tensor([a]))
-                    for a, b in ((0, 1), (1, 4), (4, 9))]  # fmt: skip
-        out.append(torch.cat(rows))
-    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
-
-
 def test_same_dtype_packing_changes_no_value_and_shares_storage():
     model = tiny.laneformer(seed=3)
     before = copy.deepcopy(model)

@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..gguf.quants import raw_to_float
 from ..gguf.reader import read_header
 from ..gguf.tensors import unpermute_rows
-from ..gguf.variants import FTYPES, STEM, atomic_write, ensure, quantize_file
+from ..gguf.variants import FTYPES, STEM, atomic_write, ensure, print_made, quantize_file
 
 SKIPPED = ("general.architecture", "general.file_type", "general.alignment")
 
@@ -85,13 +85,7 @@ def make(type_name: str) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        for t in ["F32", *argv]:
-            print(make(t))
-    except CheckpointError as e:
-        print(f"expresslane: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return print_made(make, ["F32", *argv])
 
 
 if __name__ == "__main__":

@@ -252,15 +252,19 @@ class atomic_write:
             self.tmp.unlink(missing_ok=True)
 
 
-def main(argv: list[str]) -> int:
-    wanted = argv or ["F32", *TYPES]
+def print_made(make, names: list[str]) -> int:
+    """`make(name)` for each name, its path printed; exit status 2 with one line on an error."""
     try:
-        for t in wanted:
-            print(ensure(t))
+        for t in names:
+            print(make(t))
     except CheckpointError as e:
         print(f"expresslane: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return print_made(ensure, argv or ["F32", *TYPES])
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pydantic import Field
 
 from ..errors import RequestError
 from . import protocol as P
+from .responses import renamed as rename_param
 
 PASSED = ("seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "min_tokens", "ignore_eos", "chat_template_kwargs", "priority")  # fmt: skip
@@ -189,12 +190,7 @@ def to_chat(req: MessagesRequest) -> dict:
 
 def renamed(e: RequestError) -> RequestError:
     """A chat error under the Messages request's parameter name."""
-    param = getattr(e, "param", None) or ""
-    head = param.split(".")[0]
-    if head not in PARAMS or PARAMS[head] == head:
-        return e
-    new = PARAMS[head] + param[len(head) :]
-    return RequestError(str(e).replace(param, new, 1), param=new, status_code=e.status_code)
+    return rename_param(e, PARAMS)
 
 
 def chat_body(req: MessagesRequest) -> bytes:

@@ -219,14 +219,15 @@ def to_chat(req: ResponsesRequest, conversation: list[dict]) -> dict:
     return body
 
 
-def renamed(e: RequestError) -> RequestError:
-    """A chat error as the Responses request's: its parameter by the name the client sent
-    (`response_format.json_schema` -> `text.format.json_schema`)."""
+def renamed(e: RequestError, params: dict[str, str] = PARAMS) -> RequestError:
+    """A chat error as the request's own API names it: its parameter by the name the client
+    sent (`response_format.json_schema` -> `text.format.json_schema`); `params` maps chat's
+    top-level names to the API's."""
     param = getattr(e, "param", None) or ""
     head = param.split(".")[0]
-    if head not in PARAMS:
+    if head not in params or params[head] == head:
         return e
-    new = PARAMS[head] + param[len(head) :]
+    new = params[head] + param[len(head) :]
     return RequestError(str(e).replace(param, new, 1), param=new, status_code=e.status_code)
 
 

@@ -81,40 +81,40 @@ async def chat_stream(
     yield P.sse("[DONE]")
 
 
-async def response_stream(
+def response_stream(
     job: Job, request: Request, prep: Prepared, shape: ResponseShape, done: Callable[[dict], None]
 ) -> AsyncIterator[str]:
     """The Responses API's events for one job (responses_out.py); `done(response)` gets the
     whole response once it completed (to store it). No `[DONE]`: OpenAI sends none here."""
     events = ResponseEvents(shape)
-    generated = 0
-    try:
-        async with cancel_on_disconnect(job, request.receive):
-            for frame in events.start():
-                yield frame
-            while (batch := await job.next_batch()) is not None:
-                for ev in coalesce(batch):
-                    if ev.kind == "error":
-                        yield events.error(P.error_of(ev.error))
-                        return
-                    generated += ev.count
-                    choice = prep.fmt.chunk(ev)
-                    for frame in events.chunk(choice) if choice is not None else ():
-                        yield frame
+
+    def finish(generated: int) -> list[str]:
         usage = P.usage(prep.prompt_tokens, generated, job.timings.cached_tokens)
         final, frames = events.finish_events(usage, job.timings.as_dict())
         done(final)
-        for frame in frames:
-            yield frame
-    except Exception as e:  # a bug while streaming: tell the client, keep the server up
-        log.exception("stream failed")
-        yield events.error(P.error_of(e))
+        return frames
+
+    return typed_stream(job, request, prep, events, finish)
 
 
-async def message_stream(job: Job, request: Request, prep: Prepared, shape: MessageShape
-                         ) -> AsyncIterator[str]:  # fmt: skip
+def message_stream(job: Job, request: Request, prep: Prepared, shape: MessageShape
+                   ) -> AsyncIterator[str]:  # fmt: skip
     """Anthropic's Messages events for one job (messages_out.py)."""
     events = MessageEvents(shape, prep.prompt_tokens)
+    return typed_stream(
+        job,
+        request,
+        prep,
+        events,
+        lambda generated: events.finish_events({"completion_tokens": generated}),
+    )
+
+
+async def typed_stream(job: Job, request: Request, prep: Prepared, events,
+                       finish: Callable[[int], list[str]]) -> AsyncIterator[str]:  # fmt: skip
+    """A job's chat chunks (prep.fmt) as an API's typed events: `events` (ResponseEvents or
+    MessageEvents) gives the opening frames, a chunk's frames and an error's; `finish(tokens
+    generated)` the closing ones."""
     generated = 0
     try:
         async with cancel_on_disconnect(job, request.receive):
@@ -129,7 +129,7 @@ async def message_stream(job: Job, request: Request, prep: Prepared, shape: Mess
                     choice = prep.fmt.chunk(ev)
                     for frame in events.chunk(choice) if choice is not None else ():
                         yield frame
-        for frame in events.finish_events({"completion_tokens": generated}):
+        for frame in finish(generated):
             yield frame
     except Exception as e:  # a bug while streaming: tell the client, keep the server up
         log.exception("stream failed")

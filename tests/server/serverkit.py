@@ -8,8 +8,11 @@ server is idle.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
+import torch
 
 from expresslane.config import SamplingParams
 from expresslane.serve.metrics import parse_metrics
@@ -50,3 +53,26 @@ def wait_idle(s, timeout: float = 5.0) -> float:
             return time.monotonic() - t0
         time.sleep(0.02)
     raise AssertionError("the engine did not become idle")
+
+
+@contextmanager
+def embedded_server(api_key: str | None = None) -> Iterator[str]:
+    """The embedded model (a context of 1024, for tool prompts) behind a real uvicorn, one
+    intra-op thread; its base URL. Models bigger than the tiny random one for structured output
+    and tool calls (test_server_structured.py, _responses.py, _messages.py)."""
+    from expresslane.assets import default_model_dir
+    from expresslane.cli.serve import serving
+    from expresslane.engine import Engine
+    from expresslane.serve import create_app
+    from expresslane.tokenizer import Tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = default_model_dir()
+    engine = Engine.from_pretrained(str(path), device="cpu", dtype="float32", progress=False)
+    app = create_app(engine, Tokenizer.from_dir(path), served_model_name=NAME, api_key=api_key)
+    try:
+        with serving(app) as url:
+            yield url
+    finally:
+        torch.set_num_threads(threads)

@@ -16,15 +16,8 @@ from typing import Literal
 import httpx
 import openai
 import pytest
-import torch
 from pydantic import BaseModel, Field
-from serverkit import NAME
-
-from expresslane.assets import default_model_dir
-from expresslane.cli.serve import serving
-from expresslane.engine import Engine
-from expresslane.serve import create_app
-from expresslane.tokenizer import Tokenizer
+from serverkit import NAME, embedded_server
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {
@@ -35,15 +28,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 @pytest.fixture(scope="module")
 def embedded():
     """The embedded model (a context of 1024, for the tool prompt) behind a real uvicorn."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = default_model_dir()
-    engine = Engine.from_pretrained(str(path), device="cpu", dtype="float32", progress=False)
-    app = create_app(engine, Tokenizer.from_dir(path), served_model_name=NAME)
-    with serving(app) as url:
+    with embedded_server() as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=60)
         yield SimpleNamespace(url=url, client=client)
-    torch.set_num_threads(threads)
 
 
 class Point(BaseModel):  # bounded: a random model would write digits forever

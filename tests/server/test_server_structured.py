@@ -22,15 +22,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 from pydantic import BaseModel, Field
-from serverkit import NAME, post
-
-from expresslane.assets import default_model_dir
-from expresslane.cli.serve import serving
-from expresslane.engine import Engine
-from expresslane.serve import create_app
-from expresslane.tokenizer import Tokenizer
+from serverkit import NAME, embedded_server, post
 
 WEATHER = {
     "type": "function",
@@ -57,15 +50,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server():
     """The embedded model behind a real uvicorn (a context of 1024 for the tool prompts)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    path = default_model_dir()
-    engine = Engine.from_pretrained(str(path), device="cpu", dtype="float32", progress=False)
-    app = create_app(engine, Tokenizer.from_dir(path), served_model_name=NAME)
-    with serving(app) as url:
+    with embedded_server() as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=60)
         yield SimpleNamespace(url=url, client=client)
-    torch.set_num_threads(threads)
 
 
 class Point(BaseModel):  # bounded: the random model would write digits and letters forever
