@@ -110,7 +110,7 @@ LAYERS = [
     ("textgen",),
     ("parallel",),
     ("engine", "structured.decoding"),
-    ("speculative.decoder",),
+    ("speculative.decoder", "speculative.draft_model"),
     ("step.choose", "step.captures"),
     ("step.graph", "step.split"),
     ("step.packed", "step.prefill"),
