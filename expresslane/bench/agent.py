@@ -14,10 +14,11 @@ process instead (TTFT from the request's start in the engine), where `--no-ring-
 measures what the rings' snapshot (prefix.py) brings.
 
     python -m expresslane.bench.agent MODEL [--turns 10] [--target-tokens 3000] [--engine]
-                                         [--api responses]
+                                         [--api responses|messages]
 
 `--api responses` sends the reusing server's turns through OpenAI's Responses API, each with
-only its new messages and the last answer's `previous_response_id`.
+only its new messages and the last answer's `previous_response_id`; `--api messages` through
+Anthropic's Messages API, the whole conversation each time.
 
 Prints one table, then one JSON line.
 """
@@ -180,6 +181,24 @@ def responses_sender(url: str) -> Send:
     return send
 
 
+def messages_sender(url: str) -> Send:
+    """Greedy turns through Anthropic's Messages API, as Claude Code sends them: the whole
+    conversation every turn (the API keeps nothing), `system` apart."""
+
+    def send(messages: list[dict], max_tokens: int) -> dict:
+        system = "".join(m["content"] for m in messages if m["role"] == "system")
+        turns = [m for m in messages if m["role"] != "system"]
+        body = dict(model="agent", system=system, messages=turns, max_tokens=max_tokens,
+                    temperature=0)  # fmt: skip
+        out = _post(url + "/v1/messages", body)
+        usage = out["usage"]
+        return {"text": "".join(b["text"] for b in out["content"] if b["type"] == "text"),
+                "ttft_ms": out["timings"]["ttft_ms"], "prompt_tokens": usage["input_tokens"],
+                "cached_tokens": usage["cache_read_input_tokens"]}  # fmt: skip
+
+    return send
+
+
 def engine_sender(engine: Engine, tok: Tokenizer) -> Send:
     """The same request straight to an Engine: TTFT from the request's start in the engine."""
 
@@ -280,9 +299,11 @@ def run(args: argparse.Namespace) -> dict:
                        ring_snapshot=not args.no_ring_snapshot)  # fmt: skip
         else:
             urls = {r: start_server(stack, path, r, args) for r in (True, False)}
-            # --api responses: the reusing server gets the Responses API's turns (only the new
-            # messages each time), the other whole chat histories
-            hot = responses_sender if args.api == "responses" else http_sender
+            # --api responses / messages: the reusing server gets that API's turns (the Responses
+            # API only the new messages each time), the other whole chat histories
+            hot = {"responses": responses_sender, "messages": messages_sender}.get(
+                args.api, http_sender
+            )
             send = {r: (hot if r else http_sender)(u) for r, u in urls.items()}
             out["api"] = args.api
             with urllib.request.urlopen(urls[True] + "/v1/models", timeout=60) as r:
@@ -320,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.turns < 1 or args.answer_tokens < 1 or args.target_tokens < 1:
         print("error: --turns, --answer-tokens and --target-tokens must be >= 1", file=sys.stderr)
         return 2
-    if args.api == "responses" and args.engine:
-        print("error: --api responses needs the servers (not --engine)", file=sys.stderr)
+    if args.api != "chat" and args.engine:
+        print(f"error: --api {args.api} needs the servers (not --engine)", file=sys.stderr)
         return 2
     if args.no_ring_snapshot and not args.engine:
         print("error: --no-ring-snapshot needs --engine (a server has no such knob)",

@@ -84,15 +84,22 @@ def test_echo_scores_the_prompt_afresh(server):
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 def test_agent_bench_conversation_reuses_every_turn(random_laneformer_dir, api):
     """The agent benchmark's conversation, small: a reusing server against a cold engine. They
     answer alike, and the server holds at least the previous prompt at every turn (less its
     last token, which may merge with the answer when re-tokenized). Through the Responses API
-    each turn sends only its new message, with previous_response_id."""
+    each turn sends only its new message, with previous_response_id; through Anthropic's
+    Messages API the whole conversation, `system` apart."""
     from types import SimpleNamespace
 
-    from expresslane.bench.agent import converse, engine_sender, http_sender, responses_sender
+    from expresslane.bench.agent import (
+        converse,
+        engine_sender,
+        http_sender,
+        messages_sender,
+        responses_sender,
+    )
     from expresslane.cli.serve import serving
     from expresslane.serve import create_app
 
@@ -101,7 +108,8 @@ def test_agent_bench_conversation_reuses_every_turn(random_laneformer_dir, api):
     args = SimpleNamespace(turns=3, target_tokens=600, answer_tokens=3)
     cold = engine_sender(Engine(model, 1024, prefix_reuse=False), tok)
     with serving(create_app(Engine(model, 1024), tok, served_model_name="agent")) as url:
-        hot = (responses_sender if api == "responses" else http_sender)(url)
+        senders = {"responses": responses_sender, "messages": messages_sender}
+        hot = senders.get(api, http_sender)(url)
         rows = converse({True: hot, False: cold}, tok, args)
     assert [r["turn"] for r in rows] == [1, 2, 3] and all(r["same_answer"] for r in rows)
     for prev, r in zip(rows, rows[1:], strict=False):
