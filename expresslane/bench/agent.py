@@ -331,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="drive two Engines in this process instead of two servers")  # fmt: skip
     p.add_argument(
         "--api",
-        choices=("chat", "responses"),
+        choices=("chat", "responses", "messages"),
         default="chat",
-        help="the reusing server's API (responses: previous_response_id turns)",
+        help="the reusing server's API (responses: previous_response_id turns; messages: "
+        "Anthropic's, the whole conversation every turn)",
     )
     p.add_argument("--no-ring-snapshot", action="store_true",
                    help="with --engine: the reusing engine keeps no ring snapshot")  # fmt: skip
