@@ -46,6 +46,7 @@ fi
 GPU_TESTS=(tests/test_graph.py tests/test_parallel.py tests/test_prefix.py tests/test_speculative.py
            tests/test_capture_safe.py tests/test_prefill.py tests/test_prefill_norm.py tests/test_split.py
            tests/test_penalties.py tests/test_prediction.py tests/test_lora.py
+           tests/test_draft_model.py
            tests/test_persistent.py tests/test_qgemv.py tests/test_kernels.py tests/test_kernels_tokens.py)
 
 # stage_command NAME: sets LIMIT (seconds) and CMD (the command line) for a stage.

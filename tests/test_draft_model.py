@@ -193,3 +193,23 @@ def test_run_with_a_draft_model_and_its_bad_paths(random_laneformer_dir, small_d
 def test_a_draft_of_another_vocabulary_is_refused(random_laneformer_dir):
     with pytest.raises(ConfigError, match="vocabulary"):
         _engine(random_laneformer_dir, speculative=draft_config(default_model_dir()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_draft_model_is_plain_greedy(random_laneformer_dir, other_dir):
+    """On a GPU: the target's captured steps, the draft uncaptured in its own engine; greedy
+    output equals plain greedy decoding of the same engine's step, the model as its own draft
+    keeps every draft, another model's drafts are cut where rejected."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=128, progress=False)
+    want = list(Engine.from_pretrained(str(random_laneformer_dir), **kw).generate(PROMPT, params))
+    for draft in (random_laneformer_dir, other_dir):
+        eng = Engine.from_pretrained(str(random_laneformer_dir), speculative=draft_config(draft),
+                                     **kw)  # fmt: skip
+        eng.speculator.draft.draft_cost = 0.0  # the arithmetic, not the back-off
+        assert list(eng.generate(PROMPT, params)) == want
+        fig = eng.stats.extra["speculative"]
+        assert fig["verify_steps"] > 0, fig
+        if draft == random_laneformer_dir:
+            assert fig["accepted_tokens"] == fig["draft_tokens"], fig
