@@ -18,7 +18,7 @@ from expresslane.config import ModelConfig, SamplingParams
 from expresslane.engine import Engine
 from expresslane.errors import ConfigError
 from expresslane.model import Laneformer, init_weights
-from expresslane.speculative.draft_model import DraftModelDrafter
+from expresslane.speculative.draft_model import Draft, DraftModelDrafter
 from expresslane.speculative.drafting import SpeculativeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models
@@ -59,7 +59,7 @@ def _speculating(path, draft, k: int = 4, **kw) -> Engine:
     """An engine with `draft` whose measured cost is set to none: these tests check the
     arithmetic of every verify, not the back-off (a draft as big as the model never pays)."""
     eng = _engine(path, speculative=draft_config(draft, k), **kw)
-    eng.speculator.draft.draft_cost = 0.0
+    eng.speculator.draft.cost = 0.0
     return eng
 
 
@@ -88,9 +88,8 @@ def test_greedy_output_is_plain_greedy_whatever_the_draft(random_laneformer_dir,
 def test_drafts_are_the_draft_models_greedy_continuation(random_laneformer_dir, other_dir):
     """The drafter's proposals equal the draft model's own greedy tokens, also after the
     sequence left them (a rejected draft) and came back through the cache's common prefix."""
-    draft = _engine(other_dir)
     ref = _engine(other_dir)
-    drafter = DraftModelDrafter(draft, PROMPT)
+    drafter = DraftModelDrafter(Draft(_engine(other_dir), cost=0.0, k=6), PROMPT)
     want = list(ref.generate(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True)))
     assert drafter.propose(6) == want
     drafter.extend([want[0], (want[1] + 1) % 97])  # the target kept one, then chose another
@@ -158,9 +157,9 @@ def test_measured_cost_is_a_share_of_a_step(random_laneformer_dir, small_dir):
     import math
 
     eng = _engine(random_laneformer_dir, speculative=draft_config(small_dir))
-    cost = eng.speculator.draft.draft_cost
+    cost = eng.speculator.draft.cost
     assert math.isfinite(cost) and cost > 0
-    assert eng.cache.length == 0 and eng.speculator.draft.cache.length == 0
+    assert eng.cache.length == 0 and eng.speculator.draft.engine.cache.length == 0
 
 
 def test_run_with_a_draft_model_and_its_bad_paths(random_laneformer_dir, small_dir, capsys,
@@ -207,7 +206,7 @@ def test_cuda_draft_model_is_plain_greedy(random_laneformer_dir, other_dir):
     for draft in (random_laneformer_dir, other_dir):
         eng = Engine.from_pretrained(str(random_laneformer_dir), speculative=draft_config(draft),
                                      **kw)  # fmt: skip
-        eng.speculator.draft.draft_cost = 0.0  # the arithmetic, not the back-off
+        eng.speculator.draft.cost = 0.0  # the arithmetic, not the back-off
         assert list(eng.generate(PROMPT, params)) == want
         fig = eng.stats.extra["speculative"]
         assert fig["verify_steps"] > 0, fig

@@ -71,7 +71,7 @@ class SpeculativeDecoder:
         self.capture, self.lookup = capture, lookup
         self.device = cache.k[0].device
         self.graphs: dict[tuple, DecodeGraph] = {}  # by (structure, captured)
-        self.draft = None  # the draft model's engine (draft_model.py), set by the Engine
+        self.draft = None  # a draft model (draft_model.Draft), set by the Engine
         self.stats = SpecStats()
         self._extra: dict = {}
 
@@ -130,13 +130,11 @@ class SpeculativeDecoder:
         want_lp = params.logprobs is not None
         drafter = self.drafter(prompt_ids, params)
         drafter.extend([first])
-        cost = getattr(drafter, "cost", None)  # a draft model's, measured (draft_model.py)
-        if cost is None:
+        if drafter.cost is None:  # prompt lookup or a prediction: a verify row's cost
             backoff = BackOff(DRAFT_COST.get(self.device.type, DRAFT_COST_DEFAULT))
-        else:
-            backoff = BackOff(cost, margin=DRAFT_MODEL_MARGIN)
-            k = self.cfg.num_speculative_tokens
-            if k + 1 < DRAFT_MODEL_MARGIN * (1 + cost * k):  # not even a verify that keeps all
+        else:  # a draft model's, measured at load (draft_model.py)
+            backoff = BackOff(drafter.cost, margin=DRAFT_MODEL_MARGIN)
+            if not drafter.pays:
                 backoff.pause = budget + 1  # the whole request plain (load_draft warned)
         vgraph = None
         if pen is None:

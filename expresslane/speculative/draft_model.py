@@ -32,6 +32,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,27 +45,42 @@ from .drafting import DRAFT_MODEL_MARGIN
 log = logging.getLogger("expresslane")
 
 
-def load_draft(engine_cls, path: str, target):
+@dataclass
+class Draft:
+    """A draft model's engine, and what one of its drafts costs in the target's decode steps
+    (`measured_cost`), for k drafts a verify."""
+
+    engine: Any
+    cost: float
+    k: int
+
+    @property
+    def pays(self) -> bool:
+        """Would a verify that keeps all k drafts yield DRAFT_MODEL_MARGIN times its cost?"""
+        return self.k + 1 >= DRAFT_MODEL_MARGIN * (1 + self.cost * self.k)
+
+
+def load_draft(engine_cls, path: str, target) -> Draft:
     """The draft model's engine (`engine_cls` is the caller's Engine: this layer cannot import
-    it) for `target`'s device and context; a ConfigError when the vocabularies differ."""
+    it) for `target`'s device and context, timed; a ConfigError when the vocabularies differ."""
     on_cpu = target.device.type == "cpu"
     dtype = "auto" if on_cpu else str(target.dtype).removeprefix("torch.")
-    draft = engine_cls.from_pretrained(path, device=str(target.device), dtype=dtype,
-                                       max_model_len=target.max_len, progress=False,
-                                       capture=False)  # fmt: skip
-    if draft.cfg.vocab_size != target.cfg.vocab_size:
+    engine = engine_cls.from_pretrained(path, device=str(target.device), dtype=dtype,
+                                        max_model_len=target.max_len, progress=False,
+                                        capture=False)  # fmt: skip
+    if engine.cfg.vocab_size != target.cfg.vocab_size:
         raise ConfigError(
-            f"--speculative-config: the draft model has {draft.cfg.vocab_size} tokens in its "
+            f"--speculative-config: the draft model has {engine.cfg.vocab_size} tokens in its "
             f"vocabulary and the model {target.cfg.vocab_size}: they must share a tokenizer"
         )
-    draft.prefix.snapshot = None  # module docstring
+    engine.prefix.snapshot = None  # module docstring
     k = target.speculator.cfg.num_speculative_tokens
-    draft.draft_cost = cost = measured_cost(draft, target, k)
-    if k + 1 < DRAFT_MODEL_MARGIN * (1 + cost * k):
+    draft = Draft(engine, measured_cost(engine, target, k), k)
+    if not draft.pays:
         log.warning("the draft model %s costs %.2f decode steps of the model a draft (measured "
                     "at load): a verify that keeps all %d drafts would not pay, so requests "
                     "decode plain; a smaller draft model (or fewer bytes a weight) would",
-                    path, cost, k)  # fmt: skip
+                    path, draft.cost, k)  # fmt: skip
     return draft
 
 
@@ -101,24 +118,24 @@ def measured_cost(draft, target, k: int, repeats: int = 3) -> float:
 
 
 class DraftModelDrafter:
-    """The drafter interface (extend, propose, strong, from_prediction) over a draft engine."""
+    """The drafter interface (extend, propose, strong, from_prediction, cost) over a draft."""
 
     from_prediction = False
     strong = False  # a back-off pause holds: the draft model's misses cost its forwards too
 
-    def __init__(self, draft, prompt_ids: Sequence[int]):
-        self.draft = draft
+    def __init__(self, draft: Draft, prompt_ids: Sequence[int]):
+        self.engine, self.cost, self.pays = draft.engine, draft.cost, draft.pays
         self.seq: list[int] = list(prompt_ids)
-        self.cost = getattr(draft, "draft_cost", None)  # load_draft measures it
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.seq.extend(tokens)
 
     @torch.inference_mode()
     def propose(self, k: int) -> list[int]:
-        """The draft model's greedy next k tokens after the sequence."""
+        """The draft model's greedy next k tokens after the sequence (one host copy each: the
+        next forward's input)."""
         out: list[int] = []
         for _ in range(max(0, k)):
-            logits = self.draft.prefill(self.seq + out)
+            logits = self.engine.prefill(self.seq + out)
             out.append(int(logits.argmax()))
         return out

@@ -125,6 +125,7 @@ class NgramDrafter:
     """
 
     from_prediction = False  # its drafts come from the sequence (prediction.py's do not)
+    cost = None  # a draft's own cost (a draft model's); None: only its verify row's
 
     def __init__(self, cfg: SpeculativeConfig, tokens: list[int] | None = None):
         self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max

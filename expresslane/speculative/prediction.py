@@ -38,6 +38,8 @@ class PredictionDrafter:
     """Drafts from `prediction` (token ids); `fallback`: another drafter with the same
     interface (extend, propose, strong) asked where the prediction has nothing, or None."""
 
+    cost = None  # the back-off counts a verify row's cost (drafting.NgramDrafter.cost)
+
     def __init__(self, prediction: Sequence[int], fallback=None):
         self.pred = list(prediction)
         self.fallback = fallback
