@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -58,7 +58,6 @@ class ResponsesRequest(P._Request):
     """`POST /v1/responses`: OpenAI's fields (the item shapes are checked by `to_chat`)."""
 
     model_config = P.ConfigDict(extra="allow")
-    UNSUPPORTED: ClassVar[dict] = {}
 
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(min_length=1)

@@ -269,11 +269,22 @@ def _v1_routes(svc: Service) -> APIRouter:
             return sse_response(
                 chat_stream(job, request, prep.fmt, prep.include_usage, prep.prompt_tokens)
             )
+        return await answer(s, job, request, prep)
+
+    async def answer(s: Service, job: Job, request: Request, prep, reshape=None) -> Response:
+        """The job's whole answer as one JSON body: the format's response (completion or chat),
+        or `reshape` of the chat one (the Responses or Messages shape). Built on the preparer's
+        threads: detokenizing thousands of echoed tokens for text_offset is no work for the
+        loop either."""
         accs = await collect(job, request.receive)
         n = sum(a.count for a in accs.values())
         usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens, job.predicted())
-        # detokenizing thousands of echoed tokens for text_offset is no work for the loop either
-        return await s.reply(prep.fmt.response, accs, usage, job.timings.as_dict())
+
+        def build() -> dict:
+            out = prep.fmt.response(accs, usage, job.timings.as_dict())
+            return out if reshape is None else reshape(out)
+
+        return await s.reply(build)
 
     @r.post("/completions", **route_docs("completions"))
     async def completions(request: Request):
@@ -296,11 +307,7 @@ def _v1_routes(svc: Service) -> APIRouter:
 
         if prep.stream:
             return sse_response(response_stream(job, request, prep, shape, done))
-        accs = await collect(job, request.receive)
-        n = sum(a.count for a in accs.values())
-        usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens)
-        chat = partial(prep.fmt.response, accs, usage, job.timings.as_dict())
-        return await s.reply(lambda: done(shape.response(chat())))
+        return await answer(s, job, request, prep, lambda chat: done(shape.response(chat)))
 
     @r.post("/messages", **route_docs("messages"))
     async def messages(request: Request):
@@ -309,11 +316,7 @@ def _v1_routes(svc: Service) -> APIRouter:
         job = s.submit(prep.specs, prep.priority)
         if prep.stream:
             return sse_response(message_stream(job, request, prep, shape))
-        accs = await collect(job, request.receive)
-        n = sum(a.count for a in accs.values())
-        usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens)
-        chat = partial(prep.fmt.response, accs, usage, job.timings.as_dict())
-        return await s.reply(lambda: shape.message(chat()))
+        return await answer(s, job, request, prep, shape.message)
 
     @r.post("/messages/count_tokens", **route_docs("count_tokens"))
     async def count_tokens(request: Request):
