@@ -25,9 +25,15 @@ from ..errors import CheckpointError
 from ..gguf.quants import raw_to_float
 from ..gguf.reader import read_header
 from ..gguf.tensors import unpermute_rows
-from ..gguf.variants import FTYPES, STEM, atomic_write, ensure, print_made, quantize_file
-
-SKIPPED = ("general.architecture", "general.file_type", "general.alignment")
+from ..gguf.variants import (
+    FTYPES,
+    STEM,
+    atomic_write,
+    copy_metadata,
+    ensure,
+    print_made,
+    quantize_file,
+)
 
 
 def path(type_name: str) -> Path:
@@ -40,7 +46,6 @@ def path(type_name: str) -> Path:
 def write_f32(src: Path, out: Path) -> Path:
     """`src` (a llama GGUF, F32) rewritten as a qwen3 file with q/k norms of ones."""
     import gguf
-    import torch
 
     header = read_header(src)
     reader = gguf.GGUFReader(src)  # for the metadata's value types, which ours drops
@@ -48,11 +53,7 @@ def write_f32(src: Path, out: Path) -> Path:
     kv_heads = int(reader.fields["llama.attention.head_count_kv"].contents())
     with atomic_write(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), "qwen3")
-        for field in reader.fields.values():
-            if field.name.startswith("GGUF.") or field.name in SKIPPED:
-                continue
-            main, sub = field.types[0], field.types[-1] if len(field.types) > 1 else None
-            w.add_key_value(field.name.replace("llama.", "qwen3.", 1), field.contents(), main, sub)
+        copy_metadata(reader, w, lambda name: name.replace("llama.", "qwen3.", 1))
         w.add_file_type(FTYPES["F32"])
         head_dim = None
         for name in header.tensors:
@@ -65,8 +66,7 @@ def write_f32(src: Path, out: Path) -> Path:
             if name.endswith("attn_k.weight"):
                 layer = name.split(".")[1]
                 for norm in ("attn_q_norm", "attn_k_norm"):
-                    ones = torch.ones(head_dim).numpy()
-                    w.add_tensor(f"blk.{layer}.{norm}.weight", ones)
+                    w.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(head_dim, np.float32))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

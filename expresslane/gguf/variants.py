@@ -25,6 +25,7 @@ import ctypes
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -113,11 +114,7 @@ def _write_f32(src: Path, out: Path, file_type: str = "F32") -> Path:
     reader = gguf.GGUFReader(src)  # for the value types of the metadata, which ours drops
     with atomic_write(out) as tmp:
         w = gguf.GGUFWriter(str(tmp), header.architecture)
-        for field in reader.fields.values():
-            if field.name.startswith("GGUF.") or field.name in _SKIPPED:
-                continue
-            main, sub = field.types[0], field.types[-1] if len(field.types) > 1 else None
-            w.add_key_value(field.name, field.contents(), main, sub)
+        copy_metadata(reader, w)
         w.add_file_type(FTYPES[file_type])
         mats = {n: i.shape[-1] for n, i in header.tensors.items() if len(i.shape) == 2}
         types = {n: pick(K) for n, K in mats.items()} if pick else {}
@@ -190,6 +187,16 @@ def libggml():
 
 
 _SKIPPED = ("general.architecture", "general.file_type", "general.alignment")
+
+
+def copy_metadata(reader, w, rename: Callable[[str], str] = lambda name: name) -> None:
+    """Every metadata field of a gguf-py reader into a writer, by `rename(name)`, with its value
+    types; not the architecture, file type and alignment, which the writer sets."""
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in _SKIPPED:
+            continue
+        main, sub = field.types[0], field.types[-1] if len(field.types) > 1 else None
+        w.add_key_value(rename(field.name), field.contents(), main, sub)
 
 
 def quantize_file(src: Path, out: Path, type_name: str) -> Path:
