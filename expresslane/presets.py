@@ -6,7 +6,9 @@ calculator, benchmarks and tests name a model without downloading it:
 
 - `laneformer-2b`: Kog's Laneformer 2B (docs/laneformer.md 3.1).
 - `llama-3.2-1b`, `llama-3.2-3b`, `llama-3.1-8b`: Meta's published configs.
-- `laneformer-tiny`, `llama-tiny`: small random-init shapes for CPU tests (float32).
+- `qwen3-0.6b`, `qwen2.5-0.5b`: Qwen's published configs (q/k norms; attention biases), the
+  Llama-family extras of the fused GPU step at a real shape.
+- `laneformer-tiny`, `llama-tiny`, `qwen3-tiny`: small random-init shapes for CPU tests (float32).
 
 `load_model_config` accepts a preset name, a checkpoint folder holding config.json, or the path of
 a config.json file.
@@ -62,6 +64,29 @@ def _llama3(
     }
 
 
+def _qwen(model_type: str, hidden: int, intermediate: int, layers: int, heads: int, kv: int,
+          max_len: int, **extra) -> dict:  # fmt: skip
+    return {
+        "model_type": model_type,
+        "architectures": ["Qwen3ForCausalLM" if model_type == "qwen3" else "Qwen2ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": max_len,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "torch_dtype": "bfloat16",
+        **extra,
+    }
+
+
 PRESETS: dict[str, dict] = {
     # The model card's values (laneformer.md 3.1). norm_eps is not published: 1e-5 is the
     # reference config's default. dtp_variant is left to the parser default (laneformer.md 5.4, 11).
@@ -114,6 +139,34 @@ PRESETS: dict[str, dict] = {
         "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     },
+    # Qwen's config.json files as published (Qwen/Qwen3-0.6B, Qwen/Qwen2.5-0.5B-Instruct).
+    "qwen3-0.6b": _qwen("qwen3", 1024, 3072, 28, 16, 8, 40960, head_dim=128),
+    "qwen2.5-0.5b": _qwen(
+        "qwen2",
+        896,
+        4864,
+        24,
+        14,
+        2,
+        32768,
+        use_sliding_window=False,
+        sliding_window=32768,
+        max_window_layers=21,
+    ),  # fmt: skip
+    "qwen3-tiny": _qwen(
+        "qwen3",
+        128,
+        256,
+        2,
+        4,
+        2,
+        256,
+        head_dim=32,
+        vocab_size=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    ),  # fmt: skip
     # Same structure as the 2B at toy size: 8 lanes of 2 query heads / 1 KV head (head_dim 16),
     # delay 2, vocab-parallel head, a 32-token window on the first 2 of 4 layers.
     "laneformer-tiny": {

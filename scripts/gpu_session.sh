@@ -4,8 +4,8 @@
 #
 #   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] [LIMITS="stage=seconds ..."]
 #          [SWEEP_MODELS="laneformer-2b ..."] scripts/gpu_session.sh [--dry-run] STAGE...
-#   stages: smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft
-#           structured spec-replay barrier (at most 4 per call: 8 files)
+#   stages: smoke bench-2b bench-1b bench-qwen tests kernels profile sweep quant-2b quant-1b
+#           ttft structured spec-replay barrier persistent (at most 4 per call: 8 files)
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
 # (rows kept as measured, test verdicts, rc, seconds) goes to $OUT/STAGE.json. A stage that fails
@@ -23,8 +23,8 @@ OUT=${OUT:-out}
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-STAGES=(smoke bench-2b bench-1b tests kernels profile sweep quant-2b quant-1b ttft structured
-        spec-replay barrier persistent)
+STAGES=(smoke bench-2b bench-1b bench-qwen tests kernels profile sweep quant-2b quant-1b ttft
+        structured spec-replay barrier persistent)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -41,13 +41,14 @@ if ((!DRY)) && compgen -G ".whl/*.whl" > /dev/null; then
     --target "$SITE" .whl/*.whl && export PYTHONPATH=$SITE:$PYTHONPATH
 fi
 # Every test module with a `gpu` test (tests/test_gpu_session.py checks that none is missing);
-# the last four (persistent step, quantized products, kernels, token axis) stay last: the dry run
-# leaves them out.
+# the last five (persistent step, quantized products, kernels, token axis, qwen layers) stay
+# last: the dry run leaves them out.
 GPU_TESTS=(tests/test_graph.py tests/test_parallel.py tests/test_prefix.py tests/test_speculative.py
            tests/test_capture_safe.py tests/test_prefill.py tests/test_prefill_norm.py tests/test_split.py
            tests/test_penalties.py tests/test_prediction.py tests/test_lora.py
            tests/test_draft_model.py
-           tests/test_persistent.py tests/test_qgemv.py tests/test_kernels.py tests/test_kernels_tokens.py)
+           tests/test_persistent.py tests/test_qgemv.py tests/test_kernels.py tests/test_kernels_tokens.py
+           tests/test_kernels_qwen.py)
 
 # stage_command NAME: sets LIMIT (seconds) and CMD (the command line) for a stage.
 stage_command() {
@@ -71,13 +72,20 @@ stage_command() {
       ((DRY)) && CMD=("$PY" -m expresslane bench --preset llama-tiny --contexts 16
            --decode-tokens 4 --device cpu --dtype float32 --kernels both --threads 1
            "${peers[@]}" --peer-compile-backend eager) ;;
+    bench-qwen)  # qwen3's q/k norms on the fused step (norm_qkv + kernels/qk_norm.py)
+      LIMIT=200
+      CMD=("$PY" -m expresslane bench --preset qwen3-0.6b --contexts 1024 --decode-tokens 128
+           --dtype bfloat16 --kernels both --peer-compile)
+      ((DRY)) && CMD=("$PY" -m expresslane bench --preset qwen3-tiny --contexts 16
+           --decode-tokens 4 --device cpu --dtype float32 --kernels both --threads 1
+           --peer-compile --peer-compile-backend eager) ;;
     tests)  # the GPU tests only (a marker: -k would match module names, every CPU test too)
       LIMIT=540
       CMD=("$PY" -m pytest -m gpu -vv -rs -p no:cacheprovider --continue-on-collection-errors
            "${GPU_TESTS[@]}")
-      # the persistent-step, quantized-product and kernel tests (the last four) take minutes in
+      # the persistent-step, quantized-product and kernel tests (the last five) take minutes in
       # the interpreter
-      ((DRY)) && CMD=("${CMD[@]:0:${#CMD[@]}-4}") ;;
+      ((DRY)) && CMD=("${CMD[@]:0:${#CMD[@]}-5}") ;;
     kernels)
       LIMIT=120; CMD=("$PY" -m expresslane.bench.kernels --context 1024)
       ((DRY)) && CMD+=(--dry-run --reps 1 --trials 1) ;;

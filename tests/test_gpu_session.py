@@ -33,13 +33,14 @@ def session_run(out: Path, *stages: str) -> subprocess.CompletedProcess:
 
 
 def test_dry_run_of_every_stage(tmp_path):
-    """Three calls (at most 4 stages a call: 8 files come back), two at a time: each stage
+    """Four calls (at most 4 stages a call: 8 files come back), two at a time: each stage
     leaves its whole log and a JSON result, the bench's rows stream before its table, and the
     summary line of each stage comes last."""
     calls = [
         ("smoke", "bench-2b", "bench-1b", "ttft"),
         ("tests", "kernels", "profile", "sweep"),
         ("structured", "spec-replay", "barrier", "persistent"),
+        ("bench-qwen",),
     ]
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
@@ -126,15 +127,16 @@ def test_dry_run_of_every_stage(tmp_path):
 
 def test_the_tests_stage_runs_every_module_with_a_gpu_test():
     """A GPU test outside the stage's list would never run on a GPU; the interpreter-bound ones
-    (the persistent step, quantized products, kernels, the kernels' token axis) are last: the
-    dry run leaves them out."""
+    (the persistent step, quantized products, kernels, the kernels' token axis, the qwen
+    layers) are last: the dry run leaves them out."""
     script = SCRIPT.read_text()
     listed = re.search(r"^GPU_TESTS=\(([^)]*)\)", script, re.M).group(1).split()
     marked = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                     if re.search(r"pytest\.mark\.gpu\b", p.read_text()))  # fmt: skip
     assert sorted(listed) == marked
-    assert listed[-4:] == ["tests/test_persistent.py", "tests/test_qgemv.py",
-                           "tests/test_kernels.py", "tests/test_kernels_tokens.py"]  # fmt: skip
+    assert listed[-5:] == ["tests/test_persistent.py", "tests/test_qgemv.py",
+                           "tests/test_kernels.py", "tests/test_kernels_tokens.py",
+                           "tests/test_kernels_qwen.py"]  # fmt: skip
 
 
 def test_stage_arguments_are_checked(tmp_path):

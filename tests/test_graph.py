@@ -252,9 +252,13 @@ def test_fused_step_refuses_what_it_cannot_run(model):
 
     with pytest.raises(RequestError, match="decode='eager'"):
         Engine(model, max_model_len=32, decode="eager", kernels="on")
-    with pytest.raises(RequestError, match="attention biases"):
-        qwen2 = ModelConfig.from_hf_dict(
-            dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-        )  # fmt: skip
-        Engine(Laneformer(qwen2), max_model_len=32, kernels="on")
+    qwen2 = ModelConfig.from_hf_dict(
+        dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    )  # fmt: skip
+    # attention biases (and q/k norms) are the kernels' own since the fused norm_qkv took them
+    assert Engine(Laneformer(qwen2), max_model_len=32, kernels="on").step_name == "fused kernels"
+    with pytest.raises(RequestError, match="quantized projections"):
+        from expresslane.kernels.qlinear import quantize_model
+
+        Engine(quantize_model(Laneformer(qwen2), "int8"), max_model_len=32, kernels="on")

@@ -353,8 +353,10 @@ def test_wrappers_reject_bad_inputs():
     assert math.isfinite(lane_gemv(w, x).sum().item())
 
 
-def test_engine_with_fused_kernels_equals_reference_generate(monkeypatch):
-    """The whole decode step on the kernels (interpreted here) gives the model's greedy tokens."""
+@pytest.mark.parametrize("family", ["laneformer", "qwen3"])
+def test_engine_with_fused_kernels_equals_reference_generate(monkeypatch, family):
+    """The whole decode step on the kernels (interpreted here) gives the model's greedy tokens:
+    a Laneformer with a sliding ring, and a qwen3 (q/k norms, attention biases added)."""
     import tiny
 
     from expresslane.config import SamplingParams
@@ -362,7 +364,11 @@ def test_engine_with_fused_kernels_equals_reference_generate(monkeypatch):
     from expresslane.generation import reference_generate
 
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
-    model = tiny.laneformer(seed=2, sliding_window=4, max_position_embeddings=64).to(DEVICE)
+    kw = dict(sliding_window=4)
+    if family == "qwen3":
+        kw = dict(model_type="qwen3", num_lanes=1, sliding_window=None, head_dim=16,
+                  num_attention_heads=4, num_key_value_heads=2, attention_bias=True)  # fmt: skip
+    model = tiny.laneformer(seed=2, max_position_embeddings=64, **kw).to(DEVICE)
     prompt = [1, 5, 9, 13, 17]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = reference_generate(model, prompt, params, stop_ids=set())

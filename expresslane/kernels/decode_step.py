@@ -13,7 +13,8 @@ for all S tokens and gives each token the bits it would get alone.
 The interface is plain tensors (no model classes), so the engine, a CUDA graph or a test can call
 it directly. `weights` holds the layer's tensors under the checkpoint names: attention_norm
 (D,) or (L, D), wq (L, Hq*hd/L, D), wk / wv (L, Hkv*hd/L, D), wo (L, D, Hq*hd/L), ffn_norm, w1 /
-w3 (L, F/L, D), w2 (L, D, F/L). A Llama layer is the L = 1 case with reduce_mode "present" and
+w3 (L, F/L, D), w2 (L, D, F/L); a qwen2 layer adds bq (L, Hq*hd/L), bk / bv (L, Hkv*hd/L), a
+qwen3 layer q_norm / k_norm (hd,). A Llama layer is the L = 1 case with reduce_mode "present" and
 rope_style "half". `past_attn` / `past_mlp` are the partials `a` / `m` returned by layer i - d
 (None when the layer adds none, see ModelConfig.past_source); the caller keeps the last d.
 """
@@ -31,9 +32,12 @@ def _decode_layer(ops, h, weights, k_cache, v_cache, pos_cache, position, cos, s
                   reduce_mode, past_attn, past_mlp, window, eps, rope_style):  # fmt: skip
     w = weights
     n_lanes = h.shape[-2]
+    biases = (w["bq"], w["bk"], w["bv"]) if "bq" in w else None
+    qk_norms = (w["q_norm"], w["k_norm"]) if "q_norm" in w else None
     q = ops.norm_qkv(
         h, w["attention_norm"], w["wq"], w["wk"], w["wv"], cos, sin, position,
-        k_cache, v_cache, pos_cache, eps=eps, rope_style=rope_style,
+        k_cache, v_cache, pos_cache, eps=eps, rope_style=rope_style, biases=biases,
+        qk_norms=qk_norms,
     )  # fmt: skip
     o = ops.decode_attention(q, k_cache, v_cache, pos_cache, position, window=window)
     # (L, Hq*hd/L) or (S, L, Hq*hd/L): lane l owns query heads l*Hq/L .. (l+1)*Hq/L - 1

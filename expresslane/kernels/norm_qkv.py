@@ -15,6 +15,9 @@ out q heads, then k heads, then v heads (v pairs are just not rotated).
 
 Every program recomputes the lane's RMS statistics from h (D elements, L2-resident), which is
 cheaper than a separate norm kernel and its launch.
+
+Llama-family extras: qwen2's biases are loaded with the weights and added to the rounded product;
+qwen3's q/k norms need a whole head's rows, which kernels/qk_norm.py gathers.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from .gemv import (
     stream_pair,
     tokens_of,
 )
+from .qk_norm import qk_norm_head, qk_scratch
 
 
 @triton.jit
@@ -73,6 +77,13 @@ def norm_qkv_task(
     dep_target,
     max_spin,
     err_ptr,
+    bq_ptr,  # (L, QL) biases (qwen2), with bk_ptr, bv_ptr (L, KL); unused without HAS_BIAS
+    bk_ptr,
+    bv_ptr,
+    qn_ptr,  # (hd,) q_norm and k_norm (qwen3); unused without QK_NORM
+    kn_ptr,
+    raw_ptr,  # (MAX_TOKENS, L, HQ_LANE + HKV_LANE, hd) fp32 scratch: a head's rows before norm
+    count_ptr,  # (L, HQ_LANE + HKV_LANE) int32 arrivals per head, left at 0
     # Meta-parameters
     HEAD_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
@@ -82,6 +93,9 @@ def norm_qkv_task(
     PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
     SYNC: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # hd/2 rounded up to a power of two (QK_NORM's rows)
 ):
     """The work of program (lane, blk): a kernel's, or a task of the persistent kernel's."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -112,6 +126,15 @@ def norm_qkv_task(
     all_p = offs_i >= 0
     w0 = first_tile(w0_rows, all_p, 0, D, BLOCK_K)
     w1 = first_tile(w1_rows, all_p, 0, D, BLOCK_K)
+    if HAS_BIAS:  # weights too: loaded before the wait
+        if blk < n_q:
+            b_head = bq_ptr + (lane * HQ_LANE + head) * HEAD_DIM
+        elif blk < n_q + n_k:
+            b_head = bk_ptr + (lane * HKV_LANE + head) * HEAD_DIM
+        else:
+            b_head = bv_ptr + (lane * HKV_LANE + head) * HEAD_DIM
+        b0 = tl.load(b_head + r0).to(tl.float32)
+        b1 = tl.load(b_head + r1).to(tl.float32)
     await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
 
     offs_s = tl.arange(0, BLOCK_S)
@@ -141,8 +164,41 @@ def norm_qkv_task(
     )  # one weight read for every token
     a0 = round_as(a0, x_ptr)  # (BLOCK_S, BLOCK_P), rounded like the reference
     a1 = round_as(a1, x_ptr)
+    if HAS_BIAS:  # added to the rounded product and rounded again, as the model's lane_linear
+        a0 = round_as(a0 + b0[None, :], x_ptr)
+        a1 = round_as(a1 + b1[None, :], x_ptr)
+    if (lane == 0) & (blk == n_q):  # exactly one program records the slots' positions
+        tl.store(pos_cache_ptr + slot, pos, mask=mask_s)
 
-    # RoPE in fp32; v programs rotate by angle 0 (cos 1, sin 0) instead of branching.
+    plain = blk >= 0
+    if QK_NORM:  # a q or k head is normalised over all its rows, by the program finishing last
+        plain = blk >= n_q + n_k
+        if blk < n_q + n_k:
+            if blk < n_q:
+                g_ptr = qn_ptr
+                out = q_ptr + (lane * HQ_LANE + head) * HEAD_DIM
+                out_stride = HQ_LANE * L * HEAD_DIM  # token s: out + s * out_stride
+            else:
+                g_ptr = kn_ptr
+                out = k_cache_ptr + (lane * HKV_LANE + head) * HEAD_DIM
+                out_stride = 0  # token s: out + ((pos0 + s) % cap) * N_KV * HEAD_DIM
+            qk_norm_head(a0, a1, r0, r1, mask_s, blk // BLOCKS_PER_HEAD, lane, L, S, pos0, cap,
+                         N_KV, HQ_LANE + HKV_LANE, raw_ptr, count_ptr, g_ptr, out, out_stride,
+                         cos_ptr, sin_ptr, eps, HEAD_DIM, INTERLEAVED, BLOCK_S, BLOCK_H,
+                         BLOCKS_PER_HEAD)  # fmt: skip
+    if plain:
+        _rope_store(a0, a1, offs_i, r0, r1, offs_s, mask_s, pos, slot, blk, lane, head, n_q,
+                    n_k, L, HQ_LANE, HKV_LANE, N_KV, q_ptr, k_cache_ptr, v_cache_ptr, cos_ptr,
+                    sin_ptr, HEAD_DIM)  # fmt: skip
+
+
+@triton.jit
+def _rope_store(a0, a1, offs_i, r0, r1, offs_s, mask_s, pos, slot, blk, lane, head, n_q, n_k, L,
+                HQ_LANE, HKV_LANE, N_KV, q_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr,
+                HEAD_DIM: tl.constexpr):  # fmt: skip
+    """RoPE in fp32 on the program's pairs, and their store: q, or k and v into the cache; v
+    programs rotate by angle 0 (cos 1, sin 0) instead of branching."""
+    HALF: tl.constexpr = HEAD_DIM // 2
     rotate = blk < n_q + n_k
     angle = pos[:, None] * HALF + offs_i[None, :]  # (BLOCK_S, BLOCK_P)
     c = tl.load(cos_ptr + angle, mask=mask_s[:, None], other=1.0)
@@ -160,21 +216,22 @@ def norm_qkv_task(
     dst = row[:, None] + head * HEAD_DIM  # (BLOCK_S, 1)
     tl.store(dst + r0[None, :], cast_as(o0, q_ptr), mask=mask_s[:, None])
     tl.store(dst + r1[None, :], cast_as(o1, q_ptr), mask=mask_s[:, None])
-    if (lane == 0) & (blk == n_q):  # exactly one program records the slots' positions
-        tl.store(pos_cache_ptr + slot, pos, mask=mask_s)
 
 
 @triton.jit
 def norm_qkv_kernel(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, position_ptr, q_ptr,
                     k_cache_ptr, v_cache_ptr, pos_cache_ptr, S, L, D, cap, eps, stride_nwl,
-                    HQ_LANE, HKV_LANE, N_KV, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                    HQ_LANE, HKV_LANE, N_KV, bq_ptr, bk_ptr, bv_ptr, qn_ptr, kn_ptr, raw_ptr,
+                    count_ptr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
                     BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):  # fmt: skip
+                    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    QK_NORM: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
     norm_qkv_task(x_ptr, nw_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, position_ptr, q_ptr,
                   k_cache_ptr, v_cache_ptr, pos_cache_ptr, S, L, D, cap, eps, stride_nwl,
                   HQ_LANE, HKV_LANE, N_KV, tl.program_id(0), tl.program_id(1), None, 0, 0, None,
-                  HEAD_DIM, INTERLEAVED, BLOCK_S, BLOCK_P, BLOCK_K, PREFETCH, USE_PDL,
-                  False)  # fmt: skip
+                  bq_ptr, bk_ptr, bv_ptr, qn_ptr, kn_ptr, raw_ptr, count_ptr, HEAD_DIM,
+                  INTERLEAVED, BLOCK_S, BLOCK_P, BLOCK_K, PREFETCH, USE_PDL, False, HAS_BIAS,
+                  QK_NORM, BLOCK_H)  # fmt: skip
 
 
 def _pick_block_p(x: torch.Tensor, half: int) -> int:
@@ -224,9 +281,11 @@ def norm_qkv(
     eps: float = 1e-5,
     rope_style: str = "interleaved",
     block_p: int | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (L, out/L) each
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,  # q_norm, k_norm (hd,) each
 ) -> torch.Tensor:
     """Returns q (Hq, hd) or (S, Hq, hd) after RoPE; writes k (after RoPE), v and the positions
-    of the S tokens into the cache.
+    of the S tokens into the cache. `biases` (qwen2) and `qk_norms` (qwen3): as ref.norm_qkv.
 
     The position stays on the device (no sync, CUDA-graph safe), so two things are not checked:
     position + S <= cos.shape[0], and, on a full-attention layer, position + S <= cap.
@@ -256,14 +315,28 @@ def norm_qkv(
         assert t.dim() == 2 and t.shape[1] == hd // 2, f"{name}: expected (max_pos, {hd // 2})"
         assert t.dtype == torch.float32 and t.is_contiguous(), f"{name}: contiguous fp32"
 
+    if biases is not None:
+        for name, b, w in zip(("bq", "bk", "bv"), biases, (wq, wk, wv), strict=True):
+            assert b.shape == w.shape[:2] and b.is_contiguous() and b.dtype == dt, (
+                f"{name}: expected contiguous {tuple(w.shape[:2])} {dt}, got {tuple(b.shape)}"
+            )
+    raw = counts = None
+    if qk_norms is not None:
+        for name, g in zip(("q_norm", "k_norm"), qk_norms, strict=True):
+            assert g.shape == (hd,) and g.is_contiguous(), f"{name}: expected contiguous ({hd},)"
+        raw, counts = qk_scratch(x.device, L * (hq_lane + hkv_lane), hd)
+
     half = hd // 2
     consts, opts = tuning.split(norm_qkv_config(x, S, D, L, hq_lane, hkv_lane, hd, block_p))
     q = torch.empty((S, hq_lane * L, hd), device=x.device, dtype=dt)
     grid = (L, (hq_lane + 2 * hkv_lane) * (half // consts["BLOCK_P"]))
+    bq, bk, bv = biases or (None, None, None)
+    qn, kn = qk_norms or (None, None)
     norm_qkv_kernel[grid](
         xs, norm_weight, wq, wk, wv, cos, sin, position, q, k_cache, v_cache, pos_cache,
-        S, L, D, cap, eps, stride_nwl, hq_lane, hkv_lane, n_kv,
+        S, L, D, cap, eps, stride_nwl, hq_lane, hkv_lane, n_kv, bq, bk, bv, qn, kn, raw, counts,
         HEAD_DIM=hd, INTERLEAVED=rope_style == "interleaved", BLOCK_S=block_s(S), **consts,
-        **opts, **launch_kwargs(x),
+        **opts, HAS_BIAS=biases is not None, QK_NORM=qk_norms is not None,
+        BLOCK_H=triton.next_power_of_2(half), **launch_kwargs(x),
     )  # fmt: skip
     return q if axis else q[0]

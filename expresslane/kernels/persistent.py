@@ -198,8 +198,9 @@ def decode_step_kernel(
                               position_ptr, q_ptr, _at(kc_ptr, lw, 9), _at(vc_ptr, lw, 10),
                               _at(pc_ptr, lw, 11), S, L, D, tl.load(ints_ptr + layer * 4), eps,
                               stride_nwl, HQ_LANE, HKV_LANE, N_KV, a, b, cnt_ptr + wait, target,
-                              max_spin, err_ptr, HEAD_DIM, INTERLEAVED, BLOCK_S, QKV_P, QKV_K,
-                              QKV_PF, False, True)  # fmt: skip
+                              max_spin, err_ptr, None, None, None, None, None, None, None,
+                              HEAD_DIM, INTERLEAVED, BLOCK_S, QKV_P, QKV_K, QKV_PF, False, True,
+                              False, False, 1)  # fmt: skip
             elif (kind == ATTN0) | (kind == ATTN1):
                 _attention(kind, layer, a, b, c, wait, target, q_ptr, kc_ptr, vc_ptr, pc_ptr,
                            position_ptr, m_ptr, l_ptr, acc_ptr, attn_cnt_ptr, o_ptr, offs_ptr,

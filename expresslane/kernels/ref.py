@@ -80,20 +80,34 @@ def norm_qkv(
     eps: float = 1e-5,
     rope_style: str = "interleaved",
     block_p: int | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Returns q (Hq, hd) after RoPE; writes k (after RoPE), v and the position into the cache.
-    x (S, L, D): token s at position + s, q (S, Hq, hd)."""
+    x (S, L, D): token s at position + s, q (S, Hq, hd).
+
+    `biases` (bq, bk, bv), each (L, out/L), are added to the rounded products and rounded again
+    (qwen2; the model's lane_linear). `qk_norms` (q_norm, k_norm), each (hd,), normalise every
+    query and key head before RoPE, rounding before the scale as transformers' qwen3 does."""
     if x.dim() == 3:
         return torch.stack([
             norm_qkv(x[s], norm_weight, wq, wk, wv, cos, sin, position + s, k_cache, v_cache,
-                     pos_cache, eps=eps, rope_style=rope_style)
+                     pos_cache, eps=eps, rope_style=rope_style, biases=biases, qk_norms=qk_norms)
             for s in range(x.shape[0])
         ])  # fmt: skip
     hd = k_cache.shape[2]
     xn = rms_norm(x, norm_weight, eps)  # (L, D)
-    q = lane_matmul(wq, xn).reshape(-1, hd)  # (Hq, hd): lane l owns heads l*Hq/L ...
-    k = lane_matmul(wk, xn).reshape(-1, hd)  # (Hkv, hd)
-    v = lane_matmul(wv, xn).reshape(-1, hd)  # (Hkv, hd)
+    q, k, v = lane_matmul(wq, xn), lane_matmul(wk, xn), lane_matmul(wv, xn)  # (L, out/L)
+    if biases is not None:
+        q, k, v = (
+            (y.float() + b.float()).to(y.dtype) for y, b in zip((q, k, v), biases, strict=True)
+        )
+    q = q.reshape(-1, hd)  # (Hq, hd): lane l owns heads l*Hq/L ...
+    k = k.reshape(-1, hd)  # (Hkv, hd)
+    v = v.reshape(-1, hd)  # (Hkv, hd)
+    if qk_norms is not None:
+        q = model.rms_norm(q, qk_norms[0].to(q.dtype), eps, round_before_scale=True)
+        k = model.rms_norm(k, qk_norms[1].to(k.dtype), eps, round_before_scale=True)
     c, s = cos.index_select(0, position), sin.index_select(0, position)  # (1, hd/2)
     q, k = apply_rope(q, c, s, rope_style), apply_rope(k, c, s, rope_style)
     # Full layers have cap = max_len, so the slot is the position; sliding layers are a ring.

@@ -69,9 +69,7 @@ def choose_step(model: Laneformer, cache: KVCache, decode: str = "auto", kernels
     p = next(model.parameters())
     mode = _decode_mode(model, p.device, decode, kernels, compile)
     if kernels == "on" and (mode != "graph" or not supports(model)):
-        why = (
-            "decode='eager'" if mode != "graph" else "attention biases (qwen2) or q/k norms (qwen3)"
-        )
+        why = "decode='eager'" if mode != "graph" else "quantized projections"
         raise RequestError(f"kernels='on': the fused decode step cannot run with {why}",
                            "kernels")  # fmt: skip
     if kernels == "persistent":

@@ -26,11 +26,31 @@ MAX_OVERRUN = 64
 
 
 def supports(model: Laneformer) -> bool:
-    """The kernels cover everything but attention biases (qwen2), q/k norms (qwen3) and
-    quantized projections (kernels/qlinear.py: those decode through the graph of the model's
-    forward)."""
-    quantized = getattr(model, "gpu_quantization", None) is not None
-    return not (model.cfg.attention_bias or model.cfg.qk_norm or quantized)
+    """The kernels cover everything but quantized projections (kernels/qlinear.py: those decode
+    through the graph of the model's forward)."""
+    return getattr(model, "gpu_quantization", None) is None
+
+
+def layer_weights(block) -> dict[str, torch.Tensor]:
+    """A decoder block's tensors under decode_step's names, by reference: qwen2's biases and
+    qwen3's q/k norms only where the model has them."""
+    att = block.attention
+    w = {
+        "attention_norm": block.attention_norm.gamma,
+        "wq": att.wq.weight,
+        "wk": att.wk.weight,
+        "wv": att.wv.weight,
+        "wo": att.wo.weight,
+        "ffn_norm": block.ffn_norm.gamma,
+        "w1": block.feed_forward.w1.weight,
+        "w3": block.feed_forward.w3.weight,
+        "w2": block.feed_forward.w2.weight,
+    }
+    if att.wq.bias is not None:
+        w.update(bq=att.wq.bias, bk=att.wk.bias, bv=att.wv.bias)
+    if getattr(att, "q_norm", None) is not None:
+        w.update(q_norm=att.q_norm.gamma, k_norm=att.k_norm.gamma)
+    return w
 
 
 def check_width(cache: KVCache, S: int, step: str) -> None:
@@ -47,7 +67,7 @@ def check_width(cache: KVCache, S: int, step: str) -> None:
 class FusedDecoder:
     def __init__(self, model: Laneformer, cache: KVCache, kernels: bool | None = None):
         if not supports(model):
-            raise ValueError("the fused decode step does not cover attention biases or q/k norms")
+            raise ValueError("the fused decode step does not cover quantized projections")
         cfg = model.cfg
         self.cfg, self.cache = cfg, cache
         w0 = model.model.tok_embeddings.weight
@@ -56,20 +76,7 @@ class FusedDecoder:
             decode_step.fused_decode_layer if self.kernels else decode_step.reference_decode_layer
         )
         self.embed = w0
-        self.layers = [
-            {
-                "attention_norm": b.attention_norm.gamma,
-                "wq": b.attention.wq.weight,
-                "wk": b.attention.wk.weight,
-                "wv": b.attention.wv.weight,
-                "wo": b.attention.wo.weight,
-                "ffn_norm": b.ffn_norm.gamma,
-                "w1": b.feed_forward.w1.weight,
-                "w3": b.feed_forward.w3.weight,
-                "w2": b.feed_forward.w2.weight,
-            }
-            for b in model.model.layers
-        ]
+        self.layers = [layer_weights(b) for b in model.model.layers]
         self.final_norm = model.model.norm.gamma
         head = cfg.lm_head_type
         self.head_w = (

@@ -133,7 +133,8 @@ class PersistentDecoder:
 
 def unsupported(model: Laneformer, cache: KVCache) -> str | None:
     """What the persistent step cannot run on this model and cache, or None."""
-    if not fused_supports(model):
+    if not fused_supports(model) or model.cfg.attention_bias or model.cfg.qk_norm:
+        # its QKV task has no bias or q/k-norm operands (the fused step's kernel has)
         return "attention biases, q/k norms or quantized projections"
     for what, keys in (("attention", attention_keys(model.cfg, cache)),
                        ("reduce", projection_keys(model.cfg))):  # fmt: skip
