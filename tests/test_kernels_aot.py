@@ -122,7 +122,7 @@ def test_unspecialised_build_is_not_what_runs():
 
 
 def test_blocks_per_sm_follows_cuda_occupancy_rules():
-    from expresslane.kernels.aot import blocks_per_sm
+    from expresslane.kernels.aot_read import blocks_per_sm
 
     # (registers, warps, shared bytes) -> CTAs per SM on sm_90 (registers in 8-register steps)
     cases = {

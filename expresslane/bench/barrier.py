@@ -159,9 +159,9 @@ def check(chain: Chain, run, want: torch.Tensor | None) -> dict:
 
 
 def resident_blocks(run, warps: int) -> int:
-    """Programs per SM the compiled persistent kernel can keep resident (aot.blocks_per_sm),
+    """Programs per SM the compiled persistent kernel can keep resident (aot_read.blocks_per_sm),
     from a one-program launch; 1 where triton does not say."""
-    from ..kernels.aot import blocks_per_sm
+    from ..kernels.aot_read import blocks_per_sm
 
     compiled = run()
     try:
@@ -241,7 +241,8 @@ def record_aot(model: str, layers: int, sms: int, tiles: int = len(TILES)) -> li
     import tempfile
     from pathlib import Path
 
-    from ..kernels.aot import compile_launch, distinct, recording
+    from ..kernels.aot import compile_launch, distinct
+    from ..kernels.aot_launch import recording
 
     chain = Chain(model_shapes(model, layers), torch.bfloat16, torch.device("meta"))
     with recording(sms=sms, pdl=True) as launches:

@@ -10,7 +10,9 @@ without triton works unchanged.
     gemv_reduce.py       wo / w2 projection + DTP reduce + residual add         -> h, partial
     swiglu.py            RMSNorm + w1/w3 projection + SiLU(gate) * up           -> (L, F/L)
     lm_head.py           final norm + LM head (3 head types) + greedy argmax / fp32 logits
-    gemv.py              shared tile heuristics, PDL switch, norm helpers, lane-major GEMV
+    gemv.py              shared tile heuristics, PDL switch, lane-major GEMV
+    tiles.py             the jit pieces: rounding, fused norm, streamed tiles, the input wait
+    qk_norm.py           qwen3's q/k norm inside norm_qkv, by each head's last program
     decode_step.py       one decoder layer for S tokens, fused and reference twins
     prefill_norm.py      prefill: DTP reduce + residual add + the next RMSNorm, per token
     tuning.py            launch configurations: defaults, per-GPU tables (tuning/), forcing

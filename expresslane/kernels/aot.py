@@ -31,12 +31,9 @@ repacks' int8 in groups of 16).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -46,150 +43,20 @@ import torch
 from ..errors import ConfigError
 from ..presets import load_model_config
 from ..weights.gpu_pack import GPU_QUANTIZATIONS
+from .aot_launch import Launch, recording
+from .aot_read import (
+    blocks_per_sm,
+    cuobjdump,
+    load_widths,
+    loop_converts,
+    reduce_layouts,
+    resource_usage,
+)
 
 # --quant's formats: the --quantization names, and the GGUF repacks' int8 in groups of 16
 # (weights/gpu_pack.py's from_qtensor, for the types with a scale per 16 values), which no
 # --quantization name asks for but `--quantization gguf` runs.
 AOT_QUANT = {**GPU_QUANTIZATIONS, "gguf-int8-g16": ("int8", 16)}
-
-# Launch options that are not kernel parameters (triton's launch keywords).
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "launch_pdl", "launch_cooperative_grid")
-_DTYPES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "i1",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """One kernel launch as the JIT would compile it: the kernel, its typed signature, its
-    constexprs (by name), the JIT's specialisation attributes, the options and the grid."""
-
-    kernel: object  # triton JITFunction
-    signature: tuple[tuple[str, str], ...]  # (name, type) in parameter order
-    constexprs: tuple[tuple[str, object], ...]
-    options: tuple[tuple[str, object], ...]  # launch keywords as given (num_warps, launch_pdl)
-    grid: tuple[int, ...]
-    attrs: tuple[tuple[tuple[int, ...], tuple], ...] = ()  # path -> (("tt.divisibility", 16),)
-    # tensor arguments: (parameter name, shape, element bytes), for byte counts (bench/profile)
-    tensors: tuple[tuple[str, tuple[int, ...], int], ...] = ()
-
-    @property
-    def name(self) -> str:
-        return self.kernel.__name__
-
-    def label(self) -> str:
-        keys = ("MODE", "SPLIT_K", "HAS_NORM", "HAS_WINDOW", "BLOCK_O", "BLOCK_N", "BLOCK_V",
-                "INT4", "GROUP", "BLOCK_S")  # fmt: skip
-        shown = [f"{k}={v}" for k, v in self.constexprs if k in keys]
-        return f"{self.name}[{','.join(shown)}]"
-
-    def aligned(self) -> list[str]:
-        """The parameters specialised as divisible by 16."""
-        names = [n for n, _ in self.signature]
-        return [names[path[0]] for path, attr in self.attrs
-                if any(a[0] == "tt.divisibility" for a in attr)]  # fmt: skip
-
-
-def _arg_type(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _DTYPES[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no triton type for a {type(value).__name__} argument")
-
-
-def _unspecialised(kernel, bound: dict) -> tuple[dict, dict]:
-    """(signature, constexprs) with no specialisation: the fallback where the binder is missing."""
-    sig, const = {}, {}
-    for p in kernel.params:
-        value = bound.get(p.name, p.default)
-        if p.is_constexpr or value is None:
-            sig[p.name] = "constexpr"
-            const[(kernel.arg_names.index(p.name),)] = value
-        else:
-            sig[p.name] = _arg_type(value)
-    return sig, const
-
-
-def _specialise(kernel, backend, args, kwargs) -> tuple[dict, dict, dict]:
-    """(signature, constexprs by path, attrs by path), by the runtime JIT's binder for `backend`
-    (triton 3.6 and 3.9: create_function_from_signature + JITFunction._pack_args)."""
-    from triton.runtime import jit
-
-    binder = jit.create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    _, signature, constexprs, attrs = kernel._pack_args(
-        backend, kwargs, bound, specialization, options
-    )
-    return signature, constexprs, attrs
-
-
-def _as_launch(kernel, grid, args, kwargs, backend=None) -> Launch:
-    names = kernel.arg_names
-    bound = dict(zip(names, args, strict=False))
-    bound.update({k: v for k, v in kwargs.items() if k in names})
-    if backend is not None:
-        sig, const, attrs = _specialise(kernel, backend, args, kwargs)
-    else:
-        (sig, const), attrs = _unspecialised(kernel, bound), {}
-    tensors = tuple((n, tuple(v.shape), v.element_size()) for n, v in bound.items()
-                    if isinstance(v, torch.Tensor))  # fmt: skip
-    options = tuple(sorted((k, v) for k, v in kwargs.items() if k in _OPTIONS))
-    grid = grid(bound) if callable(grid) else grid
-    return Launch(
-        kernel,
-        tuple(sig.items()),
-        tuple((names[path[0]], v) for path, v in sorted(const.items())),
-        options,
-        tuple(int(g) for g in grid),
-        tuple(
-            sorted((path, tuple(tuple(a) for a in attr)) for path, attr in attrs.items() if attr)
-        ),  # fmt: skip
-        tensors,
-    )
-
-
-def jit_backend(arch: int):
-    """triton's CUDA backend for sm_`arch`: what the JIT would specialise and compile with."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-
-    return make_backend(GPUTarget("cuda", arch, 32))
-
-
-@contextlib.contextmanager
-def recording(sms: int = 132, pdl: bool = True, arch: int | None = 90):
-    """Within: Triton launches are appended to the yielded list instead of running, specialised
-    as the JIT would for sm_`arch` (None: unspecialised, only to count launches)."""
-    from triton.runtime.jit import JITFunction
-
-    from . import gemv
-
-    launches: list[Launch] = []
-    original = JITFunction.run
-    backend = jit_backend(arch) if arch else None
-
-    def record(self, *args, grid, warmup, **kwargs):
-        launches.append(_as_launch(self, grid, args, kwargs, backend))
-
-    JITFunction.run = record
-    gemv.PLANNED_GPU.update(sms=sms, pdl=pdl)
-    try:
-        yield launches
-    finally:
-        JITFunction.run = original
-        gemv.PLANNED_GPU.clear()
 
 
 def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits: bool = True,
@@ -262,40 +129,6 @@ def distinct(launches: list[Launch]) -> list[Launch]:
     return out
 
 
-# Per-SM limits by compute capability x10: registers, threads, resident blocks, shared bytes.
-SM_LIMITS = {
-    80: (65536, 2048, 32, 164 << 10),
-    86: (65536, 1536, 16, 100 << 10),
-    89: (65536, 1536, 24, 100 << 10),
-    90: (65536, 2048, 32, 228 << 10),
-}
-
-
-def blocks_per_sm(registers: int, warps: int, shared: int, arch: int) -> int:
-    """Resident CTAs per SM (CUDA's occupancy rules: registers in 256-register units per warp,
-    1 KB of shared memory reserved per block)."""
-    regs, threads, blocks, smem = SM_LIMITS.get(arch, SM_LIMITS[90])
-    per_warp = -(-max(registers, 1) * 32 // 256) * 256
-    limits = [blocks, threads // (32 * warps), regs // (per_warp * warps)]
-    if shared:
-        limits.append(smem // (shared + 1024))
-    return max(0, min(limits))
-
-
-def load_widths(sass: str) -> dict[str, int]:
-    """Global loads by width in bits (`LDG.E.128` -> 128, `LDG.E.U16` -> 16, plain -> 32);
-    `LDGSTS` (cp.async into shared memory) counted apart."""
-    out: dict[str, int] = {}
-    for op, mods in re.findall(r"\b(LDGSTS|LDG)((?:\.[A-Z0-9_]+)*)", sass):
-        parts = mods.split(".")
-        bits = next((b for b in ("128", "64") if b in parts), None)
-        bits = bits or ("16" if {"U16", "S16"} & set(parts) else "8" if {"U8", "S8"} & set(parts)
-                        else "32")  # fmt: skip
-        key = bits if op == "LDG" else f"cp.async {bits}"
-        out[key] = out.get(key, 0) + 1
-    return out
-
-
 def compile_launch(launch: Launch, arch: int, workdir: Path, sms: int = 132) -> dict:
     """Compile for sm_`arch` as the JIT would; registers, spills, shared memory, load widths."""
     import triton
@@ -323,50 +156,13 @@ def compile_launch(launch: Launch, arch: int, workdir: Path, sms: int = 132) -> 
         "shared_bytes": shared,
         "blocks_per_sm": blocks,
         "waves": ctas / (sms * blocks) if blocks else None,
-        "loads": load_widths(_cuobjdump(cubin, "-sass")),
+        "loads": load_widths(cuobjdump(cubin, "-sass")),
         "loop_converts": loop_converts(compiled.asm["ttgir"]),
         "aligned_params": len(launch.aligned()),
         "pdl": "griddepcontrol" in compiled.asm["ptx"],
         # the memory semantics of each atomic (grid_sync.py's release / acquire counts)
         "atomics": sorted(set(re.findall(r"\batom\.[\w.]+", compiled.asm["ptx"]))),
     }
-
-
-def loop_converts(ttgir: str, min_elements: int = 1024) -> int:
-    """Layout conversions of tensors of >= min_elements inside a loop of the TTGIR: each one goes
-    through shared memory on every trip. A weight tile converted for its accumulator (a 2-D load
-    expanded to 3-D) cost every token-axis kernel 8-10 registers and a shared-memory round trip
-    per tile; a streaming loop should convert none."""
-    depth, loops, count = 0, [], 0
-    for line in ttgir.splitlines():
-        if "scf.for" in line and line.rstrip().endswith("{"):
-            loops.append(depth)
-        if loops and "ttg.convert_layout" in line:
-            shape = re.search(r"-> tensor<([\dx]+)x\w+,", line)
-            n = 1
-            for d in shape.group(1).split("x") if shape else []:
-                n *= int(d)
-            count += n >= min_elements
-        depth += line.count("{") - line.count("}")
-        while loops and depth <= loops[-1]:
-            loops.pop()
-    return count
-
-
-def _cuobjdump(cubin: Path, flag: str) -> str:
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    out = subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"cuobjdump {flag} failed on {cubin.name}: {out.stderr.strip()}")
-    return out.stdout
-
-
-def resource_usage(cubin: Path) -> dict[str, int]:
-    """REG / STACK / SHARED / LOCAL of the cubin's kernel, read by triton's bundled cuobjdump."""
-    text = _cuobjdump(cubin, "-res-usage")
-    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
 def compile_decode_step(
@@ -397,49 +193,6 @@ def compile_decode_step(
 
 # S = 1 is specialised to a constant; the rows per program follow S
 _S_DEPENDENT = ("S", "BLOCK_S", "BLOCK_O", "BLOCK_P", "BLOCK_V")
-
-
-def reduce_layouts(launch: Launch, arch: int = 90, sums_only: bool = False) -> list[tuple]:
-    """Every reduction of the launch's sm_`arch` build, in program order, as (axis, the reduced
-    axis's sizePerThread, threadsPerWarp, warpsPerCTA, its rank in `order`): what fixes the
-    order in which a row's values are summed. `sums_only`: the floating-point sums alone (a
-    max, a min or an argmax gives the same answer in any order)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    attrs = {path: [list(a) for a in attr] for path, attr in launch.attrs}
-    src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs), attrs)
-    ttgir = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                           options=dict(launch.options)).asm["ttgir"]  # fmt: skip
-    layouts = {}
-    for name, body in re.findall(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M):
-        layouts[name] = {k: [int(v) for v in vals.split(",")]
-                         for k, vals in re.findall(r"(\w+) = \[([\d, ]+)\]", body)}  # fmt: skip
-    out = []
-    for axis, body, shape, layout in re.findall(
-        r'"tt\.reduce".*?<\{axis = (\d+) : i32\}>(.*?)\}\) : \(tensor<([^,]*), (#\w+)>',
-        ttgir,
-        re.S,
-    ):
-        if sums_only and "arith.addf" not in body:
-            continue
-        a, lay = int(axis), layouts.get(layout)
-        if lay is None:
-            out.append((a, layout))
-            continue
-        # Threads and warps beyond the axis's extent hold copies, which the reduction skips:
-        # a 32-wide sum is one warp's whatever num_warps is (gemv.rms_rstd relies on it).
-        dims = [int(d) for d in shape.split("x") if d.isdigit()]  # "32x256xf32" -> [32, 256]
-        if a >= len(dims):  # not a tensor this pattern reads (a reduction of a scalar's type)
-            out.append((a, layout))
-            continue
-        extent = dims[a]
-        spt = min(lay["sizePerThread"][a], extent)
-        lanes = min(lay["threadsPerWarp"][a], max(1, extent // spt))
-        warps = min(lay["warpsPerCTA"][a], max(1, extent // (spt * lanes)))
-        out.append((a, spt, lanes, warps, lay["order"].index(a)))
-    return out
 
 
 def persistent_invariance(model_ref: str, tokens: tuple[int, int] = (1, 8),

@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from . import MAX_TOKENS, tuning
-from .gemv import await_inputs, cast_as, launch_kwargs, num_sms
+from .gemv import launch_kwargs, num_sms
+from .tiles import await_inputs, cast_as
 
 LOG2E = 1.4426950408889634
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
@@ -58,7 +59,7 @@ def attention_task(
     tok,  # the program's coordinates: (token, KV head, split)
     kv_head,
     split,
-    dep_ptr,  # what the inputs wait for (gemv.await_inputs)
+    dep_ptr,  # what the inputs wait for (tiles.await_inputs)
     dep_target,
     max_spin,
     err_ptr,

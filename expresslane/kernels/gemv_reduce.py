@@ -30,18 +30,13 @@ import triton.language as tl
 from . import tuning
 from .gemv import (
     assert_lane_weight,
-    await_inputs,
     block_s,
-    cast_as,
-    first_tile,
     gemv_config,
     launch_kwargs,
     launch_lane_gemv,
-    pdl_prologue,
-    round_as,
-    stream_rows,
     tokens_of,
 )
+from .tiles import await_inputs, cast_as, first_tile, pdl_prologue, round_as, stream_rows
 
 MODES = {"past": 0, "present": 1, "no_reduce": 2}
 
@@ -100,7 +95,7 @@ def gemv_reduce_task(
     sqrt_l,
     pid_o,  # the program's coordinates: (column block, lane; the lane unused when present)
     lane,
-    dep_ptr,  # what the inputs wait for (gemv.await_inputs)
+    dep_ptr,  # what the inputs wait for (tiles.await_inputs)
     dep_target,
     max_spin,
     err_ptr,

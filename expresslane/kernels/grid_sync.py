@@ -16,7 +16,7 @@ barrier of CUDA's cooperative groups, written in Triton:
   reads (or once another program gave up), flags the launch's error count and returns False:
   a program spinning on producers that never got an SM (the prototype's static split on a grid
   larger than the resident blocks) would otherwise hang the GPU, so the prototype sizes its grid
-  to the resident blocks (`aot.blocks_per_sm` from the compiled kernel's registers); the
+  to the resident blocks (`aot_read.blocks_per_sm` from the compiled kernel's registers); the
   persistent decode kernel takes its tasks from a queue in dependency order and needs no such
   bound (kernels/persistent.py).
 

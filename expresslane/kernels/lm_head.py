@@ -24,18 +24,8 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .gemv import (
-    assert_norm_weight,
-    await_inputs,
-    block_s,
-    fit_rows,
-    launch_kwargs,
-    normed_rows,
-    num_sms,
-    rms_rstd_rows,
-    round_as,
-    tokens_of,
-)
+from .gemv import assert_norm_weight, block_s, fit_rows, launch_kwargs, num_sms, tokens_of
+from .tiles import await_inputs, normed_rows, rms_rstd_rows, round_as
 
 HEAD_MODES = {"replicate": 0, "replicate_prenorm": 1, "lane": 2, "vocab_parallel": 3}
 

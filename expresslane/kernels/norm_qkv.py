@@ -30,20 +30,15 @@ from . import tuning
 from .gemv import (
     assert_lane_weight,
     assert_norm_weight,
-    await_inputs,
     block_s,
-    cast_as,
-    first_tile,
     fit_rows,
     fit_warps,
     launch_kwargs,
     num_sms,
-    rms_rstd_rows,
-    round_as,
-    stream_pair,
     tokens_of,
 )
 from .qk_norm import qk_norm_head, qk_scratch
+from .tiles import await_inputs, cast_as, first_tile, rms_rstd_rows, round_as, stream_pair
 
 
 @triton.jit
@@ -73,7 +68,7 @@ def norm_qkv_task(
     N_KV,  # KV heads in total (cache row = N_KV * HEAD_DIM)
     lane,  # the program's coordinates: (lane, pair block)
     blk,
-    dep_ptr,  # what the inputs wait for (gemv.await_inputs)
+    dep_ptr,  # what the inputs wait for (tiles.await_inputs)
     dep_target,
     max_spin,
     err_ptr,

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from . import ref, use_triton
-from .gemv import cast_as, round_as
 from .gemv_reduce import MODES
+from .tiles import cast_as, round_as
 
 # The (BLOCK_L, BLOCK_D) tile holds at most this many elements: 8 a thread at 8 warps (one
 # 16-byte load of bf16 per tensor and chunk). Compiled for sm_90 at the 2B's shape (L = 8,

@@ -4,7 +4,7 @@
 
 The calling convention of kernels/gemv.py's lane_gemv, with a token axis in front: x (S, L, K)
 -> y (S, L, O) in x's dtype (an (L, K) x is one token), optional RMSNorm of x first (fp32
-statistics, rounded to x's dtype like gemv.normed_chunk), fp32 accumulation, one rounding.
+statistics, rounded to x's dtype like tiles.normed_chunk), fp32 accumulation, one rounding.
 
 Each program owns BLOCK_O output rows of one lane and walks K in chunks of BLOCK_K values:
 - it loads the chunk's integers once as a (BLOCK_O, groups, group) tile (int8) or (BLOCK_O,
@@ -24,14 +24,8 @@ import triton
 import triton.language as tl
 
 from ..weights.gpu_pack import CHUNK, GPUQuant
-from .gemv import (
-    assert_norm_weight,
-    cast_as,
-    launch_kwargs,
-    normed_chunk,
-    num_sms,
-    pdl_prologue,
-)
+from .gemv import assert_norm_weight, launch_kwargs, num_sms
+from .tiles import cast_as, normed_chunk, pdl_prologue
 
 MAX_TOKENS = 8
 
@@ -197,7 +191,7 @@ def qgemv_reference(
 ) -> torch.Tensor:
     """qgemv in plain PyTorch: the dequantized fp32 matrix, fp32 products, one rounding."""
     xf = x.float()
-    if norm_weight is not None:  # gemv.normed_chunk's rounding: fp32 statistics, one rounding
+    if norm_weight is not None:  # tiles.normed_chunk's rounding: fp32 statistics, one rounding
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         xf = (xf * rstd * norm_weight.float()).to(x.dtype).float()
     wf = w.dequantize()  # (L, O, K)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_TOKENS
-from .gemv import cast_as, rms_rstd, round_as
+from .tiles import cast_as, rms_rstd, round_as
 
 _SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -66,7 +66,7 @@ def norm_rope_rows(raw_ptr, unit, lane, L, S, pos0, cap, N_KV, n_units, g_ptr, o
                    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
     """One head of every token, a token at a time: x / rms(x), rounded, times g, rounded (the
     order of transformers' Qwen3RMSNorm), then RoPE in fp32. Each token's statistics come from
-    its own 1-D row load (gemv.rms_rstd), so its bits do not depend on S."""
+    its own 1-D row load (tiles.rms_rstd), so its bits do not depend on S."""
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_h = tl.arange(0, BLOCK_H)
     mask_h = offs_h < HALF

@@ -23,17 +23,12 @@ from . import tuning
 from .gemv import (
     assert_lane_weight,
     assert_norm_weight,
-    await_inputs,
     block_s,
-    cast_as,
-    first_tile,
     gemv_config,
     launch_kwargs,
-    rms_rstd_rows,
-    round_as,
-    stream_pair,
     tokens_of,
 )
+from .tiles import await_inputs, cast_as, first_tile, rms_rstd_rows, round_as, stream_pair
 
 
 @triton.jit
@@ -53,7 +48,7 @@ def norm_swiglu_task(
     stride_nwl,
     lane,  # the program's coordinates: (lane, row block)
     pid_o,
-    dep_ptr,  # what the inputs wait for (gemv.await_inputs)
+    dep_ptr,  # what the inputs wait for (tiles.await_inputs)
     dep_target,
     max_spin,
     err_ptr,

@@ -37,7 +37,7 @@ DEPS = "lane"  # persistent_tasks.py
 # small: at S = 8 the products' tiles shrink to 2-4 rows (gemv.fit_rows), which 4 warps would
 # split along K (another order than S = 1's), so the fused kernels take 2 warps there
 # (gemv.fit_warps). 2 warps for every S keeps every row's order independent of S (the sm_90
-# builds at S = 1 and 8 reduce with the same layouts: `aot.reduce_layouts`), so a verify's rows
+# builds at S = 1 and 8 reduce with the same layouts: `aot_read.reduce_layouts`), so a verify's rows
 # are lone steps and greedy speculation is plain decoding. The price: the attention's sums over
 # keys and splits follow the warps too, so the logits are the fused step's to rounding, not
 # bitwise, on a GPU; 4 warps give the fused step's bits at S = 1 and no batch invariance.
