@@ -22,12 +22,13 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .cache import KVCache, cache_dtype
-from .config import ModelConfig, SamplingParams
+from .config import ModelConfig
 from .errors import RequestError
 from .generation import Stats, Step
 from .model import Laneformer
 from .prefix import PrefixReuse
 from .sampler import Penalties, check_adjustments, make_generator, sample
+from .sampling_params import SamplingParams
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.draft_model import load_draft
 from .speculative.drafting import SpeculativeConfig

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import SamplingParams
 from .model import Laneformer
 from .sampler import logprobs_of, make_generator, sample
+from .sampling_params import SamplingParams
 
 
 @dataclass

@@ -11,9 +11,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from .config import SamplingParams
 from .engine import Engine
 from .generation import Step
+from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 

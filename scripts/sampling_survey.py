@@ -20,8 +20,8 @@ import textwrap
 import torch
 
 from expresslane.assets import default_model_dir
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
+from expresslane.sampling_params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 REQUESTS = [

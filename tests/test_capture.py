@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import tiny
 
-from expresslane.config import SamplingParams
 from expresslane.engine import PREPARED, Engine
 from expresslane.sampler import structure_key
+from expresslane.sampling_params import SamplingParams
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.step.graph import DecodeGraph, all_buckets
 from expresslane.step.split import ForwardGraph, PickGraph

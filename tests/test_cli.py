@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from expresslane.__main__ import main
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
+from expresslane.sampling_params import SamplingParams
 from expresslane.step.native import native_step_built
 from expresslane.tokenizer import Tokenizer
 

@@ -14,10 +14,11 @@ from test_speculative import chi_square, second_token_marginal
 
 from expresslane.assets import build_random_model, default_model_dir
 from expresslane.checkpoint import save_model
-from expresslane.config import ModelConfig, SamplingParams
+from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.errors import ConfigError
 from expresslane.model import Laneformer, init_weights
+from expresslane.sampling_params import SamplingParams
 from expresslane.speculative.draft_model import Draft, DraftModelDrafter
 from expresslane.speculative.drafting import SpeculativeConfig
 

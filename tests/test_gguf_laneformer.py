@@ -14,11 +14,11 @@ import torch
 
 from expresslane.assets import TRAINED
 from expresslane.checkpoint import load_model, open_checkpoint
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.gguf.tensors import GGUFCheckpoint
 from expresslane.gguf.write import main as write_main
 from expresslane.gguf.write import write_laneformer
+from expresslane.sampling_params import SamplingParams
 from expresslane.weights.packing import load_packed
 
 TOKENS = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(0))

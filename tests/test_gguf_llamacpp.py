@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from expresslane.checkpoint import load_model
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.gguf import variants
 from expresslane.gguf.fetch import cache_root
 from expresslane.gguf.quants import raw_to_float
 from expresslane.gguf.reader import read_header
+from expresslane.sampling_params import SamplingParams
 from expresslane.weights.packing import load_packed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: shared-core work

@@ -8,9 +8,9 @@ import pytest
 import tiny
 import torch
 
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.generation import reference_generate
+from expresslane.sampling_params import SamplingParams
 from expresslane.step.fused import FusedDecoder
 from expresslane.step.protocol import EagerStep
 

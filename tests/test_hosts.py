@@ -33,9 +33,10 @@ from netns import ROOT, Hosts
 
 from expresslane.assets import default_model_dir
 from expresslane.checkpoint import load_model, save_model
-from expresslane.config import ModelConfig, SamplingParams
+from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.model import Laneformer, init_weights
+from expresslane.sampling_params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 PROMPT = [1, 17, 40, 5, 88, 23, 9, 61]

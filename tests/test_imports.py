@@ -137,7 +137,7 @@ LAYERS = [
         "structured",
     ),
     ("tokenizer",),
-    ("config",),
+    ("config", "sampling_params"),
     ("hf_config",),
     ("errors",),
 ]

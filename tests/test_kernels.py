@@ -359,9 +359,9 @@ def test_engine_with_fused_kernels_equals_reference_generate(monkeypatch, family
     a Laneformer with a sliding ring, and a qwen3 (q/k norms, attention biases added)."""
     import tiny
 
-    from expresslane.config import SamplingParams
     from expresslane.engine import Engine
     from expresslane.generation import reference_generate
+    from expresslane.sampling_params import SamplingParams
 
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
     kw = dict(sliding_window=4)
@@ -382,8 +382,8 @@ def test_speculation_on_the_fused_kernels_is_the_plain_fused_step(monkeypatch):
     is the plain fused step's, token for token (the GPU's test_speculative asserts it there)."""
     import tiny
 
-    from expresslane.config import SamplingParams
     from expresslane.engine import Engine
+    from expresslane.sampling_params import SamplingParams
     from expresslane.speculative.drafting import SpeculativeConfig
 
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")

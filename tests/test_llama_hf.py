@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from expresslane.checkpoint import load_model
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
+from expresslane.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

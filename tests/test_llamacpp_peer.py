@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from expresslane.bench import llamacpp
-from expresslane.config import ModelConfig, SamplingParams
+from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.model import Laneformer, init_weights
+from expresslane.sampling_params import SamplingParams
 
 gguf = pytest.importorskip("gguf")
 

@@ -18,10 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 from expresslane.checkpoint import load_model, save_model
-from expresslane.config import ModelConfig, SamplingParams
+from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.errors import CheckpointError
 from expresslane.model import Laneformer, init_weights
+from expresslane.sampling_params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -28,12 +28,13 @@ import torch
 from expresslane.__main__ import main
 from expresslane.checkpoint import load_model, save_model
 from expresslane.cli.run import main as run_main
-from expresslane.config import ModelConfig, SamplingParams
+from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.model import Laneformer, init_weights
 from expresslane.parallel import ParallelEngine, load_shard
 from expresslane.parallel.exchange import gather_vocab
 from expresslane.parallel.launch import _lead_entry, load_lead_engine, spawn
+from expresslane.sampling_params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 BASE = dict(

@@ -21,10 +21,10 @@ import tiny
 import torch
 from test_packed_step import llama
 
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.errors import RequestError
 from expresslane.sampler import Penalties
+from expresslane.sampling_params import SamplingParams
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.textgen import stream_text
 from expresslane.tokenizer import StopStringMatcher, Tokenizer

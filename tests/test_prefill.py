@@ -15,9 +15,9 @@ import pytest
 import tiny
 import torch
 
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.model import attend, causal_attention, visible_mask, windowed_attention
+from expresslane.sampling_params import SamplingParams
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

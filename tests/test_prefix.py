@@ -20,9 +20,9 @@ import tiny
 import torch
 
 from expresslane.cache import KVCache
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.prefix import common_prefix, ring_starts
+from expresslane.sampling_params import SamplingParams
 
 TOL = 1e-5
 WINDOW = 16  # tiny.BASE's sliding window

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expresslane.config import SamplingParams
 from expresslane.errors import RequestError
 from expresslane.sampler import filter_logits, make_generator, sample
+from expresslane.sampling_params import SamplingParams
 
 
 def _logits(seed=0, v=50):

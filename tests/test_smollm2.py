@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from expresslane.__main__ import main
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.gguf.fetch import cache_root
+from expresslane.sampling_params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

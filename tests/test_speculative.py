@@ -17,10 +17,11 @@ import pytest
 import tiny
 import torch
 
-from expresslane.config import ModelConfig, SamplingParams
+from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.errors import ConfigError
 from expresslane.model import Laneformer, init_weights
+from expresslane.sampling_params import SamplingParams
 from expresslane.speculative.drafting import NgramDrafter, SpeculativeConfig
 
 NEAR_TIE = 1e-5

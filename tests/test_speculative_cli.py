@@ -52,8 +52,8 @@ def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
     from expresslane.bench.spec_workloads import MERGE, Workload
     from expresslane.bench.speculative import prompt_ids, run_speculative_bench, spec_table
     from expresslane.checkpoint import load_model
-    from expresslane.config import SamplingParams
     from expresslane.engine import Engine
+    from expresslane.sampling_params import SamplingParams
     from expresslane.speculative.drafting import SpeculativeConfig
     from expresslane.tokenizer import Tokenizer
 

@@ -15,8 +15,8 @@ import tiny
 import torch
 
 from expresslane.cache import KVCache
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
+from expresslane.sampling_params import SamplingParams
 from expresslane.speculative import decoder as spec_decode
 from expresslane.speculative.drafting import BackOff, NgramDrafter, SpeculativeConfig
 

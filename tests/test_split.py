@@ -19,8 +19,8 @@ import torch
 from host_traffic import NoHostTraffic
 
 from expresslane.cache import KVCache
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
+from expresslane.sampling_params import SamplingParams
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.step import graph as graph_mod
 from expresslane.step import split as split_mod

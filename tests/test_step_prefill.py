@@ -14,8 +14,8 @@ import pytest
 import tiny
 import torch
 
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
+from expresslane.sampling_params import SamplingParams
 from expresslane.step.native import MAX_TOKENS, available, native_step_built
 from expresslane.step.prefill import BF16_PRODUCTS, LOWP_BY_DTYPE, StepPrefill
 from expresslane.weights.packing import pack_model, products_in

@@ -15,9 +15,9 @@ import torch
 
 from expresslane.assets import default_model_dir
 from expresslane.bench.schemas import SCHEMAS
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
 from expresslane.sampler import apply_token_mask
+from expresslane.sampling_params import SamplingParams
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.structured import decoding as structured
 from expresslane.structured.grammar import GrammarCompiler, GrammarError, GrammarSpec

@@ -13,8 +13,8 @@ import pytest
 
 from expresslane.bench.schemas import SCHEMAS
 from expresslane.bench.structured import _prompt
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
+from expresslane.sampling_params import SamplingParams
 from expresslane.serve.tools import parse_calls, plan_tools, prompt_messages
 from expresslane.structured.grammar import GrammarCompiler, GrammarSpec
 from expresslane.tokenizer import Tokenizer

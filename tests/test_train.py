@@ -184,8 +184,8 @@ def test_corpus_manifest_is_deterministic_and_split_by_file(tmp_path):
     reason="the embedded model has not been trained yet",
 )
 def test_shipped_model_loads_generates_and_matches_readme():
-    from expresslane.config import SamplingParams
     from expresslane.engine import Engine
+    from expresslane.sampling_params import SamplingParams
     from expresslane.tokenizer import Tokenizer
 
     names = {p.name for p in ASSET.iterdir()}

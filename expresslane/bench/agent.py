@@ -41,10 +41,10 @@ import torch
 
 from ..assets import default_model_dir
 from ..checkpoint import load_model
-from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError, ExpressLaneError
 from ..parallel.launch import free_port
+from ..sampling_params import SamplingParams
 from ..textgen import generate_text
 from ..tokenizer import Tokenizer
 

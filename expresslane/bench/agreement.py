@@ -24,11 +24,11 @@ import json
 import torch
 
 from ..checkpoint import load_model, resolve_model_dir
-from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
 from ..gguf import find_gguf
 from ..kernels.qlinear import quantized_reference
+from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from ..weights.lora import load_adapter, merge
 from ..weights.packing import pack_gguf, pack_model, packed_format

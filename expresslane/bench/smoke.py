@@ -159,8 +159,8 @@ def graph_check(model, steps: int) -> dict:
     """Greedy tokens of the engine's decode graph (fused step, captured on CUDA) against the same
     fused kernels launched one at a time from the same prefilled cache."""
     from ..cache import KVCache
-    from ..config import SamplingParams
     from ..engine import Engine
+    from ..sampling_params import SamplingParams
     from ..step.fused import FusedDecoder
 
     cfg, p = model.cfg, next(model.parameters())

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ExpressLaneError
 from ..presets import load_model_config
+from ..sampling_params import SamplingParams
 from ..step.graph import DecodeGraph
 
 TRACES = Path(__file__).parent / "traces"

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import SamplingParams
 from ..engine import Engine
 from ..model import Laneformer
+from ..sampling_params import SamplingParams
 from ..speculative.drafting import SpeculativeConfig
 from .spec_workloads import KINDS, WORKLOADS, Workload
 

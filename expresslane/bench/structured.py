@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ExpressLaneError
+from ..sampling_params import SamplingParams
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from .schemas import SCHEMAS

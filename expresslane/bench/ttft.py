@@ -117,8 +117,8 @@ def reuse_rows(
     reuse on), the held prompt prefilled once, then `repeats` requests per count, each ending
     differently. Issue 24: under 1 ms per 100 new tokens."""
     from ..checkpoint import resolve_device, resolve_dtype
-    from ..config import SamplingParams
     from ..engine import Engine
+    from ..sampling_params import SamplingParams
     from .peers import prompt_ids
     from .weights import random_model
 

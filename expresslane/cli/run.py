@@ -16,10 +16,10 @@ from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..bench.ceiling import bytes_per_token
 from ..cache import KV_CACHE_DTYPES
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
-from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import ConfigError
 from ..parallel import launch, rendezvous
+from ..sampling_params import SamplingParams
 from ..speculative.drafting import SpeculativeConfig
 from ..step.choose import PREFILL_DTYPES, default_decode
 from ..step.threads import set_threads

@@ -9,8 +9,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import SamplingParams, logit_bias_pairs
 from ..errors import ConfigError, ExpressLaneError, RequestError
+from ..sampling_params import SamplingParams, logit_bias_pairs
 from ..speculative.prediction import check_prediction
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer

@@ -66,8 +66,8 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
     tokens > 1: of a step of that many tokens (a speculative verify's width); `persistent`: of
     the one-launch step (step/persistent.py) instead of the fused kernels."""
     from ..cache import KVCache
-    from ..config import SamplingParams
     from ..model import Laneformer
+    from ..sampling_params import SamplingParams
     from ..step.fused import FusedDecoder
     from ..step.persistent import PersistentDecoder
 

@@ -36,10 +36,10 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..config import SamplingParams
 from ..engine import Engine
 from ..generation import Step
 from ..sampler import sample
+from ..sampling_params import SamplingParams
 from ..step.prefill import PREFILL_CHUNK
 from .exchange import gather_vocab, sample_sharded
 from .model import ParallelLaneformer

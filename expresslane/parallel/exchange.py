@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import SamplingParams
 from ..errors import ConfigError
 from ..sampler import sample
+from ..sampling_params import SamplingParams
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ..config import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 @dataclass

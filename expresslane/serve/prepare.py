@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import SamplingParams
 from ..engine import Engine
 from ..errors import RequestError, TokenizerError
+from ..sampling_params import SamplingParams
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from ..tokenizer.bounds import text_bytes

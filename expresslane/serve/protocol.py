@@ -28,8 +28,8 @@ from pydantic import (
     field_validator,
 )
 
-from ..config import FP32_MAX, logit_bias_pairs
 from ..errors import ExpressLaneError, RequestError
+from ..sampling_params import FP32_MAX, logit_bias_pairs
 from . import unsupported
 
 

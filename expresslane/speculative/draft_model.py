@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ..config import SamplingParams
 from ..errors import ConfigError
+from ..sampling_params import SamplingParams
 from ..step.graph import DecodeGraph
 from .drafting import DRAFT_MODEL_MARGIN
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SamplingParams
 from ..errors import ConfigError
 from ..sampler import SamplerKnobs, filter_logits
+from ..sampling_params import SamplingParams
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32

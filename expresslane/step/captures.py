@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
-from ..config import SamplingParams
 from ..sampler import structure_key
+from ..sampling_params import SamplingParams
 from .graph import DecodeGraph
 
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
-from ..config import SamplingParams
 from ..kernels import MAX_TOKENS, decode_step, ref, use_triton
 from ..model import Laneformer, Partials
 from ..rope import cos_sin
 from ..sampler import SamplerKnobs, sample
+from ..sampling_params import SamplingParams
 
 # The most steps one CUDA-graph replay may run (Engine checks steps_per_replay against it).
 MAX_OVERRUN = 64

@@ -38,11 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import KVCache
-from ..config import ModelConfig, SamplingParams
+from ..config import ModelConfig
 from ..kernels.ref import _head_input
 from ..model import Laneformer, Partials
 from ..rope import apply_rope, cos_sin
 from ..sampler import SamplerKnobs, sample
+from ..sampling_params import SamplingParams
 from ..weights.packing import pack_model
 from ..weights.quant import QTensor, matvec
 from .fused import MAX_OVERRUN

@@ -21,9 +21,9 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVCache
-from ..config import SamplingParams
 from ..model import Laneformer
 from ..sampler import SamplerKnobs, sample
+from ..sampling_params import SamplingParams
 from .fused import FusedDecoder, check_width
 from .fused import supports as fused_supports
 from .persistent_plan import KINDS_PER_CONFIG, Plan, attention_keys, build_plan, projection_keys

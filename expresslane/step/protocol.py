@@ -23,9 +23,9 @@ from typing import Protocol
 import torch
 
 from ..cache import KVCache
-from ..config import SamplingParams
 from ..model import Laneformer
 from ..sampler import SamplerKnobs, sample
+from ..sampling_params import SamplingParams
 
 
 class Step(Protocol):

@@ -39,8 +39,8 @@ import time
 import torch
 
 from ..cache import KVCache
-from ..config import SamplingParams
 from ..sampler import SamplerKnobs, logprobs_of, make_generator, sample, structure_key
+from ..sampling_params import SamplingParams
 from .graph import DecodeGraph, forget
 from .protocol import Step
 

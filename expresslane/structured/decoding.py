@@ -39,8 +39,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..config import SamplingParams
 from ..sampler import Penalties, SamplerKnobs, apply_token_mask, sample
+from ..sampling_params import SamplingParams
 from ..speculative.drafting import accept
 from ..step.split import SplitSteps, forward_logits, step_rows
 from .grammar import GrammarError, Matcher

@@ -11,8 +11,8 @@ import pytest
 from serverkit import CTX, delta, metrics
 
 from expresslane.checkpoint import load_model
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
+from expresslane.sampling_params import SamplingParams
 from expresslane.textgen import generate_text
 from expresslane.tokenizer import Tokenizer
 

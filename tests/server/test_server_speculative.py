@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from expresslane.cli.serve import serving
-from expresslane.config import SamplingParams
 from expresslane.engine import Engine
+from expresslane.sampling_params import SamplingParams
 from expresslane.serve import create_app
 from expresslane.serve.metrics import parse_metrics
 from expresslane.speculative.drafting import SpeculativeConfig
