@@ -7,11 +7,10 @@ run a covering subset (4 processes on a shared 2-core CPU pay ~8 ms per collecti
 gathered logits equal the one-process model's within fp32 tolerance, 64 greedy tokens and 64
 seeded temperature-sampled tokens equal the one-process Engine's, each rank loads exactly its
 slices' bytes, and consuming DTP messages one layer early is caught by the logits comparison.
-The 2-rank group also runs `expresslane run` as torchrun ranks (rank 0 alone prints), a
-serve-like lead with a follower (a closed stream and a cancel both stop the follower in step),
-and the Llama case with a LoRA adapter merged into each rank's slices (the one-process merge's
-logits and tokens).
-Prefix reuse on 2 ranks (rings with DTP delay 2, and Llama): agent turns equal a cold
+The 2-rank group also runs `expresslane run` as torchrun ranks (rank 0 alone prints), a serve-
+like lead with a follower (a closed stream and a cancel both stop the follower in step), and the
+Llama case with a LoRA adapter merged in each rank's slices (the one-process merge's logits and
+tokens). Prefix reuse on 2 ranks (rings with DTP delay 2, and Llama): agent turns equal a cold
 one-process engine's, and a rank that lost its cache makes every rank start from 0.
 `expresslane bench --devices 2` on a preset decodes the single-device bench's tokens; a bad
 --devices is one line and exit code 2 before any process starts."""

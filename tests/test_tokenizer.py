@@ -13,7 +13,6 @@ from expresslane.errors import TokenizerError
 from expresslane.tokenizer import (
     LANEFORMER_CHAT_TEMPLATE,
     IncrementalDetokenizer,
-    StopStringMatcher,
     Tokenizer,
 )
 from expresslane.train.tokenizer_train import tiny_corpus, train_tiny_tokenizer, train_tokenizer
@@ -266,48 +265,6 @@ def test_config_template_and_jinja_file(tiny_dir, tmp_path):
         cont = CONVERSATIONS[2] + [{"role": "assistant", "content": "Sure, "}]
         theirs = hf.apply_chat_template(cont, tokenize=False, continue_final_message=True)
         assert tk.apply_chat_template(cont, continue_final_message=True) == theirs
-
-
-# ---------------------------------------------------------------------------- stop strings
-
-STOP_CASES = [
-    # (stops, pushes, emitted text, stopped)
-    (["STOP"], ["ab", "cS", "T", "O", "Pxyz"], "abc", True),
-    (["aab"], ["a", "a", "a", "b", "more"], "a", True),
-    (["abcd", "bc"], ["a", "b", "c", "d"], "a", True),
-    (["xyz", "b"], ["abcxyz"], "a", True),
-    (["Hi"], ["Hi there"], "", True),
-    (["\n\n"], ["line\n", "\nnext"], "line", True),
-    (["END"], ["the E", "N", "d"], "the ENd", False),
-    (["END"], ["xEN"], "xEN", False),
-    ([], ["free ", "text"], "free text", False),
-    ([""], ["empty stops are ignored"], "empty stops are ignored", False),
-]
-
-
-@pytest.mark.parametrize("stops,pushes,expected,stopped", STOP_CASES)
-def test_stop_string_table(stops, pushes, expected, stopped):
-    matcher, out, done = StopStringMatcher(stops), "", False
-    for text in pushes:
-        emit, done = matcher.push(text)
-        out += emit
-    out += matcher.flush()
-    assert (out, done) == (expected, stopped)
-
-
-def test_stop_strings_random_against_find():
-    rng = random.Random(3)
-    for _ in range(300):
-        text = "".join(rng.choice("ab\n") for _ in range(rng.randrange(0, 25)))
-        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randrange(1, 4))) for _ in range(2)]
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        expected = text[: min(hits)] if hits else text
-        matcher, out, cut = StopStringMatcher(stops), "", sorted(rng.sample(range(26), 4))
-        for a, b in zip([0] + cut, cut + [len(text)], strict=True):
-            emit, done = matcher.push(text[a:b])
-            out += emit
-            assert expected.startswith(out)  # nothing emitted is ever taken back
-        assert (out + matcher.flush(), done) == (expected, bool(hits))
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -6,7 +6,8 @@ Laneformer (serverkit.py): bodies the schema calls valid for /v1/chat/completion
 the refusal is one no schema can state (the prompt longer than the context, a token id outside
 this model's vocabulary, the model's chat template refusing the conversation); invalid bodies
 must get a 4xx; nothing anywhere gets a 5xx. Bounded: a few dozen examples, max_tokens capped,
-no deadline, derandomized (the same examples every run).
+no deadline, derandomized (the same examples every run). Every operation of the schema, too:
+a few generated requests each, the answers checked against the schema.
 """
 
 from __future__ import annotations
@@ -131,3 +132,39 @@ def test_fuzz_from_the_schema_reaches_generation_and_never_5xx(server):
     for path in (C, CH):  # generation was reached, many times
         assert seen[(path, "positive", 200)] >= 10, seen
     assert not [k for k in seen if k[2] >= 500]
+
+
+# --- the schema -------------------------------------------------------------------------------
+def test_openapi_schema_validates_real_requests_and_responses(server):
+    limits = ServeLimits(max_n=2)
+    with own_server(server, limits=limits) as s:
+        raw = httpx.get(s.url + "/openapi.json").json()
+        assert httpx.get(s.url + "/docs").status_code == 200
+        assert httpx.get(s.url + "/redoc").status_code == 200
+        body = raw["paths"][C]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+        assert raw["components"]["schemas"]["CompletionRequest"]["properties"]["n"]["maximum"] == 2
+        schema = schemathesis.openapi.from_dict(raw)
+        ran = []
+        for result in schema.get_all_operations():
+            _schemathesis_check(result.ok(), s.url, ran)()
+    assert {C, CH, "/tokenize", "/detokenize", "/health"} <= {r.split(" ")[1] for r in ran}
+
+
+def _schemathesis_check(op, url: str, ran: list):
+    """A few generated requests to one operation, each answer checked against the schema."""
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+    # Schema-valid requests may still be refused (a token id outside the vocabulary, a prompt
+    # longer than the context): everything else is checked, no 5xx above all.
+    @given(case=op.as_strategy())
+    @settings(max_examples=4, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    def check(case):
+        if isinstance(case.body, dict) and "max_tokens" not in case.body:
+            case.body["max_tokens"] = 4  # keep the run short; other values still come
+        case.call_and_validate(base_url=url, excluded_checks=[positive_data_acceptance])
+        ran.append(op.label)
+
+    return check
