@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     from ..serve.guards import ServeLimits
+    from ..serve.reasoning import PARSERS
 
     d = ServeLimits()
     p.add_argument(
@@ -101,6 +102,9 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="fcfs: requests in arrival order (a priority other than 0 is a "
                    "400); priority: the lowest `priority` first, ties in arrival order "
                    "(vLLM's)")  # fmt: skip
+    p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                   help="split a thinking model's <think> reasoning from its answer: "
+                   "`reasoning_content` / `reasoning` in chat answers (vLLM's flag)")  # fmt: skip
     p.add_argument("--allowed-origins", type=_origins, default=(),
                    help="web origins allowed by CORS: a JSON list as vLLM takes it, or "
                    "comma-separated (default none)")  # fmt: skip
@@ -133,6 +137,7 @@ def limits_from(args: argparse.Namespace):
         scheduling_policy=args.scheduling_policy,
         allowed_origins=tuple(args.allowed_origins),
         allowed_headers=tuple(args.allowed_headers),
+        reasoning_parser=args.reasoning_parser,
     )
 
 

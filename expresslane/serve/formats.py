@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from .jobs import Accumulator, Event, TokenInfo
 from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .protocol import new_id
+from .reasoning import ReasoningStream, split
 from .tools import ToolPlan, may_open_call, parse_calls
 
 
@@ -130,14 +132,17 @@ class ChatFormat(_Format):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, model: str, text: TokenText, n: int, logprobs: bool,
-                 tools: ToolPlan | None = None, echo: str = ""):  # fmt: skip
+                 tools: ToolPlan | None = None, echo: str = "", reasoning: str | None = None,
+                 include_reasoning: bool = True):  # fmt: skip
         """`echo`: text every answer begins with (vLLM's chat echo of a trailing assistant
-        message)."""
+        message). `reasoning`: the parser that splits the reasoning out (reasoning.py)."""
         super().__init__(model, text, "chatcmpl")
         self.n, self.logprobs, self.echo = n, logprobs, echo
         self.tools = tools  # its calls are parsed out of the text (tools.py)
         self._held: dict[int, str] = {}  # per choice: streamed text held back (may open a call)
         self._flowing: set[int] = set()  # choices whose text is plain content
+        self.parser, self.show = reasoning, include_reasoning
+        self._thought: dict[int, ReasoningStream] = {}  # per choice, streaming
 
     def _lp(self, tokens: list[TokenInfo]) -> dict | None:
         return {"content": chat_logprobs(tokens, self.text)} if self.logprobs else None
@@ -154,6 +159,20 @@ class ChatFormat(_Format):
         ]
 
     def chunk(self, ev: Event) -> dict | None:
+        if self.parser is None or ev.kind not in ("delta", "finish"):
+            return self._answer_chunk(ev)
+        stream = self._thought.setdefault(ev.index, ReasoningStream(self.parser))
+        thought, text = stream.push(ev.text) if ev.kind == "delta" else stream.flush()
+        out = self._answer_chunk(dataclasses.replace(ev, text=text))
+        if not (thought and self.show):
+            return out
+        out = out or {"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": None}
+        if not out["delta"].get("content"):
+            out["delta"].pop("content", None)
+        out["delta"] = {"reasoning_content": thought, "reasoning": thought, **out["delta"]}
+        return out
+
+    def _answer_chunk(self, ev: Event) -> dict | None:
         if self.tools is not None and ev.kind in ("delta", "finish"):
             return self._tool_chunk(ev)
         if ev.kind == "delta":
@@ -209,7 +228,10 @@ class ChatFormat(_Format):
     def response(self, accs: dict[int, Accumulator], usage: dict, timings: dict) -> dict:
         choices = []
         for i, a in sorted(accs.items()):
-            message, finish = self._message(a.text, a.finish_reason)
+            thought, answer = split(a.text, self.parser) if self.parser else (None, a.text)
+            message, finish = self._message(answer, a.finish_reason)
+            if self.parser and self.show:  # vLLM's field and llama.cpp's, the same text
+                message["reasoning_content"] = message["reasoning"] = thought or None
             if self.echo:
                 message["content"] = self.echo + (message.get("content") or "")
             choices.append({"index": i, "message": message, "logprobs": self._lp(a.tokens),

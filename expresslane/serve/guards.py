@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, RequestError
+from .reasoning import PARSERS
 
 if TYPE_CHECKING:  # starlette only where a request is served: `serve --help` and the GPU
     from starlette.requests import Request  # stages import ServeLimits without it
@@ -30,7 +31,8 @@ DRAIN_LIMIT = 64 * MiB  # beyond this a refused body is not read to its end: the
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """Limits on what one request may ask of the server (docs/serving.md)."""
+    """Limits on what one request may ask of the server (docs/serving.md), and the server-wide
+    choices that shape every answer (the reasoning parser)."""
 
     max_request_bytes: int = 4 * MiB  # request body size; larger bodies get 413
     max_queue: int = 128  # requests being prepared or waiting for the engine; beyond: 503
@@ -41,11 +43,15 @@ class ServeLimits:
     scheduling_policy: str = "fcfs"
     allowed_origins: tuple[str, ...] = ()  # CORS; none by default
     allowed_headers: tuple[str, ...] = ("*",)  # CORS request headers: all, as vLLM allows
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser (reasoning.py); None: off
 
     def validate(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"--scheduling-policy {self.scheduling_policy}: expected fcfs or "
                               "priority")  # fmt: skip
+        if self.reasoning_parser not in (None, *PARSERS):
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser}: expected one of "
+                              f"{', '.join(PARSERS)}")  # fmt: skip
         for name in ("max_request_bytes", "max_queue", "max_n"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")

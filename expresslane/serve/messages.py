@@ -20,8 +20,9 @@ the template, tool calls, grammars, sampling, prefix reuse and errors are the ch
   `client.messages.parse(output_format=PydanticModel)` sends) -> `response_format`.
 
 Accepted and not applied, as the servers above take them: `metadata`, `service_tier`,
-`thinking` and `output_config.effort` (no reasoning here), `cache_control` on blocks (prefix
-reuse needs no hint).
+`thinking` and `output_config.effort` (a model's thinking is its template's, shown as `thinking`
+blocks with `serve --reasoning-parser`), `cache_control` on blocks (prefix reuse needs no hint).
+`structured_outputs` passes through, as vLLM's extension.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from . import protocol as P
 from .responses import renamed as rename_param
 
 PASSED = ("seed", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "min_tokens", "ignore_eos", "chat_template_kwargs", "priority")  # fmt: skip
+          "min_tokens", "ignore_eos", "chat_template_kwargs", "priority",
+          "structured_outputs")  # fmt: skip
 SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
 # chat's parameter names as an Anthropic client knows them (in errors)
 PARAMS = {"messages": "messages", "max_completion_tokens": "max_tokens", "stop": "stop_sequences",

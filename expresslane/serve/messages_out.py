@@ -6,6 +6,9 @@ block per call (`input`: the call's arguments as an object). `stop_reason`: `end
 `input_tokens`, `output_tokens`, and `cache_read_input_tokens` for the prompt tokens the KV
 cache already held (prefix reuse; `cache_creation_input_tokens` is 0: nothing is billed here).
 
+With `serve --reasoning-parser` (reasoning.py), a thinking model's reasoning comes first, as a
+`thinking` block (its `signature` empty: nothing here signs it), streamed as `thinking_delta`s.
+
 A stream is Anthropic's events (`event: <type>`, `data: <json>`): `message_start`, then per block
 `content_block_start`, its deltas (`text_delta`; a tool call's arguments as one
 `input_json_delta`, since the chat path parses calls when the answer ends) and
@@ -59,10 +62,12 @@ class MessageShape:
                 "usage": usage}  # fmt: skip
 
     @staticmethod
-    def content(text: str, calls: list[dict]) -> list[dict]:
+    def content(text: str, calls: list[dict], thought: str | None = None) -> list[dict]:
         blocks = [_tool_use(c) for c in calls]
         if text or not calls:
             blocks.insert(0, {"type": "text", "text": text})
+        if thought:
+            blocks.insert(0, {"type": "thinking", "thinking": thought, "signature": ""})
         return blocks
 
     def message(self, chat: dict) -> dict:
@@ -70,8 +75,8 @@ class MessageShape:
         choice = chat["choices"][0]
         msg, calls = choice["message"], choice["message"].get("tool_calls") or []
         stop = _stop(choice["finish_reason"], choice.get("stop_reason"), bool(calls))
-        out = self.envelope(self.content(msg.get("content") or "", calls), stop,
-                            _usage(chat["usage"]))  # fmt: skip
+        blocks = self.content(msg.get("content") or "", calls, msg.get("reasoning_content"))
+        out = self.envelope(blocks, stop, _usage(chat["usage"]))
         if chat.get("timings") is not None:
             out["timings"] = chat["timings"]  # an extra key, as on chat
         return out
@@ -82,7 +87,7 @@ class MessageEvents:
 
     def __init__(self, shape: MessageShape, prompt_tokens: int):
         self.shape, self.prompt_tokens = shape, prompt_tokens
-        self.text_open = False
+        self.text_open, self.thinking, self.base = False, False, 0  # base: the text's index
         self.calls: list[dict] = []
         self.finish, self.stop_reason = None, None
 
@@ -97,15 +102,35 @@ class MessageEvents:
         msg = self.shape.envelope([], (None, None), usage)
         return [self.event("message_start", message=msg)]
 
+    def _thinking(self, text: str) -> list[str]:
+        out = []
+        if not self.thinking:
+            self.thinking, self.base = True, 1
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+            out.append(self.event("content_block_start", index=0, content_block=block))
+        delta = {"type": "thinking_delta", "thinking": text}
+        return [*out, self.event("content_block_delta", index=0, delta=delta)]
+
+    def _close_thinking(self) -> list[str]:
+        if not self.thinking:
+            return []
+        self.thinking = False
+        return [self.event("content_block_stop", index=0)]
+
+    def _open_text(self) -> list[str]:
+        self.text_open = True
+        return [*self._close_thinking(), self.event("content_block_start", index=self.base,
+                content_block={"type": "text", "text": ""})]  # fmt: skip
+
     def chunk(self, choice: dict) -> list[str]:
         out, delta = [], choice.get("delta") or {}
+        if delta.get("reasoning_content"):
+            out += self._thinking(delta["reasoning_content"])
         text = delta.get("content") or ""
         if text:
             if not self.text_open:
-                self.text_open = True
-                out.append(self.event("content_block_start", index=0,
-                                      content_block={"type": "text", "text": ""}))  # fmt: skip
-            out.append(self.event("content_block_delta", index=0,
+                out += self._open_text()
+            out.append(self.event("content_block_delta", index=self.base,
                                   delta={"type": "text_delta", "text": text}))  # fmt: skip
         self.calls += delta.get("tool_calls") or []
         if choice.get("finish_reason") is not None:
@@ -113,13 +138,12 @@ class MessageEvents:
         return out
 
     def finish_events(self, chat_usage: dict) -> list[str]:
-        out, at = [], 0
+        out, at = self._close_thinking(), self.base
         if self.text_open or not self.calls:
             if not self.text_open:
-                out.append(self.event("content_block_start", index=0,
-                                      content_block={"type": "text", "text": ""}))  # fmt: skip
-            out.append(self.event("content_block_stop", index=0))
-            at = 1
+                out += self._open_text()
+            out.append(self.event("content_block_stop", index=at))
+            at += 1
         for j, call in enumerate(self.calls, start=at):
             block = _tool_use(call)
             out += [

@@ -286,7 +286,8 @@ class Preparer:
             for j in range(req.n)
         ]
         fmt = ChatFormat(model, self.token_text(req), req.n, req.logprobs,
-                         plan if plan and plan.parses else None, self.chat_echo(req))  # fmt: skip
+                         plan if plan and plan.parses else None, self.chat_echo(req),
+                         self.limits.reasoning_parser, req.include_reasoning)  # fmt: skip
         return Prepared(
             specs, len(ids), req.stream, req.include_usage, fmt, self.priority(req.priority)
         )

@@ -255,6 +255,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: Bool = True
     continue_final_message: Bool | None = None  # None: continue a trailing assistant message
     echo: Bool = False  # vLLM's: the answer begins with a trailing assistant message's text
+    include_reasoning: Bool = True  # vLLM's: with `serve --reasoning-parser`, reasoning shown
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}}}
     )
@@ -274,16 +275,10 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # /tokenize needs one of these (a string, or the messages); the preparer says so as a 400
-TOKENIZE_SOURCES = {
-    "anyOf": [
-        {"required": [name], "properties": {name: kind}}
-        for name, kind in (
-            ("prompt", {"type": "string"}),
-            ("content", {"type": "string"}),
-            ("messages", {"type": "array"}),
-        )
-    ]
-}
+TOKENIZE_SOURCES = {"anyOf": [
+    {"required": [name], "properties": {name: {"type": kind}}}
+    for name, kind in (("prompt", "string"), ("content", "string"), ("messages", "array"))
+]}  # fmt: skip
 
 
 class TokenizeRequest(_Request):

@@ -7,6 +7,10 @@ per call. `finish_reason: "length"` is `status: "incomplete"` with `incomplete_d
 "max_output_tokens"`. Usage is `input_tokens` / `output_tokens` (cached input tokens: prefix
 reuse).
 
+With `serve --reasoning-parser` (reasoning.py), a thinking model's reasoning comes first, as a
+`reasoning` item whose `content` is one `reasoning_text` part (streamed as
+`response.reasoning_text.delta` events), and goes back into the conversation with the turn.
+
 A stream is the events OpenAI sends, each `event: <type>` and `data: <json>` with a
 `sequence_number`: `response.created`, `response.in_progress`, then per item
 `response.output_item.added`, (`response.content_part.added`, `response.output_text.delta` ...,
@@ -45,7 +49,7 @@ class ResponseShape:
 
     def __init__(self, req: ResponsesRequest, model: str, conversation: list[dict]):
         self.req, self.model, self.conversation = req, model, conversation
-        self.id, self.message_id = _id("resp"), _id("msg")
+        self.id, self.message_id, self.reasoning_id = _id("resp"), _id("msg"), _id("rs")
         self.created = int(time.time())
 
     def envelope(self, status: str, output: list[dict], usage_: dict | None = None,
@@ -72,6 +76,11 @@ class ResponseShape:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
                 "content": [part]}  # fmt: skip
 
+    def reasoning(self, text: str, status: str) -> dict:
+        part = {"type": "reasoning_text", "text": text}
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": [part],
+                "status": status}  # fmt: skip
+
     @staticmethod
     def call(c: dict) -> dict:
         """A chat tool call as a `function_call` item."""
@@ -79,11 +88,14 @@ class ResponseShape:
                 "call_id": c["id"], "name": c["function"]["name"],
                 "arguments": c["function"]["arguments"], "status": "completed"}  # fmt: skip
 
-    def output(self, text: str, calls: list[dict], finish: str | None, lp: list | None) -> list:
+    def output(self, text: str, calls: list[dict], finish: str | None, lp: list | None,
+               reasoning: str | None = None) -> list:  # fmt: skip
         items = [self.call(c) for c in calls]
+        status = "incomplete" if finish == "length" else "completed"
         if text or not calls:
-            status = "incomplete" if finish == "length" else "completed"
             items.insert(0, self.message(text, status, lp))
+        if reasoning:
+            items.insert(0, self.reasoning(reasoning, "completed"))
         return items
 
     def response(self, chat: dict) -> dict:
@@ -91,7 +103,8 @@ class ResponseShape:
         choice = chat["choices"][0]
         msg, finish = choice["message"], choice["finish_reason"]
         lp = choice["logprobs"]["content"] if choice.get("logprobs") else None
-        output = self.output(msg.get("content") or "", msg.get("tool_calls") or [], finish, lp)
+        output = self.output(msg.get("content") or "", msg.get("tool_calls") or [], finish, lp,
+                             msg.get("reasoning_content"))  # fmt: skip
         return self.finished(output, usage(chat["usage"]), finish, chat.get("timings"))
 
     def finished(self, output: list, usage_: dict, finish: str | None, timings) -> dict:
@@ -104,15 +117,19 @@ class ResponseShape:
 
     def turn(self, response: dict) -> list[dict]:
         """The conversation after this response, as chat messages (for previous_response_id)."""
-        text, calls = "", []
+        text, calls, thought = "", [], None
         for item in response["output"]:
             if item["type"] == "message":
                 text = item["content"][0]["text"]
+            elif item["type"] == "reasoning":
+                thought = item["content"][0]["text"]
             else:
                 calls.append({"id": item["call_id"], "type": "function",
                               "function": {"name": item["name"],
                                            "arguments": item["arguments"]}})  # fmt: skip
         reply: dict = {"role": "assistant", "content": text}
+        if thought:  # the chat template sees it as reasoning_content (tokenizer/chat.py)
+            reply["reasoning_content"] = thought
         if calls:
             reply["tool_calls"] = calls
         return [*self.conversation, reply]
@@ -125,6 +142,7 @@ class ResponseEvents:
         self.shape, self.seq = shape, 0
         self.text, self.logprobs, self.calls = "", [], []
         self.opened, self.finish = False, None
+        self.thought, self.thinking, self.base = "", False, 0  # base: the message's index
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -137,20 +155,45 @@ class ResponseEvents:
                 self.event("response.in_progress", response=r)]  # fmt: skip
 
     def _where(self) -> dict:
-        return {"item_id": self.shape.message_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.shape.message_id, "output_index": self.base, "content_index": 0}
 
     def _open(self) -> list[str]:
-        self.opened = True
+        out, self.opened = self._close_reasoning(), True
         empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
-            self.event("response.output_item.added", output_index=0,
+            *out,
+            self.event("response.output_item.added", output_index=self.base,
                        item={**self.shape.message("", "in_progress", None), "content": []}),
             self.event("response.content_part.added", **self._where(), part=empty),
         ]  # fmt: skip
 
+    def _reasoning_delta(self, text: str) -> list[str]:
+        where = {"item_id": self.shape.reasoning_id, "output_index": 0, "content_index": 0}
+        out = []
+        if not self.thinking:
+            self.thinking, self.base = True, 1
+            item = {**self.shape.reasoning("", "in_progress"), "content": []}
+            out += [self.event("response.output_item.added", output_index=0, item=item),
+                    self.event("response.content_part.added", **where,
+                               part={"type": "reasoning_text", "text": ""})]  # fmt: skip
+        self.thought += text
+        return [*out, self.event("response.reasoning_text.delta", **where, delta=text)]
+
+    def _close_reasoning(self) -> list[str]:
+        if not self.thinking:
+            return []
+        self.thinking = False
+        where = {"item_id": self.shape.reasoning_id, "output_index": 0, "content_index": 0}
+        item = self.shape.reasoning(self.thought, "completed")
+        return [self.event("response.reasoning_text.done", **where, text=self.thought),
+                self.event("response.content_part.done", **where, part=item["content"][0]),
+                self.event("response.output_item.done", output_index=0, item=item)]  # fmt: skip
+
     def chunk(self, choice: dict) -> list[str]:
         """Events for one chat stream choice (a delta, or the finishing one)."""
         out, delta = [], choice.get("delta") or {}
+        if delta.get("reasoning_content"):
+            out += self._reasoning_delta(delta["reasoning_content"])
         text = delta.get("content") or ""
         lp = (choice.get("logprobs") or {}).get("content") or []
         if text or lp:
@@ -167,21 +210,22 @@ class ResponseEvents:
 
     def finish_events(self, chat_usage: dict, timings: dict | None) -> tuple[dict, list[str]]:
         """(the whole response, the closing events)."""
-        shape, out = self.shape, []
-        output = shape.output(self.text, self.calls, self.finish, self.logprobs)
-        at = 0
-        if output and output[0]["type"] == "message":
+        shape, out = self.shape, self._close_reasoning()
+        output = shape.output(self.text, self.calls, self.finish, self.logprobs,
+                              self.thought or None)  # fmt: skip
+        at = self.base
+        if at < len(output) and output[at]["type"] == "message":
             if not self.opened:
                 out += self._open()
-            msg = output[0]
+            msg = output[at]
             out += [
                 self.event("response.output_text.done", **self._where(), text=self.text,
                            logprobs=self.logprobs),
                 self.event("response.content_part.done", **self._where(),
                            part=msg["content"][0]),
-                self.event("response.output_item.done", output_index=0, item=msg),
+                self.event("response.output_item.done", output_index=at, item=msg),
             ]  # fmt: skip
-            at = 1
+            at += 1
         for j, item in enumerate(output[at:], start=at):
             where = {"item_id": item["id"], "output_index": j}
             out += [

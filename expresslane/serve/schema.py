@@ -139,6 +139,7 @@ class ChatLogprobs(_Open):
 class AssistantMessage(_Open):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None  # with `serve --reasoning-parser`; `reasoning` alike
 
 
 class ChatChoice(_Open):
@@ -163,6 +164,7 @@ class ChatCompletionResponse(_Open):
 class ChatDelta(_Open):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with `serve --reasoning-parser`; `reasoning` alike
 
 
 class ChatChunkChoice(_Open):

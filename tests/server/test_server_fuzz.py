@@ -61,7 +61,8 @@ def _bounded(body, vocab: int):
         for key in ("max_tokens", "max_completion_tokens"):
             if _is_id(body.get(key)):  # an int, or a float JSON may give for one
                 body[key] = min(int(body[key]), MAX_TOKENS)
-        body.setdefault("max_tokens", MAX_TOKENS)
+        if body.get("max_tokens") is None:  # null is the schema's too: the context's rest
+            body["max_tokens"] = MAX_TOKENS
         for key in UNDECLARED:  # read beyond the schema: a random value there is its own 400
             body.pop(key, None)
         if _is_id(body.get("min_tokens")):  # at most max_tokens: a relation, not a schema rule

@@ -1,0 +1,152 @@
+"""`serve --reasoning-parser`: a thinking model's reasoning apart from its answer, through a real
+uvicorn.
+
+The tiny model cannot think, so a regex (`structured_outputs`) makes it write the tags. A server
+without a parser returns that whole text; a server with one must split it as
+`reasoning.split` splits the same text: in one body (`reasoning_content` and `reasoning`), in a
+stream read by the `openai` client, with tool calls parsed from the answer alone, and in the
+Responses API (a `reasoning` item) and the Messages API (a `thinking` block).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import anthropic
+import openai
+import pytest
+from serverkit import NAME, post
+from test_server_hostile import CH, own_server
+
+from expresslane.serve.guards import ServeLimits
+from expresslane.serve.reasoning import split
+
+THINK = r"<think>[a-z ]{6,14}</think>\n\n[a-z]{2,8}"
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+CALL = r'<think>[a-z]{3,8}</think>\n<tool_call>\n\{"name": "get_weather", "arguments": ' \
+       r'\{"city": "[a-z]{2,6}"\}\}\n</tool_call>'  # fmt: skip
+
+
+def chat_body(regex: str, **kw) -> dict:
+    return {"model": NAME, "messages": [{"role": "user", "content": "why?"}], "max_tokens": 60,
+            "temperature": 0,
+            "structured_outputs": {"regex": regex}, **kw}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def servers(server):
+    """(a server without a parser, one with deepseek_r1, one with qwen3), the same weights."""
+    with (
+        own_server(server) as plain,
+        own_server(server, limits=ServeLimits(reasoning_parser="deepseek_r1")) as deep,
+        own_server(server, limits=ServeLimits(reasoning_parser="qwen3")) as qwen,
+    ):
+        yield plain, deep, qwen
+
+
+def stream(s, body: dict):
+    """The `openai` client's stream of a chat body (vLLM's fields through extra_body)."""
+    body = dict(body)
+    extra = {"structured_outputs": body.pop("structured_outputs")}
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    return client.chat.completions.create(stream=True, extra_body=extra, **body)
+
+
+def test_one_body_splits_the_reasoning(servers):
+    plain, deep, qwen = servers
+    raw = post(plain, CH, chat_body(THINK))["choices"][0]["message"]
+    assert re.fullmatch(THINK, raw["content"]) and "reasoning_content" not in raw
+    reasoning, content = split(raw["content"], "deepseek_r1")
+    assert reasoning and content and "<think>" not in reasoning + content
+    for s in (deep, qwen):  # the output opens with <think>: both parsers split it
+        msg = post(s, CH, chat_body(THINK))["choices"][0]["message"]
+        assert (msg["reasoning_content"], msg["reasoning"], msg["content"]) == (
+            reasoning, reasoning, content)  # fmt: skip
+    hidden = post(deep, CH, chat_body(THINK, include_reasoning=False))["choices"][0]["message"]
+    assert hidden["content"] == content and "reasoning_content" not in hidden
+    # no tags: qwen3 (thinking turned off) answers it all as content, deepseek_r1 as reasoning
+    words = post(plain, CH, chat_body("[a-z]{3,9}"))["choices"][0]["message"]["content"]
+    msg = post(qwen, CH, chat_body("[a-z]{3,9}"))["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == (None, words)
+    msg = post(deep, CH, chat_body("[a-z]{3,9}"))["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == (words, "")
+
+
+def test_stream_splits_the_reasoning_as_the_body(servers):
+    _, deep, _ = servers
+    want = post(deep, CH, chat_body(THINK))["choices"][0]["message"]
+    reasoning = content = ""
+    for c in stream(deep, chat_body(THINK)):
+        if c.choices:
+            extra = c.choices[0].delta.model_extra or {}
+            assert extra.get("reasoning") == extra.get("reasoning_content")
+            reasoning += extra.get("reasoning_content") or ""
+            content += c.choices[0].delta.content or ""
+    assert (reasoning, content) == (want["reasoning_content"], want["content"])
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_tool_calls_come_from_the_answer_alone(servers, streamed):
+    _, deep, _ = servers
+    body = chat_body(CALL, tools=[TOOL], tool_choice="auto", max_tokens=150)
+    if not streamed:
+        msg = post(deep, CH, body)["choices"][0]
+        assert msg["finish_reason"] == "tool_calls", msg
+        calls, reasoning = msg["message"]["tool_calls"], msg["message"]["reasoning_content"]
+    else:
+        reasoning, calls = "", []
+        for c in stream(deep, body):
+            if c.choices:
+                reasoning += (c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                calls += [t.model_dump() for t in c.choices[0].delta.tool_calls or []]
+    assert re.fullmatch("[a-z]{3,8}", reasoning)
+    (call,) = calls
+    assert call["function"]["name"] == "get_weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}
+
+
+def test_responses_api_returns_a_reasoning_item(servers):
+    _, deep, _ = servers
+    want = post(deep, CH, chat_body(THINK))["choices"][0]["message"]
+    client = openai.OpenAI(base_url=deep.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    kw = dict(model=NAME, input="why?", max_output_tokens=60, temperature=0,
+              extra_body={"structured_outputs": {"regex": THINK}})  # fmt: skip
+    r = client.responses.create(**kw)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == want["reasoning_content"]
+    assert r.output_text == want["content"]
+    events = list(client.responses.create(stream=True, **kw))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, text) == (want["reasoning_content"], want["content"])
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0, 1] and events[-1].response.output[0].content[0].text == thought
+    # the next turn carries the reasoning back as the chat template's reasoning_content
+    turn = client.responses.create(**{**kw, "input": "and?"}, previous_response_id=r.id)
+    assert turn.status == "completed"
+
+
+def test_messages_api_returns_a_thinking_block(servers):
+    _, deep, _ = servers
+    want = post(deep, CH, chat_body(THINK))["choices"][0]["message"]
+    claude = anthropic.Anthropic(base_url=deep.url, api_key="x", max_retries=0, timeout=60)
+    kw = dict(model=NAME, max_tokens=60, messages=[{"role": "user", "content": "why?"}],
+              extra_body={"temperature": 0, "structured_outputs": {"regex": THINK}})  # fmt: skip
+    m = claude.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert (m.content[0].thinking, m.content[1].text) == (want["reasoning_content"],
+                                                          want["content"])  # fmt: skip
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    blocks = [(b.type, getattr(b, "thinking", None), getattr(b, "text", None)) for b in m.content]
+    assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None))
+            for b in final.content] == blocks  # fmt: skip
+
+
+def test_serve_refuses_an_unknown_parser():
+    from expresslane.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--reasoning-parser granite"):
+        ServeLimits(reasoning_parser="granite").validate()
