@@ -5,7 +5,8 @@ The engine speculates (prompt lookup), so the live drafts-kept figure shows besi
 Types a chat message, waits for streamed text, the live tokens/s figure and the server's own
 figures, saves a screenshot to docs/playground.png, runs the raw prompt box ("Complete"), then
 starts a long generation and presses Stop: the server must drop the request (running gauge back
-to 0, an `abort` finish counted). Skipped when Playwright or a system Chromium (/usr/bin/chromium;
+to 0, an `abort` finish counted). With `--reasoning-parser`, a thinking model's reasoning shows
+in its own block above the answer. Skipped when Playwright or a system Chromium (/usr/bin/chromium;
 browsers are never downloaded) is missing.
 """
 
@@ -155,3 +156,44 @@ def test_playground_streams_shows_speed_and_stops(random_laneformer_dir, monkeyp
             browser.close()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_playground_shows_a_thinking_models_reasoning_apart(random_laneformer_dir):
+    """With `--reasoning-parser`, the reasoning streams into a dimmed block above the answer.
+    The tiny model cannot think: a regex (added to the page's request) makes it write the tags,
+    and the page must show what the chat route answers for the same request."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from expresslane.serve.guards import ServeLimits
+
+    engine = Engine.from_pretrained(str(random_laneformer_dir), device="cpu", dtype="float32",
+                                    max_model_len=512, progress=False)  # fmt: skip
+    app = create_app(engine, Tokenizer.from_dir(random_laneformer_dir), served_model_name="tiny",
+                     limits=ServeLimits(reasoning_parser="deepseek_r1"))  # fmt: skip
+    forced = {"structured_outputs": {"regex": r"<think>[a-z ]{6,14}</think>\n\n[a-z]{2,8}"},
+              "temperature": 0}  # fmt: skip
+    exe = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
+    with serving(app) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe, args=ARGS, headless=True)
+        page = browser.new_page()
+        sent = []
+
+        def force(route):
+            sent.append({**route.request.post_data_json, **forced})
+            route.continue_(post_data=json.dumps(sent[-1]))
+
+        page.route("**/v1/chat/completions", force)
+        page.goto(url + "/")
+        expect(page.locator("#model-name")).to_contain_text("tiny")
+        page.fill("#max_tokens", "60")
+        page.fill("#prompt", "Why?")
+        page.click("#send")
+        expect(page.locator("#status")).to_have_text("done")
+        bubble = page.locator("#messages .message.assistant").last
+        again = {k: v for k, v in sent[-1].items() if k not in ("stream", "stream_options")}
+        r = httpx.post(url + "/v1/chat/completions", json=again, timeout=60)
+        want = r.json()["choices"][0]["message"]
+        assert want["reasoning_content"] and want["content"]
+        expect(bubble.locator(".thinking")).to_have_text(want["reasoning_content"])
+        assert bubble.inner_text().rstrip().endswith(want["content"])
+        browser.close()

@@ -183,13 +183,18 @@ function showFigures(t) {
 }
 
 let frame = 0, pending = null;
-function refresh(target, text) {  // at most one repaint per animation frame, the latest wins
-  pending = { target, text };
+// A thinking model's reasoning (`serve --reasoning-parser`), shown dimmed above its answer.
+function thinking(thought) {
+  return thought ? `<div class="thinking">${esc(thought)}</div>` : "";
+}
+
+function refresh(target, text, thought = () => "") {  // one repaint per frame, the latest wins
+  pending = { target, text, thought };
   if (frame) return;
   frame = requestAnimationFrame(() => {
     frame = 0;
-    const { target, text } = pending;
-    target.node.innerHTML = target.prefix + renderText(text());
+    const { target, text, thought } = pending;
+    target.node.innerHTML = target.prefix + thinking(thought()) + renderText(text());
     target.node.classList.toggle("cursor", !!state.controller);
     const live = state.speed && state.speed.live();
     $("live-tps").textContent = live == null ? "–" : live.toFixed(1);
@@ -218,8 +223,8 @@ async function run(path, body, target) {
   state.speed = new Speed();
   $("send").disabled = true; $("stop").disabled = false; $("status").textContent = "waiting…";
   showFigures(null); $("live-tps").textContent = "–"; $("live-spec").textContent = "";
-  let text = "", chunks = 0;
-  const paint = () => refresh(target, () => text);
+  let text = "", thought = "", chunks = 0;
+  const paint = () => refresh(target, () => text, () => thought);
   try {
     const r = await fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body),
       signal: state.controller.signal });
@@ -234,6 +239,7 @@ async function run(path, body, target) {
       if (j.error) throw new Error(j.error.message);
       for (const c of j.choices || []) {
         text += c.delta ? c.delta.content || "" : c.text || "";
+        thought += (c.delta && c.delta.reasoning_content) || "";
       }
       chunks += 1;
       state.speed.update(j.completion_tokens != null ? j.completion_tokens : chunks);
@@ -251,7 +257,7 @@ async function run(path, body, target) {
   } finally {
     state.controller = null;
     $("send").disabled = false; $("stop").disabled = true;
-    refresh(target, () => text + (target.error ? `\n[${target.error}]` : ""));
+    refresh(target, () => text + (target.error ? `\n[${target.error}]` : ""), () => thought);
   }
   return text;
 }
