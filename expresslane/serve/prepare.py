@@ -20,7 +20,7 @@ import os
 import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..engine import Engine
@@ -143,8 +143,12 @@ class Preparer:
             msg = f"n: {n} choices are more than this server allows ({self.limits.max_n})"
             raise RequestError(msg, param="n")
 
-    def grammar(self, spec: GrammarSpec | None):
-        """The compiled grammar of a request's structured output (cached by its hash)."""
+    def grammar(self, spec: GrammarSpec | None, chat: P.ChatCompletionRequest | None = None):
+        """A structured output's compiled grammar (cached by hash); a chat answer's lets a thinking
+        model think first (--reasoning-parser) unless Qwen3's enable_thinking is false."""
+        off = chat is None or (chat.chat_template_kwargs or {}).get("enable_thinking") is False
+        if spec is not None and not off and self.limits.reasoning_parser:
+            spec = replace(spec, think=self.limits.reasoning_parser)
         return None if spec is None else self.grammars.compile(spec)
 
     def prediction(self, req: P._SamplingRequest) -> tuple[int, ...]:
@@ -266,7 +270,7 @@ class Preparer:
                 msg = f"{spec.param}: cannot be combined with tool_choice {plan.choice!r}"
                 raise RequestError(msg, param=spec.param)
             spec = plan.grammar
-        grammar = self.grammar(spec)
+        grammar = self.grammar(spec, req)
         asked = req.max_completion_tokens or req.max_tokens
         ids = self.truncated(self.chat_prompt(req, plan), req.truncate_prompt_tokens, asked)
         self.check_prompt(ids, "messages")

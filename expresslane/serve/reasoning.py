@@ -17,10 +17,8 @@ The rules, vLLM's parsers':
   the answer comes with no tags: all of it is content.
 The answer after </think> loses its leading whitespace (the template's blank line).
 
-Decided: output constrained by a grammar (response_format, structured_outputs, a forced tool call)
-is constrained from its first token, so it has no reasoning. A grammar admitting free text
-before the JSON would need the think tags in every grammar; vLLM does that, and this server does
-not yet.
+A grammar (response_format, structured_outputs, a forced tool call) holds the answer after the
+thought: structured/grammar.py wraps it, unless the request turns thinking off.
 """
 
 from __future__ import annotations

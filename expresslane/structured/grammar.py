@@ -48,10 +48,11 @@ class GrammarSpec:
     kind: str  # one of KINDS
     source: str  # the schema as JSON text, the regex, the choices as a JSON list, the grammar
     param: str = "response_format"  # the request field it came from (named in errors)
+    think: str = ""  # a reasoning parser (serve/reasoning.py): the model may think first
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()
+        return hashlib.sha256(f"{self.kind}\0{self.source}\0{self.think}".encode()).hexdigest()
 
     @classmethod
     def json_schema(cls, schema: Any, param: str = "response_format") -> GrammarSpec:
@@ -88,6 +89,33 @@ def _llguidance():
 
 def grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar for a spec (its JSON form); a GrammarError names a bad one."""
+    text = _answer_text(spec)
+    return _thinking_first(text, spec.think) if spec.think else text
+
+
+def _thinking_first(answer: str, parser: str) -> str:
+    """`answer`'s grammar after a thought, as serve/reasoning.py splits one: any text up to the
+    first </think> (lazy), opened by `<think>` (qwen3) or not necessarily (deepseek_r1), then
+    whitespace, then the answer as a sub-grammar.
+
+    qwen3's thought is not optional here, though `split` takes an answer without one: llguidance
+    picks the top grammar's lexemes where a sub-grammar could also begin, so `(thought)? @answer`
+    refuses an answer's first token. A request that turns thinking off
+    (`chat_template_kwargs.enable_thinking: false`) gets the answer's grammar alone (prepare.py).
+    """
+    top = json.loads(answer)
+    body = dict(top["grammars"][0])
+    name = body.setdefault("name", "answer")
+    # whitespace as split() strips it, a little: a small model may loop in a run of it
+    head = 'GAP? "<think>"' if parser == "qwen3" else '(GAP? "<think>")?'
+    rules = [f"start: {head} thought GAP? @{name}", r"thought[lazy]: /(?s:.*)<\/think>/",
+             r"GAP: /[ \t\r\n]{1,4}/"]  # fmt: skip
+    lark = "\n".join(rules) + "\n"
+    top["grammars"] = [{"lark_grammar": lark}, body, *top["grammars"][1:]]
+    return json.dumps(top)
+
+
+def _answer_text(spec: GrammarSpec) -> str:
     llg = _llguidance()
     M, src, param = llg.LLMatcher, spec.source, spec.param
     try:
@@ -167,7 +195,8 @@ class GrammarCompiler:
             why = "; ".join(messages)
             raise GrammarError(f"{spec.param}: unsupported {spec.kind}: {why}", spec.param)
         # JSON grammars, and the tool calls' (JSON inside the template's wrapper: serve/tools.py)
-        json_like = spec.kind in JSON_KINDS or spec.param == "tools"
+        # (not after a thought: Closing reads the whole text as JSON, and a thought is not)
+        json_like = (spec.kind in JSON_KINDS or spec.param == "tools") and not spec.think
         closing = self.closing() if json_like else None
         grammar = Grammar(lltok, text, self.vocab_size, spec, closing)
         grammar.matcher()  # compiles the lexer now, before the request's clock starts

@@ -5,7 +5,9 @@ The tiny model cannot think, so a regex (`structured_outputs`) makes it write th
 without a parser returns that whole text; a server with one must split it as
 `reasoning.split` splits the same text: in one body (`reasoning_content` and `reasoning`), in a
 stream read by the `openai` client, with tool calls parsed from the answer alone, and in the
-Responses API (a `reasoning` item) and the Messages API (a `thinking` block).
+Responses API (a `reasoning` item) and the Messages API (a `thinking` block). Those requests turn
+thinking off, so that the regex alone is the grammar; with it on, a schema holds the answer
+after a thought (the last test).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import re
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 from serverkit import NAME, post
@@ -22,7 +25,10 @@ from test_server_hostile import CH, own_server
 from expresslane.serve.guards import ServeLimits
 from expresslane.serve.reasoning import split
 
+OFF = {"enable_thinking": False}  # the regex alone is the grammar: it writes the tags itself
 THINK = r"<think>[a-z ]{6,14}</think>\n\n[a-z]{2,8}"
+SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+          "additionalProperties": False}  # fmt: skip
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 CALL = r'<think>[a-z]{3,8}</think>\n<tool_call>\n\{"name": "get_weather", "arguments": ' \
@@ -30,8 +36,10 @@ CALL = r'<think>[a-z]{3,8}</think>\n<tool_call>\n\{"name": "get_weather", "argum
 
 
 def chat_body(regex: str, **kw) -> dict:
+    """A greedy chat body whose output the regex writes: thinking turned off, so that the
+    regex is the whole grammar (with it on, a parser's grammar would want a thought first)."""
     return {"model": NAME, "messages": [{"role": "user", "content": "why?"}], "max_tokens": 60,
-            "temperature": 0,
+            "temperature": 0, "chat_template_kwargs": OFF,
             "structured_outputs": {"regex": regex}, **kw}  # fmt: skip
 
 
@@ -49,7 +57,7 @@ def servers(server):
 def stream(s, body: dict):
     """The `openai` client's stream of a chat body (vLLM's fields through extra_body)."""
     body = dict(body)
-    extra = {"structured_outputs": body.pop("structured_outputs")}
+    extra = {k: body.pop(k) for k in ("structured_outputs", "chat_template_kwargs")}
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
     return client.chat.completions.create(stream=True, extra_body=extra, **body)
 
@@ -112,7 +120,8 @@ def test_responses_api_returns_a_reasoning_item(servers):
     want = post(deep, CH, chat_body(THINK))["choices"][0]["message"]
     client = openai.OpenAI(base_url=deep.url + "/v1", api_key="x", max_retries=0, timeout=60)
     kw = dict(model=NAME, input="why?", max_output_tokens=60, temperature=0,
-              extra_body={"structured_outputs": {"regex": THINK}})  # fmt: skip
+              extra_body={"structured_outputs": {"regex": THINK},
+                          "chat_template_kwargs": OFF})  # fmt: skip
     r = client.responses.create(**kw)
     assert [item.type for item in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == want["reasoning_content"]
@@ -133,7 +142,8 @@ def test_messages_api_returns_a_thinking_block(servers):
     want = post(deep, CH, chat_body(THINK))["choices"][0]["message"]
     claude = anthropic.Anthropic(base_url=deep.url, api_key="x", max_retries=0, timeout=60)
     kw = dict(model=NAME, max_tokens=60, messages=[{"role": "user", "content": "why?"}],
-              extra_body={"temperature": 0, "structured_outputs": {"regex": THINK}})  # fmt: skip
+              extra_body={"temperature": 0, "structured_outputs": {"regex": THINK},
+                          "chat_template_kwargs": OFF})  # fmt: skip
     m = claude.messages.create(**kw)
     assert [b.type for b in m.content] == ["thinking", "text"]
     assert (m.content[0].thinking, m.content[1].text) == (want["reasoning_content"],
@@ -143,6 +153,22 @@ def test_messages_api_returns_a_thinking_block(servers):
     blocks = [(b.type, getattr(b, "thinking", None), getattr(b, "text", None)) for b in m.content]
     assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None))
             for b in final.content] == blocks  # fmt: skip
+
+
+def test_a_schema_holds_the_answer_after_the_thought(servers):
+    """With a parser, a schema's grammar lets the model think first (structured/grammar.py):
+    qwen3's output opens with <think> (the grammar forces it; the tiny model then thinks until
+    max_tokens), and with thinking turned off the answer is the schema's JSON alone."""
+    _, _, qwen = servers
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    body = {"model": NAME, "messages": [{"role": "user", "content": "why?"}], "max_tokens": 12,
+            "temperature": 0, "response_format": fmt}  # fmt: skip
+    thinking = post(qwen, CH, body)["choices"][0]
+    assert thinking["message"]["reasoning_content"] and thinking["finish_reason"] == "length"
+    off = {**body, "max_tokens": 40, "chat_template_kwargs": {"enable_thinking": False}}
+    plain = post(qwen, CH, off)["choices"][0]["message"]
+    assert plain["reasoning_content"] is None
+    jsonschema.validate(json.loads(plain["content"]), SCHEMA)
 
 
 def test_serve_refuses_an_unknown_parser():
