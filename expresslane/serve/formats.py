@@ -162,8 +162,15 @@ class ChatFormat(_Format):
         if self.parser is None or ev.kind not in ("delta", "finish"):
             return self._answer_chunk(ev)
         stream = self._thought.setdefault(ev.index, ReasoningStream(self.parser))
-        thought, text = stream.push(ev.text) if ev.kind == "delta" else stream.flush()
-        out = self._answer_chunk(dataclasses.replace(ev, text=text))
+        if ev.kind == "delta":
+            thought, text = stream.push(ev.text)
+            out = self._answer_chunk(dataclasses.replace(ev, text=text))
+        else:  # what the parser held back is answer text: sent as a delta, then the finish
+            thought, text = stream.flush()
+            early = self._answer_chunk(Event("delta", ev.index, text)) if text else None
+            out = self._answer_chunk(ev)
+            if early and out:
+                out["delta"] = {**early["delta"], **out["delta"]}
         if not (thought and self.show):
             return out
         out = out or {"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": None}
