@@ -1,4 +1,4 @@
-"""The reasoning parsers (serve/reasoning.py): the split of a whole output, and the streamed
+"""The reasoning parsers (structured/reasoning.py): the split of a whole output, and the streamed
 split of any chunking of it adding up to the same (reasoning, content)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from expresslane.serve.reasoning import PARSERS, ReasoningStream, split
+from expresslane.structured.reasoning import PARSERS, ReasoningStream, split
 
 CASES = [  # (text, deepseek_r1's split, qwen3's split)
     ("<think>\nsteps</think>\n\nThe answer.", ("\nsteps", "The answer."),

@@ -1,12 +1,12 @@
 """Structured output after a thought (`serve --reasoning-parser`): grammar.py's wrapper.
 
 With a reasoning parser, a chat answer's grammar lets the model think first, as
-serve/reasoning.py splits a thought, and holds only the answer after it to the schema. Checked on
-llguidance's matcher with the tiny model's byte-level tokenizer: the texts a parser splits into
-(thought, valid answer) are accepted to the end, a wrong answer after a thought is refused at
-its first wrong token, and the answer that `reasoning.split` returns validates. qwen3's thought
-is required here (grammar.py says why); a request that turns thinking off gets the plain
-grammar (tests/server/test_server_reasoning.py)."""
+structured/reasoning.py splits a thought, and holds only the answer after it to the schema.
+Checked on llguidance's matcher with the tiny model's byte-level tokenizer: the texts a parser
+splits into (thought, valid answer) are accepted to the end, a wrong answer after a thought is
+refused at its first wrong token, and the answer that `reasoning.split` returns validates.
+qwen3's thought is required here (grammar.py says why); a request that turns thinking off gets
+the plain grammar (tests/server/test_server_reasoning.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import pytest
 
-from expresslane.serve.reasoning import split
 from expresslane.structured.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from expresslane.structured.reasoning import split
 from expresslane.tokenizer import Tokenizer
 
 jsonschema = pytest.importorskip("jsonschema")

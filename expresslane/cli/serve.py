@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     from ..serve.guards import ServeLimits
-    from ..serve.reasoning import PARSERS
+    from ..structured.reasoning import PARSERS
 
     d = ServeLimits()
     p.add_argument(

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from ..structured.reasoning import ReasoningStream, split
 from .jobs import Accumulator, Event, TokenInfo
 from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .protocol import new_id
-from .reasoning import ReasoningStream, split
 from .tools import ToolPlan, may_open_call, parse_calls
 
 
@@ -135,7 +135,7 @@ class ChatFormat(_Format):
                  tools: ToolPlan | None = None, echo: str = "", reasoning: str | None = None,
                  include_reasoning: bool = True):  # fmt: skip
         """`echo`: text every answer begins with (vLLM's chat echo of a trailing assistant
-        message). `reasoning`: the parser that splits the reasoning out (reasoning.py)."""
+        message). `reasoning`: the parser splitting the reasoning out (structured/reasoning.py)."""
         super().__init__(model, text, "chatcmpl")
         self.n, self.logprobs, self.echo = n, logprobs, echo
         self.tools = tools  # its calls are parsed out of the text (tools.py)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, RequestError
-from .reasoning import PARSERS
+from ..structured.reasoning import PARSERS
 
 if TYPE_CHECKING:  # starlette only where a request is served: `serve --help` and the GPU
     from starlette.requests import Request  # stages import ServeLimits without it
@@ -43,7 +43,7 @@ class ServeLimits:
     scheduling_policy: str = "fcfs"
     allowed_origins: tuple[str, ...] = ()  # CORS; none by default
     allowed_headers: tuple[str, ...] = ("*",)  # CORS request headers: all, as vLLM allows
-    reasoning_parser: str | None = None  # vLLM's --reasoning-parser (reasoning.py); None: off
+    reasoning_parser: str | None = None  # vLLM's --reasoning-parser (structured/reasoning.py)
 
     def validate(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -6,8 +6,9 @@ block per call (`input`: the call's arguments as an object). `stop_reason`: `end
 `input_tokens`, `output_tokens`, and `cache_read_input_tokens` for the prompt tokens the KV
 cache already held (prefix reuse; `cache_creation_input_tokens` is 0: nothing is billed here).
 
-With `serve --reasoning-parser` (reasoning.py), a thinking model's reasoning comes first, as a
-`thinking` block (its `signature` empty: nothing here signs it), streamed as `thinking_delta`s.
+With `serve --reasoning-parser` (structured/reasoning.py), a thinking model's reasoning comes
+first, as a `thinking` block (its `signature` empty: nothing here signs it), streamed as
+`thinking_delta`s.
 
 A stream is Anthropic's events (`event: <type>`, `data: <json>`): `message_start`, then per block
 `content_block_start`, its deltas (`text_delta`; a tool call's arguments as one

@@ -7,8 +7,8 @@ per call. `finish_reason: "length"` is `status: "incomplete"` with `incomplete_d
 "max_output_tokens"`. Usage is `input_tokens` / `output_tokens` (cached input tokens: prefix
 reuse).
 
-With `serve --reasoning-parser` (reasoning.py), a thinking model's reasoning comes first, as a
-`reasoning` item whose `content` is one `reasoning_text` part (streamed as
+With `serve --reasoning-parser` (structured/reasoning.py), a thinking model's reasoning comes
+first, as a `reasoning` item whose `content` is one `reasoning_text` part (streamed as
 `response.reasoning_text.delta` events), and goes back into the conversation with the turn.
 
 A stream is the events OpenAI sends, each `event: <type>` and `data: <json>` with a

@@ -48,7 +48,7 @@ class GrammarSpec:
     kind: str  # one of KINDS
     source: str  # the schema as JSON text, the regex, the choices as a JSON list, the grammar
     param: str = "response_format"  # the request field it came from (named in errors)
-    think: str = ""  # a reasoning parser (serve/reasoning.py): the model may think first
+    think: str = ""  # a reasoning parser (structured/reasoning.py): the model may think first
 
     @property
     def key(self) -> str:
@@ -94,7 +94,7 @@ def grammar_text(spec: GrammarSpec) -> str:
 
 
 def _thinking_first(answer: str, parser: str) -> str:
-    """`answer`'s grammar after a thought, as serve/reasoning.py splits one: any text up to the
+    """`answer`'s grammar after a thought, as structured/reasoning.py splits one: any text up to the
     first </think> (lazy), opened by `<think>` (qwen3) or not necessarily (deepseek_r1), then
     whitespace, then the answer as a sub-grammar.
 

@@ -23,7 +23,7 @@ from serverkit import NAME, post
 from test_server_hostile import CH, own_server
 
 from expresslane.serve.guards import ServeLimits
-from expresslane.serve.reasoning import split
+from expresslane.structured.reasoning import split
 
 OFF = {"enable_thinking": False}  # the regex alone is the grammar: it writes the tags itself
 THINK = r"<think>[a-z ]{6,14}</think>\n\n[a-z]{2,8}"
