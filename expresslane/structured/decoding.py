@@ -19,7 +19,7 @@ engine hands over after the prefill, so prefix reuse works as for any request). 
 - a complete grammar ends the request at once with the end-of-text token, and a dead end (no
   allowed token) raises a GrammarError: the request ends with that error, never with garbage;
 - in the last `closing_reserve(budget)` tokens of max_tokens, a JSON grammar allows only the
-  tokens that end it soonest wherever it allows any (grammar.Closing: a string's closing quote,
+  tokens that end it soonest wherever it allows any (closing.Closing: a string's closing quote,
   `}` and `]`, separators, `null`), so an answer that would run out of tokens (an endless
   number, a deep recursion) ends as valid JSON, shorter, with finish_reason "stop" as the
   grammar completed; drafts are not proposed then.
