@@ -65,5 +65,18 @@ def test_the_thought_wrapper_is_its_own_cache_entry(kit):
     _, compiler = kit
     plain = compiler.compile(GrammarSpec.json_schema(SCHEMA))
     thinking = compiler.compile(replace(GrammarSpec.json_schema(SCHEMA), think="qwen3"))
-    assert plain is not thinking and plain.closing is not None and thinking.closing is None
+    assert plain is not thinking and plain.closing is not None and thinking.thought_end
     assert compiler.compile(replace(GrammarSpec.json_schema(SCHEMA), think="qwen3")) is thinking
+
+
+def test_the_json_lexer_starts_after_the_thought(kit):
+    """The closing steering's JSON lexer reads the answer only: brackets and quotes inside the
+    thought are not JSON; a thought's end is seen whatever tokens spell it."""
+    tok, compiler = kit
+    m = compiler.compile(replace(GrammarSpec.json_schema(SCHEMA), think="deepseek_r1")).matcher()
+    for t in tok.encode('He said {"b": [1, "', False):
+        m.consume(t)
+    assert m.thinking and m.depth == 0 and not m.in_string
+    for t in tok.encode('</think>{"a":', False):
+        m.consume(t)
+    assert not m.thinking and m.depth == 1 and not m.in_string

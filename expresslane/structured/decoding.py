@@ -18,6 +18,10 @@ engine hands over after the prefill, so prefix reuse works as for any request). 
   is kept is exactly what constrained decoding would pick (greedy) or its distribution;
 - a complete grammar ends the request at once with the end-of-text token, and a dead end (no
   allowed token) raises a GrammarError: the request ends with that error, never with garbage;
+- after a thought (`--reasoning-parser`, grammar.py): a thought still running when
+  `answer_reserve(budget)` tokens are left is ended, its `</think>` forced, so the answer has
+  room (not with logprobs, which forced tokens would lack); the JSON steering below starts
+  after the thought;
 - in the last `closing_reserve(budget)` tokens of max_tokens, a JSON grammar allows only the
   tokens that end it soonest wherever it allows any (closing.Closing: a string's closing quote,
   `}` and `]`, separators, `null`), so an answer that would run out of tokens (an endless
@@ -54,6 +58,14 @@ def closing_reserve(budget: int) -> int:
 
 CLOSING_TOKENS = 24
 LEVEL_TOKENS = 6  # tokens to close an open object or array: separator, key, value, bracket
+# a thought (grammar.py, --reasoning-parser) still running when this many tokens of the budget
+# are left is closed, its </think> forced, so that the answer the grammar holds has room
+ANSWER_TOKENS = 64
+
+
+def answer_reserve(budget: int) -> int:
+    """The last tokens of a budget kept for the answer after a thought: at most half of it."""
+    return min(ANSWER_TOKENS, budget // 2)
 
 
 def _forward(engine, split: SplitSteps | None, ids: list[int], pos: int) -> torch.Tensor:
@@ -92,6 +104,15 @@ class _Constrained:
         # the chained mode (step/split.py): the picked token's forward runs behind the pick
         self.chained = self.picker is not None and self.split.chain and self.drafter is None
         self.eos = next(iter(engine.cfg.eos_token_ids), None)
+
+    def forced(self, left: int, answer: int) -> list[int]:
+        """Tokens to append without sampling: what the grammar forces, or, for a thought that
+        would leave the answer fewer than `answer` tokens, its end (Qwen's thinking budget)."""
+        m, end = self.matcher, list(self.matcher.grammar.thought_end)
+        if m.thinking and left <= answer + len(end):
+            # not inside a character (a byte-level token may leave one open): a token later
+            return end[: left - 1] if m.allowed_prefix(end) == len(end) else []
+        return m.forced()[: left - 1]
 
     def closing(self, left: int, reserve: int) -> bool:
         """Steer to the end now? In the last `reserve` tokens plus a few per open object or
@@ -178,7 +199,7 @@ def constrained_steps(
     request's logits adjustments, applied before the mask (forced tokens count as output)."""
     c = _Constrained(engine, prompt_ids, params, gen, pen)
     want_lp = params.logprobs is not None
-    reserve = closing_reserve(budget)
+    reserve, answer = closing_reserve(budget), answer_reserve(budget)
     c.next_mask(closing=budget <= reserve)  # (nothing written yet: depth 0)
     pos, left = len(prompt_ids), budget
     while left > 0:
@@ -189,7 +210,7 @@ def constrained_steps(
         while left > 0:  # forced tokens first, else drafts: a forward only for what is left
             if c.matcher.done and not want_lp:  # only the end of text is left: no forward
                 yield from c.end()
-            forced = [] if want_lp else c.matcher.forced()[: left - 1]
+            forced = [] if want_lp else c.forced(left, answer)
             drafts = [] if forced or c.closing(left, reserve) else c.drafts(pos, left)
             if not drafts:
                 break

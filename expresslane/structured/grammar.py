@@ -26,6 +26,7 @@ import torch
 
 from ..errors import ExpressLaneError, RequestError
 from .closing import Closing
+from .reasoning import END
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
 # Compact JSON (no whitespace between tokens): fewer tokens, and no whitespace runs for a small
@@ -183,10 +184,11 @@ class GrammarCompiler:
             why = "; ".join(messages)
             raise GrammarError(f"{spec.param}: unsupported {spec.kind}: {why}", spec.param)
         # JSON grammars, and the tool calls' (JSON inside the template's wrapper: serve/tools.py)
-        # (not after a thought: Closing reads the whole text as JSON, and a thought is not)
-        json_like = (spec.kind in JSON_KINDS or spec.param == "tools") and not spec.think
-        closing = self.closing() if json_like else None
-        grammar = Grammar(lltok, text, self.vocab_size, spec, closing)
+        json_like = spec.kind in JSON_KINDS or spec.param == "tools"
+        closing = self.closing() if json_like or spec.think else None
+        end = tuple(self.tokenizer.encode(END + "\n\n", False)) if spec.think else ()
+        grammar = Grammar(lltok, text, self.vocab_size, spec, closing if json_like else None,
+                          closing.texts if spec.think else None, end)  # fmt: skip
         grammar.matcher()  # compiles the lexer now, before the request's clock starts
         with self._lock:
             self._cache[key] = grammar
@@ -199,9 +201,13 @@ class Grammar:
     """A compiled grammar for one tokenizer; `matcher()` starts one request's state."""
 
     def __init__(self, lltok, text: str, vocab_size: int, spec: GrammarSpec,
-                 closing: Closing | None = None):  # fmt: skip
+                 closing: Closing | None = None, texts: list[str] | None = None,
+                 thought_end: tuple[int, ...] = ()):  # fmt: skip
         self.lltok, self.text, self.vocab_size, self.spec = lltok, text, vocab_size, spec
         self.closing = closing  # JSON grammars: the tokens that end it soonest
+        # after a thought (spec.think): every token's text, to see the thought end, and the
+        # tokens that end one (decoding.py closes a thought that would leave no room)
+        self.texts, self.thought_end = texts, thought_end
 
     def matcher(self) -> Matcher:
         return Matcher(self)
@@ -217,6 +223,7 @@ class Matcher:
         words = -(-grammar.vocab_size // 32)
         self.words = torch.zeros((1, words), dtype=torch.int32)  # (1, W): 32 tokens a word
         self._lexer = (False, False, 0, 0, "", 0)  # Closing.advance's state of the JSON so far
+        self.thinking, self._tail = bool(grammar.spec.think), ""  # in the thought; its end
         self._check()
 
     def _check(self) -> None:
@@ -236,7 +243,7 @@ class Matcher:
         self._check()
         if not self.words.any():
             raise GrammarError("structured output: the grammar allows no token here", None)
-        if closing and self.grammar.closing is not None:
+        if closing and self.grammar.closing is not None and not self.thinking:
             for tier in self.grammar.closing.tiers(self._lexer):
                 close = w & tier
                 if close.any():
@@ -247,20 +254,24 @@ class Matcher:
     def masks(self, drafts: list[int]) -> torch.Tensor:
         """The masks before each draft and after the last, (k + 1, W); the state is unchanged."""
         rows = [self.fill().clone()]
-        lexer = self._lexer
+        state = self._lexer, self.thinking, self._tail
         for d in drafts:
             self.consume(d)
             rows.append(self.fill().clone())
         if drafts:
             self.m.rollback(len(drafts))
-        self._lexer = lexer
+        self._lexer, self.thinking, self._tail = state
         return torch.cat(rows)
 
     def consume(self, token: int) -> None:
         if not self.m.consume_token(token) or self.m.is_error():
             why = self._reason()
             raise GrammarError(f"structured output: token {token} is not allowed here ({why})")
-        if self.grammar.closing is not None:
+        if self.thinking:  # the JSON lexer starts after </think>, whatever tokens spell it
+            texts = self.grammar.texts
+            self._tail = (self._tail + (texts[token] if token < len(texts) else ""))[-32:]
+            self.thinking = END not in self._tail
+        elif self.grammar.closing is not None:
             self._lexer = self.grammar.closing.advance(self._lexer, token)
 
     @property

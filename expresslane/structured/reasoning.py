@@ -18,7 +18,8 @@ The rules, vLLM's parsers':
 The answer after </think> loses its leading whitespace (the template's blank line).
 
 A grammar (response_format, structured_outputs, a forced tool call) holds the answer after the
-thought: structured/grammar.py wraps it, unless the request turns thinking off.
+thought: structured/grammar.py wraps it, unless the request turns thinking off, and
+structured/decoding.py ends a thought that would leave the answer no room.
 """
 
 from __future__ import annotations

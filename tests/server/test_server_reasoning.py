@@ -160,14 +160,18 @@ def test_messages_api_returns_a_thinking_block(servers):
 
 def test_a_schema_holds_the_answer_after_the_thought(servers):
     """With a parser, a schema's grammar lets the model think first (structured/grammar.py):
-    qwen3's output opens with <think> (the grammar forces it; the tiny model then thinks until
-    max_tokens), and with thinking turned off the answer is the schema's JSON alone."""
+    qwen3's output opens with <think> (the grammar forces it). The tiny model would think until
+    max_tokens, so its thought is ended with the answer's reserve of the budget left
+    (structured/decoding.py), and the answer is the schema's JSON. With thinking turned off
+    the answer is the schema's JSON alone."""
     _, _, qwen = servers
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
-    body = {"model": NAME, "messages": [{"role": "user", "content": "why?"}], "max_tokens": 12,
+    body = {"model": NAME, "messages": [{"role": "user", "content": "why?"}], "max_tokens": 40,
             "temperature": 0, "response_format": fmt}  # fmt: skip
-    thinking = post(qwen, CH, body)["choices"][0]
-    assert thinking["message"]["reasoning_content"] and thinking["finish_reason"] == "length"
+    for sampled in ({}, {"temperature": 1.0, "seed": 3}):
+        thinking = post(qwen, CH, {**body, **sampled})["choices"][0]
+        assert thinking["message"]["reasoning_content"] and thinking["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(thinking["message"]["content"]), SCHEMA)
     off = {**body, "max_tokens": 40, "chat_template_kwargs": {"enable_thinking": False}}
     plain = post(qwen, CH, off)["choices"][0]["message"]
     assert plain["reasoning_content"] is None
