@@ -108,8 +108,9 @@ class _Constrained:
     def forced(self, left: int, answer: int) -> list[int]:
         """Tokens to append without sampling: what the grammar forces, or, for a thought that
         would leave the answer fewer than `answer` tokens, its end (Qwen's thinking budget)."""
-        m, end = self.matcher, list(self.matcher.grammar.thought_end)
-        if m.thinking and left <= answer + len(end):
+        m = self.matcher
+        end = list(m.grammar.thought_end) if m.thinking else []
+        if end and left <= answer + len(end):
             # not inside a character (a byte-level token may leave one open): a token later
             return end[: left - 1] if m.allowed_prefix(end) == len(end) else []
         return m.forced()[: left - 1]

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import ExpressLaneError, RequestError
 from .closing import Closing
-from .reasoning import END
+from .reasoning import END, START
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
 # Compact JSON (no whitespace between tokens): fewer tokens, and no whitespace runs for a small
@@ -96,8 +96,10 @@ def _thinking_first(answer: str, parser: str) -> str:
     body = dict(top["grammars"][0])
     name = body.setdefault("name", "answer")
     # whitespace as split() strips it, a little: a small model may loop in a run of it
-    head = 'GAP? "<think>"' if parser == "qwen3" else '(GAP? "<think>")?'
-    rules = [f"start: {head} thought GAP? @{name}", r"thought[lazy]: /(?s:.*)<\/think>/",
+    opener = f"GAP? {json.dumps(START)}"
+    head = opener if parser == "qwen3" else f"({opener})?"
+    end = END.replace("/", r"\/")  # a "/" would close the /regex/
+    rules = [f"start: {head} thought GAP? @{name}", rf"thought[lazy]: /(?s:.*){end}/",
              r"GAP: /[ \t\r\n]{1,4}/"]  # fmt: skip
     lark = "\n".join(rules) + "\n"
     top["grammars"] = [{"lark_grammar": lark}, body, *top["grammars"][1:]]

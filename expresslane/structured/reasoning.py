@@ -52,11 +52,10 @@ def _partial_end(text: str) -> int:
 class ReasoningStream:
     """`split` over streamed text: push(text) -> (reasoning delta, content delta), holding back
     what may still turn out to be a tag; flush() at the end. The deltas of any chunking add up to
-    split(whole text)."""
+    split(whole text), an empty reasoning standing for none (as the answers show it)."""
 
     def __init__(self, parser: str):
         self.parser, self.state, self.held = parser, "start", ""
-        self.seen = False  # whether any reasoning came (qwen3 without tags: never)
 
     def push(self, text: str) -> tuple[str, str]:
         self.held += text
@@ -67,11 +66,11 @@ class ReasoningStream:
                 if len(body) < len(START) and START.startswith(body):
                     return reasoning, content  # still may open with <think>
                 if body.startswith(START):
-                    self.held, self.state, self.seen = body[len(START) :], "think", True
+                    self.held, self.state = body[len(START) :], "think"
                 elif self.parser == "qwen3":
                     self.state = "answer"
                 else:
-                    self.state, self.seen = "think", True
+                    self.state = "think"
             elif self.state == "think":
                 at = self.held.find(END)
                 if at < 0:
@@ -97,6 +96,5 @@ class ReasoningStream:
         if self.state == "start":
             if self.parser == "qwen3":
                 return "", held
-            self.seen = True
             return held, ""
         return (held, "") if self.state == "think" else ("", "")
