@@ -35,7 +35,7 @@ def _hf_tokenizer(tok: Tokenizer):
     return backend
 
 
-def _walk(matcher, n_vocab: int, eos: int, rng: random.Random) -> list[int]:
+def walk(matcher, n_vocab: int, eos: int, rng: random.Random) -> list[int]:
     """A random token path through an llguidance matcher (the path both engines replay)."""
     import llguidance.torch as lt
 
@@ -72,7 +72,7 @@ def bench_llguidance(tok: Tokenizer, n_vocab: int, eos: int) -> tuple[dict, dict
         compile_s.append(time.perf_counter() - t)
         if m.is_error():
             raise RuntimeError(f"{name}: {m.get_error()}")
-        paths[name] = path = _walk(m.deep_copy(), n_vocab, eos, random.Random(name))
+        paths[name] = path = walk(m.deep_copy(), n_vocab, eos, random.Random(name))
         for tk in path[:-1]:
             m.consume_token(tk)
             t = time.perf_counter()

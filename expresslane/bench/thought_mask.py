@@ -6,7 +6,7 @@ A thinking model under a schema first writes a thought the grammar does not cons
 up to </think>: structured/grammar.py's wrapper), then the answer the schema holds. Both phases
 compute a token mask each step, the engine's `Matcher.fill`; this times it. For the first N
 schemas of the suite (schemas.py): the plain grammar and the wrapped one for each parser, the
-same answer walk (a random allowed token each step, a fixed seed, as bench/grammar.py walks),
+same answer walk (bench/grammar.py's: a random allowed token each step, a fixed seed),
 the wrapped ones after a thought of English prose (`--thought-tokens` of it, then
 "</think>\\n\\n"). MODEL: a tokenizer folder or file (default SmolLM2-135M's GGUF, fetched once).
 One thread, masks on the CPU. Prints one table, then one JSON line.
@@ -24,42 +24,27 @@ from dataclasses import replace
 import torch
 
 from ..structured.grammar import GrammarCompiler, GrammarSpec
-from ..structured.reasoning import PARSERS
+from ..structured.reasoning import END, PARSERS, START
 from ..tokenizer import Tokenizer
+from .grammar import walk
 from .schemas import SCHEMAS
 
 PROSE = ("The user asks for a record. I should check which fields the schema requires, what "
          "each value may be, and whether any field is optional. Then I write the object, "
          "keeping every string short and every number inside its bounds. ")  # fmt: skip
-WALK = 48
 
 
-def _timed_fill(m, out: list[float]) -> torch.Tensor:
+def _timed_fill(m, out: list[float]) -> None:
     t = time.perf_counter()
-    mask = m.fill()
+    m.fill()
     out.append(time.perf_counter() - t)
-    return mask
-
-
-def _walk(m, n_vocab: int, eos: set[int], rng: random.Random, out: list[float]) -> None:
-    """The answer: a random allowed token each step (the end as soon as it is allowed)."""
-    for _ in range(WALK):
-        if m.done:
-            return
-        words = _timed_fill(m, out)[0]
-        bits = ((words[:, None] >> torch.arange(32)) & 1).view(-1)[:n_vocab]
-        allowed = bits.nonzero().view(-1).tolist()
-        ends = eos & set(allowed)
-        if ends:
-            return
-        m.consume(rng.choice(allowed))
 
 
 def run(tok: Tokenizer, n_schemas: int, thought_tokens: int) -> list[dict]:
     compiler = GrammarCompiler(tok, tok.vocab_size)
     ids = tok.encode(PROSE * (1 + thought_tokens // 30), False)[:thought_tokens]
-    closing = tok.encode("</think>\n\n", False)
-    eos = set(tok.eos_ids)
+    closing = tok.encode(END + "\n\n", False)
+    eos = tok.eos_ids[0]
     rows = []
     for think in ("", *PARSERS):
         thought_s: list[float] = []
@@ -68,10 +53,14 @@ def run(tok: Tokenizer, n_schemas: int, thought_tokens: int) -> list[dict]:
             spec = replace(GrammarSpec.json_schema(schema), think=think)
             m = compiler.compile(spec).matcher()
             if think:
-                for t in tok.encode("<think>", False) + ids + closing:
+                for t in tok.encode(START, False) + ids + closing:
                     _timed_fill(m, thought_s)
                     m.consume(t)
-            _walk(m, tok.vocab_size, eos, random.Random(name), answer_s)
+            # bench/grammar.py's walk on a copy of llguidance's matcher, replayed on ours
+            path = walk(m.m.deep_copy(), tok.vocab_size, eos, random.Random(name))
+            for t in path[:-1]:
+                _timed_fill(m, answer_s)
+                m.consume(t)
         rows.append({
             "grammar": f"after a thought ({think})" if think else "plain",
             "thought_us_median": statistics.median(thought_s) * 1e6 if thought_s else None,
