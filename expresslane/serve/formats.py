@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..structured.reasoning import ReasoningStream, split
+from ..structured.reasoning import ReasoningStream, split, thought_tokens
 from .jobs import Accumulator, Event, TokenInfo
 from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .protocol import new_id
@@ -28,6 +28,13 @@ class _Format:
             "created": self.created,
             "model": self.model,
         }
+
+    def tally(self, batch: list[Event]) -> None:
+        """A stream's events as the worker sent them, a token each, before they are merged."""
+
+    def count_reasoning(self, usage: dict, accs: dict[int, Accumulator] | None = None) -> dict:
+        """`usage`, with the reasoning's token count where the format splits reasoning out."""
+        return usage
 
 
 class CompletionFormat(_Format):
@@ -143,6 +150,23 @@ class ChatFormat(_Format):
         self._flowing: set[int] = set()  # choices whose text is plain content
         self.parser, self.show = reasoning, include_reasoning
         self._thought: dict[int, ReasoningStream] = {}  # per choice, streaming
+        self._pieces: dict[int, list[str]] = {}  # per choice, streaming: each token's text
+
+    def tally(self, batch: list[Event]) -> None:
+        if self.parser:  # where the thought ends in tokens, which merged chunks no longer show
+            for ev in batch:
+                if ev.kind == "delta":
+                    self._pieces.setdefault(ev.index, []).append(ev.text)
+
+    def count_reasoning(self, usage: dict, accs: dict[int, Accumulator] | None = None) -> dict:
+        """OpenAI's `completion_tokens_details.reasoning_tokens`, all choices', with a parser:
+        from the accumulated answers, or from a stream's tally."""
+        if not self.parser:
+            return usage
+        pieces = {i: a.pieces for i, a in accs.items()} if accs is not None else self._pieces
+        n = sum(thought_tokens(p, self.parser) for p in pieces.values())
+        details = {**usage.get("completion_tokens_details", {}), "reasoning_tokens": n}
+        return {**usage, "completion_tokens_details": details}
 
     def _lp(self, tokens: list[TokenInfo]) -> dict | None:
         return {"content": chat_logprobs(tokens, self.text)} if self.logprobs else None
@@ -243,8 +267,8 @@ class ChatFormat(_Format):
                 message["content"] = self.echo + (message.get("content") or "")
             choices.append({"index": i, "message": message, "logprobs": self._lp(a.tokens),
                             "finish_reason": finish, "stop_reason": a.stop_reason})  # fmt: skip
-        out = {**self.envelope("chat.completion"), "choices": choices, "usage": usage,
-               "timings": timings}  # fmt: skip
+        out = {**self.envelope("chat.completion"), "choices": choices,
+               "usage": self.count_reasoning(usage, accs), "timings": timings}  # fmt: skip
         scored = next((a.prompt for a in accs.values() if a.prompt is not None), None)
         if scored is not None:  # vLLM's, once for the request: its choices share the prompt
             out["prompt_logprobs"] = prompt_logprobs(scored, self.text)

@@ -37,10 +37,11 @@ def _id(prefix: str) -> str:
 def usage(chat_usage: dict) -> dict:
     """Chat's usage in the Responses API's names."""
     cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    thought = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": chat_usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": chat_usage["total_tokens"]}  # fmt: skip
 
 

@@ -52,10 +52,13 @@ class ErrorResponse(_Open):
 
 # --- shared pieces ----------------------------------------------------------------------------
 class CompletionTokensDetails(_Open):
-    """With a `prediction` (OpenAI's Predicted Outputs): its drafts the model kept, and not."""
+    """With a `prediction` (OpenAI's Predicted Outputs): its drafts the model kept, and not.
+    With `serve --reasoning-parser`: how many generated tokens the thought took, its tags
+    included."""
 
-    accepted_prediction_tokens: int
-    rejected_prediction_tokens: int
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
+    reasoning_tokens: int | None = None
 
 
 class Usage(_Open):

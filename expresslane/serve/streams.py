@@ -48,6 +48,7 @@ async def chat_stream(
             for choice in fmt.start():
                 yield P.sse({**base, "choices": [choice], "completion_tokens": 0})
             while (batch := await job.next_batch()) is not None:
+                fmt.tally(batch)
                 for ev in coalesce(batch):
                     if ev.kind == "error":
                         failed = True
@@ -68,8 +69,10 @@ async def chat_stream(
                 {
                     **base,
                     "choices": [],
-                    "usage": P.usage(
-                        prompt_tokens, generated, job.timings.cached_tokens, job.predicted()
+                    "usage": fmt.count_reasoning(
+                        P.usage(
+                            prompt_tokens, generated, job.timings.cached_tokens, job.predicted()
+                        )
                     ),
                     "completion_tokens": generated,
                     "timings": job.timings.as_dict(),
@@ -89,7 +92,9 @@ def response_stream(
     events = ResponseEvents(shape)
 
     def finish(generated: int) -> list[str]:
-        usage = P.usage(prep.prompt_tokens, generated, job.timings.cached_tokens)
+        usage = prep.fmt.count_reasoning(
+            P.usage(prep.prompt_tokens, generated, job.timings.cached_tokens)
+        )
         final, frames = events.finish_events(usage, job.timings.as_dict())
         done(final)
         return frames
@@ -121,6 +126,7 @@ async def typed_stream(job: Job, request: Request, prep: Prepared, events,
             for frame in events.start():
                 yield frame
             while (batch := await job.next_batch()) is not None:
+                prep.fmt.tally(batch)
                 for ev in coalesce(batch):
                     if ev.kind == "error":
                         yield events.error(P.error_of(ev.error))

@@ -41,6 +41,35 @@ def split(text: str, parser: str) -> tuple[str | None, str]:
     return head, tail.lstrip() if sep else ""
 
 
+def thought_end(text: str, parser: str) -> int:
+    """How many characters of `text` the thought takes, its tags included (0 where it has
+    none): `split`'s rules, as positions."""
+    body = text.lstrip()
+    if body.startswith(START):
+        start = len(text) - len(body) + len(START)
+    elif parser == "qwen3":
+        return 0
+    else:
+        start = 0
+    at = text.find(END, start)
+    return len(text) if at < 0 else at + len(END)
+
+
+def thought_tokens(pieces: list[str], parser: str) -> int:
+    """How many of an output's tokens belong to the thought (OpenAI's `reasoning_tokens`):
+    those that begin before its end. `pieces`: each token's text in order, "" for a token whose
+    bytes the next one completes."""
+    text = "".join(pieces)
+    end, at, n = thought_end(text, parser), 0, 0
+    if end == len(text) and not text.endswith(END) and split(text, parser)[0] is not None:
+        return len(pieces)  # a thought never closed (cut by max_tokens): all of it
+    for piece in pieces:
+        if at >= end:
+            break
+        n, at = n + 1, at + len(piece)
+    return n
+
+
 def _partial_end(text: str) -> int:
     """The length of the longest end of `text` that begins END (held back: it may become one)."""
     for n in range(min(len(END) - 1, len(text)), 0, -1):

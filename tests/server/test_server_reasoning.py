@@ -23,7 +23,7 @@ from serverkit import NAME, post
 from test_server_hostile import CH, own_server
 
 from expresslane.serve.guards import ServeLimits
-from expresslane.structured.reasoning import split
+from expresslane.structured.reasoning import END, split
 
 OFF = {"enable_thinking": False}  # the regex alone is the grammar: it writes the tags itself
 THINK = r"<think>[a-z ]{6,14}</think>\n\n[a-z]{2,8}"
@@ -138,6 +138,29 @@ def test_responses_api_returns_a_reasoning_item(servers):
     # the next turn carries the reasoning back as the chat template's reasoning_content
     turn = client.responses.create(**{**kw, "input": "and?"}, previous_response_id=r.id)
     assert turn.status == "completed"
+
+
+def test_usage_counts_the_thoughts_tokens(servers):
+    """OpenAI's completion_tokens_details.reasoning_tokens: the tokens up to the one that
+    completes </think>, read off the answer's own logprob tokens; the same in a stream's usage
+    and in the Responses API's output_tokens_details. Without a parser: no count."""
+    plain, deep, _ = servers
+    body = chat_body(THINK, logprobs=True)
+    out = post(deep, CH, body)
+    toks = [t["token"] for t in out["choices"][0]["logprobs"]["content"]]
+    want = next(k for k in range(len(toks) + 1) if END in "".join(toks[:k]))
+    assert 0 < want < len(toks) == out["usage"]["completion_tokens"]
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == want
+    assert "completion_tokens_details" not in post(plain, CH, body)["usage"]
+    chunks = list(stream(deep, {**chat_body(THINK), "stream_options": {"include_usage": True}}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == want
+    client = openai.OpenAI(base_url=deep.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    kw = dict(model=NAME, input="why?", max_output_tokens=60, temperature=0,
+              extra_body={"structured_outputs": {"regex": THINK},
+                          "chat_template_kwargs": OFF})  # fmt: skip
+    assert client.responses.create(**kw).usage.output_tokens_details.reasoning_tokens == want
+    done = [e for e in client.responses.create(stream=True, **kw) if e.type.endswith("completed")]
+    assert done[-1].response.usage.output_tokens_details.reasoning_tokens == want
 
 
 def test_messages_api_returns_a_thinking_block(servers):
