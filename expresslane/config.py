@@ -1,5 +1,5 @@
 """Configuration: ModelConfig, read from a checkpoint's config.json (a request's sampling
-configuration is sampling_params.py).
+configuration is sampling/params.py).
 
 One frozen ModelConfig describes both families. A Llama-family checkpoint (llama, mistral,
 qwen2, qwen3) is the 1-lane case of the Laneformer decoder with "half" RoPE; a Laneformer checkpoint

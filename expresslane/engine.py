@@ -27,8 +27,8 @@ from .errors import RequestError
 from .generation import Stats, Step
 from .model import Laneformer
 from .prefix import PrefixReuse
-from .sampler import Penalties, check_adjustments, make_generator, sample
-from .sampling_params import SamplingParams
+from .sampling.params import SamplingParams
+from .sampling.sampler import Penalties, check_adjustments, make_generator, sample
 from .speculative.decoder import SpeculativeDecoder
 from .speculative.draft_model import load_draft
 from .speculative.drafting import SpeculativeConfig

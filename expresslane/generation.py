@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .model import Laneformer
-from .sampler import logprobs_of, make_generator, sample
-from .sampling_params import SamplingParams
+from .sampling.params import SamplingParams
+from .sampling.sampler import logprobs_of, make_generator, sample
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from .engine import Engine
 from .generation import Step
-from .sampling_params import SamplingParams
+from .sampling.params import SamplingParams
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 

@@ -21,7 +21,7 @@ import torch
 
 from expresslane.assets import default_model_dir
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 REQUESTS = [

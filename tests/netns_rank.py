@@ -25,7 +25,7 @@ from expresslane.parallel import ParallelEngine, load_shard
 from expresslane.parallel.exchange import gather_vocab
 from expresslane.parallel.launch import init_distributed
 from expresslane.parallel.rendezvous import GroupLostError, Rendezvous, parse_endpoint
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 
 PROMPT = [1, 17, 40, 5, 88, 23, 9, 61]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -14,8 +14,8 @@ import pytest
 import tiny
 
 from expresslane.engine import PREPARED, Engine
-from expresslane.sampler import structure_key
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
+from expresslane.sampling.sampler import structure_key
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.step.graph import DecodeGraph, all_buckets
 from expresslane.step.split import ForwardGraph, PickGraph

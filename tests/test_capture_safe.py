@@ -16,8 +16,8 @@ from host_traffic import HostTraffic, NoHostTraffic
 from tiny import laneformer
 
 from expresslane.cache import KVCache
-from expresslane.sampler import SamplerKnobs, logprobs_of, sample
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
+from expresslane.sampling.sampler import SamplerKnobs, logprobs_of, sample
 from expresslane.step import graph as graph_mod
 from expresslane.step.fused import FusedDecoder
 from expresslane.step.protocol import EagerStep

@@ -12,7 +12,7 @@ import pytest
 
 from expresslane.__main__ import main
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.step.native import native_step_built
 from expresslane.tokenizer import Tokenizer
 

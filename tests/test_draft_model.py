@@ -18,7 +18,7 @@ from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.errors import ConfigError
 from expresslane.model import Laneformer, init_weights
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.speculative.draft_model import Draft, DraftModelDrafter
 from expresslane.speculative.drafting import SpeculativeConfig
 

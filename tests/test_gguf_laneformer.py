@@ -18,7 +18,7 @@ from expresslane.engine import Engine
 from expresslane.gguf.tensors import GGUFCheckpoint
 from expresslane.gguf.write import main as write_main
 from expresslane.gguf.write import write_laneformer
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.weights.packing import load_packed
 
 TOKENS = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(0))

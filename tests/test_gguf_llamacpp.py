@@ -34,7 +34,7 @@ from expresslane.gguf import variants
 from expresslane.gguf.fetch import cache_root
 from expresslane.gguf.quants import raw_to_float
 from expresslane.gguf.reader import read_header
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.weights.packing import load_packed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: shared-core work

@@ -169,7 +169,7 @@ def test_every_end_marker_of_the_vocabulary_stops_generation(tmp_path):
     """Issue 28: SmolLM2's GGUF declares only <|im_end|> as EOS, and its <|endoftext|> leaked
     into replies; llama.cpp stops on every token spelled as an end marker, and so do we."""
     from expresslane.engine import Engine
-    from expresslane.sampling_params import SamplingParams
+    from expresslane.sampling.params import SamplingParams
 
     hf = _hf_model("llama-gqa")
     tokens = [f"t{i}" for i in range(BASE["vocab_size"])]
@@ -192,7 +192,7 @@ def test_qwen3_runs_in_the_engine_on_its_stored_blocks(tmp_path):
     packed step's C layers (q/k norms included) and greedy tokens equal to transformers reading
     the same file."""
     from expresslane.engine import Engine
-    from expresslane.sampling_params import SamplingParams
+    from expresslane.sampling.params import SamplingParams
     from expresslane.step.packed import PackedDecoder
     from expresslane.weights.packing import load_packed
 

@@ -10,7 +10,7 @@ import torch
 
 from expresslane.engine import Engine
 from expresslane.generation import reference_generate
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.step.fused import FusedDecoder
 from expresslane.step.protocol import EagerStep
 
@@ -193,7 +193,7 @@ def chi_square_critical(df: int, z: float = 3.09) -> float:
 def test_graph_sampling_follows_the_filtered_distribution(model, device):
     """Replays from one state draw from softmax(filter(logits)) (chi-square, p = 0.001): the
     graph's RNG advances per replay and the device-side filters are the CPU path's."""
-    from expresslane.sampler import filter_logits
+    from expresslane.sampling.sampler import filter_logits
     from expresslane.step.graph import DecodeGraph
 
     m = copy.deepcopy(model).to(device)

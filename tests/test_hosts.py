@@ -36,7 +36,7 @@ from expresslane.checkpoint import load_model, save_model
 from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.model import Laneformer, init_weights
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 PROMPT = [1, 17, 40, 5, 88, 23, 9, 61]

@@ -123,7 +123,7 @@ LAYERS = [
     ("model",),
     ("prefix", "speculative.drafting", "speculative"),
     (
-        "sampler",
+        "sampling.sampler",
         "cache",
         "rope",
         "presets",
@@ -137,7 +137,7 @@ LAYERS = [
         "structured",
     ),
     ("tokenizer",),
-    ("config", "sampling_params"),
+    ("config", "sampling.params"),
     ("hf_config",),
     ("errors",),
 ]
@@ -233,3 +233,11 @@ def test_a_cpu_install_without_triton_imports_and_runs():
     out = subprocess.run([sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True,
                          env=env, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_the_top_level_stays_small():
+    """Issue 25's layout: at most 14 modules beside __init__ and __main__ at the package's top;
+    the rest lives in the folders that show the architecture (step/, weights/, sampling/...)."""
+    root = Path(expresslane.__file__).parent
+    top = sorted(p.stem for p in root.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= 14, top

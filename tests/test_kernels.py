@@ -361,7 +361,7 @@ def test_engine_with_fused_kernels_equals_reference_generate(monkeypatch, family
 
     from expresslane.engine import Engine
     from expresslane.generation import reference_generate
-    from expresslane.sampling_params import SamplingParams
+    from expresslane.sampling.params import SamplingParams
 
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
     kw = dict(sliding_window=4)
@@ -383,7 +383,7 @@ def test_speculation_on_the_fused_kernels_is_the_plain_fused_step(monkeypatch):
     import tiny
 
     from expresslane.engine import Engine
-    from expresslane.sampling_params import SamplingParams
+    from expresslane.sampling.params import SamplingParams
     from expresslane.speculative.drafting import SpeculativeConfig
 
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")

@@ -313,7 +313,7 @@ def test_fused_decoder_forward_rows_equal_decode_steps():
     import tiny
 
     from expresslane.cache import KVCache
-    from expresslane.sampling_params import SamplingParams
+    from expresslane.sampling.params import SamplingParams
     from expresslane.step.fused import FusedDecoder
 
     model = tiny.laneformer(seed=3, sliding_window=4, num_hidden_layers=2,

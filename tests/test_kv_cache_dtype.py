@@ -19,7 +19,7 @@ from test_packed_verify import prompt_then_new
 from expresslane.cache import KV_CACHE_DTYPES, KVCache, cache_dtype
 from expresslane.engine import Engine
 from expresslane.errors import RequestError
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.step import native
 from expresslane.step.packed import PackedDecoder
 from expresslane.weights.packing import pack_model

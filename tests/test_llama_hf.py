@@ -7,7 +7,7 @@ import torch
 
 from expresslane.checkpoint import load_model
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

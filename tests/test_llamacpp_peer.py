@@ -13,7 +13,7 @@ from expresslane.bench import llamacpp
 from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.model import Laneformer, init_weights
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 
 gguf = pytest.importorskip("gguf")
 

@@ -22,7 +22,7 @@ from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.errors import CheckpointError
 from expresslane.model import Laneformer, init_weights
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

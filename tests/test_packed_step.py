@@ -14,7 +14,7 @@ from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.generation import reference_generate
 from expresslane.model import Laneformer, init_weights
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.step.graph import MIN_BUCKET, DecodeGraph, live_bucket
 from expresslane.step.packed import PackedDecoder
 from expresslane.step.protocol import EagerStep

@@ -20,7 +20,7 @@ from test_speculative_runs import continuation_logits, use_oracle
 
 from expresslane.cache import KVCache
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.step import native as cpu_kernels
 from expresslane.step.packed import PackedDecoder

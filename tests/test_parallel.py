@@ -33,7 +33,7 @@ from expresslane.model import Laneformer, init_weights
 from expresslane.parallel import ParallelEngine, load_shard
 from expresslane.parallel.exchange import gather_vocab
 from expresslane.parallel.launch import _lead_entry, load_lead_engine, spawn
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 BASE = dict(

@@ -23,8 +23,8 @@ from test_packed_step import llama
 
 from expresslane.engine import Engine
 from expresslane.errors import RequestError
-from expresslane.sampler import Penalties
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
+from expresslane.sampling.sampler import Penalties
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.textgen import stream_text
 from expresslane.tokenizer import StopStringMatcher, Tokenizer

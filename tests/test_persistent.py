@@ -14,7 +14,7 @@ import torch
 from triton_interp import DEVICE  # noqa: E402, F401  (first: sets the interpreter)
 
 from expresslane.cache import KVCache
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.step.fused import FusedDecoder
 from expresslane.step.persistent import PersistentDecoder, unsupported
 

@@ -17,7 +17,7 @@ from test_speculative import chi_square, second_token_marginal, spec
 
 from expresslane.engine import Engine
 from expresslane.errors import RequestError
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.speculative.decoder import PREDICTION_TOKENS
 from expresslane.speculative.drafting import NgramDrafter, SpecStats, combine
 from expresslane.speculative.prediction import PredictionDrafter, drafter_for

@@ -17,7 +17,7 @@ import torch
 
 from expresslane.engine import Engine
 from expresslane.model import attend, causal_attention, visible_mask, windowed_attention
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

@@ -24,7 +24,7 @@ from triton_interp import DEVICE, GPU, triton  # noqa: F401  (first: sets the in
 from expresslane.engine import Engine  # noqa: E402
 from expresslane.kernels import ref  # noqa: E402
 from expresslane.kernels.prefill_norm import residual_norm, silu_mul  # noqa: E402
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.step.prefill import FusedPrefill, supports  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -22,7 +22,7 @@ import torch
 from expresslane.cache import KVCache
 from expresslane.engine import Engine
 from expresslane.prefix import common_prefix, ring_starts
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 
 TOL = 1e-5
 WINDOW = 16  # tiny.BASE's sliding window

@@ -203,7 +203,7 @@ def test_a_tied_head_is_quantized_apart_from_the_embedding(monkeypatch):
 
 def test_quantized_model_decodes_like_its_reference(tiny_pair, monkeypatch):
     from expresslane.engine import Engine
-    from expresslane.sampling_params import SamplingParams
+    from expresslane.sampling.params import SamplingParams
 
     monkeypatch.setenv("EXPRESSLANE_FORCE_TRITON", "1")
     model, ref = tiny_pair

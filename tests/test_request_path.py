@@ -18,7 +18,7 @@ import tiny
 from test_imports import layer_of
 
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.speculative.drafting import SpeculativeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny or shared-core work

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from expresslane.errors import RequestError
-from expresslane.sampler import filter_logits, make_generator, sample
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
+from expresslane.sampling.sampler import filter_logits, make_generator, sample
 
 
 def _logits(seed=0, v=50):

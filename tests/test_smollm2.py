@@ -18,7 +18,7 @@ import torch
 from expresslane.__main__ import main
 from expresslane.engine import Engine
 from expresslane.gguf.fetch import cache_root
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -21,7 +21,7 @@ from expresslane.config import ModelConfig
 from expresslane.engine import Engine
 from expresslane.errors import ConfigError
 from expresslane.model import Laneformer, init_weights
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.speculative.drafting import NgramDrafter, SpeculativeConfig
 
 NEAR_TIE = 1e-5
@@ -183,7 +183,7 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]
 def test_acceptance_rule_follows_the_filtered_distribution():
     """accept() on fixed logits: the 1st token ~ p_0, the 2nd given the 1st draft ~ p_1, the
     3rd given both ~ p_2 (chi-square, p = 0.001), against the plain sampler's filter."""
-    from expresslane.sampler import filter_logits
+    from expresslane.sampling.sampler import filter_logits
     from expresslane.speculative.drafting import accept
 
     V, k, n = 24, 3, 6000
@@ -212,7 +212,7 @@ def second_token_marginal(model, prompt, params, adjust=None) -> tuple[torch.Ten
     """(p(t1), the exact marginal of the 2nd token sum_t1 p(t1) p(t2 | t1)) under the plain
     sampler's filter, from cache-free forwards; `adjust(logits, t1)` changes the 2nd step's
     logits in place first (a penalty written out)."""
-    from expresslane.sampler import filter_logits
+    from expresslane.sampling.sampler import filter_logits
 
     with torch.no_grad():
         p1 = filter_logits(model(torch.tensor([prompt]))[0, -1].double(), params).softmax(-1)

@@ -53,7 +53,7 @@ def test_bench_rows_compare_plain_and_speculative(random_laneformer_dir):
     from expresslane.bench.speculative import prompt_ids, run_speculative_bench, spec_table
     from expresslane.checkpoint import load_model
     from expresslane.engine import Engine
-    from expresslane.sampling_params import SamplingParams
+    from expresslane.sampling.params import SamplingParams
     from expresslane.speculative.drafting import SpeculativeConfig
     from expresslane.tokenizer import Tokenizer
 

@@ -16,7 +16,7 @@ import torch
 
 from expresslane.cache import KVCache
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.speculative import decoder as spec_decode
 from expresslane.speculative.drafting import BackOff, NgramDrafter, SpeculativeConfig
 

@@ -11,7 +11,7 @@ from test_speculative import NEAR_TIE, first_flip
 from expresslane.bench.spec_workloads import WORKLOADS
 from expresslane.bench.speculative import prompt_ids
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.tokenizer import Tokenizer
 

@@ -20,7 +20,7 @@ from host_traffic import NoHostTraffic
 
 from expresslane.cache import KVCache
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.step import graph as graph_mod
 from expresslane.step import split as split_mod
@@ -107,7 +107,7 @@ def test_forward_in_chunks_and_near_the_end(lane):
 def test_pick_graph_is_the_masked_sample():
     """The pick reads the shared logits under the mask: only allowed tokens, the eager
     sampler's draw for the same seed."""
-    from expresslane.sampler import SamplerKnobs, sample
+    from expresslane.sampling.sampler import SamplerKnobs, sample
 
     V = 77
     logits = torch.randn(V, generator=torch.Generator().manual_seed(1))

@@ -15,7 +15,7 @@ import tiny
 import torch
 
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.step.native import MAX_TOKENS, available, native_step_built
 from expresslane.step.prefill import BF16_PRODUCTS, LOWP_BY_DTYPE, StepPrefill
 from expresslane.weights.packing import pack_model, products_in

@@ -16,8 +16,8 @@ import torch
 from expresslane.assets import default_model_dir
 from expresslane.bench.schemas import SCHEMAS
 from expresslane.engine import Engine
-from expresslane.sampler import apply_token_mask
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
+from expresslane.sampling.sampler import apply_token_mask
 from expresslane.speculative.drafting import SpeculativeConfig
 from expresslane.structured import decoding as structured
 from expresslane.structured.grammar import GrammarCompiler, GrammarError, GrammarSpec

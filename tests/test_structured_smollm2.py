@@ -14,7 +14,7 @@ import pytest
 from expresslane.bench.schemas import SCHEMAS
 from expresslane.bench.structured import _prompt
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.serve.tools import parse_calls, plan_tools, prompt_messages
 from expresslane.structured.grammar import GrammarCompiler, GrammarSpec
 from expresslane.tokenizer import Tokenizer

@@ -185,7 +185,7 @@ def test_corpus_manifest_is_deterministic_and_split_by_file(tmp_path):
 )
 def test_shipped_model_loads_generates_and_matches_readme():
     from expresslane.engine import Engine
-    from expresslane.sampling_params import SamplingParams
+    from expresslane.sampling.params import SamplingParams
     from expresslane.tokenizer import Tokenizer
 
     names = {p.name for p in ASSET.iterdir()}

@@ -44,7 +44,7 @@ from ..checkpoint import load_model
 from ..engine import Engine
 from ..errors import ConfigError, ExpressLaneError
 from ..parallel.launch import free_port
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..textgen import generate_text
 from ..tokenizer import Tokenizer
 

@@ -28,7 +28,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..gguf import find_gguf
 from ..kernels.qlinear import quantized_reference
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..tokenizer import Tokenizer
 from ..weights.lora import load_adapter, merge
 from ..weights.packing import pack_gguf, pack_model, packed_format

@@ -35,7 +35,7 @@ import torch
 from ..checkpoint import load_model, resolve_device, resolve_dtype
 from ..config import ModelConfig
 from ..engine import Engine
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..step.choose import default_decode
 from .ceiling import bytes_per_token
 from .peers import PeerSetup, Timer, make_peer, prompt_ids

@@ -61,7 +61,7 @@ def _meta_model(model_ref: str):
 def eager_step_kernels(model_ref: str, max_len: int = 4096) -> dict[str, int]:
     """ATen kernels of one greedy static decode step through the model's forward."""
     from ..cache import KVCache
-    from ..sampling_params import SamplingParams
+    from ..sampling.params import SamplingParams
     from ..step.graph import DecodeGraph
     from ..step.protocol import EagerStep
 

@@ -109,7 +109,7 @@ def summarise(evs: list, steps: int, nbytes: dict[str, int]) -> tuple[list[dict]
 
 def profile_step(model, engine, context: int, steps: int, capture: bool):
     """Prefill `context` tokens, then profile `steps` runs of the decode graph."""
-    from ..sampling_params import SamplingParams
+    from ..sampling.params import SamplingParams
     from ..step.graph import DecodeGraph
 
     params = SamplingParams(max_tokens=steps, ignore_eos=True)

@@ -97,7 +97,7 @@ def _layer_speedups(rows: list[dict]) -> dict:
 
 def _decode_tok_s(engine, vocab: int, context: int, tokens: int, dev) -> float:
     """Greedy decode tokens/s: (t(n2) - t(n1)) / (n2 - n1), prefill and capture cancel out."""
-    from ..sampling_params import SamplingParams
+    from ..sampling.params import SamplingParams
     from .peers import prompt_ids, sync
 
     prompt = prompt_ids(vocab, context, dev)[0].tolist()

@@ -160,7 +160,7 @@ def graph_check(model, steps: int) -> dict:
     fused kernels launched one at a time from the same prefilled cache."""
     from ..cache import KVCache
     from ..engine import Engine
-    from ..sampling_params import SamplingParams
+    from ..sampling.params import SamplingParams
     from ..step.fused import FusedDecoder
 
     cfg, p = model.cfg, next(model.parameters())

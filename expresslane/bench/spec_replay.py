@@ -34,7 +34,7 @@ import torch
 from ..engine import Engine
 from ..errors import ExpressLaneError
 from ..presets import load_model_config
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..step.graph import DecodeGraph
 
 TRACES = Path(__file__).parent / "traces"

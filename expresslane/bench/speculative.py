@@ -29,7 +29,7 @@ import torch
 
 from ..engine import Engine
 from ..model import Laneformer
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..speculative.drafting import SpeculativeConfig
 from .spec_workloads import KINDS, WORKLOADS, Workload
 

@@ -34,7 +34,7 @@ import torch
 
 from ..engine import Engine
 from ..errors import ExpressLaneError
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from .schemas import SCHEMAS

@@ -118,7 +118,7 @@ def reuse_rows(
     differently. Issue 24: under 1 ms per 100 new tokens."""
     from ..checkpoint import resolve_device, resolve_dtype
     from ..engine import Engine
-    from ..sampling_params import SamplingParams
+    from ..sampling.params import SamplingParams
     from .peers import prompt_ids
     from .weights import random_model
 

@@ -19,7 +19,7 @@ from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..engine import Engine
 from ..errors import ConfigError
 from ..parallel import launch, rendezvous
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..speculative.drafting import SpeculativeConfig
 from ..step.choose import PREFILL_DTYPES, default_decode
 from ..step.threads import set_threads

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError, ExpressLaneError, RequestError
-from ..sampling_params import SamplingParams, logit_bias_pairs
+from ..sampling.params import SamplingParams, logit_bias_pairs
 from ..speculative.prediction import check_prediction
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer

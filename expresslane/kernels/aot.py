@@ -67,7 +67,7 @@ def record_decode_step(model_ref: str, max_len: int, sms: int, pdl: bool, logits
     the one-launch step (step/persistent.py) instead of the fused kernels."""
     from ..cache import KVCache
     from ..model import Laneformer
-    from ..sampling_params import SamplingParams
+    from ..sampling.params import SamplingParams
     from ..step.fused import FusedDecoder
     from ..step.persistent import PersistentDecoder
 

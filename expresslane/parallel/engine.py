@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from ..engine import Engine
 from ..generation import Step
-from ..sampler import sample
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import sample
 from ..step.prefill import PREFILL_CHUNK
 from .exchange import gather_vocab, sample_sharded
 from .model import ParallelLaneformer

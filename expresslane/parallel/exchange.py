@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..sampler import sample
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import sample
 
 
 @dataclass

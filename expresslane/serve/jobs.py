@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..engine import Engine
 from ..errors import RequestError, TokenizerError
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from ..tokenizer.bounds import text_bytes

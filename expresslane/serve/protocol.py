@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from ..errors import ExpressLaneError, RequestError
-from ..sampling_params import FP32_MAX, logit_bias_pairs
+from ..sampling.params import FP32_MAX, logit_bias_pairs
 from . import unsupported
 
 

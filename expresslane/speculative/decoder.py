@@ -28,8 +28,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..cache import KVCache
-from ..sampler import Penalties, sample, structure_key
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import Penalties, sample, structure_key
 from ..step.graph import DecodeGraph, committed_tokens
 from ..step.protocol import Step
 from ..step.split import STEP_TOKENS, step_rows

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 from ..step.graph import DecodeGraph
 from .drafting import DRAFT_MODEL_MARGIN
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..sampler import SamplerKnobs, filter_logits
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import SamplerKnobs, filter_logits
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
-from ..sampler import structure_key
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import structure_key
 from .graph import DecodeGraph
 
 

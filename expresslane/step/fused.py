@@ -18,8 +18,8 @@ from ..cache import KVCache
 from ..kernels import MAX_TOKENS, decode_step, ref, use_triton
 from ..model import Laneformer, Partials
 from ..rope import cos_sin
-from ..sampler import SamplerKnobs, sample
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import SamplerKnobs, sample
 
 # The most steps one CUDA-graph replay may run (Engine checks steps_per_replay against it).
 MAX_OVERRUN = 64

@@ -37,8 +37,8 @@ from collections.abc import Iterator
 import torch
 
 from ..cache import KVCache
-from ..sampler import SamplerKnobs, make_generator
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import SamplerKnobs, make_generator
 from ..speculative.drafting import accept
 from .protocol import Step
 

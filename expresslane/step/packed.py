@@ -42,8 +42,8 @@ from ..config import ModelConfig
 from ..kernels.ref import _head_input
 from ..model import Laneformer, Partials
 from ..rope import apply_rope, cos_sin
-from ..sampler import SamplerKnobs, sample
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import SamplerKnobs, sample
 from ..weights.packing import pack_model
 from ..weights.quant import QTensor, matvec
 from .fused import MAX_OVERRUN

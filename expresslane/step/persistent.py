@@ -22,8 +22,8 @@ import torch
 
 from ..cache import KVCache
 from ..model import Laneformer
-from ..sampler import SamplerKnobs, sample
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import SamplerKnobs, sample
 from .fused import FusedDecoder, check_width
 from .fused import supports as fused_supports
 from .persistent_plan import KINDS_PER_CONFIG, Plan, attention_keys, build_plan, projection_keys

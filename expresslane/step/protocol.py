@@ -24,8 +24,8 @@ import torch
 
 from ..cache import KVCache
 from ..model import Laneformer
-from ..sampler import SamplerKnobs, sample
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import SamplerKnobs, sample
 
 
 class Step(Protocol):

@@ -39,8 +39,8 @@ import time
 import torch
 
 from ..cache import KVCache
-from ..sampler import SamplerKnobs, logprobs_of, make_generator, sample, structure_key
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import SamplerKnobs, logprobs_of, make_generator, sample, structure_key
 from .graph import DecodeGraph, forget
 from .protocol import Step
 

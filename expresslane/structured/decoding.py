@@ -43,8 +43,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..sampler import Penalties, SamplerKnobs, apply_token_mask, sample
-from ..sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import Penalties, SamplerKnobs, apply_token_mask, sample
 from ..speculative.drafting import accept
 from ..step.split import SplitSteps, forward_logits, step_rows
 from .grammar import GrammarError, Matcher

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import httpx
 import torch
 
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.serve.metrics import parse_metrics
 from expresslane.textgen import generate_text
 

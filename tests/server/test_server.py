@@ -24,7 +24,7 @@ from serverkit import (
 )
 from starlette.testclient import TestClient
 
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.serve import attach, create_app
 from expresslane.serve.guards import ServeLimits
 

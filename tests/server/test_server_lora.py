@@ -10,7 +10,7 @@ import pytest
 from expresslane.cli.run import load_engine
 from expresslane.cli.serve import add_arguments, model_card, serving
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.serve import create_app
 
 

@@ -12,7 +12,7 @@ from serverkit import CTX, delta, metrics
 
 from expresslane.checkpoint import load_model
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.textgen import generate_text
 from expresslane.tokenizer import Tokenizer
 

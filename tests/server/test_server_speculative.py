@@ -11,7 +11,7 @@ import torch
 
 from expresslane.cli.serve import serving
 from expresslane.engine import Engine
-from expresslane.sampling_params import SamplingParams
+from expresslane.sampling.params import SamplingParams
 from expresslane.serve import create_app
 from expresslane.serve.metrics import parse_metrics
 from expresslane.speculative.drafting import SpeculativeConfig

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import RequestError
+from ..errors import RequestError
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by
 # 1e-38 overflows to inf and the softmax turns into NaN, so such a value cannot mean anything else.

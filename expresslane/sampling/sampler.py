@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import RequestError
-from .sampling_params import ADJUSTMENTS, SamplingParams
+from ..errors import RequestError
+from .params import ADJUSTMENTS, SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
