@@ -67,11 +67,31 @@ def test_aot_rejects_unknown_model_and_interpreter(monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for args, word in [(("--model", "no-such-model"), "no-such-model"),
                        (("--arch", "7"), "--arch 7"), (("--sms", "0"), "--sms 0"),
-                       (("--quant", "int3"), "'int3'")]:  # fmt: skip
+                       (("--quant", "int3"), "'int3'"), (("--force", "gemm"), "--force gemm"),
+                       (("--force", "attention"), "NAME=VALUE pairs"),
+                       (("--force", "attention", "NUM_SPLITS"), "'NUM_SPLITS'"),
+                       (("--force", "attention", "BLOCK_N=0"), "'BLOCK_N=0'")]:  # fmt: skip
         assert aot_cli.main(list(args)) == 2
         assert word in capsys.readouterr().err
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert aot_cli.main([]) == 2 and "TRITON_INTERPRET" in capsys.readouterr().err
+
+
+def test_forced_variant_is_what_builds():
+    """--force pins a variant as the sweep does: the attention launch takes the forced splits
+    (its grid's last axis) and tile (its label), the other kernels stay as they were."""
+    args = ("--model", "llama-tiny", "--json")
+    runs = {}
+    for extra in ((), ("--force", "attention", "NUM_SPLITS=3", "BLOCK_N=32")):
+        out = aot(*args, *extra)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = json.loads(out.stdout.strip().splitlines()[-1])["kernels"]
+        runs[extra] = {r["kernel"].split("[")[0]: r for r in rows}
+    plain, forced = runs.values()
+    assert forced["attention_kernel"]["grid"][-1] == 3 != plain["attention_kernel"]["grid"][-1]
+    assert "BLOCK_N=32" in forced["attention_kernel"]["kernel"]
+    assert {k: r["grid"] for k, r in plain.items() if k != "attention_kernel"} == {
+        k: r["grid"] for k, r in forced.items() if k != "attention_kernel"}  # fmt: skip
 
 
 def test_launch_count_and_prediction():
@@ -159,26 +179,30 @@ def test_quantized_products_compile_for_sm90():
 INVARIANCE = """
 import json
 from expresslane.kernels.aot import invariance_report
-report = invariance_report("laneformer-2b", (1, 8))
-print(json.dumps({k: [sorted(set(map(tuple, b))) for b in builds] for k, builds in report.items()}))
+out = {}
+for n in (2, 8):
+    report = invariance_report("laneformer-2b", (1, n))
+    out[n] = {k: [sorted(set(map(tuple, b))) for b in builds] for k, builds in report.items()}
+print(json.dumps(out))
 """
 
 
 def test_compiled_reductions_do_not_depend_on_the_token_count():
-    """Batch invariance of the sm_90 builds: every reduction of an 8-token build of each
-    kernel (rows per program fitted to S) is laid out along its reduced axis as in the 1-token
-    build (same values per thread, lanes, warps, order), so a row is summed in the same order.
-    An sm_90 build once put 4 warps along K for one token's RMS statistics and 1 warp for 8."""
+    """Batch invariance of the sm_90 builds: every reduction of a 2- and an 8-token build of
+    each kernel (rows per program fitted to S) is laid out along its reduced axis as in the
+    1-token build (same values per thread, lanes, warps, order), so a row is summed in the same
+    order. An sm_90 build once put 4 warps along K for one token's RMS statistics and 1 warp for
+    8; a 2-token build put 2 warps and 4 values a thread along K (gemv.block_s pads it to 4)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", INVARIANCE], capture_output=True, text=True,
                          env=env, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"norm_qkv", "norm_swiglu", "gemv_reduce", "head_logits"} <= {
-        k.split("_kernel")[0] for k in report
-    }
-    for kernel, (one, eight) in report.items():
-        assert one and one == eight, f"{kernel}: 1 token {one}, 8 tokens {eight}"
+    for n, report in json.loads(out.stdout.strip().splitlines()[-1]).items():
+        assert {"norm_qkv", "norm_swiglu", "gemv_reduce", "head_logits"} <= {
+            k.split("_kernel")[0] for k in report
+        }
+        for kernel, (one, many) in report.items():
+            assert one and one == many, f"{kernel}: 1 token {one}, {n} tokens {many}"
 
 
 PERSISTENT = """

@@ -31,6 +31,7 @@ repacks' int8 in groups of 16).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -43,6 +44,7 @@ import torch
 from ..errors import ConfigError
 from ..presets import load_model_config
 from ..weights.gpu_pack import GPU_QUANTIZATIONS
+from . import tuning
 from .aot_launch import Launch, recording
 from .aot_read import (
     blocks_per_sm,
@@ -232,6 +234,22 @@ def _widths(loads: dict[str, int]) -> str:
     return " ".join(f"{k}x{v}" for k, v in sorted(loads.items(), key=lambda kv: kv[0]))
 
 
+def parse_force(words: list[str]) -> tuple[str, dict]:
+    """`--force KERNEL NAME=VALUE ...` -> (kernel, variant): integer values, as the sweep's."""
+    kernel, *pairs = words
+    if kernel not in tuning.KERNELS:
+        raise ConfigError(f"--force {kernel}: expected one of {', '.join(tuning.KERNELS)}")
+    if not pairs:
+        raise ConfigError(f"--force {kernel}: expected NAME=VALUE pairs after the kernel")
+    cfg = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not (sep and name and value.isdigit() and int(value) > 0):
+            raise ConfigError(f"--force {pair!r}: expected NAME=VALUE, VALUE a positive integer")
+        cfg[name] = int(value)
+    return kernel, cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m expresslane.kernels.aot", description=__doc__)
     ap.add_argument("--model", default="laneformer-2b", help="preset or checkpoint folder")
@@ -254,6 +272,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the one-launch step's kernel (step/persistent.py), not the fused ones",
     )
+    ap.add_argument(
+        "--force",
+        nargs="+",
+        default=None,
+        metavar="KERNEL NAME=VALUE",
+        help="build with one kernel's variant pinned, as the sweep pins its "
+        "VARIANTS (tuning.forcing): --force attention NUM_SPLITS=64 BLOCK_N=8",
+    )
     ap.add_argument("--json", action="store_true", help="only the JSON line")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -271,14 +297,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--quant {name!r}: expected one of {', '.join(AOT_QUANT)}")
         if not 1 <= args.tokens <= 8:
             raise ConfigError(f"--tokens {args.tokens}: expected 1 to 8")
+        forced = parse_force(args.force) if args.force else None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    greedy = len(record_decode_step(args.model, args.max_len, args.sms, True, logits=False,
-                                    arch=None, persistent=args.persistent))  # fmt: skip
-    rows = compile_decode_step(args.model, args.arch, args.max_len, args.sms,
-                               not args.unspecialised, args.kernel, tuple(args.quant),
-                               args.tokens, args.persistent)  # fmt: skip
+    with tuning.forcing(*forced) if forced else contextlib.nullcontext():
+        greedy = len(record_decode_step(args.model, args.max_len, args.sms, True, logits=False,
+                                        arch=None, persistent=args.persistent))  # fmt: skip
+        rows = compile_decode_step(args.model, args.arch, args.max_len, args.sms,
+                                   not args.unspecialised, args.kernel, tuple(args.quant),
+                                   args.tokens, args.persistent)  # fmt: skip
     if not args.json:
         print(f"{'kernel':54} {'grid':>10} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
               f"{'blk/SM':>6} {'waves':>5} cvt pdl  global loads (bits x count)")  # fmt: skip

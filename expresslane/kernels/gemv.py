@@ -143,7 +143,16 @@ def tokens_of(x: torch.Tensor, name: str = "x") -> tuple[torch.Tensor, bool]:
 
 
 def block_s(n_tokens: int) -> int:
-    return triton.next_power_of_2(n_tokens)
+    """The token rows a launch lays out: 1, else a power of 2 of at least 4.
+
+    Two rows are too few. A (2, 1, BLOCK_K) chunk of the token rows holds 512 values for 128
+    threads, so triton's coalescing gives it 4 values a thread and 2 warps along K, and the
+    accumulator takes that layout: the sm_90 builds of norm_qkv, norm_swiglu and gemv_reduce then
+    summed each row along K in another order than one token's (8 values a thread, 1 warp), and
+    a verify of one draft was not a decode step bit for bit (found reading the builds,
+    2026-12-06: aot.invariance_report with tokens (1, 2)). Padded to 4 rows (masked, no memory
+    traffic), the layout is the one 3 to 8 tokens get, whose sums follow the 1-token order."""
+    return 1 if n_tokens == 1 else max(4, triton.next_power_of_2(n_tokens))
 
 
 # --- the lane-major GEMV kernel ----------------------------------------------------------------

@@ -26,6 +26,9 @@ TABLES = Path(__file__).parent / "tuning"
 # "name": ...} to record the launches that GPU would make. Empty: ask the device.
 PLANNED_GPU: dict = {}
 OPTIONS = ("num_warps", "num_stages")  # launch options; the rest are constexprs
+# The kernels that ask `choose`, by the name their table entries and forced variants use.
+KERNELS = ("attention", "gemv_reduce_past", "gemv_reduce_present", "gemv_reduce_no_reduce",
+           "lane_gemv", "lm_head", "norm_qkv", "norm_swiglu")  # fmt: skip
 _FORCED: dict[str, dict] = {}
 SEEN: list[tuple[str, str]] = []  # (kernel, key) of every choice, while `watching`
 _WATCH = [False]
@@ -61,6 +64,7 @@ def shape_key(**dims: int) -> str:
 
 def choose(kernel: str, t: torch.Tensor, key: str, default: dict) -> dict:
     """default, then the table's entry for (t's GPU, kernel, key), then any forced variant."""
+    assert kernel in KERNELS, f"{kernel}: not in tuning.KERNELS"
     if _WATCH[0]:
         SEEN.append((kernel, key))
     cfg = dict(default)
