@@ -5,8 +5,7 @@ The residual stream carries a lane axis, h: (B, S, L, D). Per-lane projections a
 (out, in) matrix is held as (1, out, in). After every attention and MLP module the per-lane
 partials are reduced by the layer's mode (laneformer.md 5.2): present (immediate all-reduce),
 no_reduce, or past (own fresh partial + the other lanes' partials from `broadcast_delay` layers
-earlier).
-Parameter names are the Laneformer checkpoint keys, so a Laneformer state dict loads as is.
+earlier). Parameter names are the Laneformer checkpoint keys: its state dict loads as is.
 
 `forward(tokens, positions, cache)` covers prefill, decode and training (cache=None).
 """
@@ -348,15 +347,30 @@ class Laneformer(nn.Module):
         h = h.unsqueeze(2).expand(B, S, self.cfg.num_lanes, self.cfg.hidden_size)  # (B,S,L,D)
         return h, positions, cos, sin
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm, lane aggregation, LM head (laneformer.md 6); h (B, S, L, D) -> (B, S, V)."""
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and lane aggregation (laneformer.md 6): what the LM head reads, and what
+        /v1/embeddings pools. h (B, S, L, D) -> (B, S, L * D) for the lane and vocab-parallel
+        heads (lanes side by side), (B, S, D) for the others."""
         cfg, norm = self.cfg, self.model.norm
         B, S, L, D = h.shape
-        if cfg.lm_head_type == "vocab_parallel":
-            return self.lm_head(norm(h)).reshape(B, S, cfg.vocab_size)  # lane slices in order
+        if cfg.lm_head_type in ("vocab_parallel", "lane"):
+            return norm(h).reshape(B, S, L * D)
+        return norm(h.sum(-2)) if cfg.pre_norm_lane_agg else norm(h).mean(-2)  # (B, S, D)
+
+    @property
+    def head_width(self) -> int:  # head_input's last dimension
+        L, D, kind = self.cfg.num_lanes, self.cfg.hidden_size, self.cfg.lm_head_type
+        return L * D if kind in ("vocab_parallel", "lane") else D
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head on head_input (laneformer.md 6); h (B, S, L, D) -> (B, S, V)."""
+        cfg = self.cfg
+        B, S, L, D = h.shape
+        z = self.head_input(h)
+        if cfg.lm_head_type == "vocab_parallel":  # each lane's slice of the vocabulary, in order
+            return self.lm_head(z.view(B, S, L, D)).reshape(B, S, cfg.vocab_size)
         if cfg.lm_head_type == "lane":
-            return self.lm_head.linear(norm(h).reshape(B, S, L * D))
-        z = norm(h.sum(-2)) if cfg.pre_norm_lane_agg else norm(h).mean(-2)  # (B, S, D)
+            return self.lm_head.linear(z)
         if hasattr(self, "lm_head"):  # untied, or a tied head given its own storage (quantized)
             return self.lm_head(z)
         return F.linear(z, self.model.tok_embeddings.weight)

@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
-    from ..serve.guards import ServeLimits
+    from ..serve.guards import POOLING, ServeLimits
     from ..structured.reasoning import PARSERS
 
     d = ServeLimits()
@@ -105,6 +105,9 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="split a thinking model's <think> reasoning from its answer: "
                    "`reasoning_content` / `reasoning` in chat answers (vLLM's flag)")  # fmt: skip
+    p.add_argument("--pooling", choices=POOLING, default=d.pooling,
+                   help="/v1/embeddings' vector: the last position's (default) or every "
+                   "position's mean, normalised (llama.cpp's flag)")  # fmt: skip
     p.add_argument("--allowed-origins", type=_origins, default=(),
                    help="web origins allowed by CORS: a JSON list as vLLM takes it, or "
                    "comma-separated (default none)")  # fmt: skip
@@ -138,6 +141,7 @@ def limits_from(args: argparse.Namespace):
         allowed_origins=tuple(args.allowed_origins),
         allowed_headers=tuple(args.allowed_headers),
         reasoning_parser=args.reasoning_parser,
+        pooling=args.pooling,
     )
 
 

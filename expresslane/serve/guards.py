@@ -29,10 +29,13 @@ MiB = 1 << 20
 DRAIN_LIMIT = 64 * MiB  # beyond this a refused body is not read to its end: the connection closes
 
 
+POOLING = ("last", "mean")  # /v1/embeddings: the last position's vector, or every position's mean
+
+
 @dataclass(frozen=True)
 class ServeLimits:
     """Limits on what one request may ask of the server (docs/serving.md), and the server-wide
-    choices that shape every answer (the reasoning parser)."""
+    choices that shape every answer (the reasoning parser, the embeddings' pooling)."""
 
     max_request_bytes: int = 4 * MiB  # request body size; larger bodies get 413
     max_queue: int = 128  # requests being prepared or waiting for the engine; beyond: 503
@@ -44,6 +47,7 @@ class ServeLimits:
     allowed_origins: tuple[str, ...] = ()  # CORS; none by default
     allowed_headers: tuple[str, ...] = ("*",)  # CORS request headers: all, as vLLM allows
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser (structured/reasoning.py)
+    pooling: str = "last"  # llama.cpp's --pooling: /v1/embeddings' vector (embeddings.py)
 
     def validate(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -52,6 +56,8 @@ class ServeLimits:
         if self.reasoning_parser not in (None, *PARSERS):
             raise ConfigError(f"--reasoning-parser {self.reasoning_parser}: expected one of "
                               f"{', '.join(PARSERS)}")  # fmt: skip
+        if self.pooling not in POOLING:
+            raise ConfigError(f"--pooling {self.pooling}: expected one of {', '.join(POOLING)}")
         for name in ("max_request_bytes", "max_queue", "max_n"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")

@@ -14,8 +14,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -39,11 +43,13 @@ class ChoiceSpec:
     echo_logprobs: bool = False  # score the prompt first (completions `echo` + `logprobs`)
     include_stop: bool = False  # vLLM's include_stop_str_in_output
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and top n
+    pool: str | None = None  # /v1/embeddings: the prompt's pooled vector instead of generating
 
 
 @dataclass
 class Event:
-    """What the worker sends back: "echo", "prompt_logprobs", "delta", "finish" or "error"."""
+    """What the worker sends back: "echo", "prompt_logprobs", "delta", "embedding", "finish" or
+    "error"."""
 
     kind: str
     index: int = 0
@@ -53,6 +59,7 @@ class Event:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: Exception | None = None
+    vector: torch.Tensor | None = None  # "embedding": the pooled vector (fp32, CPU)
 
 
 @dataclass
@@ -158,6 +165,7 @@ class Accumulator:
     tokens: list[TokenInfo] = field(default_factory=list)
     echo: list[TokenInfo] = field(default_factory=list)
     prompt: list[TokenInfo] | None = None  # vLLM's prompt_logprobs, when asked
+    vector: torch.Tensor | None = None  # /v1/embeddings' pooled vector
     count: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -171,6 +179,8 @@ class Accumulator:
             self.echo = ev.tokens
         elif ev.kind == "prompt_logprobs":
             self.prompt = ev.tokens
+        elif ev.kind == "embedding":
+            self.vector = ev.vector
         elif ev.kind == "delta":
             self.pieces.append(ev.text)
             self.tokens.extend(ev.tokens)

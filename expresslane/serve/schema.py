@@ -20,10 +20,12 @@ from pydantic.json_schema import models_json_schema
 
 from . import protocol as P
 from . import unsupported
+from .embeddings import EmbeddingRequest
 from .guards import ServeLimits
 from .messages import MessagesRequest
 from .responses import ResponsesRequest
 from .schema_apis import (
+    EmbeddingList,
     MessageEvent,
     MessageObject,
     PromptTokensDetails,
@@ -254,6 +256,8 @@ ROUTES: dict[str, tuple] = {
                  MessageObject, MessageEvent, (400, 401, 404, 413, 415, 503)),
     "count_tokens": ("Count a Messages request's input tokens", MessagesRequest, TokenCount,
                      None, (400, 401, 404, 413, 415, 503)),
+    "embeddings": ("A vector for each input (OpenAI's embeddings)", EmbeddingRequest,
+                   EmbeddingList, None, (400, 401, 404, 413, 415, 503)),
     "tokenize": ("Text or messages to token ids (vLLM's /tokenize)", P.TokenizeRequest,
                  TokenizeResponse, None, (400, 401, 413, 415, 503)),
     "detokenize": ("Token ids to text", P.DetokenizeRequest, DetokenizeResponse, None,

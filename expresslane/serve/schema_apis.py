@@ -106,3 +106,22 @@ class MessageEvent(_Open):
 
 class TokenCount(_Open):
     input_tokens: int
+
+
+# --- OpenAI's embeddings ----------------------------------------------------------------------
+class Embedding(_Open):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # a base64 string with encoding_format "base64"
+
+
+class EmbeddingUsage(_Open):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Open):
+    object: Literal["list"]
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage

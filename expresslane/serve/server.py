@@ -43,6 +43,7 @@ from ..engine import Engine
 from ..errors import ExpressLaneError, RequestError
 from ..tokenizer import Tokenizer
 from . import protocol as P
+from .embeddings import add_route as add_embeddings
 from .guards import Refusal, ServeLimits, allowed_methods, key_check, read_json_body
 from .jobs import ChoiceSpec, Job, collect
 from .metrics import Metrics
@@ -293,6 +294,8 @@ def _v1_routes(svc: Service) -> APIRouter:
     @r.post("/chat/completions", **route_docs("chat"))
     async def chat(request: Request):
         return await generate(request, svc.ready().preparer.chat)
+
+    add_embeddings(r, svc, route_docs("embeddings"))
 
     @r.post("/responses", **route_docs("responses"))
     async def responses(request: Request):

@@ -28,6 +28,7 @@ from ..errors import ExpressLaneError
 from ..speculative.drafting import combine
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
+from .embeddings import pooled
 from .jobs import ChoiceSpec, Event, Job, TokenInfo
 from .metrics import Metrics
 
@@ -119,6 +120,10 @@ class Worker:
             if job.cancel.is_set():
                 job.put(Event("finish", spec.index, finish_reason="abort"))
                 self.metrics.finished("abort")
+                continue
+            if spec.pool is not None:  # /v1/embeddings: a vector, nothing generated
+                vec = pooled(self.engine, spec.prompt_ids, spec.pool, job.cancel)
+                job.put(Event("embedding", spec.index, vector=vec))
                 continue
             scores = spec.echo_logprobs or spec.prompt_logprobs is not None
             if scores:
