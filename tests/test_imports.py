@@ -113,7 +113,7 @@ LAYERS = [
     ("speculative.decoder", "speculative.draft_model"),
     ("step.choose", "step.captures"),
     ("step.graph", "step.split"),
-    ("step.packed", "step.prefill"),
+    ("step.packed", "step.prefill", "step.pooling"),
     ("step.persistent", "step.persistent_plan", "step.persistent_tasks", "kernels.aot"),
     ("step.fused", "step.native"),
     ("step.protocol",),

@@ -28,7 +28,6 @@ import base64
 import time
 from typing import Any, Literal
 
-import torch
 import torch.nn.functional as F
 from fastapi import APIRouter, Request
 from pydantic import Field, field_validator
@@ -119,27 +118,6 @@ def prepare(prep, pooling: str, body: bytes) -> tuple[EmbeddingRequest, str, lis
                                f"context length of {max_len} tokens", param="input")  # fmt: skip
         specs.append(ChoiceSpec(i, ids, SamplingParams(), pool=pooling))
     return req, model, specs
-
-
-@torch.inference_mode()
-def pooled(engine, ids: list[int], how: str, cancel) -> torch.Tensor | None:
-    """The input's vector, fp32 on the CPU, not yet normalised (the engine thread's work); None
-    when cancelled between chunks."""
-    model, cache = engine.model, engine.cache
-    cache.reset()
-    tokens = torch.tensor(ids, device=engine.device, dtype=torch.long)[None]
-    total = last = None
-    for s in range(0, len(ids), engine.prefill_chunk):
-        if cancel is not None and cancel.is_set():
-            return None
-        chunk = tokens[:, s : s + engine.prefill_chunk]
-        z = model.head_input(model.hidden(chunk, None, cache))[0].float()  # (S, E)
-        cache.advance(chunk.shape[1])
-        cache.commit(ids[s : s + chunk.shape[1]])
-        total = z.sum(0) if total is None else total + z.sum(0)
-        last = z[-1]
-    engine.prefix.prefilled()  # the rings as a prompt's prefill leaves them
-    return (total / len(ids) if how == "mean" else last).cpu()
 
 
 def response(req: EmbeddingRequest, model: str, accs: dict[int, Accumulator],

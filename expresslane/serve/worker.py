@@ -26,9 +26,9 @@ import torch
 from ..engine import Engine
 from ..errors import ExpressLaneError
 from ..speculative.drafting import combine
+from ..step.pooling import pooled
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
-from .embeddings import pooled
 from .jobs import ChoiceSpec, Event, Job, TokenInfo
 from .metrics import Metrics
 

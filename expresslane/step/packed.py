@@ -32,6 +32,7 @@ when compiled (one compilation for every context length).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -210,14 +211,21 @@ class PackedDecoder:
             pre_norm_lane_agg=cfg.pre_norm_lane_agg, greedy=greedy,
         )  # fmt: skip
 
-    def _native_logits(self, tokens: torch.Tensor, position: int, last_only: bool = False,
-                       lowp: bool = False) -> torch.Tensor:  # fmt: skip
-        """fp32 logits (S, V), or (1, V) of the last row, through the C layers in calls of at
-        most `prefill_chunk()` tokens (lowp: NativeStep.hidden's)."""
-        rows, live, width = [], self._live(), self.prefill_chunk()
+    def _native_rows(self, tokens: torch.Tensor, position: int, lowp: bool = False):
+        """The final residual streams (S', L, D) fp32 of tokens (S,), through the C layers in
+        calls of at most `prefill_chunk()` tokens (lowp: NativeStep.hidden's); each the step's
+        buffer, valid until the next call."""
+        live, width = self._live(), self.prefill_chunk()
         for at in range(0, tokens.shape[0], width):
             chunk = tokens[at : at + width]
-            h = self.step.hidden(chunk, position + at, max(live, position + at + len(chunk)), lowp)
+            yield self.step.hidden(chunk, position + at, max(live, position + at + len(chunk)),
+                                   lowp)  # fmt: skip
+
+    def _native_logits(self, tokens: torch.Tensor, position: int, last_only: bool = False,
+                       lowp: bool = False) -> torch.Tensor:  # fmt: skip
+        """fp32 logits (S, V), or (1, V) of the last row, through the C layers."""
+        rows = []
+        for h in self._native_rows(tokens, position, lowp):
             if not last_only:
                 rows.append(self.step.head(h)[1].clone())  # the head's buffer: copied
         if last_only:
@@ -234,13 +242,28 @@ class PackedDecoder:
         """fp32 logits (V,) after tokens (S,) written from `position`: a prefill's, the head
         on the last row only, through the C layers (StepPrefill is chosen only with them).
         lowp: the layers' products take x at llama.cpp's precision (native.LOWP_FORMATS)."""
+        with self._live_slots(position + tokens.numel()):
+            return self._native_logits(tokens.view(-1), position, last_only=True, lowp=lowp)[0]
+
+    def prefill_hidden(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
+        """The final residual streams (S, L, D) fp32 of tokens (S,) written from `position`
+        through the C layers, exact, the cache written as prefill_logits writes it: what
+        /v1/embeddings pools (serve/embeddings.py)."""
+        L, D = self.cfg.num_lanes, self.cfg.hidden_size
+        with self._live_slots(position + tokens.numel()):
+            rows = self._native_rows(tokens.view(-1), position)
+            return torch.cat([h.reshape(-1, L, D).clone() for h in rows])
+
+    @contextlib.contextmanager
+    def _live_slots(self, end: int):
+        """Within: the C layers scan the cache's slots up to `end` only (a prefill's)."""
         if self.step is None:
-            raise ValueError("prefill_logits runs the C layers (NativeStep), not built here")
+            raise ValueError("a prefill through the C layers (NativeStep), not built here")
         cache = self.cache
         was = cache.static, cache.live
-        cache.static, cache.live = True, position + tokens.numel()  # scan the live slots only
+        cache.static, cache.live = True, end
         try:
-            return self._native_logits(tokens.view(-1), position, last_only=True, lowp=lowp)[0]
+            yield
         finally:
             cache.static, cache.live = was
 

@@ -12,20 +12,30 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import tiny
 import torch
 import torch.nn.functional as F
 from serverkit import CTX, NAME, greedy, post
 from test_server_hostile import own_server
 
+from expresslane.engine import Engine
 from expresslane.errors import ConfigError
+from expresslane.generation import reference_generate
+from expresslane.sampling.params import SamplingParams
 from expresslane.serve.guards import ServeLimits
+from expresslane.step.native import native_step_built
+from expresslane.step.pooling import pooled
+from expresslane.step.prefill import StepPrefill
 
 EM = "/v1/embeddings"
 TEXTS = ["The quick brown fox", "jumps over the lazy dog, twice.", "x"]
 
 
 def reference(s, ids: list[int], how: str = "last", normalize: bool = True) -> torch.Tensor:
-    model = s.engine.model
+    return raw_reference(s.engine.model, ids, how, normalize)
+
+
+def raw_reference(model, ids: list[int], how: str, normalize: bool) -> torch.Tensor:
     with torch.no_grad():
         z = model.head_input(model.hidden(torch.tensor([ids])))[0].float()  # (S, E)
     v = z.mean(0) if how == "mean" else z[-1]
@@ -66,6 +76,30 @@ def test_token_ids_truncation_and_raw_vectors(server):
     assert torch.allclose(F.normalize(raw, dim=0), text, atol=1e-6)
     width = server.engine.model.head_width
     assert post(server, EM, {"input": "a", "dimensions": width})["data"][0]["index"] == 0
+
+
+@pytest.mark.skipif(not native_step_built(), reason="the C step is not built")
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_a_packed_engines_two_ways_agree(kind):
+    """On a CPU with the packed step, a short input goes through its C layers and a long one
+    (beyond StepPrefill's bound) through the model's layers: the same vectors, the model's
+    own, and the cache then holds the input (a ring that wrapped, for mistral)."""
+    over = {"llama": dict(sliding_window=None),
+            "mistral": dict(layer_types=["sliding_attention", "full_attention"])}[kind]  # fmt: skip
+    model = tiny.laneformer(seed=7, model_type=kind, num_lanes=1, num_hidden_layers=2, **over)
+    engine = Engine(model, max_model_len=128, decode="graph")
+    pre = engine.prefill_forward
+    assert isinstance(pre, StepPrefill)
+    ids = [3 + (7 * i) % 60 for i in range(37)]
+    fast = pooled(engine, ids, "mean", None)
+    assert engine.cache.tokens == ids and engine.cache.length == len(ids)
+    pre.max_tokens = 4  # the input is now longer than the C layers' bound
+    slow = pooled(engine, ids, "mean", None)
+    want = raw_reference(model, ids, "mean", False)
+    assert torch.allclose(fast, want, atol=1e-5) and torch.allclose(slow, want, atol=1e-5)
+    assert not torch.equal(pooled(engine, ids, "last", None), fast)
+    params = SamplingParams(max_tokens=6)  # greedy after it: the reference's tokens
+    assert list(engine.generate(ids[:20], params)) == reference_generate(model, ids[:20], params)
 
 
 def test_mean_pooling(server):
