@@ -23,6 +23,7 @@ from expresslane.cache import KVCache
 from expresslane.engine import Engine
 from expresslane.prefix import common_prefix, ring_starts
 from expresslane.sampling.params import SamplingParams
+from expresslane.step.pooling import pooled
 
 TOL = 1e-5
 WINDOW = 16  # tiny.BASE's sliding window
@@ -313,6 +314,22 @@ def test_echo_scoring_then_generation(models):
     assert (scores - full).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("name", ["laneformer-d2", "llama"])
+def test_embedding_then_generation(models, name):
+    """/v1/embeddings' pooling (step/pooling.py) leaves its input in the cache, in chunks that
+    wrap the rings: a prompt extending it reuses it and runs as a cold engine's."""
+    model = models[name]
+    hot, cold = engine(model), engine(model, reuse=False)
+    text = prompt_of(33)
+    vec = pooled(hot, text, "last", None)
+    assert hot.cache.tokens == text
+    with torch.no_grad():
+        want = model.head_input(model.hidden(torch.tensor([text])))[0, -1].float()
+    assert (vec - want).abs().max().item() <= 1e-4
+    assert_same(hot, cold, text + [5, 6])
+    assert hot.stats.cached_tokens > 0
+
+
 def test_no_prefix_reuse_prefills_every_prompt_whole(models):
     off = engine(models["llama"], reuse=False)
     p = prompt_of(20)
@@ -340,3 +357,22 @@ def test_agent_turns_on_cuda_graphs_equal_cold(models):
         assert hot.stats.cached_tokens == expect
         expect = len(prompt) + len(toks) - 1
         prompt = prompt + toks + [4, 5]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_embedding_on_cuda_graphs_then_generation(models):
+    """The pooling on a graph-captured engine: the model's own vector, then generation as a
+    cold eager engine's."""
+    import copy
+
+    model = copy.deepcopy(models["laneformer-d2"]).to("cuda")
+    hot, cold = engine(model, decode="graph"), engine(model, reuse=False, decode="eager")
+    text = prompt_of(30)
+    turn(hot, prompt_of(12, seed=1))  # a request before: the graphs have run
+    vec = pooled(hot, text, "mean", None)
+    with torch.no_grad():
+        want = model.head_input(model.hidden(torch.tensor([text], device="cuda")))[0].float()
+    assert (vec - want.mean(0).cpu()).abs().max().item() <= 1e-4
+    toks, _ = turn(hot, text + [7])
+    assert toks == turn(cold, text + [7])[0]
