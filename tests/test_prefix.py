@@ -330,6 +330,18 @@ def test_embedding_then_generation(models, name):
     assert hot.stats.cached_tokens > 0
 
 
+def test_embedding_cancelled_then_generation(models):
+    """A cancelled pooling stops after its first chunk; the next prompt reuses what it wrote."""
+    model = models["laneformer-d2"]
+    hot, cold = engine(model), engine(model, reuse=False)
+    cancel = threading.Event()
+    cancel.set()
+    assert pooled(hot, prompt_of(33), "last", cancel) is None
+    assert hot.cache.tokens == prompt_of(33)[:7]  # one chunk, committed
+    assert_same(hot, cold, prompt_of(33) + [5])
+    assert hot.stats.cached_tokens == 7
+
+
 def test_no_prefix_reuse_prefills_every_prompt_whole(models):
     off = engine(models["llama"], reuse=False)
     p = prompt_of(20)

@@ -44,9 +44,10 @@ def _streams(engine, ids: list[int]):
     model, cache, pre = engine.model, engine.cache, engine.prefill_forward
     packed = isinstance(pre, StepPrefill) and pre.step.step is not None
     if packed and len(ids) <= pre.max_tokens:
-        yield pre.step.prefill_hidden(torch.tensor(ids), 0)
+        h = pre.step.prefill_hidden(torch.tensor(ids), 0)
         cache.advance(len(ids))
-        cache.commit(ids)
+        cache.commit(ids)  # before the yield: a cancel there leaves it committed
+        yield h
         return
     tokens = torch.tensor(ids, device=engine.device, dtype=torch.long)[None]
     for s in range(0, len(ids), engine.prefill_chunk):
