@@ -23,6 +23,8 @@ from .cache import KVCache
 from .config import ModelConfig
 from .rope import apply_rope, cos_sin, inv_frequencies
 
+LANES_APART = ("vocab_parallel", "lane")  # heads that read every lane's stream side by side
+
 
 def lane_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """y[..., l, :] = W[l] @ x[..., l, :] (+ b[l]) for x (..., L, in) and W (L, out, in)."""
@@ -353,22 +355,20 @@ class Laneformer(nn.Module):
         heads (lanes side by side), (B, S, D) for the others."""
         cfg, norm = self.cfg, self.model.norm
         B, S, L, D = h.shape
-        if cfg.lm_head_type in ("vocab_parallel", "lane"):
+        if cfg.lm_head_type in LANES_APART:
             return norm(h).reshape(B, S, L * D)
         return norm(h.sum(-2)) if cfg.pre_norm_lane_agg else norm(h).mean(-2)  # (B, S, D)
 
     @property
     def head_width(self) -> int:  # head_input's last dimension
-        L, D, kind = self.cfg.num_lanes, self.cfg.hidden_size, self.cfg.lm_head_type
-        return L * D if kind in ("vocab_parallel", "lane") else D
+        cfg = self.cfg
+        return cfg.hidden_size * (cfg.num_lanes if cfg.lm_head_type in LANES_APART else 1)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head on head_input (laneformer.md 6); h (B, S, L, D) -> (B, S, V)."""
-        cfg = self.cfg
-        B, S, L, D = h.shape
-        z = self.head_input(h)
+        cfg, z = self.cfg, self.head_input(h)
         if cfg.lm_head_type == "vocab_parallel":  # each lane's slice of the vocabulary, in order
-            return self.lm_head(z.view(B, S, L, D)).reshape(B, S, cfg.vocab_size)
+            return self.lm_head(z.view(h.shape)).reshape(*h.shape[:2], cfg.vocab_size)
         if cfg.lm_head_type == "lane":
             return self.lm_head.linear(z)
         if hasattr(self, "lm_head"):  # untied, or a tied head given its own storage (quantized)

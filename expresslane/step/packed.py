@@ -212,9 +212,9 @@ class PackedDecoder:
         )  # fmt: skip
 
     def _native_rows(self, tokens: torch.Tensor, position: int, lowp: bool = False):
-        """The final residual streams (S', L, D) fp32 of tokens (S,), through the C layers in
-        calls of at most `prefill_chunk()` tokens (lowp: NativeStep.hidden's); each the step's
-        buffer, valid until the next call."""
+        """The final residual streams (S', D) fp32 of tokens (S,) (NativeStep.hidden's: the C
+        layers run one-lane models), through them in calls of at most `prefill_chunk()` tokens
+        (lowp: NativeStep.hidden's); each the step's buffer, valid until the next call."""
         live, width = self._live(), self.prefill_chunk()
         for at in range(0, tokens.shape[0], width):
             chunk = tokens[at : at + width]

@@ -143,9 +143,7 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param, words):
     assert err["param"] == param and words in err["message"], err
 
 
-def test_unknown_model_and_pooling():
-    from expresslane.serve.embeddings import EmbeddingRequest  # noqa: F401  (importable alone)
-
+def test_an_unknown_pooling_is_refused():
     with pytest.raises(ConfigError, match="--pooling median"):
         ServeLimits(pooling="median").validate()
 
