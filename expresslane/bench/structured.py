@@ -35,6 +35,7 @@ import torch
 from ..engine import Engine
 from ..errors import ExpressLaneError
 from ..sampling.params import SamplingParams
+from ..structured.closed import closed_objects
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from .schemas import SCHEMAS
@@ -53,12 +54,13 @@ def _run(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[lis
 
 
 def _validator():
-    """jsonschema.validate, or a JSON parse alone where jsonschema is not installed."""
+    """jsonschema.validate against the schema as the grammar holds it (closed objects: no
+    unlisted keys), or a JSON parse alone where jsonschema is not installed."""
     try:
         import jsonschema
     except ImportError:
         return lambda value, schema: None
-    return jsonschema.validate
+    return lambda value, schema: jsonschema.validate(value, closed_objects(schema))
 
 
 class HostTimes:

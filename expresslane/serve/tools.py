@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RequestError
+from ..structured.closed import closed_objects
 from ..structured.grammar import COMPACT, GrammarSpec
 
 STYLES = ("hermes", "mistral", "llama3")
@@ -115,7 +116,7 @@ def call_grammar(plan: ToolPlan) -> GrammarSpec:
     names = [plan.named] if plan.choice == "named" else list(plan.functions)
     key = "parameters" if plan.style == "llama3" else "arguments"
     calls = [{"type": "object", "properties": {"name": {"const": n},
-              key: plan.functions[n]["parameters"]}, "required": ["name", key],
+              key: closed_objects(plan.functions[n]["parameters"])}, "required": ["name", key],
               "additionalProperties": False} for n in names]  # fmt: skip
     schema = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}),
                          "x-guidance": COMPACT})  # fmt: skip

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import ExpressLaneError, RequestError
+from .closed import closed_objects
 from .closing import Closing
 from .reasoning import END, START
 
@@ -111,7 +112,7 @@ def _answer_text(spec: GrammarSpec) -> str:
     M, src, param = llg.LLMatcher, spec.source, spec.param
     try:
         if spec.kind == "json_schema":
-            return M.grammar_from_json_schema(json.loads(src), defaults=COMPACT)
+            return M.grammar_from_json_schema(closed_objects(json.loads(src)), defaults=COMPACT)
         if spec.kind == "json_object":
             return M.grammar_from_json_schema({"type": "object"}, defaults=COMPACT)
         if spec.kind == "regex":
