@@ -16,6 +16,21 @@ from .protocol import new_id
 from .tools import ToolPlan, may_open_call, parse_calls
 
 
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          predicted: dict | None = None) -> dict:  # fmt: skip
+    """OpenAI's usage; `predicted`: a prediction's speculation figures (SpecStats.as_dict)."""
+    out = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},  # prefix reuse
+    }
+    if predicted is not None:  # OpenAI's counts: drafts from the prediction kept, not kept
+        names = ("accepted_prediction_tokens", "rejected_prediction_tokens")
+        out["completion_tokens_details"] = {k: predicted.get(k, 0) for k in names}
+    return out
+
+
 class _Format:
     def __init__(self, model: str, text: TokenText, prefix: str):
         self.model, self.text = model, text

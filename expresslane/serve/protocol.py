@@ -31,6 +31,7 @@ from pydantic import (
 from ..errors import ExpressLaneError, RequestError
 from ..sampling.params import FP32_MAX, logit_bias_pairs
 from . import unsupported
+from .chat_message import ChatMessage, ContentPart, ToolCall, ToolCallFunction
 
 
 def _no_bool(v: Any) -> Any:
@@ -50,8 +51,6 @@ Int = Annotated[int, BeforeValidator(_no_bool)]
 Float = Annotated[float, BeforeValidator(_no_bool), AfterValidator(_fp32)]
 Bool = Annotated[bool, Strict()]  # true or false only: "yes", 1 and "true" are refused
 TokenId = Annotated[int, Ge(0), BeforeValidator(_no_bool)]
-# OpenAI's roles, vLLM's too ("function" is OpenAI's deprecated tool role)
-Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
 MAX_N = 128  # the API's cap; the server's own (--max-n) is usually lower
@@ -89,11 +88,6 @@ def _needs(field: str, kind: dict, then: str, value: Any) -> dict:
 def _state_rules(schema: dict, cls: type) -> None:
     """The cross-field rules check() enforces, stated in the model's JSON Schema."""
     schema["allOf"] = list(cls.RULES)
-
-
-class ContentPart(_Request):
-    type: str = Field(json_schema_extra={"enum": ["text"]})  # others: a 400 naming the type
-    text: str | None = None
 
 
 class Prediction(_Request):
@@ -226,21 +220,6 @@ class CompletionRequest(_SamplingRequest):
         return [p] if isinstance(p, str) or _token_ids(p) else list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, name, ... reach the template
-    role: Role
-    content: str | list[ContentPart] | None = None
-
-    def for_template(self) -> dict:
-        d = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            bad = [p.type for p in self.content if p.type != "text"]
-            if bad:
-                raise ValueError(f"content part of type {bad[0]!r} is not supported (text only)")
-            d["content"] = "".join(p.text or "" for p in self.content)
-        return d
-
-
 TEMPLATE_ARGUMENTS = {"messages", "add_generation_prompt", "continue_final_message"}
 
 
@@ -322,7 +301,8 @@ def parse(cls: type[BaseModel], body: bytes) -> Any:
 
 
 _FIELDS = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, ContentPart,
-                          Prediction, StreamOptions, TokenizeRequest, DetokenizeRequest)
+                          ToolCall, ToolCallFunction, Prediction, StreamOptions, TokenizeRequest,
+                          DetokenizeRequest)
            for name in m.model_fields}  # fmt: skip
 
 
@@ -348,8 +328,8 @@ def error_of(e: Exception) -> dict:
 SLICE = 16384  # list items json encodes at one go: a few ms with the GIL held
 
 
-class RawJSON(bytes):
-    """A value already serialised as JSON (ids a helper process wrote: serve/offload.py)."""
+class RawJSON(bytes):  # a value already serialised as JSON (ids a helper wrote: offload.py)
+    pass
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -378,18 +358,3 @@ def sse(obj: dict | str) -> str:
 # --- responses --------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-          predicted: dict | None = None) -> dict:  # fmt: skip
-    """OpenAI's usage; `predicted`: a prediction's speculation figures (SpecStats.as_dict)."""
-    out = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},  # prefix reuse
-    }
-    if predicted is not None:  # OpenAI's counts: drafts from the prediction kept, not kept
-        names = ("accepted_prediction_tokens", "rejected_prediction_tokens")
-        out["completion_tokens_details"] = {k: predicted.get(k, 0) for k in names}
-    return out

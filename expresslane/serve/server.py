@@ -44,6 +44,7 @@ from ..errors import ExpressLaneError, RequestError
 from ..tokenizer import Tokenizer
 from . import protocol as P
 from .embeddings import add_route as add_embeddings
+from .formats import usage_of
 from .guards import Refusal, ServeLimits, allowed_methods, key_check, read_json_body
 from .jobs import ChoiceSpec, Job, collect
 from .metrics import Metrics
@@ -279,7 +280,7 @@ def _v1_routes(svc: Service) -> APIRouter:
         loop either."""
         accs = await collect(job, request.receive)
         n = sum(a.count for a in accs.values())
-        usage = P.usage(prep.prompt_tokens, n, job.timings.cached_tokens, job.predicted())
+        usage = usage_of(prep.prompt_tokens, n, job.timings.cached_tokens, job.predicted())
 
         def build() -> dict:
             out = prep.fmt.response(accs, usage, job.timings.as_dict())

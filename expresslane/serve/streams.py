@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from . import protocol as P
+from .formats import usage_of
 from .jobs import Job, cancel_on_disconnect, coalesce
 from .messages_out import MessageEvents, MessageShape
 from .prepare import Prepared
@@ -65,15 +66,12 @@ async def chat_stream(
                         extra["timings"] = job.timings.as_dict()
                     yield P.sse({**base, "choices": [choice], **extra})
         if include_usage and not failed:
+            counts = usage_of(prompt_tokens, generated, job.timings.cached_tokens, job.predicted())
             yield P.sse(
                 {
                     **base,
                     "choices": [],
-                    "usage": fmt.count_reasoning(
-                        P.usage(
-                            prompt_tokens, generated, job.timings.cached_tokens, job.predicted()
-                        )
-                    ),
+                    "usage": fmt.count_reasoning(counts),
                     "completion_tokens": generated,
                     "timings": job.timings.as_dict(),
                 }
@@ -93,7 +91,7 @@ def response_stream(
 
     def finish(generated: int) -> list[str]:
         usage = prep.fmt.count_reasoning(
-            P.usage(prep.prompt_tokens, generated, job.timings.cached_tokens)
+            usage_of(prep.prompt_tokens, generated, job.timings.cached_tokens)
         )
         final, frames = events.finish_events(usage, job.timings.as_dict())
         done(final)

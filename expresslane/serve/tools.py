@@ -177,11 +177,15 @@ def _plain_calls(m: dict) -> dict:
         return {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
     parts = [m.get("content") or ""]
     for c in calls:
-        fn = c.get("function") or {}
-        args = fn.get("arguments")
-        args = json.loads(args) if isinstance(args, str) and args.strip() else args or {}
-        parts.append(f"<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': args})}"
-                     "\n</tool_call>")  # fmt: skip
+        fn = c.get("function") if isinstance(c, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
+        args = fn.get("arguments") or {}
+        # OpenAI keeps arguments as a string that need not parse (a model may write bad JSON);
+        # such a call goes back as written, never as a 500
+        raw = args if isinstance(args, str) and _json(args) is None else json.dumps(
+            _json(args) if isinstance(args, str) else args)  # fmt: skip
+        call = f'{{"name": {json.dumps(fn.get("name"))}, "arguments": {raw}}}'
+        parts.append(f"<tool_call>\n{call}\n</tool_call>")
     return {"role": "assistant", "content": "\n".join(p for p in parts if p)}
 
 

@@ -25,6 +25,8 @@ import pytest
 from pydantic import BaseModel, Field
 from serverkit import NAME, embedded_server, post
 
+from expresslane.serve.tools import plan_tools, prompt_messages
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -148,6 +150,25 @@ def test_tool_loop(server):
     )
     assert final.choices[0].message.tool_calls is None
     assert final.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_history_call_whose_arguments_do_not_parse(server):
+    """OpenAI's arguments are text that need not parse: such a call goes back as written (it
+    was a 500), and a parsable one renders as before."""
+    calls = {"bad": "{oops", "good": '{"city": "Paris"}', "object": {"city": "Paris"}}
+    rendered = {}
+    for kind, args in calls.items():
+        call = {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                "arguments": args}}  # fmt: skip
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+        assert _chat(server, messages=history, tools=[WEATHER], max_tokens=2)["status"] == 200
+        plan = plan_tools({"tools": [WEATHER]}, template="")
+        messages, _ = prompt_messages(history, plan)
+        rendered[kind] = messages[-2]["content"]
+    assert '"arguments": {oops}' in rendered["bad"]
+    assert rendered["good"] == rendered["object"]
+    assert json.loads(rendered["good"].split("\n")[1])["arguments"] == {"city": "Paris"}
 
 
 @pytest.mark.parametrize(
