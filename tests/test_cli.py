@@ -186,6 +186,25 @@ def test_bad_flags_exit_2(random_laneformer_dir, capsys, argv, word):
     assert code == 2 and word in err
 
 
+def test_serve_where_it_cannot_listen_exits_2(random_laneformer_dir, capsys):
+    """A port out of range, one in use, an unknown host: exit 2 naming the flag, before the
+    model loads (uvicorn alone exits 3 with a traceback or a log line)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv, word in ((["--port", "70000"], "--port"), (["--port", str(port)], f"{port}"),
+                           (["--host", "no-such-host.invalid"], "--host")):  # fmt: skip
+            try:
+                code = main(["serve", str(random_laneformer_dir), *argv])
+            except SystemExit as e:
+                code = e.code
+            err = capsys.readouterr().err
+            assert code == 2 and word in err and "Traceback" not in err, err
+
+
 def test_missing_folder_from_a_real_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "expresslane", "run", str(tmp_path / "absent"), "--prompt", "x"],

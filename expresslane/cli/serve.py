@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -41,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "NAME (the base model is then not served; one server per adapter)")  # fmt: skip
     add_prefix_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -152,6 +153,30 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _port(value: str) -> int:
+    port = int(value) if value.strip().isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r}: a port is an integer in [0, 65535]")
+    return port
+
+
+def check_address(host: str, port: int) -> None:
+    """A ConfigError (exit 2) where the server could not listen: an unknown host, a port in use
+    or not ours to take. Checked before the model loads, not left to uvicorn's exit code 3."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ConfigError(
+                f"--port {port}: cannot listen on {host}:{port} ({e.strerror})"
+            ) from None
+
+
 def model_card(args: argparse.Namespace) -> dict:
     """create_app's names: the served names, the aliases, and `root` (with an adapter merged:
     the base model's folder name, the adapter's parent)."""
@@ -215,6 +240,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     speculative_from_args(args)  # a bad --speculative-config exits 2 before the server starts
+    check_address(args.host, args.port)
     lora_from_args(args)
     _names(args)
     if launch.parallel_requested(args) and not launch.in_launch():
