@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from expresslane.errors import ConfigError
 from expresslane.step import threads
@@ -29,3 +30,52 @@ def test_busy_cores_and_small_models_get_one_thread(monkeypatch):
 def test_idle_cores_is_a_fraction_of_the_machine():
     idle = threads.idle_cores(sample_s=0.05)
     assert 0.0 <= idle <= (threads.os.cpu_count() or 1) + 1e-9
+
+
+def test_this_process_own_work_counts_as_free(monkeypatch):
+    """/proc/stat says 1 of 2 cores was idle; whether the busy one was this process (a server's
+    event loop starting beside the load) or another decides between 2 threads and 1."""
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads.time, "sleep", lambda s: None)
+    tick = threads.os.sysconf("SC_CLK_TCK")
+    for own_s, free in ((1.0, 2.0), (0.0, 1.0), (0.25, 1.25)):
+        stats = iter([(0, 0), (tick, 2 * tick)])  # one second: 1 core-second idle of 2
+        clock = iter([10.0, 10.0 + own_s])
+        monkeypatch.setattr(threads, "_cpu_times", stats.__next__)
+        monkeypatch.setattr(threads.time, "process_time", clock.__next__)
+        assert threads.idle_cores() == pytest.approx(free)
+
+
+def test_the_governor_follows_the_other_processes_between_requests(monkeypatch):
+    """Before each request, the cores other processes left free over the last second: a
+    neighbour busy on one of 2 cores takes a thread away, its leaving gives it back, and a
+    look shorter than MIN_SAMPLE_S (just started) keeps the count. Applied to torch's count."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 2)
+    tick = threads.os.sysconf("SC_CLK_TCK")
+    now = {"t": 0.0, "idle": 0, "total": 0, "own": 0.0}  # what the fakes below report
+    monkeypatch.setattr(threads, "_cpu_times", lambda: (now["idle"], now["total"]))
+    monkeypatch.setattr(threads.time, "process_time", lambda: now["own"])
+    monkeypatch.setattr(threads.time, "monotonic", lambda: now["t"])
+
+    def advance(seconds: float, idle_cores: float, our_cores: float) -> None:
+        for _ in range(round(seconds / threads.PERIOD_S)):  # the watching thread's snapshots
+            now["t"] += threads.PERIOD_S
+            now["idle"] += round(idle_cores * threads.PERIOD_S * tick)
+            now["total"] += round(2 * threads.PERIOD_S * tick)
+            now["own"] += our_cores * threads.PERIOD_S
+            gov.tick()
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        gov = threads.ThreadGovernor(step_bytes=1 << 30, watch=False)
+        advance(0.25, idle_cores=0.0, our_cores=0.0)  # a neighbour on both cores, too briefly
+        assert gov.revise() == 2
+        advance(10.0, idle_cores=1.0, our_cores=1.0)  # a long quiet spell, then
+        advance(1.0, idle_cores=0.0, our_cores=1.0)  # we decode on one core, a neighbour on one
+        assert gov.revise() == 1 and torch.get_num_threads() == 1
+        advance(1.0, idle_cores=1.0, our_cores=1.0)  # the neighbour has gone
+        assert gov.revise() == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

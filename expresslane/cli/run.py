@@ -12,6 +12,8 @@ import json
 import math
 import sys
 
+import torch
+
 from ..assets import SUMMARY, default_model_dir, has_trained_model
 from ..bench.ceiling import bytes_per_token
 from ..cache import KV_CACHE_DTYPES
@@ -22,7 +24,7 @@ from ..parallel import launch, rendezvous
 from ..sampling.params import SamplingParams
 from ..speculative.drafting import SpeculativeConfig
 from ..step.choose import PREFILL_DTYPES, default_decode
-from ..step.threads import set_threads
+from ..step.threads import ThreadGovernor, set_threads
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from .sampling import add_sampling_arguments, sampling_from_args, with_json_schema, with_prediction
@@ -220,11 +222,30 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
 def set_cpu_threads(path, device: str, dtype: str, quantization, threads: int | None) -> None:
     """On a CPU, the thread count for the bytes a step streams and the cores free now; set
     before loading, as compiled kernels are built for it (expresslane/step/threads.py)."""
-    if resolve_device(device).type != "cpu":
-        return
+    if resolve_device(device).type == "cpu":
+        set_threads(_step_bytes(path, dtype, quantization), threads)
+
+
+def _step_bytes(path, dtype: str, quantization) -> int:
     per_weight = 1 if quantization else 2 if dtype in ("bfloat16", "float16") else 4
     cfg = load_config(resolve_model_dir(path))
-    set_threads(bytes_per_token(cfg, 1, dtype_bytes=per_weight)["weights"], threads)
+    return bytes_per_token(cfg, 1, dtype_bytes=per_weight)["weights"]
+
+
+def thread_governor(args: argparse.Namespace, engine) -> ThreadGovernor | None:
+    """serve's thread count, revised before each request (step/threads.py): on a CPU where the
+    count is the engine's own choice (no --threads) and no step was compiled for it."""
+    if str(engine.device) != "cpu" or launch.in_launch() or getattr(args, "threads", None):
+        return None
+    if getattr(args, "compile", False):
+        return None
+    path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
+    return ThreadGovernor(_step_bytes(path, args.dtype, getattr(args, "quantization", None)))
+
+
+def cpu_threads(engine) -> dict:
+    """{"threads": N} on a CPU (what step/threads.py chose, or --threads), else {}."""
+    return {"threads": torch.get_num_threads()} if str(engine.device) == "cpu" else {}
 
 
 def weight_formats(engine) -> dict:
@@ -300,6 +321,7 @@ def generate_and_print(
                     "prefill_tokens_per_s": round(st.prefill_tokens_per_s, 2),
                     "decode_tokens_per_s": round(st.decode_tokens_per_s, 2),
                     "device": str(engine.device),
+                    **cpu_threads(engine),
                     "dtype": str(engine.dtype).removeprefix("torch."),  # of the activations
                     **weight_formats(engine),
                     "kv_cache_dtype": str(engine.cache.k[0].dtype).removeprefix("torch."),

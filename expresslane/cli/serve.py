@@ -25,9 +25,11 @@ from .run import (
     add_lora_arguments,
     add_model_arguments,
     add_prefix_argument,
+    cpu_threads,
     load_engine,
     lora_from_args,
     speculative_from_args,
+    thread_governor,
 )
 
 HELP = "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) and playground"
@@ -217,7 +219,7 @@ def _load(args: argparse.Namespace, app, server, failure: list) -> None:
         engine, tok = load_engine(args)
         if hasattr(engine, "on_lost"):  # ranks on several hosts: a lost one ends this server
             engine.on_lost.append(lambda _: setattr(server, "should_exit", True))
-        attach(app, engine, tok)
+        attach(app, engine, tok, thread_governor(args, engine))
     except BaseException as e:  # reported by main() after the server stops
         failure.append(e)
         server.should_exit = True
@@ -225,8 +227,10 @@ def _load(args: argparse.Namespace, app, server, failure: list) -> None:
     while not server.started and not server.should_exit:
         time.sleep(0.05)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    threads = cpu_threads(engine).get("threads")
+    on = f"{engine.device}" + (f" ({threads} threads)" if threads else "")
     print(
-        f"ExpressLane is ready: model {app.state.service.names[0]!r} on {engine.device}, "
+        f"ExpressLane is ready: model {app.state.service.names[0]!r} on {on}, "
         f"context {engine.max_len} tokens\n"
         f"  playground:  http://{host}:{args.port}/\n"
         f"  OpenAI API:  http://{host}:{args.port}/v1",

@@ -95,6 +95,12 @@ class Metrics:
             label,
             registry=r,
         ).labels(model_name)
+        self.cpu_threads = Gauge(
+            PREFIX + "cpu_threads",
+            "CPU threads the decode step runs on, revised before each request (0: not a CPU).",
+            label,
+            registry=r,
+        ).labels(model_name)
         self.preparing = Gauge(
             PREFIX + "num_requests_preparing",
             "Requests being parsed, templated and tokenized (they count toward --max-queue).",

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException
 
 from ..engine import Engine
 from ..errors import ExpressLaneError, RequestError
+from ..step.threads import ThreadGovernor
 from ..tokenizer import Tokenizer
 from . import protocol as P
 from .embeddings import add_route as add_embeddings
@@ -89,11 +90,11 @@ class Service:
                 self.private += [str(p), os.path.abspath(p), os.path.realpath(p)]
         self.private.sort(key=len, reverse=True)  # the longest first: no half-replaced paths
 
-    def attach(self, engine: Engine, tok: Tokenizer) -> None:
+    def attach(self, engine: Engine, tok: Tokenizer, governor: ThreadGovernor | None = None):
         self._hide(tok.folder)
         self.engine, self.tok = engine, tok
         self.preparer = Preparer(engine, tok, self.limits, self.model_name, self.rng)
-        self.worker = Worker(engine, tok, self.metrics)
+        self.worker = Worker(engine, tok, self.metrics, governor)
 
     def shutdown(self) -> None:
         """Stop the engine thread and the preparation threads (the server has stopped)."""
@@ -220,8 +221,8 @@ def create_app(
     return app
 
 
-def attach(app: FastAPI, engine: Engine, tokenizer: Tokenizer) -> None:
-    app.state.service.attach(engine, tokenizer)
+def attach(app: FastAPI, engine: Engine, tokenizer: Tokenizer, governor=None) -> None:
+    app.state.service.attach(engine, tokenizer, governor)  # governor: step/threads.py's
 
 
 def _error_handlers(app: FastAPI, svc: Service) -> None:

@@ -27,6 +27,7 @@ from ..engine import Engine
 from ..errors import ExpressLaneError
 from ..speculative.drafting import combine
 from ..step.pooling import pooled
+from ..step.threads import ThreadGovernor
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from .jobs import ChoiceSpec, Event, Job, TokenInfo
@@ -38,8 +39,12 @@ log = logging.getLogger("expresslane.serve")
 class Worker:
     """Owns the engine: runs submitted jobs one at a time, in arrival order, on its own thread."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics,
+                 governor: ThreadGovernor | None = None):  # fmt: skip
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
+        self.governor = governor  # a CPU's thread count, revised before each job
+        if str(getattr(engine, "device", "")) == "cpu":
+            self.metrics.cpu_threads.set(torch.get_num_threads())
         self.served: deque[int] = deque(maxlen=10_000)  # job seqs in service order (tests, logs)
         # (priority, arrival, job): the lowest priority first, ties in arrival order
         self._queue: queue.PriorityQueue[tuple[float, int, Job | None]] = queue.PriorityQueue()
@@ -69,6 +74,7 @@ class Worker:
     def shutdown(self, timeout: float = 5.0) -> None:
         self._queue.put((math.inf, next(self._seq), None))  # after every waiting job
         self._thread.join(timeout)
+        getattr(self.governor, "close", lambda: None)()  # its snapshots' thread
 
     # --- the engine thread --------------------------------------------------------------------
     def _next(self) -> Job | None:
@@ -96,6 +102,8 @@ class Worker:
                         job.put(Event("finish", spec.index, finish_reason="abort"))
                         self.metrics.finished("abort")
                 else:
+                    if self.governor is not None:
+                        self.metrics.cpu_threads.set(self.governor.revise())
                     self._run(job)
             except ExpressLaneError as e:  # a request the handler's checks let through
                 job.put(Event("error", error=e))

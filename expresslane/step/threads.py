@@ -7,14 +7,26 @@ a busy 2-core machine decoded 10x slower than 1). So the default is:
 
     threads = min(cores we may run on, cores idle over a short sample, 1 per 32 MB streamed)
 
-measured once, at load (the compiled kernels are built for that count). `--threads` overrides.
-Idle cores come from /proc/stat (Linux); elsewhere every core counts as idle.
+measured at load (a compiled step is built for that count). `--threads` overrides. Idle
+cores come from /proc/stat (Linux); elsewhere every core counts as idle. Cores this process
+kept busy over the sample count as free: its own work does not compete with its decode.
+
+A server lives for days, and a 0.2 s sample at load is a poor guide for that long: one start on
+the 2-vCPU VM saw a core busy in its sample (what held it went uncaught), took 1 thread, and
+decoded SmolLM2 at 78-94 tok/s for its whole life, where the next starts took 2 and 180-210.
+So `ThreadGovernor` revises the count before each request, from the cores other processes left
+free over the last second (snapshots a thread of its own takes): no sample on the request's
+path, and a neighbour that comes or goes is followed at the next request. The C step's rows
+have the same bits on any thread count (tests/test_packed_verify.py), so a request's tokens do
+not depend on it.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import deque
 
 import torch
 
@@ -41,15 +53,30 @@ def _cpu_times() -> tuple[int, int] | None:
     return idle, sum(fields[:8])
 
 
-def idle_cores(sample_s: float = 0.2) -> float:
-    """How many cores were idle over a `sample_s` sample (all of them when unknown)."""
-    a = _cpu_times()
-    time.sleep(sample_s)
-    b = _cpu_times()
+def _snapshot() -> tuple[tuple[int, int] | None, float]:
+    return _cpu_times(), time.process_time()  # process_time: every thread of this process
+
+
+def _free_between(a, b) -> float | None:
+    """Cores free of other processes between two snapshots: the idle ones, plus those this
+    process kept busy (the server's event loop starting beside the load, OpenMP threads
+    spinning after a product); None where /proc/stat says nothing."""
+    (ta, own_a), (tb, own_b) = a, b
+    if ta is None or tb is None or tb[1] <= ta[1]:
+        return None
     n = os.cpu_count() or 1
-    if a is None or b is None or b[1] <= a[1]:
-        return float(n)
-    return n * (b[0] - a[0]) / (b[1] - a[1])
+    per_core = (tb[1] - ta[1]) / n  # jiffies of one core over the interval
+    ours = (own_b - own_a) * os.sysconf("SC_CLK_TCK") / per_core
+    return min(float(n), n * (tb[0] - ta[0]) / (tb[1] - ta[1]) + ours)
+
+
+def idle_cores(sample_s: float = 0.2) -> float:
+    """How many cores were free of other processes over a `sample_s` sample (all of them when
+    unknown)."""
+    a = _snapshot()
+    time.sleep(sample_s)
+    free = _free_between(a, _snapshot())
+    return float(os.cpu_count() or 1) if free is None else free
 
 
 def choose_threads(step_bytes: int, requested: int | None = None, idle: float | None = None) -> int:
@@ -68,3 +95,44 @@ def set_threads(step_bytes: int, requested: int | None = None) -> int:
     n = choose_threads(step_bytes, requested)
     torch.set_num_threads(n)
     return n
+
+
+PERIOD_S, KEEP = 0.25, 5  # snapshots a governor keeps: the last second of the machine
+MIN_SAMPLE_S = 0.5  # a shorter look (just started) keeps the count: too noisy
+
+
+class ThreadGovernor:
+    """A server's CPU thread count, revised before each request (the module docstring), from
+    the last second: a thread snapshots /proc/stat and this process's CPU time every PERIOD_S
+    (`watch=False`: the caller ticks, as the tests do)."""
+
+    def __init__(self, step_bytes: int, watch: bool = True):
+        self.step_bytes = step_bytes
+        self.threads = torch.get_num_threads()
+        self._seen: deque[tuple[float, tuple]] = deque(maxlen=KEEP)
+        self.tick()
+        self._stop = threading.Event()
+        if watch:
+            threading.Thread(target=self._watch, name="expresslane-threads", daemon=True).start()
+
+    def tick(self) -> None:
+        self._seen.append((time.monotonic(), _snapshot()))
+
+    def _watch(self) -> None:
+        while not self._stop.wait(PERIOD_S):
+            self.tick()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def revise(self) -> int:
+        """The count for the next request, applied: call it on the thread that runs the step
+        (torch keeps the count per thread)."""
+        (since, first), now = self._seen[0], _snapshot()
+        if time.monotonic() - since >= MIN_SAMPLE_S:
+            free = _free_between(first, now)
+            if free is not None:
+                self.threads = choose_threads(self.step_bytes, idle=free)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        return self.threads

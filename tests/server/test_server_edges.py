@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import copy
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from serverkit import CTX, NAME, metric, metrics
 from test_server_hostile import CH, USER, C, Post, own_server
 
+from expresslane.cli.serve import serving
+from expresslane.engine import Engine
+from expresslane.serve import attach, create_app
 from expresslane.serve.guards import ServeLimits
 
 
@@ -273,3 +278,24 @@ def test_schema_offers_only_the_neutral_values_of_unsupported_fields(server):
     assert httpx.post(server.url + CH, json=body).status_code == 200
     bad = httpx.post(server.url + CH, json={**body, "function_call": [""]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "function_call"
+
+
+# --- the CPU's thread count -------------------------------------------------------------------
+def test_the_thread_count_is_revised_on_the_engine_thread_before_each_request(server):
+    """serve's ThreadGovernor (step/threads.py) is asked before every request, on the thread
+    that runs the step (torch keeps the count per thread), and /metrics shows its answer."""
+    asked = []
+
+    class Governor:
+        def revise(self) -> int:
+            asked.append(threading.current_thread().name)
+            return 3
+
+    app = create_app(served_model_name=NAME)
+    attach(app, Engine(server.engine.model, max_model_len=CTX), server.tok, Governor())
+    with serving(app) as url:
+        for _ in range(2):
+            r = httpx.post(url + C, json={"prompt": "a", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+        shown = metric(metrics(SimpleNamespace(url=url)), "cpu_threads")
+    assert asked == ["expresslane-engine"] * 2 and shown == 3
