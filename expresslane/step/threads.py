@@ -11,14 +11,15 @@ measured at load (a compiled step is built for that count). `--threads` override
 cores come from /proc/stat (Linux); elsewhere every core counts as idle. Cores this process
 kept busy over the sample count as free: its own work does not compete with its decode.
 
-A server lives for days, and a 0.2 s sample at load is a poor guide for that long: one start on
-the 2-vCPU VM saw a core busy in its sample (what held it went uncaught), took 1 thread, and
-decoded SmolLM2 at 78-94 tok/s for its whole life, where the next starts took 2 and 180-210.
-So `ThreadGovernor` revises the count before each request, from the cores other processes left
-free over the last second (snapshots a thread of its own takes): no sample on the request's
-path, and a neighbour that comes or goes is followed at the next request. The C step's rows
-have the same bits on any thread count (tests/test_packed_verify.py), so a request's tokens do
-not depend on it.
+A server lives for days, and the machine's load changes under it: a process spinning on one of
+the 2-vCPU VM's cores took a server fixed at 2 threads from 187-208 tok/s to 52 on SmolLM2,
+where 1 thread decodes at 126-135 (`python -m expresslane.bench.serve_decode`), and a sample at
+load cannot know what comes later (one server during this work decoded at under half its speed
+until restarted; the cause went uncaught). So `ThreadGovernor` revises the count before each
+request, from the cores other processes left free over the last second (snapshots a thread of
+its own takes): no sample on the request's path, and a neighbour that comes or goes is followed
+at the next request. The C step's rows have the same bits on any thread count
+(tests/test_packed_verify.py), so a request's tokens do not depend on it.
 """
 
 from __future__ import annotations
