@@ -28,8 +28,8 @@ class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
     # OpenAI's: the arguments as JSON text, which need not parse (a model may write bad JSON);
-    # some clients send the object itself
-    arguments: str | dict[str, Any] = "{}"
+    # some clients send the object itself, or null for a function of no arguments
+    arguments: str | dict[str, Any] | None = "{}"
 
 
 class ToolCall(BaseModel):
