@@ -29,6 +29,7 @@ from .gguf import find_gguf
 from .hub import INDEX, PICKLE_SUFFIXES
 from .model import Laneformer
 from .rope import inv_frequencies
+from .sampling.defaults import SamplingDefaults
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA_KEYS = {  # ours -> transformers' (inside model.layers.{i}.)
@@ -132,6 +133,25 @@ def load_config(folder: Path) -> ModelConfig:
         merged = tuple(dict.fromkeys(list(cfg.eos_token_ids) + [int(e) for e in extra]))
         cfg = cfg.with_overrides(eos_token_ids=merged)
     return cfg
+
+
+def sampling_defaults(path: Path) -> SamplingDefaults:
+    """The model creator's sampling defaults (sampling/defaults.py): a GGUF file's
+    `general.sampling.*` keys, else the folder's generation_config.json; none where neither
+    has any."""
+    gguf = find_gguf(path)
+    if gguf is not None:
+        from .gguf.reader import read_header
+
+        return SamplingDefaults.from_gguf(read_header(gguf).metadata)
+    gen = Path(path) / "generation_config.json"
+    if not gen.is_file():
+        return SamplingDefaults()
+    try:
+        config = json.loads(gen.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{gen}: not valid JSON ({e})") from None
+    return SamplingDefaults.from_generation_config(config if isinstance(config, dict) else {})
 
 
 def _reconcile_norms(cfg: ModelConfig, keys: set[str]) -> ModelConfig:

@@ -137,7 +137,7 @@ LAYERS = [
         "structured",
     ),
     ("tokenizer",),
-    ("config", "sampling.params"),
+    ("config", "sampling.params", "sampling.defaults"),
     ("hf_config",),
     ("errors",),
 ]

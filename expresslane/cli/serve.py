@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 from ..errors import ConfigError
 from ..parallel import launch
@@ -111,6 +112,11 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", choices=POOLING, default=d.pooling,
                    help="/v1/embeddings' vector: the last position's (default) or every "
                    "position's mean, normalised (llama.cpp's flag)")  # fmt: skip
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="vLLM's flag: sampling defaults for requests that leave a field out: "
+                   "auto, the model's own (its generation_config.json, a GGUF's "
+                   "general.sampling.*); vllm, OpenAI's; or a folder's "
+                   "generation_config.json")  # fmt: skip
     p.add_argument("--allowed-origins", type=_origins, default=(),
                    help="web origins allowed by CORS: a JSON list as vLLM takes it, or "
                    "comma-separated (default none)")  # fmt: skip
@@ -145,7 +151,28 @@ def limits_from(args: argparse.Namespace):
         allowed_headers=tuple(args.allowed_headers),
         reasoning_parser=args.reasoning_parser,
         pooling=args.pooling,
+        sampling_defaults=generation_defaults(args),
     )
+
+
+def generation_defaults(args: argparse.Namespace):
+    """vLLM's --generation-config: auto (the model's own: sampling/defaults.py), vllm (none:
+    OpenAI's defaults), or a folder holding a generation_config.json."""
+    from ..assets import default_model_dir
+    from ..checkpoint import resolve_model_dir, sampling_defaults
+    from ..sampling.defaults import SamplingDefaults
+
+    source = getattr(args, "generation_config", "auto")
+    if source == "vllm":
+        return SamplingDefaults()
+    if source == "auto":
+        model = resolve_model_dir(args.model) if args.model else default_model_dir()
+        return sampling_defaults(model)
+    folder = Path(source).expanduser()
+    if not (folder / "generation_config.json").is_file():
+        raise ConfigError(f"--generation-config {source}: expected auto, vllm, or a folder "
+                          "holding a generation_config.json")  # fmt: skip
+    return sampling_defaults(folder)
 
 
 def _lora_module(value: str) -> tuple[str, str]:
@@ -229,11 +256,13 @@ def _load(args: argparse.Namespace, app, server, failure: list) -> None:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     threads = cpu_threads(engine).get("threads")
     on = f"{engine.device}" + (f" ({threads} threads)" if threads else "")
+    tuned = app.state.service.limits.sampling_defaults.describe()  # as vLLM says it, once
     print(
         f"ExpressLane is ready: model {app.state.service.names[0]!r} on {on}, "
         f"context {engine.max_len} tokens\n"
         f"  playground:  http://{host}:{args.port}/\n"
-        f"  OpenAI API:  http://{host}:{args.port}/v1",
+        f"  OpenAI API:  http://{host}:{args.port}/v1"
+        + (f"\n  sampling defaults from the model (--generation-config): {tuned}" if tuned else ""),
         file=sys.stderr,
         flush=True,
     )

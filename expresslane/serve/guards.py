@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, RequestError
+from ..sampling.defaults import SamplingDefaults
 from ..structured.reasoning import PARSERS
 
 if TYPE_CHECKING:  # starlette only where a request is served: `serve --help` and the GPU
@@ -48,6 +49,8 @@ class ServeLimits:
     allowed_headers: tuple[str, ...] = ("*",)  # CORS request headers: all, as vLLM allows
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser (structured/reasoning.py)
     pooling: str = "last"  # llama.cpp's --pooling: /v1/embeddings' vector (embeddings.py)
+    # vLLM's --generation-config: the model's sampling defaults (sampling/defaults.py)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     def validate(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -183,10 +183,7 @@ class Preparer:
             )
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            min_p=req.min_p,
+            **self.limits.sampling_defaults.over(req),  # the model's where the request is silent
             seed=seed,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
@@ -196,7 +193,6 @@ class Preparer:
             grammar=grammar,
             logit_bias=req.bias_pairs(),
             min_tokens=req.min_tokens or 0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             frequency_penalty=req.frequency_penalty or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             prediction=prediction,

@@ -6,7 +6,8 @@ FastAPI's 422. Unknown fields are ignored (lm-eval sends leftover kwargs), unimp
 refused (unsupported.py). The same models give the OpenAPI schema.
 
 Defaults follow OpenAI and vLLM: temperature 1, top_p 1, top_k off, `max_tokens` 16 on
-completions and the rest of the context on chat. `stop` takes any number of strings.
+completions and the rest of the context on chat, where the model sets no sampling defaults of
+its own (serve --generation-config: sampling/defaults.py). `stop` takes any number of strings.
 """
 
 from __future__ import annotations
