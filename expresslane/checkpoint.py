@@ -137,14 +137,18 @@ def load_config(folder: Path) -> ModelConfig:
 
 def sampling_defaults(path: Path) -> SamplingDefaults:
     """The model creator's sampling defaults (sampling/defaults.py): a GGUF file's
-    `general.sampling.*` keys, else the folder's generation_config.json; none where neither
-    has any."""
-    gguf = find_gguf(path)
+    `general.sampling.*` keys, else the generation_config.json of the folder (for a GGUF file,
+    the one beside it, where the tokenizer files are looked for too); none where neither has
+    any."""
+    folder, gguf = Path(path), find_gguf(path)
     if gguf is not None:
         from .gguf.reader import read_header
 
-        return SamplingDefaults.from_gguf(read_header(gguf).metadata)
-    gen = Path(path) / "generation_config.json"
+        found = SamplingDefaults.from_gguf(read_header(gguf).metadata)
+        if found.given():
+            return found
+        folder = gguf.parent
+    gen = folder / "generation_config.json"
     if not gen.is_file():
         return SamplingDefaults()
     try:

@@ -56,9 +56,12 @@ def test_a_gguf_file_gives_its_general_sampling_keys(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", "llama", meta, _tensors())
     got = sampling_defaults(path).given()
     assert got == pytest.approx({"temperature": 0.7, "top_k": 40, "repetition_penalty": 1.05})
-    assert sampling_defaults(write_gguf(tmp_path / "n.gguf", "llama", _meta(), _tensors())) == (
-        SamplingDefaults()
-    )
+    bare = write_gguf(tmp_path / "n.gguf", "llama", _meta(), _tensors())
+    assert sampling_defaults(bare) == SamplingDefaults()
+    # keys in the file win; a file without them takes the generation_config.json beside it
+    (tmp_path / "generation_config.json").write_text(json.dumps(QWEN3))
+    assert sampling_defaults(bare) == SamplingDefaults.from_generation_config(QWEN3)
+    assert sampling_defaults(path).given()["top_k"] == 40
 
 
 def test_a_folder_gives_its_generation_config(tmp_path):
