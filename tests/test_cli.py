@@ -186,6 +186,26 @@ def test_bad_flags_exit_2(random_laneformer_dir, capsys, argv, word):
     assert code == 2 and word in err
 
 
+def test_chat_template_flag_replaces_the_models(random_laneformer_dir, tmp_path, capsys):
+    """vLLM's --chat-template: a file or a one-line template renders every chat in place of
+    the model's; one that does not parse, or a path that is not there, exits 2 naming it."""
+    from expresslane.__main__ import build_parser
+    from expresslane.cli.run import load_engine
+
+    line = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(line)
+    chat = [{"role": "user", "content": "hi"}]
+    for source in (line, str(tmp_path / "t.jinja")):
+        args = build_parser().parse_args(["run", str(random_laneformer_dir), "--chat-template",
+                                          source])  # fmt: skip
+        tok = load_engine(args)[1]
+        assert tok.apply_chat_template(chat, add_generation_prompt=False) == "[user] hi\n"
+    for source, words in (("{% if %}", "line 1"), (str(tmp_path / "none.jinja"), "no such")):
+        code = main(["run", str(random_laneformer_dir), "--chat", "hi", "--chat-template", source])
+        err = capsys.readouterr().err
+        assert code == 2 and "--chat-template" in err and words in err, err
+
+
 def test_serve_where_it_cannot_listen_exits_2(random_laneformer_dir, capsys):
     """A port out of range, one in use, an unknown host: exit 2 naming the flag, before the
     model loads (uvicorn alone exits 3 with a traceback or a log line)."""

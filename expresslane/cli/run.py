@@ -27,6 +27,7 @@ from ..step.choose import PREFILL_DTYPES, default_decode
 from ..step.threads import ThreadGovernor, set_threads
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
+from ..tokenizer.chat import chat_template_from
 from .sampling import add_sampling_arguments, sampling_from_args, with_json_schema, with_prediction
 
 HELP = "generate from one prompt (or one chat message) and stream the text"
@@ -179,6 +180,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--chat", help="one user message, rendered with the chat template")
     add_sampling_arguments(p)
     add_prefix_argument(p)
+    add_chat_template_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: each token's logprob and the top N (0-20)")  # fmt: skip
@@ -195,9 +197,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", metavar="FILE|TEMPLATE", default=None,
+                   help="vLLM's flag: a Jinja chat template (a file, or the template in one "
+                   "line) in place of the model's own")  # fmt: skip
+
+
+def chat_template_arg(args: argparse.Namespace) -> str | None:
+    """--chat-template's text, checked (a TokenizerError names a bad one: exit 2)."""
+    source = getattr(args, "chat_template", None)
+    return None if source is None else chat_template_from(source)
+
+
 def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
-    if launch.in_launch():  # rank 0 of `serve --devices N`: the lead of a parallel engine
-        return launch.load_lead_engine(args)
+    # rank 0 of `serve --devices N` leads a parallel engine
+    engine, tok = launch.load_lead_engine(args) if launch.in_launch() else _load_here(args)
+    template = chat_template_arg(args)
+    if template is not None:
+        tok.chat_templates = {"default": template}
+    return engine, tok
+
+
+def _load_here(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
     path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
     quantization = getattr(args, "quantization", None)
     device = resolve_device(args.device, load_config(resolve_model_dir(path)))  # auto: by size
@@ -259,6 +280,7 @@ def weight_formats(engine) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     speculative_from_args(args)  # a bad --speculative-config exits 2 before anything loads
+    chat_template_arg(args)  # and a bad --chat-template
     lora_from_args(args)  # and bad --lora flags
     params = sampling_from_args(args)  # bad flags fail before any rank starts
     if getattr(args, "prediction", None) and launch.parallel_requested(args):

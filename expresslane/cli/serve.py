@@ -23,9 +23,11 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..parallel import launch
 from .run import (
+    add_chat_template_argument,
     add_lora_arguments,
     add_model_arguments,
     add_prefix_argument,
+    chat_template_arg,
     cpu_threads,
     load_engine,
     lora_from_args,
@@ -44,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM's flag, one adapter: merged into the weights at load and served as "
                    "NAME (the base model is then not served; one server per adapter)")  # fmt: skip
     add_prefix_argument(p)
+    add_chat_template_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument(
@@ -273,6 +276,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     speculative_from_args(args)  # a bad --speculative-config exits 2 before the server starts
+    chat_template_arg(args)
     check_address(args.host, args.port)
     lora_from_args(args)
     _names(args)

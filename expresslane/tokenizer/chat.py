@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 
 import jinja2
 from jinja2 import nodes
@@ -84,6 +85,27 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def chat_template_from(source: str) -> str:
+    """vLLM's --chat-template: a file's path, or the template itself in one line (it holds
+    `{{` or `{%`); checked by compiling it, so a syntax error is named before the first
+    request rather than in it."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"--chat-template {source}: not readable ({e})") from None
+    elif "{{" in source or "{%" in source:
+        text = source
+    else:
+        raise TokenizerError(f"--chat-template {source}: no such file, and not a template")
+    try:
+        _compile_template(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"--chat-template {source}: line {e.lineno}: {e.message}") from None
+    return text
 
 
 def _plain_messages(messages: Iterable[dict]) -> list[dict]:
