@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -204,6 +205,64 @@ def test_chat_template_flag_replaces_the_models(random_laneformer_dir, tmp_path,
         code = main(["run", str(random_laneformer_dir), "--chat", "hi", "--chat-template", source])
         err = capsys.readouterr().err
         assert code == 2 and "--chat-template" in err and words in err, err
+
+
+def _self_signed(folder) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate with")
+    key, cert = str(folder / "key.pem"), str(folder / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+                    "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    return key, cert
+
+
+def test_serve_over_https(random_laneformer_dir, tmp_path, capsys):
+    """vLLM's --ssl-keyfile / --ssl-certfile: the server answers HTTPS with the certificate; one
+    flag alone, or a key that is not the certificate's, exits 2 before anything loads."""
+    import socket
+    import ssl
+
+    import httpx
+
+    key, cert = _self_signed(tmp_path)
+    trust = ssl.create_default_context(cafile=cert)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "expresslane", "serve",
+                             str(random_laneformer_dir), "--port", str(port), "--ssl-keyfile", key,
+                             "--ssl-certfile", cert], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        url, ok = f"https://127.0.0.1:{port}", False
+        for _ in range(240):
+            try:
+                ok = httpx.get(url + "/health", verify=trust, timeout=5).status_code == 200
+            except httpx.TransportError:
+                pass
+            if ok or proc.poll() is not None:
+                break
+            time.sleep(0.25)
+        assert ok, proc.stderr.read() if proc.poll() is not None else "no answer"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, verify=trust)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    (tmp_path / "other").mkdir()
+    other_key, _ = _self_signed(tmp_path / "other")
+    for argv, words in (
+        (["--ssl-keyfile", key], "give both"),
+        (["--ssl-keyfile", other_key, "--ssl-certfile", cert], "as a pair"),
+    ):
+        try:  # fmt: skip
+            code = main(["serve", str(random_laneformer_dir), "--port", "0", *argv])
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err
+        assert code == 2 and words in err, err
 
 
 def test_serve_where_it_cannot_listen_exits_2(random_laneformer_dir, capsys):

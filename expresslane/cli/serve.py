@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -115,6 +116,14 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", choices=POOLING, default=d.pooling,
                    help="/v1/embeddings' vector: the last position's (default) or every "
                    "position's mean, normalised (llama.cpp's flag)")  # fmt: skip
+    p.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        metavar="FILE",
+        help="vLLM's flag, with --ssl-certfile: serve HTTPS with this private key",
+    )
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="the certificate (chain) for --ssl-keyfile, PEM")  # fmt: skip
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="vLLM's flag: sampling defaults for requests that leave a field out: "
                    "auto, the model's own (its generation_config.json, a GGUF's "
@@ -209,6 +218,21 @@ def check_address(host: str, port: int) -> None:
             ) from None
 
 
+def check_tls(args: argparse.Namespace) -> None:
+    """--ssl-keyfile and --ssl-certfile come together and load as a pair (exit 2 naming the
+    problem), before the model loads rather than at uvicorn's first handshake."""
+    key, cert = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    if key is None and cert is None:
+        return
+    if key is None or cert is None:
+        raise ConfigError("--ssl-keyfile and --ssl-certfile: give both, or neither")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"--ssl-certfile {cert} / --ssl-keyfile {key}: cannot load them as "
+                          f"a pair ({e.strerror or e})") from None  # fmt: skip
+
+
 def model_card(args: argparse.Namespace) -> dict:
     """create_app's names: the served names, the aliases, and `root` (with an adapter merged:
     the base model's folder name, the adapter's parent)."""
@@ -260,11 +284,12 @@ def _load(args: argparse.Namespace, app, server, failure: list) -> None:
     threads = cpu_threads(engine).get("threads")
     on = f"{engine.device}" + (f" ({threads} threads)" if threads else "")
     tuned = app.state.service.limits.sampling_defaults.describe()  # as vLLM says it, once
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
     print(
         f"ExpressLane is ready: model {app.state.service.names[0]!r} on {on}, "
         f"context {engine.max_len} tokens\n"
-        f"  playground:  http://{host}:{args.port}/\n"
-        f"  OpenAI API:  http://{host}:{args.port}/v1"
+        f"  playground:  {scheme}://{host}:{args.port}/\n"
+        f"  OpenAI API:  {scheme}://{host}:{args.port}/v1"
         + (f"\n  sampling defaults from the model (--generation-config): {tuned}" if tuned else ""),
         file=sys.stderr,
         flush=True,
@@ -278,6 +303,7 @@ def main(args: argparse.Namespace) -> int:
     speculative_from_args(args)  # a bad --speculative-config exits 2 before the server starts
     chat_template_arg(args)
     check_address(args.host, args.port)
+    check_tls(args)
     lora_from_args(args)
     _names(args)
     if launch.parallel_requested(args) and not launch.in_launch():
@@ -293,8 +319,14 @@ def main(args: argparse.Namespace) -> int:
                      **model_card(args))  # fmt: skip
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30
-        )
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=30,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+        )  # fmt: skip
     )
     failure: list[BaseException] = []
     loader = threading.Thread(target=_load, args=(args, app, server, failure), daemon=True)
