@@ -74,39 +74,28 @@ class Metrics:
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Tokens generated.", label, registry=r
         ).labels(model_name)
-        self.running = Gauge(
-            PREFIX + "num_requests_running",
-            "Requests on the engine now (0 or 1: batch 1).",
-            label,
-            registry=r,
-        ).labels(model_name)
-        self.waiting = Gauge(
-            PREFIX + "num_requests_waiting", "Requests waiting in the queue.", label, registry=r
-        ).labels(model_name)
-        self.capture_seconds = Gauge(
-            PREFIX + "graph_capture_seconds",
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, label, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests on the engine now (batch 1: 0, 1).")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting in the queue.")
+        self.capture_seconds = gauge(
+            "graph_capture_seconds",
             "Seconds spent capturing CUDA graphs, at load and between requests (never in one).",
-            label,
-            registry=r,
-        ).labels(model_name)
-        self.warmup_seconds = Gauge(
-            PREFIX + "prefill_warmup_seconds",
+        )
+        self.warmup_seconds = gauge(
+            "prefill_warmup_seconds",
             "Seconds spent in prefill warm-up at load (first-use costs no request pays).",
-            label,
-            registry=r,
-        ).labels(model_name)
-        self.cpu_threads = Gauge(
-            PREFIX + "cpu_threads",
+        )
+        self.cpu_threads = gauge(
+            "cpu_threads",
             "CPU threads the decode step runs on, revised before each request (0: not a CPU).",
-            label,
-            registry=r,
-        ).labels(model_name)
-        self.preparing = Gauge(
-            PREFIX + "num_requests_preparing",
+        )
+        self.preparing = gauge(
+            "num_requests_preparing",
             "Requests being parsed, templated and tokenized (they count toward --max-queue).",
-            label,
-            registry=r,
-        ).labels(model_name)
+        )
         self._rejected = Counter(
             PREFIX + "request_rejected",
             "Requests refused before any work: queue_full (503), too_large (413).",
