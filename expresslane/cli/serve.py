@@ -282,7 +282,7 @@ def _load(args: argparse.Namespace, app, server, failure: list) -> None:
         time.sleep(0.05)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     threads = cpu_threads(engine).get("threads")
-    on = f"{engine.device}" + (f" ({threads} threads)" if threads else "")
+    on = f"{engine.device}" + (f" ({threads} thread{'s' * (threads > 1)})" if threads else "")
     tuned = app.state.service.limits.sampling_defaults.describe()  # as vLLM says it, once
     scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
     print(
