@@ -232,6 +232,10 @@ class Health(_Open):
     status: Literal["ok"]
 
 
+class Version(_Open):
+    version: str
+
+
 # --- routes -----------------------------------------------------------------------------------
 ERRORS = {
     400: "Invalid request: the message names the parameter",
@@ -266,6 +270,9 @@ ROUTES: dict[str, tuple] = {
     "tokenizer_info": ("Special tokens, chat template, context", None, TokenizerInfo, None,
                        (503,)),
     "health": ("200 once the model is loaded, 503 before", None, Health, None, (503,)),
+    "ping": ("/health under vLLM's other name (load balancers' probes)", None, Health, None,
+             (503,)),
+    "version": ("The server's version (vLLM's /version)", None, Version, None, ()),
     "metrics": ("Prometheus metrics", None, None, None, ()),
 }  # fmt: skip
 REQUEST_MODELS = [spec[1] for spec in ROUTES.values() if spec[1] is not None]

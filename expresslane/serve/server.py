@@ -35,7 +35,7 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
@@ -51,6 +51,7 @@ from .jobs import ChoiceSpec, Job, collect
 from .metrics import Metrics
 from .prepare import Preparer
 from .responses import ResponseStore
+from .root_routes import as_json, get_route, root_routes
 from .schema import install_openapi, route_docs
 from .streams import chat_stream, message_stream, response_stream, sse_response
 from .worker import Worker
@@ -168,13 +169,6 @@ class Service:
         return self.worker.submit(Job(specs, asyncio.get_running_loop()), priority)
 
 
-def as_json(fn):
-    """`fn` returning its dict as a JSON response, serialised where `fn` runs (P.json_bytes):
-    a 4 MB answer (a /tokenize of 690k ids) serialised on the event loop stalled /health for a
-    second."""
-    return lambda *args: Response(P.json_bytes(fn(*args)), media_type="application/json")
-
-
 def create_app(
     engine: Engine | None = None,
     tokenizer: Tokenizer | None = None,
@@ -207,7 +201,7 @@ def create_app(
     app.state.service = svc
     _error_handlers(app, svc)
     app.include_router(_v1_routes(svc))
-    app.include_router(_root_routes(svc))
+    app.include_router(root_routes(svc, PLAYGROUND))
     app.mount("/playground", StaticFiles(directory=PLAYGROUND, html=True), name="playground")
     if limits.allowed_origins:
         app.add_middleware(
@@ -256,7 +250,7 @@ def _error_handlers(app: FastAPI, svc: Service) -> None:
 def _v1_routes(svc: Service) -> APIRouter:
     r = APIRouter(prefix="/v1", dependencies=[key_check(svc)])
 
-    @_get(r, "/models", **route_docs("models"))
+    @get_route(r, "/models", **route_docs("models"))
     async def models():
         s = svc.ready()
         card = {"object": "model", "owned_by": "expresslane", "max_model_len": s.engine.max_len}
@@ -329,7 +323,7 @@ def _v1_routes(svc: Service) -> APIRouter:
         prep, _ = await s.prepare(request, partial(s.preparer.messages, count=True))
         return {"input_tokens": prep.prompt_tokens}
 
-    @_get(r, "/responses/{response_id}", **route_docs("response"))
+    @get_route(r, "/responses/{response_id}", **route_docs("response"))
     async def stored_response(response_id: str):
         return svc.stored.get(response_id)[0]
 
@@ -337,64 +331,5 @@ def _v1_routes(svc: Service) -> APIRouter:
     async def delete_response(response_id: str):
         svc.stored.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
-
-    return r
-
-
-def _get(r: APIRouter, path: str, **docs):
-    """A GET route and HEAD beside it (HEAD kept out of the schema), as HTTP asks of servers:
-    `HEAD /health` was a 405."""
-
-    def register(fn):
-        r.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
-        return r.get(path, **docs)(fn)
-
-    return register
-
-
-# --- the root: health, metrics, tokenizer, playground -----------------------------------------
-def _root_routes(svc: Service) -> APIRouter:
-    r = APIRouter()
-
-    @_get(r, "/health", **route_docs("health"))
-    async def health():
-        if svc.worker is None:
-            return JSONResponse(P.error_body("Loading model", 503), status_code=503)
-        return {"status": "ok"}
-
-    @_get(r, "/metrics", **route_docs("metrics"))
-    async def metrics():
-        return Response(svc.metrics.render(), media_type=svc.metrics.content_type)
-
-    @_get(r, "/", include_in_schema=False)
-    async def playground():
-        return FileResponse(PLAYGROUND / "index.html")
-
-    @_get(r, "/tokenizer_info", **route_docs("tokenizer_info"))
-    async def tokenizer_info():
-        s = svc.ready()
-        tok = s.tok
-        special = getattr(tok, "special_tokens", {})
-        templates = getattr(tok, "chat_templates", None) or {}
-        return {
-            "bos_token": None if tok.bos_id is None else tok.id_to_piece(tok.bos_id),
-            "eos_token": tok.id_to_piece(tok.eos_ids[0]) if tok.eos_ids else None,
-            "pad_token": special.get("pad_token"),
-            "unk_token": special.get("unk_token"),
-            "chat_template": templates.get("default"),
-            "model_max_length": s.engine.max_len,
-        }
-
-    # Unlike vLLM, the key guards these two as well: tokenizing costs CPU in proportion to the
-    # body (lm-eval's remote tokenizer sends the key it is given).
-    @r.post("/tokenize", dependencies=[key_check(svc)], **route_docs("tokenize"))
-    async def tokenize(request: Request):
-        s = svc.ready()
-        return await s.prepare(request, as_json(s.preparer.tokenize))
-
-    @r.post("/detokenize", dependencies=[key_check(svc)], **route_docs("detokenize"))
-    async def detokenize(request: Request):
-        s = svc.ready()
-        return await s.prepare(request, as_json(s.preparer.detokenize))
 
     return r

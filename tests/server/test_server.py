@@ -24,6 +24,7 @@ from serverkit import (
 )
 from starlette.testclient import TestClient
 
+import expresslane
 from expresslane.sampling.params import SamplingParams
 from expresslane.serve import attach, create_app
 from expresslane.serve.guards import ServeLimits
@@ -40,14 +41,21 @@ def test_health_models_and_playground(server):
 
 
 def test_health_503_while_loading(server):
+    """/health, and vLLM's /ping (GET or POST), 503 until the model is attached, 200 after;
+    /version always answers."""
     app = create_app(None, None, served_model_name=NAME)
+    probes = (("get", "/health"), ("get", "/ping"), ("post", "/ping"))
     with TestClient(app) as c:
-        r = c.get("/health")
-        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        for method, path in probes:
+            r = getattr(c, method)(path)
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503, path
         assert c.post("/v1/completions", json={"prompt": "x"}).status_code == 503
         assert c.get("/metrics").status_code == 200
+        assert c.get("/version").json() == {"version": expresslane.__version__}
         attach(app, server.engine, server.tok)  # no request goes through this second worker
-        assert c.get("/health").status_code == 200
+        for method, path in probes:
+            r = getattr(c, method)(path)
+            assert r.status_code == 200 and r.json() == {"status": "ok"}, path
     app.state.service.worker.shutdown()
 
 

@@ -205,7 +205,9 @@ def test_cors_allows_every_header_by_default_and_allowed_headers_narrows(server)
     assert refused.status_code == 400 and plain.status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models", "/tokenizer_info", "/"])
+@pytest.mark.parametrize(
+    "path", ["/health", "/ping", "/version", "/metrics", "/v1/models", "/tokenizer_info", "/"]
+)
 def test_head_works_where_get_does(server, path):
     get, head = httpx.get(server.url + path), httpx.head(server.url + path)
     assert get.status_code == 200 and head.status_code == 200
