@@ -77,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     from ..serve.guards import POOLING, ServeLimits
+    from ..serve.tools import TOOL_CALL_PARSERS
     from ..structured.reasoning import PARSERS
 
     d = ServeLimits()
@@ -113,6 +114,12 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="split a thinking model's <think> reasoning from its answer: "
                    "`reasoning_content` / `reasoning` in chat answers (vLLM's flag)")  # fmt: skip
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                   help="vLLM's flag: the tool-call convention of a chat template that renders "
+                   "tools (default: read from the template's text)")  # fmt: skip
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag, accepted for its command lines: tools and tool_choice "
+                   "'auto' are always on here")  # fmt: skip
     p.add_argument("--pooling", choices=POOLING, default=d.pooling,
                    help="/v1/embeddings' vector: the last position's (default) or every "
                    "position's mean, normalised (llama.cpp's flag)")  # fmt: skip
@@ -162,6 +169,7 @@ def limits_from(args: argparse.Namespace):
         allowed_origins=tuple(args.allowed_origins),
         allowed_headers=tuple(args.allowed_headers),
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         pooling=args.pooling,
         sampling_defaults=generation_defaults(args),
     )

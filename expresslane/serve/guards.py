@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ..errors import ConfigError, RequestError
 from ..sampling.defaults import SamplingDefaults
 from ..structured.reasoning import PARSERS
+from .tools import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:  # starlette only where a request is served: `serve --help` and the GPU
     from starlette.requests import Request  # stages import ServeLimits without it
@@ -49,6 +50,7 @@ class ServeLimits:
     allowed_headers: tuple[str, ...] = ("*",)  # CORS request headers: all, as vLLM allows
     reasoning_parser: str | None = None  # vLLM's --reasoning-parser (structured/reasoning.py)
     pooling: str = "last"  # llama.cpp's --pooling: /v1/embeddings' vector (embeddings.py)
+    tool_call_parser: str | None = None  # vLLM's: a native tool template's convention (tools.py)
     # vLLM's --generation-config: the model's sampling defaults (sampling/defaults.py)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
 
@@ -59,6 +61,9 @@ class ServeLimits:
         if self.reasoning_parser not in (None, *PARSERS):
             raise ConfigError(f"--reasoning-parser {self.reasoning_parser}: expected one of "
                               f"{', '.join(PARSERS)}")  # fmt: skip
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ConfigError(f"--tool-call-parser {self.tool_call_parser}: expected one of "
+                              f"{', '.join(TOOL_CALL_PARSERS)}")  # fmt: skip
         if self.pooling not in POOLING:
             raise ConfigError(f"--pooling {self.pooling}: expected one of {', '.join(POOLING)}")
         for name in ("max_request_bytes", "max_queue", "max_n"):

@@ -259,7 +259,7 @@ class Preparer:
         req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, body)
         model = self.model_name(req.model)
         self.check_n(req.n)
-        plan = plan_tools(req.model_extra or {}, self.template(req))
+        plan = plan_tools(req.model_extra or {}, self.template(req), self.limits.tool_call_parser)
         spec = request_grammar(req.model_extra)
         if plan is not None and plan.grammar is not None:
             if spec is not None:

@@ -26,6 +26,9 @@ from ..structured.closed import closed_objects
 from ..structured.grammar import COMPACT, GrammarSpec
 
 STYLES = ("hermes", "mistral", "llama3")
+# vLLM's --tool-call-parser names for the conventions read here (serve's flag of that name)
+TOOL_CALL_PARSERS = {"hermes": "hermes", "mistral": "mistral", "llama3_json": "llama3",
+                     "llama4_json": "llama3"}  # fmt: skip
 GENERIC_PROMPT = (
     "You may call functions to help with the user's request. The functions, as JSON schemas:\n"
     "<tools>\n{tools}\n</tools>\n"
@@ -56,8 +59,11 @@ class ToolPlan:
         return self.choice != "none" and bool(self.functions)
 
 
-def plan_tools(extra: dict, template: str) -> ToolPlan | None:
-    """The ToolPlan of a request's `tools`, `tool_choice`, `parallel_tool_calls`, or None."""
+def plan_tools(extra: dict, template: str, parser: str | None = None) -> ToolPlan | None:
+    """The ToolPlan of a request's `tools`, `tool_choice`, `parallel_tool_calls`, or None.
+    `parser` (vLLM's --tool-call-parser) names the convention of a template that renders
+    tools itself, instead of reading it from the template's text; the generic prompt asks for
+    Hermes calls whatever it says."""
     tools, choice = extra.get("tools"), extra.get("tool_choice")
     if not tools:
         if choice not in (None, "none", "auto"):
@@ -93,7 +99,8 @@ def plan_tools(extra: dict, template: str) -> ToolPlan | None:
         raise _bad("tool_choice: expected none, auto, required or {type: 'function', "
                    "function: {name}}", "tool_choice")  # fmt: skip
     native = "tools" in template
-    style = template_style(template) if native else "hermes"
+    style = (TOOL_CALL_PARSERS[parser] if parser else template_style(template)) if native else \
+        "hermes"  # fmt: skip
     plan = ToolPlan(functions, choice, named, extra.get("parallel_tool_calls") is not False,
                     style, native, tools=tools)  # fmt: skip
     if choice in ("required", "named"):

@@ -223,3 +223,21 @@ def test_llm_cli_schema(server, tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     jsonschema.validate(json.loads(out.stdout), schema)
+
+
+def test_tool_call_parser_names_a_native_templates_convention():
+    """vLLM's --tool-call-parser: a template that renders tools gets the named convention in
+    place of the one read from its text; the generic prompt (no tools in the template) asks
+    for Hermes calls whatever is named; a name not known here exits 2 (ConfigError)."""
+    from expresslane.errors import ConfigError
+    from expresslane.serve.guards import ServeLimits
+
+    native = "{% for t in tools %}{{ t }}{% endfor %}<tool_call>"
+    extra = {"tools": [WEATHER], "tool_choice": "required"}
+    assert plan_tools(extra, native).style == "hermes"
+    forced = plan_tools(extra, native, "mistral")
+    assert forced.style == "mistral" and '"[TOOL_CALLS]"' in forced.grammar.source
+    assert plan_tools(extra, native, "llama3_json").style == "llama3"
+    assert plan_tools(extra, "{{ messages }}", "mistral").style == "hermes"
+    with pytest.raises(ConfigError, match="--tool-call-parser pythonic"):
+        ServeLimits(tool_call_parser="pythonic").validate()
