@@ -265,6 +265,19 @@ def test_serve_over_https(random_laneformer_dir, tmp_path, capsys):
         assert code == 2 and words in err, err
 
 
+def test_serve_takes_vllms_uvicorn_flags(random_laneformer_dir):
+    from expresslane.__main__ import build_parser
+    from expresslane.cli.serve import uvicorn_config
+
+    base = ["serve", str(random_laneformer_dir)]
+    plain = uvicorn_config(None, build_parser().parse_args(base))
+    assert plain.access_log and plain.root_path == ""
+    args = build_parser().parse_args([*base, "--disable-uvicorn-access-log", "--root-path", "/llm",
+                                      "--enable-auto-tool-choice"])  # fmt: skip
+    config = uvicorn_config(None, args)
+    assert not config.access_log and config.root_path == "/llm"
+
+
 def test_serve_where_it_cannot_listen_exits_2(random_laneformer_dir, capsys):
     """A port out of range, one in use, an unknown host: exit 2 naming the flag, before the
     model loads (uvicorn alone exits 3 with a traceback or a log line)."""

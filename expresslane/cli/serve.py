@@ -124,6 +124,13 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
                    help="/v1/embeddings' vector: the last position's (default) or every "
                    "position's mean, normalised (llama.cpp's flag)")  # fmt: skip
     p.add_argument(
+        "--root-path",
+        default="",
+        help="vLLM's flag: the path prefix a proxy serves this server under",
+    )
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="vLLM's flag: no log line per HTTP request")  # fmt: skip
+    p.add_argument(
         "--ssl-keyfile",
         default=None,
         metavar="FILE",
@@ -325,17 +332,7 @@ def main(args: argparse.Namespace) -> int:
     limits.validate()  # a ConfigError: one line and exit 2
     app = create_app(None, None, api_key=args.api_key, seed=args.seed, limits=limits,
                      **model_card(args))  # fmt: skip
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_keep_alive=30,
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
-        )  # fmt: skip
-    )
+    server = uvicorn.Server(uvicorn_config(app, args))
     failure: list[BaseException] = []
     loader = threading.Thread(target=_load, args=(args, app, server, failure), daemon=True)
     loader.start()
@@ -344,6 +341,16 @@ def main(args: argparse.Namespace) -> int:
         raise failure[0]
     app.state.service.shutdown()
     return 0
+
+
+def uvicorn_config(app, args: argparse.Namespace):
+    """uvicorn's settings from serve's flags (vLLM's names where it has them)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_keep_alive=30, ssl_keyfile=args.ssl_keyfile,
+                          ssl_certfile=args.ssl_certfile, root_path=args.root_path,
+                          access_log=not args.disable_uvicorn_access_log)  # fmt: skip
 
 
 @contextlib.contextmanager
