@@ -265,7 +265,7 @@ def test_serve_over_https(random_laneformer_dir, tmp_path, capsys):
         assert code == 2 and words in err, err
 
 
-def test_serve_takes_vllms_uvicorn_flags(random_laneformer_dir):
+def test_serve_takes_vllms_flag_names(random_laneformer_dir):
     from expresslane.__main__ import build_parser
     from expresslane.cli.serve import uvicorn_config
 
@@ -276,6 +276,9 @@ def test_serve_takes_vllms_uvicorn_flags(random_laneformer_dir):
                                       "--enable-auto-tool-choice"])  # fmt: skip
     config = uvicorn_config(None, args)
     assert not config.access_log and config.root_path == "/llm"
+    vllm = build_parser().parse_args([*base, "-tp", "2", "--no-enable-prefix-caching",
+                                      "--enable-prefix-caching"])  # fmt: skip
+    assert vllm.devices == 2 and vllm.no_prefix_reuse
 
 
 def test_serve_where_it_cannot_listen_exits_2(random_laneformer_dir, capsys):

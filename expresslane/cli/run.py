@@ -82,9 +82,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--devices",
+        "--tensor-parallel-size",
+        "-tp",
         type=int,
         default=1,
-        help="split lanes (Llama: heads) over N processes: gloo on CPU, NCCL on GPU",
+        help="split lanes (Llama: heads) over N processes: gloo on CPU, NCCL on GPU "
+        "(--tensor-parallel-size, -tp: vLLM's names)",
     )
     rendezvous.add_arguments(p)  # --nnodes, --node-rank, --rdzv-endpoint: N over several hosts
     add_speculative_argument(p)
@@ -118,9 +121,14 @@ def add_prefix_argument(p: argparse.ArgumentParser) -> None:
     """run and serve: prefix reuse is on unless turned off."""
     p.add_argument(
         "--no-prefix-reuse",
+        "--no-enable-prefix-caching",
         action="store_true",
-        help="prefill every prompt whole instead of reusing the prefix the KV cache holds",
+        help="prefill every prompt whole instead of reusing the prefix the KV cache holds "
+        "(--no-enable-prefix-caching: vLLM's name)",
     )
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="vLLM's flag, accepted for its command lines: prefix reuse is on "
+                   "unless --no-prefix-reuse")  # fmt: skip
 
 
 def add_speculative_argument(p: argparse.ArgumentParser) -> None:
