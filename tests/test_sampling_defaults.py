@@ -89,8 +89,9 @@ def test_the_request_wins_field_by_field():
 
 
 def test_a_server_with_the_models_defaults_samples_with_them(random_laneformer_dir):
-    """The model says greedy (temperature 0): a request that is silent decodes greedy, one
-    that sends its own temperature and seed samples as the engine does with them."""
+    """The model says greedy (temperature 0): a request that is silent, or sends null (OpenAI's
+    "or null": the default), decodes greedy; one that sends its own temperature and seed
+    samples as the engine does with them."""
     path = str(random_laneformer_dir)
     engine = Engine.from_pretrained(path, device="cpu", dtype="float32", max_model_len=256,
                                     progress=False)  # fmt: skip
@@ -105,9 +106,11 @@ def test_a_server_with_the_models_defaults_samples_with_them(random_laneformer_d
     body = {"prompt": "Once upon", "max_tokens": 8, "ignore_eos": True}
     with serving(create_app(engine, tok, served_model_name="tiny", limits=limits)) as url:
         silent = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        nulls = dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "n", "stream", "echo"))
+        nulled = httpx.post(url + "/v1/completions", json={**body, **nulls})  # OpenAI's "or null"
         sampled = httpx.post(url + "/v1/completions", json={**body, "temperature": 1.0,
                              "seed": 1234}).json()["choices"][0]["text"]  # fmt: skip
-    assert silent == want(temperature=0.0, top_k=5)
+    assert silent == want(temperature=0.0, top_k=5) == nulled.json()["choices"][0]["text"]
     assert sampled == want(temperature=1.0, top_k=5, seed=1234)
 
 

@@ -27,6 +27,7 @@ from pydantic import (
     Strict,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from ..errors import ExpressLaneError, RequestError
@@ -55,6 +56,8 @@ TokenId = Annotated[int, Ge(0), BeforeValidator(_no_bool)]
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20
 MAX_N = 128  # the API's cap; the server's own (--max-n) is usually lower
+# fields whose null is their default (_SamplingRequest._nulls); typed "or null" in the schema
+NULL_IS_DEFAULT = {"temperature", "top_p", "top_k", "min_p", "n", "stream", "logprobs", "echo"}
 
 
 def _token_ids(v: Any) -> bool:
@@ -118,10 +121,10 @@ class _SamplingRequest(_Request):
     ]  # fmt: skip
 
     model: str | None = None
-    temperature: Float = Field(1.0, ge=0.0)
-    top_p: Float = Field(1.0, gt=0.0, le=1.0)
-    top_k: Int = Field(0, ge=-1)
-    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    temperature: Float | None = Field(1.0, ge=0.0)
+    top_p: Float | None = Field(1.0, gt=0.0, le=1.0)
+    top_k: Int | None = Field(0, ge=-1)
+    min_p: Float | None = Field(0.0, ge=0.0, le=1.0)
     seed: Int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -146,11 +149,21 @@ class _SamplingRequest(_Request):
     # OpenAI's Predicted Outputs (chat); here on completions too: drafts verified as
     # speculation (speculative/prediction.py), so only the speed changes
     prediction: Prediction | None = None
-    n: Int = Field(1, ge=1, le=MAX_N)
-    stream: Bool = False
+    n: Int | None = Field(1, ge=1, le=MAX_N)
+    stream: Bool | None = False
     skip_special_tokens: Bool = True  # vLLM's: special tokens are left out of the text
     spaces_between_special_tokens: Bool = True
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        """OpenAI's null for a field means the field left out (temperature, top_p, n, stream,
+        logprobs, echo...: the OpenAI spec types them "or null", and clients send it), so it
+        gets its default, the model's own where it has one (sampling/defaults.py)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
+        return data
 
     @field_validator("seed")
     @classmethod
@@ -202,7 +215,7 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
     max_tokens: Int | None = Field(16, ge=0)
-    echo: Bool = False
+    echo: Bool | None = False
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_special_tokens: Bool = True  # string prompts only: token-id prompts never get a BOS
 
@@ -230,11 +243,11 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
-    logprobs: Bool = False
+    logprobs: Bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: Bool = True
     continue_final_message: Bool | None = None  # None: continue a trailing assistant message
-    echo: Bool = False  # vLLM's: the answer begins with a trailing assistant message's text
+    echo: Bool | None = False  # vLLM's: the answer begins with a trailing assistant message's text
     include_reasoning: Bool = True  # vLLM's: with `serve --reasoning-parser`, reasoning shown
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}}}
