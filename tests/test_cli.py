@@ -15,6 +15,7 @@ from expresslane.__main__ import main
 from expresslane.engine import Engine
 from expresslane.sampling.params import SamplingParams
 from expresslane.step.native import native_step_built
+from expresslane.textgen import generate_text
 from expresslane.tokenizer import Tokenizer
 
 
@@ -263,6 +264,46 @@ def test_serve_over_https(random_laneformer_dir, tmp_path, capsys):
             code = e.code
         err = capsys.readouterr().err
         assert code == 2 and words in err, err
+
+
+def test_interactive_turns_reuse_the_conversation(random_laneformer_dir):
+    """run -i: each line a turn; turn 2's prompt is the conversation so far (its first turn
+    reused from the cache) and its answer the engine's greedy answer to that prompt; /reset
+    starts over; the end of the input ends with 0."""
+    import io
+
+    from expresslane.cli.interactive import chat_loop
+
+    path = str(random_laneformer_dir)
+    engine = Engine.from_pretrained(path, device="cpu", dtype="float32", progress=False)
+    ref = Engine(engine.model)
+    tok = Tokenizer.from_dir(random_laneformer_dir)
+    params = SamplingParams(max_tokens=6)
+    lines, out = iter(["def add", "", "and sub", "/reset", "def add"]), io.StringIO()
+
+    def read(prompt: str) -> str:  # as input() does: the prompt written, EOFError at the end
+        out.write(prompt)
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    assert chat_loop(engine, tok, params, out, read) == 0
+    answers = [a.split("\n[")[0] for a in out.getvalue().split("> ")[1:] if "\n[" in a]
+    figures = [line for line in out.getvalue().splitlines() if line.startswith("[")]
+    assert len(answers) == 3 and "(a new conversation)" in out.getvalue()
+
+    def greedy(chat: list[dict]) -> str:
+        ids = tok.encode(tok.apply_chat_template(chat), add_special_tokens=False)
+        return "".join(t for t, _ in generate_text(ref, tok, ids, params))
+
+    first = [{"role": "user", "content": "def add"}]
+    assert answers[0] == greedy(first) == answers[2]  # after /reset: the same first turn
+    second = [*first, {"role": "assistant", "content": answers[0]},
+              {"role": "user", "content": "and sub"}]  # fmt: skip
+    assert answers[1] == greedy(second)
+    reused = [int(f.split(", ")[1].split()[0]) for f in figures]
+    assert reused[1] > 0  # the first turn came from the cache
 
 
 def test_serve_takes_vllms_flag_names(random_laneformer_dir):

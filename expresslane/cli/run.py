@@ -28,6 +28,7 @@ from ..step.threads import ThreadGovernor, set_threads
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from ..tokenizer.chat import chat_template_from
+from .interactive import chat_loop
 from .sampling import add_sampling_arguments, sampling_from_args, with_json_schema, with_prediction
 
 HELP = "generate from one prompt (or one chat message) and stream the text"
@@ -186,6 +187,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="raw text prompt (BOS added as the tokenizer says)")
     src.add_argument("--chat", help="one user message, rendered with the chat template")
+    src.add_argument("-i", "--interactive", action="store_true",
+                     help="a conversation: each line read is a turn, earlier turns reused "
+                     "from the KV cache (/reset, /exit)")  # fmt: skip
     add_sampling_arguments(p)
     add_prefix_argument(p)
     add_chat_template_argument(p)
@@ -264,9 +268,8 @@ def _step_bytes(path, dtype: str, quantization) -> int:
 def thread_governor(args: argparse.Namespace, engine) -> ThreadGovernor | None:
     """serve's thread count, revised before each request (step/threads.py): on a CPU where the
     count is the engine's own choice (no --threads) and no step was compiled for it."""
-    if str(engine.device) != "cpu" or launch.in_launch() or getattr(args, "threads", None):
-        return None
-    if getattr(args, "compile", False):
+    fixed = getattr(args, "threads", None) or getattr(args, "compile", False)
+    if str(engine.device) != "cpu" or launch.in_launch() or fixed:
         return None
     path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
     return ThreadGovernor(_step_bytes(path, args.dtype, getattr(args, "quantization", None)))
@@ -294,9 +297,14 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "prediction", None) and launch.parallel_requested(args):
         raise ConfigError("--prediction: the parallel engine (--devices N) does not draft; "
                           "use one device")  # fmt: skip
+    if args.interactive and (args.json or launch.parallel_requested(args)):
+        raise ConfigError("--interactive: not with --json or --devices N")
     if launch.parallel_requested(args):  # --devices 0 is refused there
         return launch.run_parallel(args, generate_on_rank)
     engine, tok = load_engine(args)
+    if args.interactive:
+        params = with_prediction(args, engine, tok, with_json_schema(args, engine, tok, params))
+        return chat_loop(engine, tok, params, sys.stdout, stop=tuple(args.stop))
     return generate_and_print(args, engine, tok, params, load_report(engine))
 
 
