@@ -55,6 +55,7 @@ class Prepared:
     include_usage: bool
     fmt: CompletionFormat | ChatFormat
     priority: int = 0  # the queue's order under --scheduling-policy priority (lowest first)
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
 
 
 class Preparer:
@@ -251,9 +252,8 @@ class Preparer:
         fmt = CompletionFormat(model, self.token_text(req), echo, req.logprobs is not None, added,
                                contexts, req.skip_special_tokens)  # fmt: skip
         prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
-        return Prepared(
-            specs, prompt_tokens, req.stream, req.include_usage, fmt, self.priority(req.priority)
-        )
+        return Prepared(specs, prompt_tokens, req.stream, req.include_usage, fmt,
+                        self.priority(req.priority), req.continuous_usage)  # fmt: skip
 
     def chat(self, body: bytes) -> Prepared:
         req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, body)
@@ -288,9 +288,8 @@ class Preparer:
         fmt = ChatFormat(model, self.token_text(req), req.n, req.logprobs,
                          plan if plan and plan.parses else None, self.chat_echo(req),
                          self.limits.reasoning_parser, req.include_reasoning)  # fmt: skip
-        return Prepared(
-            specs, len(ids), req.stream, req.include_usage, fmt, self.priority(req.priority)
-        )
+        return Prepared(specs, len(ids), req.stream, req.include_usage, fmt,
+                        self.priority(req.priority), req.continuous_usage)  # fmt: skip
 
     def responses(self, body: bytes, store: ResponseStore) -> tuple[Prepared, ResponseShape]:
         """A Responses API request, prepared as the chat request it becomes (responses.py)."""

@@ -79,6 +79,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's: usage in every chunk, with include_usage
 
 
 def _needs(field: str, kind: dict, then: str, value: Any) -> dict:
@@ -193,6 +194,10 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 PROMPT_SCHEMA = {

@@ -264,7 +264,14 @@ def _v1_routes(svc: Service) -> APIRouter:
         job = s.submit(prep.specs, prep.priority)
         if prep.stream:
             return sse_response(
-                chat_stream(job, request, prep.fmt, prep.include_usage, prep.prompt_tokens)
+                chat_stream(
+                    job,
+                    request,
+                    prep.fmt,
+                    prep.include_usage,
+                    prep.prompt_tokens,
+                    prep.continuous_usage,
+                )  # fmt: skip
             )
         return await answer(s, job, request, prep)
 

@@ -32,13 +32,13 @@ def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
-async def chat_stream(
-    job: Job, request: Request, fmt, include_usage: bool, prompt_tokens: int
-) -> AsyncIterator[str]:
+async def chat_stream(job: Job, request: Request, fmt, include_usage: bool, prompt_tokens: int,
+                      continuous: bool = False) -> AsyncIterator[str]:  # fmt: skip
     """SSE events: one chunk per choice per batch of tokens, usage chunk, then [DONE].
 
     Every chunk carries `completion_tokens` (so far, all choices) and each finishing chunk the
-    request's `timings`; both are extra top-level keys that OpenAI clients ignore.
+    request's `timings`; both are extra top-level keys that OpenAI clients ignore. `continuous`
+    (vLLM's stream_options.continuous_usage_stats): each chunk's `usage` is the counts so far.
     """
     base = fmt.envelope()
     if include_usage:
@@ -47,7 +47,8 @@ async def chat_stream(
     try:
         async with cancel_on_disconnect(job, request.receive):
             for choice in fmt.start():
-                yield P.sse({**base, "choices": [choice], "completion_tokens": 0})
+                first = {"usage": usage_of(prompt_tokens, 0, 0)} if continuous else {}
+                yield P.sse({**base, "choices": [choice], "completion_tokens": 0, **first})
             while (batch := await job.next_batch()) is not None:
                 fmt.tally(batch)
                 for ev in coalesce(batch):
@@ -60,6 +61,9 @@ async def chat_stream(
                     if choice is None:
                         continue
                     extra = {"completion_tokens": generated}
+                    if continuous:
+                        extra["usage"] = usage_of(prompt_tokens, generated,
+                                                  job.timings.cached_tokens)  # fmt: skip
                     if job.timings.speculative is not None:  # live, for the playground
                         extra["speculative"] = job.timings.speculative
                     if ev.kind == "finish":

@@ -186,6 +186,20 @@ def test_completion_stream_chunks_usage_and_done(server):
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] is not None
 
 
+def test_continuous_usage_stats(server):
+    """vLLM's stream_options.continuous_usage_stats: every chunk's usage is the counts so far,
+    the last chunk's the totals; without it (above) chunks carry usage null."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(server.chat(messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+                              temperature=0, stream=True, stream_options=options,
+                              extra_body={"ignore_eos": True}))  # fmt: skip
+    total = chunks[-1].usage
+    assert chunks[-1].choices == [] and total.completion_tokens == 6
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 6
+    assert all(c.usage.prompt_tokens == total.prompt_tokens for c in chunks[:-1])
+
+
 def test_chat_stream_with_logprobs(server):
     msgs = [{"role": "user", "content": "hello"}]
     want = server.chat(messages=msgs, max_tokens=6, temperature=0).choices[0].message.content
