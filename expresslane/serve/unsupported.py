@@ -47,6 +47,10 @@ CHAT: dict[str, Neutral] = {
     "audio": _absent,
     "modalities": lambda v: _absent(v) or v == ["text"],
     "web_search_options": _absent,
+    # vLLM's per-request template, which vLLM itself now refuses without a server flag
+    # (--trust-request-chat-template): a template is code the server runs. `serve
+    # --chat-template` sets one for every request.
+    "chat_template": _absent,
 }
 
 _seen_unknown: set[str] = set()
@@ -84,7 +88,7 @@ SCHEMAS: dict[str, dict] = {
     "suffix": _ABSENT, "functions": _ABSENT,
     "function_call": _only("none", "auto"), "audio": _ABSENT,
     "modalities": {"anyOf": [*_ABSENT["anyOf"], {"const": ["text"]}]},
-    "web_search_options": _ABSENT,
+    "web_search_options": _ABSENT, "chat_template": _ABSENT,
 }  # fmt: skip
 
 

@@ -219,7 +219,7 @@ def test_body_not_sent_as_json_is_415(server, path, ctype):
 
 
 UNIMPLEMENTED = [(C, "suffix", "end"), (C, "best_of", 3), (CH, "web_search_options", {"a": 1}),
-                 (CH, "functions", [{"name": "f"}])]  # fmt: skip
+                 (CH, "functions", [{"name": "f"}]), (CH, "chat_template", "{{ 1 }}")]  # fmt: skip
 # the logits adjustments out of range or malformed: a 400 naming each (test_penalties.py has
 # what they do)
 BAD_ADJUSTMENTS = [(C, "logit_bias", {"50": 100.5}), (C, "logit_bias", {"x": 1}),
