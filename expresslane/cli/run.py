@@ -266,8 +266,7 @@ def _step_bytes(path, dtype: str, quantization) -> int:
 
 
 def thread_governor(args: argparse.Namespace, engine) -> ThreadGovernor | None:
-    """serve's thread count, revised before each request (step/threads.py): on a CPU where the
-    count is the engine's own choice (no --threads) and no step was compiled for it."""
+    """serve's CPU thread count, revised per request (step/threads.py); none if it is fixed."""
     fixed = getattr(args, "threads", None) or getattr(args, "compile", False)
     if str(engine.device) != "cpu" or launch.in_launch() or fixed:
         return None
@@ -297,12 +296,13 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "prediction", None) and launch.parallel_requested(args):
         raise ConfigError("--prediction: the parallel engine (--devices N) does not draft; "
                           "use one device")  # fmt: skip
-    if args.interactive and (args.json or launch.parallel_requested(args)):
+    interactive = getattr(args, "interactive", False)  # a Namespace built in code: absent
+    if interactive and (args.json or launch.parallel_requested(args)):
         raise ConfigError("--interactive: not with --json or --devices N")
     if launch.parallel_requested(args):  # --devices 0 is refused there
         return launch.run_parallel(args, generate_on_rank)
     engine, tok = load_engine(args)
-    if args.interactive:
+    if interactive:
         params = with_prediction(args, engine, tok, with_json_schema(args, engine, tok, params))
         return chat_loop(engine, tok, params, sys.stdout, stop=tuple(args.stop))
     return generate_and_print(args, engine, tok, params, load_report(engine))
