@@ -130,14 +130,11 @@ def add_limit_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="vLLM's flag: no log line per HTTP request")  # fmt: skip
-    p.add_argument(
-        "--ssl-keyfile",
-        default=None,
-        metavar="FILE",
-        help="vLLM's flag, with --ssl-certfile: serve HTTPS with this private key",
-    )
-    p.add_argument("--ssl-certfile", default=None, metavar="FILE",
-                   help="the certificate (chain) for --ssl-keyfile, PEM")  # fmt: skip
+    for flag, what in (
+        ("--ssl-keyfile", "vLLM's flag, with --ssl-certfile: serve HTTPS with this private key"),
+        ("--ssl-certfile", "its certificate (chain), PEM"),
+    ):
+        p.add_argument(flag, default=None, metavar="FILE", help=what)  # fmt: skip
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="vLLM's flag: sampling defaults for requests that leave a field out: "
                    "auto, the model's own (its generation_config.json, a GGUF's "
