@@ -67,8 +67,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads (default: the cores idle at load, at most one per 32 MB of weights a "
-        "step streams; see expresslane/step/threads.py)",
+        help="CPU threads (default: the cores other processes leave free, at most one per 32 "
+        "MB a step streams, revised per request by serve: expresslane/step/threads.py)",
     )
     p.add_argument(
         "--quantization",
