@@ -336,12 +336,12 @@ class Preparer:
         cont = req.continue_final_message
         if cont is None:
             cont = messages[-1]["role"] == "assistant"
+        extra = {"documents": req.documents, **(req.chat_template_kwargs or {}), **tool_kwargs}
         text = self.render(
             messages,
             add_generation_prompt=req.add_generation_prompt and not cont,
             continue_final_message=cont,
-            **(req.chat_template_kwargs or {}),
-            **tool_kwargs,
+            **extra,  # vLLM's `documents` for RAG templates (Command-R's, Granite's)
         )
         if req.truncate_prompt_tokens is None:  # truncated, a longer text is fine
             self.check_text(text, "messages")

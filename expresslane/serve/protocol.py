@@ -254,6 +254,7 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: Bool | None = None  # None: continue a trailing assistant message
     echo: Bool | None = False  # vLLM's: the answer begins with a trailing assistant message's text
     include_reasoning: Bool = True  # vLLM's: with `serve --reasoning-parser`, reasoning shown
+    documents: list[dict[str, str]] | None = None  # vLLM's: the template's `documents` (RAG)
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_ARGUMENTS)}}}
     )

@@ -228,6 +228,26 @@ def test_template_output_that_is_no_text_is_400(server):
         assert str(server.tok.folder) not in err["message"]
 
 
+def test_documents_reach_the_template(server):
+    """vLLM's `documents` (RAG templates: Command-R's, Granite's) are the template's variable
+    of that name; a malformed list is a 400 naming the field."""
+    tok = copy.copy(server.tok)
+    tok.chat_templates = {"default": "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]"
+                                     "{% endfor %}{{ messages[0]['content'] }}"}  # fmt: skip
+    docs = [{"title": "a", "text": "first"}, {"title": "b", "text": "second"}]
+    with own_server(server, tok=tok) as s:
+        with_docs = httpx.post(s.url + CH, json={"messages": USER, "documents": docs,
+                                                 "max_tokens": 1})  # fmt: skip
+        plain = httpx.post(s.url + CH, json={"messages": USER, "max_tokens": 1})
+        bad = httpx.post(s.url + CH, json={"messages": USER, "documents": ["x"], "max_tokens": 1})
+    rendered = "[a: first][b: second]" + USER[0]["content"]
+    want = len(tok.encode(rendered, add_special_tokens=False))
+    assert with_docs.json()["usage"]["prompt_tokens"] == want, with_docs.text
+    alone = len(tok.encode(USER[0]["content"], add_special_tokens=False))
+    assert plain.json()["usage"]["prompt_tokens"] == alone
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"
+
+
 # --- what the schema says, the server enforces ------------------------------------------------
 @pytest.mark.parametrize(("path", "body", "param"), [
     (C, {"prompt": "a", "echo": "yes"}, "echo"),
