@@ -44,6 +44,14 @@ def default_model_dir() -> Path:
     return random_model_dir()
 
 
+def model_path(model: str | None) -> Path:
+    """The folder or GGUF file a command's MODEL names (resolved: local, HF cache, download),
+    or the embedded model where none is given."""
+    from ..checkpoint import resolve_model_dir
+
+    return resolve_model_dir(model) if model else default_model_dir()
+
+
 def has_trained_model() -> bool:
     return (TRAINED / "model.safetensors").is_file()
 

@@ -12,9 +12,7 @@ import json
 import math
 import sys
 
-import torch
-
-from ..assets import SUMMARY, default_model_dir, has_trained_model
+from ..assets import SUMMARY, has_trained_model, model_path
 from ..bench.ceiling import bytes_per_token
 from ..cache import KV_CACHE_DTYPES
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
@@ -24,7 +22,7 @@ from ..parallel import launch, rendezvous
 from ..sampling.params import SamplingParams
 from ..speculative.drafting import SpeculativeConfig
 from ..step.choose import PREFILL_DTYPES, default_decode
-from ..step.threads import ThreadGovernor, set_threads
+from ..step.threads import ThreadGovernor, set_threads, threads_on
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from ..tokenizer.chat import chat_template_from
@@ -231,7 +229,7 @@ def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
 
 
 def _load_here(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
-    path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
+    path = str(model_path(args.model))
     quantization = getattr(args, "quantization", None)
     device = resolve_device(args.device, load_config(resolve_model_dir(path)))  # auto: by size
     set_cpu_threads(path, str(device), args.dtype, quantization, getattr(args, "threads", None))
@@ -270,13 +268,14 @@ def thread_governor(args: argparse.Namespace, engine) -> ThreadGovernor | None:
     fixed = getattr(args, "threads", None) or getattr(args, "compile", False)
     if str(engine.device) != "cpu" or launch.in_launch() or fixed:
         return None
-    path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
+    path = str(model_path(args.model))
     return ThreadGovernor(_step_bytes(path, args.dtype, getattr(args, "quantization", None)))
 
 
 def cpu_threads(engine) -> dict:
     """{"threads": N} on a CPU (what step/threads.py chose, or --threads), else {}."""
-    return {"threads": torch.get_num_threads()} if str(engine.device) == "cpu" else {}
+    n = threads_on(engine.device)
+    return {} if n is None else {"threads": n}
 
 
 def weight_formats(engine) -> dict:

@@ -23,13 +23,13 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..parallel import launch
+from ..step.threads import threads_on
 from .run import (
     add_chat_template_argument,
     add_lora_arguments,
     add_model_arguments,
     add_prefix_argument,
     chat_template_arg,
-    cpu_threads,
     load_engine,
     lora_from_args,
     speculative_from_args,
@@ -182,16 +182,15 @@ def limits_from(args: argparse.Namespace):
 def generation_defaults(args: argparse.Namespace):
     """vLLM's --generation-config: auto (the model's own: sampling/defaults.py), vllm (none:
     OpenAI's defaults), or a folder holding a generation_config.json."""
-    from ..assets import default_model_dir
-    from ..checkpoint import resolve_model_dir, sampling_defaults
+    from ..assets import model_path
+    from ..checkpoint import sampling_defaults
     from ..sampling.defaults import SamplingDefaults
 
     source = getattr(args, "generation_config", "auto")
     if source == "vllm":
         return SamplingDefaults()
     if source == "auto":
-        model = resolve_model_dir(args.model) if args.model else default_model_dir()
-        return sampling_defaults(model)
+        return sampling_defaults(model_path(args.model))
     folder = Path(source).expanduser()
     if not (folder / "generation_config.json").is_file():
         raise ConfigError(f"--generation-config {source}: expected auto, vllm, or a folder "
@@ -293,7 +292,7 @@ def _load(args: argparse.Namespace, app, server, failure: list) -> None:
     while not server.started and not server.should_exit:
         time.sleep(0.05)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    threads = cpu_threads(engine).get("threads")
+    threads = threads_on(engine.device)
     on = f"{engine.device}" + (f" ({threads} thread{'s' * (threads > 1)})" if threads else "")
     tuned = app.state.service.limits.sampling_defaults.describe()  # as vLLM says it, once
     scheme = "https" if getattr(args, "ssl_certfile", None) else "http"

@@ -110,13 +110,12 @@ def open_endpoint(
         return
     import uvicorn
 
-    from ..assets import default_model_dir
-    from ..checkpoint import resolve_model_dir
+    from ..assets import model_path as resolve_model
     from ..engine import Engine
     from ..serve import create_app
     from ..tokenizer import Tokenizer
 
-    path = str(resolve_model_dir(model_path)) if model_path else str(default_model_dir())
+    path = str(resolve_model(model_path))
     engine = Engine.from_pretrained(
         path, device=device, dtype=dtype, max_model_len=max_model_len, progress=False
     )

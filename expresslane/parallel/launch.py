@@ -98,10 +98,10 @@ def check_devices(devices: int, cfg, device: str = "auto") -> None:
 
 def _check_args(args: argparse.Namespace) -> None:
     """check_devices for run/serve, on the config of the model they would load."""
-    from ..assets import default_model_dir
-    from ..checkpoint import load_config, resolve_model_dir
+    from ..assets import model_path
+    from ..checkpoint import load_config
 
-    cfg = load_config(resolve_model_dir(args.model or str(default_model_dir())))
+    cfg = load_config(model_path(args.model))
     check_devices(args.devices, cfg, args.device)
 
 
@@ -179,12 +179,11 @@ def spawn(
 # --- expresslane run --devices N ----------------------------------------------------------------
 def load_engine(args: argparse.Namespace, device: str | None = None):
     """(ParallelEngine, Tokenizer) for this rank: its slices only."""
-    from ..assets import default_model_dir
-    from ..checkpoint import resolve_model_dir
+    from ..assets import model_path
     from ..tokenizer import Tokenizer
     from . import ParallelEngine
 
-    path = str(resolve_model_dir(args.model)) if args.model else str(default_model_dir())
+    path = str(model_path(args.model))
     engine = ParallelEngine.from_pretrained(
         path,
         rank=dist.get_rank(),

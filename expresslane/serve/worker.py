@@ -27,7 +27,7 @@ from ..engine import Engine
 from ..errors import ExpressLaneError
 from ..speculative.drafting import combine
 from ..step.pooling import pooled
-from ..step.threads import ThreadGovernor
+from ..step.threads import ThreadGovernor, threads_on
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from .jobs import ChoiceSpec, Event, Job, TokenInfo
@@ -43,8 +43,7 @@ class Worker:
                  governor: ThreadGovernor | None = None):  # fmt: skip
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
         self.governor = governor  # a CPU's thread count, revised before each job
-        if str(getattr(engine, "device", "")) == "cpu":
-            self.metrics.cpu_threads.set(torch.get_num_threads())
+        self.metrics.cpu_threads.set(threads_on(getattr(engine, "device", None)) or 0)
         self.served: deque[int] = deque(maxlen=10_000)  # job seqs in service order (tests, logs)
         # (priority, arrival, job): the lowest priority first, ties in arrival order
         self._queue: queue.PriorityQueue[tuple[float, int, Job | None]] = queue.PriorityQueue()

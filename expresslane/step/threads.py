@@ -91,6 +91,11 @@ def choose_threads(step_bytes: int, requested: int | None = None, idle: float | 
     return max(1, min(usable_cores(), int(free + 0.5), by_size))
 
 
+def threads_on(device) -> int | None:
+    """The threads a step on `device` runs on: torch's count on a CPU, None elsewhere."""
+    return torch.get_num_threads() if str(device) == "cpu" else None
+
+
 def set_threads(step_bytes: int, requested: int | None = None) -> int:
     """Choose and apply the thread count (before anything is compiled); returns it."""
     n = choose_threads(step_bytes, requested)
