@@ -24,6 +24,14 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+def parts_text(parts: list[ContentPart]) -> str:
+    """Text parts joined; any other kind of part is a ValueError naming it."""
+    bad = [p.type for p in parts if p.type != "text"]
+    if bad:
+        raise ValueError(f"content part of type {bad[0]!r} is not supported (text only)")
+    return "".join(p.text or "" for p in parts)
+
+
 class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
@@ -63,8 +71,5 @@ class ChatMessage(BaseModel):
         d = self.model_dump(exclude_none=True)
         d.setdefault("content", "")  # templates read an assistant's content even beside calls
         if isinstance(self.content, list):
-            bad = [p.type for p in self.content if p.type != "text"]
-            if bad:
-                raise ValueError(f"content part of type {bad[0]!r} is not supported (text only)")
-            d["content"] = "".join(p.text or "" for p in self.content)
+            d["content"] = parts_text(self.content)
         return d

@@ -33,7 +33,7 @@ from pydantic import (
 from ..errors import ExpressLaneError, RequestError
 from ..sampling.params import FP32_MAX, logit_bias_pairs
 from . import unsupported
-from .chat_message import ChatMessage, ContentPart, ToolCall, ToolCallFunction
+from .chat_message import ChatMessage, ContentPart, ToolCall, ToolCallFunction, parts_text
 
 
 def _no_bool(v: Any) -> Any:
@@ -104,11 +104,10 @@ class Prediction(_Request):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        bad = [p.type for p in self.content if p.type != "text"]
-        if bad:
-            raise RequestError(f"prediction.content: part of type {bad[0]!r} is not supported "
-                               "(text only)", param="prediction")  # fmt: skip
-        return "".join(p.text or "" for p in self.content)
+        try:
+            return parts_text(self.content)
+        except ValueError as e:
+            raise RequestError(f"prediction.content: {e}", param="prediction") from None
 
 
 class _SamplingRequest(_Request):
