@@ -123,16 +123,25 @@ def load_config(folder: Path) -> ModelConfig:
 
         return model_config(read_header(gguf))
     cfg = ModelConfig.from_json(folder / "config.json")
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise ConfigError(f"{gen}: not valid JSON ({e})") from None
-        extra = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    eos = generation_config(folder).get("eos_token_id")
+    extra = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    if extra:
         merged = tuple(dict.fromkeys(list(cfg.eos_token_ids) + [int(e) for e in extra]))
         cfg = cfg.with_overrides(eos_token_ids=merged)
     return cfg
+
+
+def generation_config(folder: Path) -> dict:
+    """The folder's generation_config.json as a dict ({} where there is none, or it holds no
+    object); invalid JSON is a ConfigError naming the file."""
+    gen = Path(folder) / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    try:
+        config = json.loads(gen.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{gen}: not valid JSON ({e})") from None
+    return config if isinstance(config, dict) else {}
 
 
 def sampling_defaults(path: Path) -> SamplingDefaults:
@@ -148,14 +157,7 @@ def sampling_defaults(path: Path) -> SamplingDefaults:
         if found.given():
             return found
         folder = gguf.parent
-    gen = folder / "generation_config.json"
-    if not gen.is_file():
-        return SamplingDefaults()
-    try:
-        config = json.loads(gen.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{gen}: not valid JSON ({e})") from None
-    return SamplingDefaults.from_generation_config(config if isinstance(config, dict) else {})
+    return SamplingDefaults.from_generation_config(generation_config(folder))
 
 
 def _reconcile_norms(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
