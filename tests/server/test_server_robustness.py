@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import socket
-import threading
 import time
 from types import SimpleNamespace
 
@@ -148,17 +147,28 @@ def test_client_closing_a_stream_frees_the_engine(server):
     assert nxt.json()["usage"]["completion_tokens"] >= 1
 
 
+@contextlib.contextmanager
+def posted(base: str, body: dict, until):
+    """A client that POSTs `body` to /v1/completions and hangs up once `until()` holds.
+
+    It leaves on an event, not after a fixed time: on a loaded machine a request may not reach
+    the engine within any fixed time.
+    """
+    data, url = json.dumps(body).encode(), httpx.URL(base)
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+    with socket.create_connection((url.host, url.port)) as conn:
+        conn.sendall(f"{head}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        deadline = time.monotonic() + 60
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield
+
+
 def test_client_gone_non_streaming_and_while_queued(server):
     with slow_server(server, 0.02) as s:  # 50 tokens/s: 200 tokens would take 4 s
-        url = s.url + "/v1/completions"
-        first = threading.Thread(
-            target=lambda: pytest.raises(httpx.ReadTimeout, httpx.post, url, json=LONG, timeout=0.6)
-        )
-        first.start()
-        time.sleep(0.2)  # the second request waits in the queue behind the first
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url, json=LONG, timeout=0.3)
-        first.join()
+        queued = lambda: metric(metrics(s), "num_requests_waiting") == 1  # noqa: E731
+        with posted(s.url, LONG, lambda: s.calls), posted(s.url, LONG, queued):
+            pass  # the second leaves while queued, then the first while running
         wait_idle(s)
         m = metrics(s)
     assert metric(m, "request_success_total", finished_reason="abort") == 2
@@ -167,17 +177,9 @@ def test_client_gone_non_streaming_and_while_queued(server):
 
 def test_client_gone_during_prefill_stops_it_between_chunks(server):
     # a 128-token prompt in 8-token chunks at 0.1 s each: 16 prefill chunks, 1.6 s
-    # The client leaves once the first chunk has started, not after a fixed time: on a loaded
-    # machine the request may not reach the engine within any fixed time.
     with slow_server(server, 0.1, prefill_chunk=8) as s:
-        body = json.dumps({"prompt": list(range(3, 131)), "max_tokens": 4}).encode()
-        url = httpx.URL(s.url)
-        with socket.create_connection((url.host, url.port)) as conn:
-            head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            conn.sendall(f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-            deadline = time.monotonic() + 60
-            while not s.calls and time.monotonic() < deadline:
-                time.sleep(0.01)
+        with posted(s.url, {"prompt": list(range(3, 131)), "max_tokens": 4}, lambda: s.calls):
+            pass
         gone = time.monotonic()
         wait_idle(s)
         m = metrics(s)
