@@ -27,6 +27,48 @@ def test_busy_cores_and_small_models_get_one_thread(monkeypatch):
     assert threads.choose_threads(2000 * MB, idle=8.0) == 2
 
 
+def _cgroups(tmp_path, own: str, files: dict[str, str]):
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    (tmp_path / "self").write_text(own)
+    return str(tmp_path / "fs"), str(tmp_path / "self")
+
+
+def test_cgroup_v2_quota_is_the_tightest_on_the_path(tmp_path):
+    files = {"fs/cpu.max": "max 100000\n", "fs/kube/cpu.max": "150000 100000\n",
+             "fs/kube/pod/cpu.max": "400000 100000\n"}  # fmt: skip
+    root, own = _cgroups(tmp_path, "0::/kube/pod\n", files)
+    assert threads.cpu_quota(root, own) == 1.5  # the parent's 1.5 cores bind the pod's 4
+
+
+def test_cgroup_v1_quota_and_a_host_path_the_container_cannot_see(tmp_path):
+    files = {"fs/cpu,cpuacct/cpu.cfs_quota_us": "200000", "fs/cpu,cpuacct/cpu.cfs_period_us":
+             "100000", "fs/memory/x": ""}  # fmt: skip
+    own = "4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n"
+    root, self_ = _cgroups(tmp_path, own, files)
+    assert threads.cpu_quota(root, self_) == 2.0  # read at the mount: the path is the host's
+
+
+@pytest.mark.parametrize("files", [
+    {"fs/cpu/cpu.cfs_quota_us": "-1", "fs/cpu/cpu.cfs_period_us": "100000"},  # v1 unlimited
+    {"fs/cpu.max": "max 100000"},  # v2 unlimited
+    {"fs/cpu.max": "garbage"},
+    {},
+])  # fmt: skip
+def test_no_quota_is_none(tmp_path, files):
+    root, own = _cgroups(tmp_path, "1:cpu:/\n0::/\n", files)
+    assert threads.cpu_quota(root, own) is None
+    assert threads.cpu_quota(root, str(tmp_path / "missing")) is None
+
+
+def test_usable_cores_obey_the_quota(monkeypatch):
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(16)))
+    for quota, cores in ((None, 16), (2.0, 2), (1.5, 1), (0.2, 1), (64.0, 16)):
+        monkeypatch.setattr(threads, "cpu_quota", lambda q=quota: q)
+        assert threads.usable_cores() == cores
+
+
 def test_idle_cores_is_a_fraction_of_the_machine():
     idle = threads.idle_cores(sample_s=0.05)
     assert 0.0 <= idle <= (threads.os.cpu_count() or 1) + 1e-9

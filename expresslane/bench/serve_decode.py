@@ -43,10 +43,12 @@ def server_decode(url: str, tokens: int) -> dict:
     return {"tokens_per_s": timings["decode_tokens_per_s"], "threads": int(float(line.split()[-1]))}
 
 
-def run_decode(model: str, tokens: int) -> dict:
+def run_decode(model: str, tokens: int, flags: tuple[str, ...] = (), preexec=None) -> dict:
+    """`expresslane run MODEL --json` of the chat, with `flags`; `preexec` runs in the child
+    before it starts (bench/cpu_quota.py moves it into a cgroup there)."""
     cmd = [sys.executable, "-m", "expresslane", "run", model, "--chat", CHAT, "--max-tokens",
-           str(tokens), "--ignore-eos", "--temperature", "0", "--json"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+           str(tokens), "--ignore-eos", "--temperature", "0", "--json", *flags]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, preexec_fn=preexec)
     if proc.returncode != 0:
         raise ExpressLaneError(f"`{' '.join(cmd)}` failed: {proc.stderr[-2000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,7 +15,6 @@ skipped there, with a note.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import subprocess
 import tempfile
@@ -35,7 +34,7 @@ from ..errors import ConfigError
 from ..parallel import launch
 from ..presets import get_preset, preset_names
 from ..speculative.drafting import SpeculativeConfig
-from ..step.threads import choose_threads
+from ..step.threads import choose_threads, usable_cores
 from .run import (
     add_lora_arguments,
     add_prefill_dtype_argument,
@@ -253,7 +252,7 @@ def _threads(args: argparse.Namespace, cfg: ModelConfig, devices: int) -> int:
     nbytes = bytes_per_token(cfg, 1, dtype_bytes=4, devices=devices)["per_device"]["weights"]
     if devices == 1:  # idle cores and the bytes a step streams (expresslane/step/threads.py)
         return choose_threads(nbytes)
-    cores = max(1, (os.cpu_count() or 1) // devices)
+    cores = max(1, usable_cores() // devices)
     return min(cores, max(1, nbytes // (128 << 20)))
 
 

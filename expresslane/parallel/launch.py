@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..errors import ConfigError, ExpressLaneError
+from ..step.threads import usable_cores
 from . import rendezvous
 
 _ROLE = {"role": "spmd"}  # the role load_engine gives this process's engine
@@ -72,7 +73,7 @@ def init_distributed(
     if backend == "nccl":
         torch.cuda.set_device(local)  # NCCL path: selectable, not exercised in our CI (no GPUs)
     else:
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(threads or max(1, usable_cores() // world))
     if not dist.is_initialized():
         init, flags = "env://", "torchrun's MASTER_ADDR:MASTER_PORT"
         if rdzv is not None:

@@ -16,7 +16,6 @@ what the context leaves is a 400 in vLLM's words, unless the operator chose clam
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from typing import Any
 from ..engine import Engine
 from ..errors import RequestError, TokenizerError
 from ..sampling.params import SamplingParams
+from ..step.threads import usable_cores
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 from ..tokenizer.bounds import text_bytes
@@ -42,7 +42,7 @@ from .responses_out import ResponseShape
 from .structured import request_grammar
 from .tools import ToolPlan, plan_tools, prompt_messages
 
-THREADS = max(1, min(4, os.cpu_count() or 1))
+THREADS = min(4, usable_cores())
 
 
 @dataclass

@@ -7,6 +7,7 @@ a busy 2-core machine decoded 10x slower than 1). So the default is:
 
     threads = min(cores we may run on, cores idle over a short sample, 1 per 32 MB streamed)
 
+where the cores we may run on are the affinity mask capped by the cgroup's CPU quota.
 measured at load (a compiled step is built for that count). `--threads` overrides. Idle
 cores come from /proc/stat (Linux); elsewhere every core counts as idle. Cores this process
 kept busy over the sample count as free: its own work does not compete with its decode.
@@ -36,11 +37,72 @@ from ..errors import ConfigError
 BYTES_PER_THREAD = 32 << 20  # below this a product is too short to pay for a fork/join
 
 
+CGROUP, OWN_CGROUP = "/sys/fs/cgroup", "/proc/self/cgroup"
+
+
 def usable_cores() -> int:
+    """The cores we may run on: the affinity mask, capped by the cgroup's CPU quota (a container
+    started with `--cpus 2` on a 16-core host sees 16 cores, and 16 threads there stall at every
+    barrier while the quota throttles them)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cpu_quota()
+    return cores if quota is None else max(1, min(cores, int(quota)))
+
+
+def cpu_quota(root: str = CGROUP, own: str = OWN_CGROUP) -> float | None:
+    """The cores' worth of CPU time our cgroups allow (the tightest quota from our cgroup up to
+    the root, cgroup v2's cpu.max or v1's cfs_quota_us / cfs_period_us); None when unlimited or
+    unknown. A cgroup path that does not exist under `root` (a container without its own cgroup
+    namespace sees the host's path) still has the mount's own files checked."""
+    try:
+        with open(own) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    quotas = []
+    for _, controllers, path in (p for p in lines if len(p) == 3):
+        if controllers == "":
+            quotas += [_v2_quota(d) for d in _up(root, path)]
+        elif "cpu" in controllers.split(","):
+            mounts = {os.path.join(root, controllers), os.path.join(root, "cpu")}
+            quotas += [_v1_quota(d) for m in sorted(mounts) for d in _up(m, path)]
+    found = [q for q in quotas if q is not None]
+    return min(found) if found else None
+
+
+def _up(base: str, path: str):
+    """`base`/`path` and each of its parents down to `base` itself."""
+    parts = [p for p in path.split("/") if p]
+    for n in range(len(parts), -1, -1):
+        yield os.path.join(base, *parts[:n])
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _v2_quota(d: str) -> float | None:
+    fields = (_read(os.path.join(d, "cpu.max")) or "max").split()
+    if fields[0] == "max" or len(fields) < 2 or not all(f.isdigit() for f in fields[:2]):
+        return None
+    return int(fields[0]) / max(1, int(fields[1]))
+
+
+def _v1_quota(d: str) -> float | None:
+    quota, period = (
+        _read(os.path.join(d, "cpu.cfs_quota_us")),
+        _read(os.path.join(d, "cpu.cfs_period_us")),
+    )
+    if quota is None or period is None or not quota.isdigit() or not period.isdigit():
+        return None  # "-1" is unlimited
+    return int(quota) / max(1, int(period))
 
 
 def _cpu_times() -> tuple[int, int] | None:
