@@ -13,7 +13,8 @@ from ..structured.reasoning import ReasoningStream, split, thought_tokens
 from .jobs import Accumulator, Event, TokenInfo
 from .logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .protocol import new_id
-from .tools import ToolPlan, may_open_call, parse_calls
+from .tool_stream import CallStream
+from .tools import ToolPlan, parse_calls
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
@@ -161,8 +162,7 @@ class ChatFormat(_Format):
         super().__init__(model, text, "chatcmpl")
         self.n, self.logprobs, self.echo = n, logprobs, echo
         self.tools = tools  # its calls are parsed out of the text (tools.py)
-        self._held: dict[int, str] = {}  # per choice: streamed text held back (may open a call)
-        self._flowing: set[int] = set()  # choices whose text is plain content
+        self._calls: dict[int, CallStream] = {}  # per choice, streaming with tools
         self.parser, self.show = reasoning, include_reasoning
         self._thought: dict[int, ReasoningStream] = {}  # per choice, streaming
         self._pieces: dict[int, list[str]] = {}  # per choice, streaming: each token's text
@@ -209,7 +209,7 @@ class ChatFormat(_Format):
             early = self._answer_chunk(Event("delta", ev.index, text)) if text else None
             out = self._answer_chunk(ev)
             if early and out:
-                out["delta"] = {**early["delta"], **out["delta"]}
+                out["delta"] = _joined(early["delta"], out["delta"])
         if not (thought and self.show):
             return out
         out = out or {"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": None}
@@ -241,34 +241,32 @@ class ChatFormat(_Format):
         return None
 
     def _tool_chunk(self, ev: Event) -> dict | None:
-        """A stream chunk where the text may be tool calls: held back while it may open one,
-        sent as `tool_calls` deltas (arguments whole) when the choice finishes."""
+        """A stream chunk where the text may hold tool calls (serve/tool_stream.py): content
+        and `tool_calls` deltas as the text comes, what was held back at the finish."""
         i = ev.index
+        stream = self._calls.setdefault(i, CallStream(self.tools))
         if ev.kind == "delta":
-            text = self._held.pop(i, "") + ev.text
-            if i not in self._flowing and may_open_call(text, self.tools):
-                self._held[i] = text
-                return None
-            self._flowing.add(i)
+            content, calls = stream.push(ev.text)
             lp = self._lp(ev.tokens)
-            return {"index": i, "delta": {"content": text}, "logprobs": lp,
-                    "finish_reason": None} if text or lp else None  # fmt: skip
-        delta, finish = self._message(self._held.pop(i, ""), ev.finish_reason, stream=True)
-        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish,
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
+            return {"index": i, "delta": delta, "logprobs": lp,
+                    "finish_reason": None} if delta or lp else None  # fmt: skip
+        rest, finish = stream.finish(), ev.finish_reason
+        return {"index": i, "delta": {"content": rest} if rest else {}, "logprobs": None,
+                "finish_reason": "tool_calls" if stream.calls and finish == "stop" else finish,
                 "stop_reason": ev.stop_reason}  # fmt: skip
 
-    def _message(self, text: str, finish: str | None, stream: bool = False) -> tuple[dict, str]:
-        """(the message or final delta, the finish reason): calls parsed when tools apply."""
-        msg: dict = {} if stream else {"role": "assistant", "content": text}
-        if stream and text:
-            msg["content"] = text
+    def _message(self, text: str, finish: str | None) -> tuple[dict, str]:
+        """(the message, the finish reason): calls parsed when tools apply."""
+        msg: dict = {"role": "assistant", "content": text}
         if self.tools is None or not text:
             return msg, finish
         content, calls = parse_calls(text, self.tools)
         if not calls:
             return msg, finish
-        msg["content"] = content
-        msg["tool_calls"] = [{"index": j, **c} if stream else c for j, c in enumerate(calls)]
+        msg["content"], msg["tool_calls"] = content, calls
         return msg, "tool_calls" if finish == "stop" else finish
 
     def response(self, accs: dict[int, Accumulator], usage: dict, timings: dict) -> dict:
@@ -288,3 +286,12 @@ class ChatFormat(_Format):
         if scored is not None:  # vLLM's, once for the request: its choices share the prompt
             out["prompt_logprobs"] = prompt_logprobs(scored, self.text)
         return out
+
+
+def _joined(a: dict, b: dict) -> dict:
+    """Two deltas as one: their content and tool_calls in order."""
+    out = {**a, **b}
+    for key in ("content", "tool_calls"):
+        if a.get(key) and b.get(key):
+            out[key] = a[key] + b[key]
+    return out

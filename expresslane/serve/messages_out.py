@@ -12,7 +12,7 @@ first, as a `thinking` block (its `signature` empty: nothing here signs it), str
 
 A stream is Anthropic's events (`event: <type>`, `data: <json>`): `message_start`, then per block
 `content_block_start`, its deltas (`text_delta`; a tool call's arguments as one
-`input_json_delta`, since the chat path parses calls when the answer ends) and
+`input_json_delta`: the chat stream's call deltas are gathered and sent when the answer ends) and
 `content_block_stop`, then `message_delta` (stop reason, output tokens) and `message_stop`. A
 failure is an `error` event.
 """
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import uuid
+
+from .tool_stream import merge_call_deltas
 
 
 def _usage(chat_usage: dict) -> dict:
@@ -133,7 +135,7 @@ class MessageEvents:
                 out += self._open_text()
             out.append(self.event("content_block_delta", index=self.base,
                                   delta={"type": "text_delta", "text": text}))  # fmt: skip
-        self.calls += delta.get("tool_calls") or []
+        merge_call_deltas(self.calls, delta.get("tool_calls") or [])
         if choice.get("finish_reason") is not None:
             self.finish, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
         return out

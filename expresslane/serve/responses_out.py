@@ -17,8 +17,8 @@ A stream is the events OpenAI sends, each `event: <type>` and `data: <json>` wit
 `response.output_text.done`, `response.content_part.done`) or
 (`response.function_call_arguments.delta`, `.done`), `response.output_item.done`, and last
 `response.completed` (or `response.incomplete`) with the whole response. A failure is an `error`
-event. Tool calls arrive whole when the answer ends (the chat stream holds back text that may
-open a call), so their arguments are one delta.
+event. Tool calls are sent whole when the answer ends (the chat stream's call deltas gathered
+by tool_stream.merge_call_deltas), so their arguments are one delta.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 import uuid
 
 from .responses import ResponsesRequest
+from .tool_stream import merge_call_deltas
 
 
 def _id(prefix: str) -> str:
@@ -204,7 +205,7 @@ class ResponseEvents:
             self.logprobs += lp
             out.append(self.event("response.output_text.delta", **self._where(), delta=text,
                                   logprobs=lp))  # fmt: skip
-        self.calls += delta.get("tool_calls") or []
+        merge_call_deltas(self.calls, delta.get("tool_calls") or [])
         if choice.get("finish_reason") is not None:
             self.finish = choice["finish_reason"]
         return out

@@ -230,11 +230,3 @@ def _json(s: str) -> Any:
         return json.loads(s)
     except ValueError:
         return None
-
-
-def may_open_call(text: str, plan: ToolPlan) -> bool:
-    """Could `text` (the output so far) still begin a call? Streaming holds it back if so."""
-    marker = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": "{"}[plan.style]
-    t = text.lstrip()
-    return marker.startswith(t) or t.startswith(marker) or (
-        plan.style == "hermes" and "<tool_call>" in text)  # fmt: skip

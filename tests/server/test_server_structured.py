@@ -122,11 +122,14 @@ def test_forced_tool_calls(server, stream):
             out = server.client.chat.completions.create(**kw)
             calls, finish = out.choices[0].message.tool_calls, out.choices[0].finish_reason
         else:
-            calls, finish = [], None
+            deltas, finish = [], None
             for chunk in server.client.chat.completions.create(**kw, stream=True):
-                d = chunk.choices[0].delta
-                calls += d.tool_calls or []
+                deltas += chunk.choices[0].delta.tool_calls or []
                 finish = chunk.choices[0].finish_reason or finish
+            calls = [d for d in deltas if d.id]  # the first delta of each: id and name
+            assert {d.index for d in deltas} == {0} and calls[0].function.arguments == ""
+            calls[0].function.arguments = "".join(d.function.arguments or "" for d in deltas)
+            assert len(deltas) > 2  # the arguments streamed in pieces, not whole at the end
         assert finish == "tool_calls" and len(calls) == 1
         fn = calls[0].function
         assert fn.name in ("get_weather", "get_time")
