@@ -11,8 +11,8 @@ first, as a `thinking` block (its `signature` empty: nothing here signs it), str
 `thinking_delta`s.
 
 A stream is Anthropic's events (`event: <type>`, `data: <json>`): `message_start`, then per block
-`content_block_start`, its deltas (`text_delta`; a tool call's arguments as one
-`input_json_delta`: the chat stream's call deltas are gathered and sent when the answer ends) and
+`content_block_start`, its deltas (`text_delta`; a tool call's arguments as `input_json_delta`s,
+as the chat stream sends them: piece by piece for a forced call, serve/tool_stream.py) and
 `content_block_stop`, then `message_delta` (stop reason, output tokens) and `message_stop`. A
 failure is an `error` event.
 """
@@ -86,11 +86,15 @@ class MessageShape:
 
 
 class MessageEvents:
-    """The event stream of one message (module docstring), fed chat stream chunks."""
+    """The event stream of one message (module docstring), fed chat stream chunks. Blocks are
+    opened as their first delta comes, in order (thinking, text, each tool_use), and each is
+    closed when the next opens or the answer ends."""
 
     def __init__(self, shape: MessageShape, prompt_tokens: int):
         self.shape, self.prompt_tokens = shape, prompt_tokens
-        self.text_open, self.thinking, self.base = False, False, 0  # base: the text's index
+        self.open: str | None = None  # the kind of the block now open: thinking, text, tool_use
+        self.blocks = 0  # blocks started so far; the open one is blocks - 1
+        self.texts = 0  # text blocks started
         self.calls: list[dict] = []
         self.finish, self.stop_reason = None, None
 
@@ -105,58 +109,53 @@ class MessageEvents:
         msg = self.shape.envelope([], (None, None), usage)
         return [self.event("message_start", message=msg)]
 
-    def _thinking(self, text: str) -> list[str]:
-        out = []
-        if not self.thinking:
-            self.thinking, self.base = True, 1
-            block = {"type": "thinking", "thinking": "", "signature": ""}
-            out.append(self.event("content_block_start", index=0, content_block=block))
-        delta = {"type": "thinking_delta", "thinking": text}
-        return [*out, self.event("content_block_delta", index=0, delta=delta)]
+    def _block(self, kind: str, block: dict) -> list[str]:
+        """Close the open block and start `block`."""
+        out = self._close()
+        self.open, self.blocks = kind, self.blocks + 1
+        return [*out, self.event("content_block_start", index=self.blocks - 1,
+                                 content_block=block)]  # fmt: skip
 
-    def _close_thinking(self) -> list[str]:
-        if not self.thinking:
+    def _close(self) -> list[str]:
+        if self.open is None:
             return []
-        self.thinking = False
-        return [self.event("content_block_stop", index=0)]
+        self.open = None
+        return [self.event("content_block_stop", index=self.blocks - 1)]
 
-    def _open_text(self) -> list[str]:
-        self.text_open = True
-        return [*self._close_thinking(), self.event("content_block_start", index=self.base,
-                content_block={"type": "text", "text": ""})]  # fmt: skip
+    def _delta(self, delta: dict) -> str:
+        return self.event("content_block_delta", index=self.blocks - 1, delta=delta)
 
     def chunk(self, choice: dict) -> list[str]:
         out, delta = [], choice.get("delta") or {}
-        if delta.get("reasoning_content"):
-            out += self._thinking(delta["reasoning_content"])
-        text = delta.get("content") or ""
+        thought, text = delta.get("reasoning_content"), delta.get("content")
+        if thought:
+            if self.open != "thinking":
+                out += self._block("thinking", {"type": "thinking", "thinking": "",
+                                                "signature": ""})  # fmt: skip
+            out.append(self._delta({"type": "thinking_delta", "thinking": thought}))
         if text:
-            if not self.text_open:
-                out += self._open_text()
-            out.append(self.event("content_block_delta", index=self.base,
-                                  delta={"type": "text_delta", "text": text}))  # fmt: skip
+            if self.open != "text":
+                out += self._block("text", {"type": "text", "text": ""})
+                self.texts += 1
+            out.append(self._delta({"type": "text_delta", "text": text}))
+        for d in delta.get("tool_calls") or []:
+            if d.get("id"):  # a call's first delta: its block opens
+                name = d["function"]["name"]
+                out += self._block("tool_use", {"type": "tool_use", "id": d["id"], "name": name,
+                                                "input": {}})  # fmt: skip
+            piece = (d.get("function") or {}).get("arguments")
+            if piece:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": piece}))
         merge_call_deltas(self.calls, delta.get("tool_calls") or [])
         if choice.get("finish_reason") is not None:
             self.finish, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
         return out
 
     def finish_events(self, chat_usage: dict) -> list[str]:
-        out, at = self._close_thinking(), self.base
-        if self.text_open or not self.calls:
-            if not self.text_open:
-                out += self._open_text()
-            out.append(self.event("content_block_stop", index=at))
-            at += 1
-        for j, call in enumerate(self.calls, start=at):
-            block = _tool_use(call)
-            out += [
-                self.event("content_block_start", index=j,
-                           content_block={**block, "input": {}}),
-                self.event("content_block_delta", index=j,
-                           delta={"type": "input_json_delta",
-                                  "partial_json": json.dumps(block["input"])}),
-                self.event("content_block_stop", index=j),
-            ]  # fmt: skip
+        out = []
+        if not self.calls and not self.texts:
+            out += self._block("text", {"type": "text", "text": ""})  # a message has a block
+        out += self._close()
         stop = _stop(self.finish, self.stop_reason, bool(self.calls))
         delta = {"stop_reason": stop[0], "stop_sequence": stop[1]}
         usage = {"output_tokens": chat_usage["completion_tokens"]}

@@ -104,6 +104,16 @@ def test_forced_tool_use_then_its_result_then_an_answer(embedded):
         assert msg.stop_reason == "tool_use" and use and use[0].name == "get_weather"
         assert set(use[0].input) == {"city", "unit"} and use[0].input["unit"] in ("c", "f")
     assert streamed.content[-1].input == m.content[-1].input
+    events = []  # the raw stream: the tool_use block opens, then its input comes in pieces
+    with c.messages.stream(**kw) as stream:
+        events = [
+            e.type if e.type != "content_block_delta" else e.delta.type
+            for e in stream
+            if e.type.startswith(("content_block", "message"))
+        ]  # not the client's own
+    start = events.index("content_block_start")
+    assert events[start + 1 : start + 3] == ["input_json_delta"] * 2
+    assert events.count("input_json_delta") > 2 and "text_delta" not in events
     turns = [*ask, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
                                            "content": "sunny"}]}]  # fmt: skip
