@@ -214,7 +214,7 @@ class Engine:
                                f"the context of {self.max_len} tokens", param="prompt")  # fmt: skip
 
     def check_sampling(self, params: SamplingParams) -> None:  # what validate() cannot know
-        check_adjustments(params, self.cfg.vocab_size, self.adjusts_logits)
+        check_adjustments(params, self.cfg.vocab_size, self.adjusts_logits, self.stop_ids(params))
         check_prediction(params, self.cfg.vocab_size, self.predicts)
 
     def speculator_for(self, params: SamplingParams) -> SpeculativeDecoder | None:

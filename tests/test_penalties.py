@@ -38,6 +38,12 @@ def reference(logits: list[float], prompt, output, p: SamplingParams, stops) -> 
     bias = dict(p.logit_bias)
     out = []
     for j, x in enumerate(logits):
+        if p.allowed_token_ids and j not in p.allowed_token_ids:
+            x = float("-inf")
+        for w in p.bad_words:  # the word's last token where the output ends with the rest
+            if j == w[-1] and len(output) >= len(w) - 1 and output[len(output) - len(w) + 1 :] \
+                    == list(w[:-1]):  # fmt: skip
+                x = float("-inf")
         x += bias.get(j, 0.0)
         if len(output) < p.min_tokens and j in stops:
             x = float("-inf")
@@ -56,7 +62,11 @@ ADJUSTED = {
     "repetition<1": SamplingParams(repetition_penalty=0.6),
     "frequency": SamplingParams(frequency_penalty=0.9),
     "presence": SamplingParams(presence_penalty=-1.25),
+    "allowed": SamplingParams(allowed_token_ids=(1, 3, 9, 30, 44, 45)),
+    "bad_words": SamplingParams(bad_words=((9,), (7, 30), (3, 9, 44), (44, 3))),
     "all": SamplingParams(
+        allowed_token_ids=tuple(range(0, 50, 2)) + (3, 7, 9, 15),
+        bad_words=((9, 9), (2,)),
         logit_bias=((2, 3.0), (9, -2.0)),
         min_tokens=3,
         repetition_penalty=1.3,
@@ -146,6 +156,32 @@ def test_greedy_tokens_are_the_reference_loops(model_name, name):
         assert plain_engine.stats.extra["speculative"]["verify_steps"] > 0  # rows adjusted
 
 
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_bad_words_and_allowed_ids_through_the_engine_are_the_reference_loops(model_name):
+    """Words taken from the plain greedy text (a single token and pairs) and an allowed set
+    without its first token: each changes the text; the engine's tokens equal the reference
+    loop's on every path, and no bad word is ever completed."""
+    model = MODELS[model_name]()
+    base = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = list(Engine(model, max_model_len=64).generate(PROMPT, base))
+    words = ((plain[2], plain[3]), (plain[6],), (plain[10], plain[11], plain[12]))
+    allowed = tuple(t for t in range(model.cfg.vocab_size) if t % 3 and t != plain[0])
+    for kw in ({"bad_words": words}, {"allowed_token_ids": allowed}):
+        params = SamplingParams(**{**base.__dict__, **kw})
+        want = reference_greedy(model, params, 20)
+        assert want != plain
+        for decode in ("graph", "eager"):
+            engine = Engine(model, max_model_len=64, decode=decode)
+            assert list(engine.generate(PROMPT, params)) == want, (decode, kw.keys())
+        spec = Engine(model, max_model_len=64, speculative=SpeculativeConfig(4, 3, 1))
+        assert list(spec.generate(PROMPT, params)) == want
+        predicted = SamplingParams(**{**params.__dict__, "prediction": tuple(plain)})
+        assert list(Engine(model, max_model_len=64).generate(PROMPT, predicted)) == want
+        assert set(want) <= set(params.allowed_token_ids or want)
+        for w in words if "bad_words" in kw else ():
+            assert not any(tuple(want[i : i + len(w)]) == w for i in range(len(want)))
+
+
 def test_sampled_speculation_keeps_the_penalized_distribution():
     """The 2nd token, from a verify step whose draft row is penalized as a plain step would be,
     over many seeds against its exact marginal sum_t1 p(t1) p(t2 | t1) with the presence
@@ -206,6 +242,12 @@ def test_a_bias_of_minus_100_keeps_a_token_out_of_sampled_text():
         (dict(min_tokens=30, max_tokens=20), "min_tokens"),
         (dict(logit_bias=((4, 100.5),)), "logit_bias"),
         (dict(logit_bias=((67, 1.0),)), "logit_bias"),  # the vocabulary is [0, 67)
+        (dict(allowed_token_ids=(3, 67)), "allowed_token_ids"),
+        (dict(allowed_token_ids=(3, -1)), "allowed_token_ids"),
+        (dict(bad_words=((5, 80),)), "bad_words"),
+        (dict(bad_words=((),)), "bad_words"),
+        (dict(bad_words=(tuple(range(65)),)), "bad_words"),
+        (dict(allowed_token_ids=(5, 6), bad_words=((5,), (9, 6))), "allowed_token_ids"),
     ],
 )
 def test_values_out_of_range_are_refused_naming_the_field(kw, field):
@@ -220,6 +262,12 @@ def test_min_tokens_with_structured_output_or_any_without_support_is_refused(mon
     engine.check_sampling(SamplingParams(presence_penalty=0.5, grammar=object()))  # taken
     with pytest.raises(RequestError, match="min_tokens: not supported with structured output"):
         engine.check_sampling(SamplingParams(min_tokens=2, grammar=object()))
+    for kw in ({"allowed_token_ids": (3,)}, {"bad_words": ((3,),)}):
+        with pytest.raises(RequestError, match="not supported with structured output"):
+            engine.check_sampling(SamplingParams(grammar=object(), **kw))
+    eos = engine.cfg.eos_token_ids[0]
+    with pytest.raises(RequestError, match="leave no token"):  # min_tokens holds the eos back
+        engine.check_sampling(SamplingParams(allowed_token_ids=(eos,), min_tokens=1))
     monkeypatch.setattr(engine, "adjusts_logits", False)
     with pytest.raises(RequestError, match="min_tokens: not supported by this engine"):
         engine.check_sampling(SamplingParams(min_tokens=2))

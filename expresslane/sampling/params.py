@@ -20,8 +20,9 @@ FP32_MAX = 3.4028234663852886e38
 
 
 # SamplingParams' logits adjustments (sampler.Penalties), by the name the API gives each
-ADJUSTMENTS = ("logit_bias", "min_tokens", "repetition_penalty", "frequency_penalty",
-               "presence_penalty")  # fmt: skip
+ADJUSTMENTS = ("allowed_token_ids", "bad_words", "logit_bias", "min_tokens", "repetition_penalty",
+               "frequency_penalty", "presence_penalty")  # fmt: skip
+MAX_BAD_WORD = 64  # tokens in one of bad_words (the pick keeps that many output tokens)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     grammar: Any = None  # a compiled grammar.Grammar: decoding is constrained to it
     # vLLM's logits adjustments (sampler.Penalties), applied before temperature in this order:
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be picked (empty: every token)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never completed (bad_word_ids)
     logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's {token id: bias}, as pairs
     min_tokens: int = 0  # the end-of-text and stop ids masked until this many tokens
     repetition_penalty: float = 1.0  # prompt and output tokens: positive logits / p, others * p
@@ -55,7 +58,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Any of the penalties, logit_bias or min_tokens away from its neutral value."""
-        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0
+        return bool(self.allowed_token_ids or self.bad_words or self.logit_bias
+                    or self.min_tokens or self.repetition_penalty != 1.0
                     or self.frequency_penalty or self.presence_penalty)  # fmt: skip
 
     def validate(self) -> None:
@@ -100,6 +104,12 @@ class SamplingParams:
               "must be a finite number > 0 (1: off)")  # fmt: skip
         check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
               "min_tokens", "must be an integer in [0, max_tokens]")  # fmt: skip
+        for name in ("allowed_token_ids", "bad_words"):
+            ids = [t for seq in self.bad_words for t in seq] if name == "bad_words" else \
+                list(getattr(self, name))  # fmt: skip
+            check(all(isinstance(t, int) and t >= 0 for t in ids), name, "token ids: integers >= 0")
+        check(all(0 < len(w) <= MAX_BAD_WORD for w in self.bad_words), "bad_words",
+              f"each 1 to {MAX_BAD_WORD} tokens")  # fmt: skip
         rule = "maps token ids (integers >= 0) to biases in [-100, 100]"
         for tok, bias in self.logit_bias:
             ok = isinstance(tok, int) and tok >= 0 and _number(bias) and -100 <= bias <= 100
@@ -120,6 +130,21 @@ def logit_bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
             raise RequestError(f"logit_bias: the bias of {key} is not a number", "logit_bias")
         pairs.append((int(key), float(value)))
     return tuple(sorted(pairs))
+
+
+def bad_word_ids(words: list[str], encode) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words` as token sequences: each word as written and, where that makes other
+    tokens of the same count (a word-initial token), with a leading space, so that the word is
+    caught at the start of the text and after a space. `encode(text)`: ids without specials."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        for ids in (bare, spaced):
+            if ids and ids not in out and (ids is bare or (len(ids) == len(bare)
+                                                          and ids[0] != bare[0])):  # fmt: skip
+                out.append(ids)
+    return tuple(out)
 
 
 def _number(v) -> bool:

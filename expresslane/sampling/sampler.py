@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import RequestError
-from .params import ADJUSTMENTS, SamplingParams
+from .params import ADJUSTMENTS, MAX_BAD_WORD, SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -57,7 +57,8 @@ class SamplerKnobs:
         self.min_p.fill_(params.min_p)
 
 
-def check_adjustments(params: SamplingParams, vocab_size: int, supported: bool) -> None:
+def check_adjustments(params: SamplingParams, vocab_size: int, supported: bool,
+                      stops: set[int] | frozenset = frozenset()) -> None:  # fmt: skip
     """What SamplingParams.validate cannot know: logit_bias's ids against the vocabulary, and
     the adjustments' combinations: refused on an engine whose pick takes none (`supported`
     False: the vocab-parallel one). Decided: with a grammar, min_tokens is refused (the grammar
@@ -72,14 +73,33 @@ def check_adjustments(params: SamplingParams, vocab_size: int, supported: bool) 
     if params.grammar is not None and params.min_tokens:
         why = "min_tokens: not supported with structured output (the grammar ends the output)"
         raise RequestError(why, "min_tokens")
-    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
-    if bad:
-        why = f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-        raise RequestError(why, "logit_bias")
+    if params.grammar is not None and (params.allowed_token_ids or params.bad_words):
+        name = "allowed_token_ids" if params.allowed_token_ids else "bad_words"
+        raise RequestError(f"{name}: not supported with structured output (a token the grammar "
+                           "needs may be the one masked: a dead end)", name)  # fmt: skip
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                      ("allowed_token_ids", params.allowed_token_ids),
+                      ("bad_words", [t for seq in params.bad_words for t in seq])):  # fmt: skip
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            why = f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            raise RequestError(why, name)
+    if params.allowed_token_ids and not _some_left(params, stops):
+        raise RequestError("allowed_token_ids: bad_words (and min_tokens, which holds the stop "
+                           "ids back) leave no token to pick", "allowed_token_ids")  # fmt: skip
+
+
+def _some_left(params: SamplingParams, stops) -> bool:
+    """Does a token stay allowed whatever bad_words (each may mask its last token) and
+    min_tokens (the stop ids, `stops`) hold back?"""
+    masked = {seq[-1] for seq in params.bad_words} | (set(stops) if params.min_tokens else set())
+    return bool(set(params.allowed_token_ids) - masked)
 
 
 class Penalties:
-    """One request's logits adjustments, vLLM's in vLLM's order: logit_bias, then min_tokens
+    """One request's logits adjustments, vLLM's in vLLM's order: allowed_token_ids (the others
+    at -inf), bad_words (a sequence's last token at -inf where the output ends with the rest of
+    it), logit_bias, then min_tokens
     (end-of-text and stop ids at -inf until that many tokens), then the repetition penalty
     (tokens of the prompt or the output: a positive logit divided by it, another multiplied,
     as transformers' RepetitionPenaltyLogitsProcessor), then the frequency penalty (times each
@@ -102,6 +122,19 @@ class Penalties:
             self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
         stops = sorted(t for t in stop_ids if 0 <= t < vocab_size)
         self.stops = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
+        # one mask for allowed_token_ids and one-token bad words; longer bad words need the
+        # output's last tokens on the host (`history`, kept only for them)
+        self.banned = None
+        if params.allowed_token_ids or any(len(w) == 1 for w in params.bad_words):
+            self.banned = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if params.allowed_token_ids:
+                self.banned.fill_(True)
+                self.banned[torch.tensor(params.allowed_token_ids, device=device)] = False
+            for w in params.bad_words:
+                if len(w) == 1:
+                    self.banned[w[0]] = True
+        self.sequences = [w for w in params.bad_words if len(w) > 1]
+        self.history: list[int] = []
 
     @classmethod
     def of(cls, params: SamplingParams, prompt_ids, vocab_size: int, stop_ids,
@@ -114,6 +147,12 @@ class Penalties:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (..., V) -> adjusted fp32 logits (a new tensor)."""
         p, x = self.params, logits.float()
+        if self.banned is not None:
+            x = x.masked_fill(self.banned, float("-inf"))
+        if self.sequences:
+            last = [w[-1] for w in self.sequences if list(w[:-1]) == self.history[1 - len(w) :]]
+            if last:
+                x = x.index_fill(-1, torch.tensor(last, device=x.device), float("-inf"))
         if self.bias is not None:
             x = x + self.bias
         if self.generated < p.min_tokens and self.stops is not None:
@@ -133,11 +172,13 @@ class Penalties:
         self.counts.index_add_(0, t, self._one)
         self.seen.index_fill_(0, t, True)
         self.generated += 1
+        if self.sequences:  # a host copy, for requests with bad words of several tokens only
+            self.history = [*self.history[-MAX_BAD_WORD:], int(t)]
 
     def apply_rows(self, rows: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """A verify's logits (k + 1, V) adjusted row by row: row j as if drafts[:j] had been
         picked (what a plain step would see there); the state is left as it was."""
-        saved = self.counts, self.seen, self.generated
+        saved = self.counts, self.seen, self.generated, self.history
         self.counts, self.seen = self.counts.clone(), self.seen.clone()
         try:
             out = []
@@ -147,7 +188,7 @@ class Penalties:
                     self.advance(drafts[j])
             return torch.stack(out)
         finally:
-            self.counts, self.seen, self.generated = saved
+            self.counts, self.seen, self.generated, self.history = saved
 
 
 def apply_token_mask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:

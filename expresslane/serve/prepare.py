@@ -24,7 +24,7 @@ from typing import Any
 
 from ..engine import Engine
 from ..errors import RequestError, TokenizerError
-from ..sampling.params import SamplingParams
+from ..sampling.params import SamplingParams, bad_word_ids
 from ..step.threads import usable_cores
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
@@ -192,6 +192,8 @@ class Preparer:
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             grammar=grammar,
+            allowed_token_ids=tuple(req.allowed_token_ids or ()),
+            bad_words=bad_word_ids(req.bad_words or [], lambda w: self.tok.encode(w, False)),
             logit_bias=req.bias_pairs(),
             min_tokens=req.min_tokens or 0,
             frequency_penalty=req.frequency_penalty or 0.0,

@@ -140,6 +140,8 @@ class _SamplingRequest(_Request):
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: Float | None = Field(None, gt=0.0)
     min_tokens: Int | None = Field(None, ge=0)
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)  # vLLM's: only these
+    bad_words: list[str] | None = None  # vLLM's: words never completed (their last token held)
     logit_bias: dict[str, Float] | None = Field(None, json_schema_extra={"anyOf": [
         {"type": "object", "additionalProperties": False, "patternProperties": {
             "^[0-9]+$": {"type": "number", "minimum": -100, "maximum": 100}}},

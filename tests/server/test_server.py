@@ -25,7 +25,7 @@ from serverkit import (
 from starlette.testclient import TestClient
 
 import expresslane
-from expresslane.sampling.params import SamplingParams
+from expresslane.sampling.params import SamplingParams, bad_word_ids
 from expresslane.serve import attach, create_app
 from expresslane.serve.guards import ServeLimits
 
@@ -293,6 +293,29 @@ def test_tokenizer_routes(server):
 
 
 # --- metrics ----------------------------------------------------------------------------------
+def test_allowed_token_ids_and_bad_words_give_the_engines_tokens(server):
+    """vLLM's allowed_token_ids and bad_words (text: tokenized by the server as vLLM does, as
+    written and after a space) reach the sampler: the engine's greedy text with the same ids,
+    changed from the plain one."""
+    ids, tok = server.tok.encode("the quick brown fox"), server.tok
+    plain = list(server.ref.generate(ids, SamplingParams(max_tokens=16)))
+    # words whose text tokenizes back to the tokens generated (a model may write a word in
+    # tokens its tokenizer would not choose; bad_words are matched as the tokenizer writes them)
+    pieces = [plain[i : i + n] for n in (2, 1) for i in range(14)]
+    words = [tok.decode(p) for p in pieces if tok.decode(p).strip()
+             and tok.encode(tok.decode(p), False) == p][:2]  # fmt: skip
+    assert words
+    allowed = [t for t in range(0, server.engine.cfg.vocab_size, 2) if t != plain[0]]
+    for field, value, params in (
+        ("bad_words", words, {"bad_words": bad_word_ids(words, lambda w: tok.encode(w, False))}),
+        ("allowed_token_ids", allowed, {"allowed_token_ids": tuple(allowed)}),
+    ):
+        r = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 16, "temperature": 0,
+                                             field: value})  # fmt: skip
+        want = greedy(server, ids, 16, **params)
+        assert r["choices"][0]["text"] == want != greedy(server, ids, 16), field
+
+
 def test_penalties_and_logit_bias_give_the_engines_tokens(server):
     """vLLM's fields reach the sampler: the server's greedy text equals the engine's with the
     same adjustments (OpenAI's string keys for logit_bias), and the adjustments change it."""
