@@ -13,7 +13,7 @@ import pytest
 
 from expresslane.__main__ import main
 from expresslane.engine import Engine
-from expresslane.sampling.params import SamplingParams
+from expresslane.sampling.params import SamplingParams, bad_word_ids
 from expresslane.step.native import native_step_built
 from expresslane.textgen import generate_text
 from expresslane.tokenizer import Tokenizer
@@ -175,8 +175,10 @@ def test_bad_checkpoints_exit_2_with_one_line(broken, capsys, kind, words):
         (["--logit-bias", '{"x": 1}'], "--logit-bias: key 'x' is not a token id"),
         (["--logit-bias", "{50: 1}"], "--logit-bias: not JSON; expected a JSON object"),
         (["--logit-bias", "[50]"], "--logit-bias: expected an object of token ids"),
-        (["--logit-bias", '{"100000": 1}'], "logit_bias: token id 100000 is outside"),
+        (["--logit-bias", '{"100000": 1}'], "--logit-bias: token id 100000 is outside"),
         (["--min-tokens", "9", "--max-tokens", "4"], "--min-tokens=9"),
+        (["--allowed-token-ids", "5,x"], "--allowed-token-ids '5,x': expected token ids"),
+        (["--allowed-token-ids", "5,100000"], "--allowed-token-ids: token id 100000 is outside"),
     ],
 )
 def test_bad_flags_exit_2(random_laneformer_dir, capsys, argv, word):
@@ -438,6 +440,30 @@ def test_run_takes_the_penalties_and_logit_bias(random_laneformer_dir, capsys):
     assert got["token_ids"] != list(
         engine.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))
     )
+
+
+def test_run_takes_bad_words_and_allowed_token_ids(random_laneformer_dir, capsys):
+    """--bad-words (text, tokenized as the server does) and --allowed-token-ids reach the
+    sampler: run's tokens are the engine's with the same params, and differ from plain."""
+    argv = ["run", str(random_laneformer_dir), "--prompt", "x y z", "--max-tokens", "12",
+            "--json", "--device", "cpu", "--ignore-eos"]  # fmt: skip
+    engine = Engine.from_pretrained(str(random_laneformer_dir), device="cpu", progress=False)
+    tok = Tokenizer.from_dir(random_laneformer_dir)
+    ids, base = tok.encode("x y z"), SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = list(engine.generate(ids, base))
+    word = next(tok.decode([t]) for t in plain if tok.encode(tok.decode([t]), False) == [t])
+    allowed = [t for t in range(1, 60) if t != plain[0]]
+    words = bad_word_ids([word], lambda w: tok.encode(w, False))
+    for flags, kw in (
+        (["--bad-words", word], {"bad_words": words}),
+        (
+            ["--allowed-token-ids", ",".join(map(str, allowed))],
+            {"allowed_token_ids": tuple(allowed)},
+        ),
+    ):
+        code, out, _ = _run(capsys, *argv, *flags)
+        want = list(engine.generate(ids, SamplingParams(**{**base.__dict__, **kw})))
+        assert code == 0 and json.loads(out.strip().splitlines()[-1])["token_ids"] == want != plain
 
 
 def test_fetch_prints_the_cached_path_offline(tmp_path, monkeypatch, capsys):

@@ -27,7 +27,7 @@ from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from ..tokenizer.chat import chat_template_from
 from .interactive import chat_loop
-from .sampling import add_sampling_arguments, sampling_from_args, with_json_schema, with_prediction
+from .sampling import add_sampling_arguments, sampling_from_args, with_tokenized
 
 HELP = "generate from one prompt (or one chat message) and stream the text"
 
@@ -302,7 +302,7 @@ def main(args: argparse.Namespace) -> int:
         return launch.run_parallel(args, generate_on_rank)
     engine, tok = load_engine(args)
     if interactive:
-        params = with_prediction(args, engine, tok, with_json_schema(args, engine, tok, params))
+        params = with_tokenized(args, engine, tok, params)
         return chat_loop(engine, tok, params, sys.stdout, stop=tuple(args.stop))
     return generate_and_print(args, engine, tok, params, load_report(engine))
 
@@ -324,7 +324,7 @@ def generate_and_print(
     args, engine, tok: Tokenizer, params: SamplingParams, extra: dict | None = None
 ) -> int:
     """Encode --prompt/--chat, stream the text (or collect it for --json), print the figures."""
-    params = with_prediction(args, engine, tok, with_json_schema(args, engine, tok, params))
+    params = with_tokenized(args, engine, tok, params)
     if not args.json and args.model is None and has_trained_model():
         label_embedded_answer(args, params)
     if args.chat is not None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError, ExpressLaneError, RequestError
-from ..sampling.params import SamplingParams, logit_bias_pairs
+from ..sampling.params import SamplingParams, bad_word_ids, logit_bias_pairs
 from ..speculative.prediction import check_prediction
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
@@ -34,6 +34,10 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
                    help="minus this once an output token appeared, in [-2, 2]")  # fmt: skip
     p.add_argument("--min-tokens", type=int, default=0,
                    help="no end of text or stop id before this many tokens")  # fmt: skip
+    p.add_argument("--allowed-token-ids", default=None, metavar="IDS",
+                   help="the only token ids to pick, comma-separated: '5,17'")  # fmt: skip
+    p.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                   help="a word never to complete, as vLLM's bad_words (repeatable)")  # fmt: skip
     p.add_argument(
         "--logit-bias",
         default=None,
@@ -58,10 +62,35 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         presence_penalty=getattr(args, "presence_penalty", 0.0),
         min_tokens=getattr(args, "min_tokens", 0),
         logit_bias=logit_bias_from(getattr(args, "logit_bias", None)),
+        allowed_token_ids=allowed_ids_from(getattr(args, "allowed_token_ids", None)),
     )
     try:
         params.validate()
     except Exception as e:  # RequestError names the parameter; on the CLI it is a flag
+        raise ConfigError(f"--{str(e).replace('_', '-')}") from None
+    return params
+
+
+def allowed_ids_from(text: str | None) -> tuple[int, ...]:
+    """--allowed-token-ids's comma-separated ids (exit 2 naming the flag)."""
+    if text is None:
+        return ()
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isascii() and p.isdigit() for p in parts):
+        raise ConfigError(f"--allowed-token-ids {text!r}: expected token ids such as '5,17,20'")
+    return tuple(int(p) for p in parts)
+
+
+def with_tokenized(args, engine, tok: Tokenizer, params: SamplingParams) -> SamplingParams:
+    """`params` with what needs the tokenizer or the engine: --bad-words' tokens, the
+    --json-schema grammar, the --prediction's tokens; checked against the engine (exit 2)."""
+    words = getattr(args, "bad_words", None) or []
+    params = replace(params, bad_words=bad_word_ids(words, lambda w: tok.encode(w, False)))
+    params = with_prediction(args, engine, tok, with_json_schema(args, engine, tok, params))
+    try:
+        params.validate()
+        engine.check_sampling(params)
+    except RequestError as e:  # names the field: the flag here
         raise ConfigError(f"--{str(e).replace('_', '-')}") from None
     return params
 
