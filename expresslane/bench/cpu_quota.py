@@ -16,15 +16,15 @@ table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from contextlib import contextmanager
 
 from ..errors import ExpressLaneError
+from ..gguf.fetch import model_or_smollm2
 from ..step.threads import CGROUP, usable_cores
-from .serve_decode import _summary, run_decode
+from .serve_decode import _summary, model_parser, run_decode
 
 PERIOD_US = 100_000
 
@@ -80,21 +80,15 @@ def measure(model: str, quota: float, tokens: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m expresslane.bench.cpu_quota",
-                                 description=__doc__.split("\n\n")[0])  # fmt: skip
-    ap.add_argument("model", nargs="?", default=None, help="checkpoint folder or GGUF file")
+    ap = model_parser("cpu_quota", __doc__)
     ap.add_argument("--quota", type=float, default=1.0, help="cores' worth of CPU time")
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     try:
         if args.tokens < 2 or args.repeats < 1 or args.quota <= 0:
             raise ExpressLaneError("--tokens: at least 2; --repeats: at least 1; --quota: > 0")
-        if args.model is None:
-            from ..gguf.fetch import fetch_smollm2
-
-            args.model = fetch_smollm2()
-        res = measure(str(args.model), args.quota, args.tokens, args.repeats)
+        args.model = model_or_smollm2(args.model)
+        res = measure(args.model, args.quota, args.tokens, args.repeats)
     except ExpressLaneError as e:
         print(f"cpu_quota: {e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ import torch
 
 from ..engine import Engine
 from ..errors import ExpressLaneError
+from ..gguf.fetch import model_or_smollm2
 from ..step.pooling import pooled
 
 
@@ -51,10 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     try:
-        if args.model is None:
-            from ..gguf.fetch import fetch_smollm2
-
-            args.model = fetch_smollm2()
+        args.model = model_or_smollm2(args.model)
         if args.repeats < 1 or min(args.lengths) < 1:
             raise ExpressLaneError("--repeats and --lengths: at least 1")
         engine = Engine.from_pretrained(str(args.model), device="cpu",

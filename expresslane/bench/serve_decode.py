@@ -26,6 +26,7 @@ import urllib.request
 from contextlib import ExitStack
 
 from ..errors import ExpressLaneError
+from ..gguf.fetch import model_or_smollm2
 from ..step.threads import usable_cores
 from .agent import _post, _stop, start_server
 
@@ -83,21 +84,25 @@ def measure(model: str, tokens: int, repeats: int) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m expresslane.bench.serve_decode",
-                                 description=__doc__.split("\n\n")[0])  # fmt: skip
+def model_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of a bench run as `python -m expresslane.bench.<module>`: MODEL (a checkpoint
+    folder or GGUF file; default SmolLM2's GGUF) and --repeats."""
+    ap = argparse.ArgumentParser(prog=f"python -m expresslane.bench.{module}",
+                                 description=doc.split("\n\n")[0])  # fmt: skip
     ap.add_argument("model", nargs="?", default=None, help="checkpoint folder or GGUF file")
-    ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = model_parser("serve_decode", __doc__)
+    ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args(argv)
     try:
         if args.tokens < 2 or args.repeats < 1:
             raise ExpressLaneError("--tokens: at least 2; --repeats: at least 1")
-        if args.model is None:
-            from ..gguf.fetch import fetch_smollm2
-
-            args.model = fetch_smollm2()
-        res = measure(str(args.model), args.tokens, args.repeats)
+        args.model = model_or_smollm2(args.model)
+        res = measure(args.model, args.tokens, args.repeats)
     except ExpressLaneError as e:
         print(f"serve_decode: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ import torch
 
 from ..engine import Engine
 from ..errors import ExpressLaneError
+from ..gguf.fetch import model_or_smollm2
 from ..sampling.params import SamplingParams
 from ..structured.closed import closed_objects
 from ..structured.grammar import GrammarCompiler, GrammarSpec
@@ -184,11 +185,7 @@ def _engine(args) -> tuple[Engine, Tokenizer, str]:
         engine = _random_engine(args.preset, args.device, args.dtype, args.max_tokens)
         tok = Tokenizer.from_dir(args.tokenizer or str(TRAINED))
         return engine, tok, f"{args.preset} (random weights)"
-    path = args.model
-    if path is None:
-        from ..gguf.fetch import fetch_smollm2
-
-        path = str(fetch_smollm2())
+    path = model_or_smollm2(args.model)
     return Engine.from_pretrained(path, progress=False), Tokenizer.from_dir(path), path
 
 

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+from ..gguf.fetch import model_or_smollm2
 from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..structured.reasoning import END, PARSERS, START
 from ..tokenizer import Tokenizer
@@ -78,10 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--thought-tokens", type=int, default=200)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    if args.model is None:
-        from ..gguf.fetch import fetch_smollm2
-
-        args.model = fetch_smollm2()
+    args.model = model_or_smollm2(args.model)
     rows = run(Tokenizer.from_dir(args.model), args.schemas, args.thought_tokens)
     print(f"{'grammar':32} {'thought µs/mask':>16} {'answer µs/mask':>15} {'answer p90':>11}")
     for r in rows:

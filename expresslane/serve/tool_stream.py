@@ -149,26 +149,26 @@ class CallStream:
         self.state = "bracket" if self.plan.style == "mistral" else "lead"
         return True
 
-    def _read_bracket(self) -> bool:
+    def _expect(self, char: str) -> int | None:
+        """The index of `char`, the next text after whitespace; None while only whitespace has
+        come, or when other text has (the state is then broken)."""
         rest = self.text[self.pos :].lstrip()
-        if not rest:
-            return False
-        if rest[0] != "[":
-            self.state = "broken"
-            return False
-        self.pos, self.state = self.text.index("[", self.pos) + 1, "lead"
-        return True
+        if not rest or rest[0] != char:
+            self.state = "broken" if rest else self.state
+            return None
+        return len(self.text) - len(rest)
+
+    def _read_bracket(self) -> bool:
+        at = self._expect("[")
+        if at is not None:
+            self.pos, self.state = at + 1, "lead"
+        return at is not None
 
     def _read_lead(self) -> bool:
-        rest = self.text[self.pos :].lstrip()
-        if not rest:
-            return False
-        if rest[0] != "{":
-            self.state = "broken"
-            return False
-        self.pos = self.text.index("{", self.pos)
-        self.scan, self.state = JsonEnd(self.pos), "call"
-        return True
+        at = self._expect("{")
+        if at is not None:
+            self.pos, self.scan, self.state = at, JsonEnd(at), "call"
+        return at is not None
 
     def _read_call(self, deltas: list[dict]) -> bool:
         t, scan = self.text, self.scan
