@@ -40,7 +40,7 @@ from .offload import TokenizeOffload
 from .responses import ResponsesRequest, ResponseStore, chat_body, renamed
 from .responses_out import ResponseShape
 from .structured import request_grammar
-from .tools import ToolPlan, plan_tools, prompt_messages
+from .tools import ToolPlan, answer_grammar, plan_tools, prompt_messages
 
 THREADS = min(4, usable_cores())
 
@@ -262,12 +262,8 @@ class Preparer:
         model = self.model_name(req.model)
         self.check_n(req.n)
         plan = plan_tools(req.model_extra or {}, self.template(req), self.limits.tool_call_parser)
-        spec = request_grammar(req.model_extra)
-        if plan is not None and plan.grammar is not None:
-            if spec is not None:
-                msg = f"{spec.param}: cannot be combined with tool_choice {plan.choice!r}"
-                raise RequestError(msg, param=spec.param)
-            spec = plan.grammar
+        spec = answer_grammar(plan, request_grammar(req.model_extra), req, self.tok,
+                              self.engine.grammars)  # fmt: skip
         grammar = self.grammar(spec, req)
         asked = req.max_completion_tokens or req.max_tokens
         ids = self.truncated(self.chat_prompt(req, plan), req.truncate_prompt_tokens, asked)

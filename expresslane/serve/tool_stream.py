@@ -6,11 +6,13 @@ A whole answer is parsed once (tools.parse_calls). A stream decides as the text 
   `<tool_call>`, Mistral `[TOOL_CALLS]`, a Llama 3 answer's leading `{`) is held until it
   cannot, and so is trailing whitespace: a parsed answer's content is stripped when it has calls,
   so the whitespace before a call is never sent; with no call it is sent at the end.
-- **A forced call** (`tool_choice` required or named: its grammar only lets through a call that
-  parses and matches the schema) streams as it is written, as vLLM's parsers stream: a delta
+- **A call under a grammar** (`tool_choice` required or named, and `auto` where its free grammar
+  applies, tools.answer_grammar: only a call that parses and matches the schema gets through)
+  streams as it is written, as vLLM's parsers stream: a delta
   with its id and name once the name is whole, then the arguments' text piece by piece. A long
   argument (a file to write) shows as it is typed, not in one piece at the end.
-- **A call the model chose** (`auto`) may not parse, and a sent call cannot be taken back. Each
+- **A call no grammar holds** (`auto` in the Mistral and Llama 3 conventions) may not parse,
+  and a sent call cannot be taken back. Each
   is held until its JSON object closes, then sent whole if it parses and names a known function.
   If not, it and the rest of the text go out as content at the end, as the parsed answer would
   have it. (One case differs from the parsed answer: calls sent before a broken one stay sent,
@@ -68,7 +70,9 @@ class CallStream:
     """One choice's streamed answer under a ToolPlan (the module docstring)."""
 
     def __init__(self, plan: ToolPlan):
-        self.plan, self.forced = plan, plan.choice in ("required", "named")
+        # calls held to their schemas by a grammar (forced ones, and `auto` where its free
+        # grammar applies: tools.answer_grammar) stream as they are written
+        self.plan, self.forced = plan, plan.grammar is not None
         self.text, self.pos, self.state = "", 0, "start"
         self.region = 0  # where the call being read began (its marker): content if it breaks
         self.ws = ""  # whitespace held back from the content

@@ -139,6 +139,56 @@ def call_grammar(plan: ToolPlan) -> GrammarSpec:
     return GrammarSpec("lark", f"{body}\ncall: %json {schema}\n", "tools")
 
 
+TRIGGER = "<tool_call>"  # where a Hermes call opens: a free grammar holds what follows
+SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def auto_grammar(plan: ToolPlan) -> GrammarSpec:
+    """`tool_choice: auto` in the Hermes convention: any text without `<tool_call>`, or text
+    up to it and then calls held to their functions' schemas, in JSON spaced as the convention
+    writes it. Picks are checked against it, not masked (structured/decoding.py), so free text
+    costs a check a token."""
+    key = "arguments"
+    calls = [{"type": "object", "properties": {"name": {"const": n},
+              key: closed_objects(plan.functions[n]["parameters"])}, "required": ["name", key],
+              "additionalProperties": False} for n in plan.functions]  # fmt: skip
+    schema = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}),
+                         "x-guidance": SPACED})  # fmt: skip
+    one = 'GAP? call GAP? "</tool_call>"'
+    more = f' (GAP? "<tool_call>" {one})*' if plan.parallel else ""
+    lark = "\n".join([
+        f"start: TEXT | OPEN {one}{more}", f"call: %json {schema}",
+        r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
+        r"OPEN: /(?s:.*)<tool_call>/ & ~/(?s:.*<tool_call>.+)/", r"GAP: /[ \t\r\n]{1,4}/",
+    ])  # fmt: skip
+    return GrammarSpec("lark", lark + "\n", "tools", trigger=TRIGGER)
+
+
+def answer_grammar(plan: ToolPlan | None, spec: GrammarSpec | None, req, tok,
+                   grammars: bool) -> GrammarSpec | None:  # fmt: skip
+    """The grammar a chat answer runs under: the request's structured output (`spec`), or its
+    forced calls' (the two together: a 400), or for `auto` the free grammar (auto_grammar) where
+    nothing rules it out: a structured output, an engine without grammars (`grammars`), a
+    convention whose marker is not plain text (Mistral's `[TOOL_CALLS]` and Llama's python tag
+    are special tokens a text grammar cannot take; so is a `<tool_call>` the tokenizer keeps
+    special), or masks of the request's own that a grammar could contradict (min_tokens,
+    allowed_token_ids, bad_words: a 400 with a grammar)."""
+    if plan is None or plan.choice == "none":
+        return spec
+    if plan.grammar is not None:
+        if spec is not None:
+            msg = f"{spec.param}: cannot be combined with tool_choice {plan.choice!r}"
+            raise RequestError(msg, param=spec.param)
+        return plan.grammar
+    own = req.min_tokens or req.allowed_token_ids or req.bad_words
+    marker = tok.encode(TRIGGER, False)
+    if spec is not None or not grammars or plan.style != "hermes" or own \
+            or any(t in tok.special_ids for t in marker):  # fmt: skip
+        return spec
+    plan.grammar = auto_grammar(plan)  # its calls stream as written (tool_stream.py)
+    return plan.grammar
+
+
 def prompt_messages(messages: list[dict], plan: ToolPlan | None) -> tuple[list[dict], dict]:
     """(messages for the template, its extra arguments): the tools rendered natively or as the
     generic prompt; calls and results in the template's terms."""

@@ -85,13 +85,18 @@ class _Constrained:
         self.engine, self.params, self.gen, self.pen = engine, params, gen, pen
         self.matcher: Matcher = params.grammar.matcher()
         words = self.matcher.words.shape[1]
+        # a free grammar (tool_choice auto): each pick is checked and masked only when refused
+        self.free, self.masked = bool(params.grammar.spec.trigger), True
+        # the ends a free text may stop at, the grammar's end of text or not (a model's other
+        # end ids, stop_token_ids): where the grammar may end, never given to the matcher
+        self.ends = set(engine.cfg.eos_token_ids) | set(params.stop_token_ids)
         # the captured forward and pick (step/split.py); with logprobs the pick is eager, on
         # the forward's logits buffer (read by the engine before the next forward)
         self.split = getattr(engine, "split_steps", None)
         self.picker = None
         # (penalties adjust the logits before the mask: the eager pick, not the captured one)
         if self.split is not None and self.split.words == words and params.logprobs is None \
-                and pen is None:  # fmt: skip
+                and pen is None and not self.free:  # fmt: skip
             self.picker = self.split.pick_graph(params)
             self.gen = self.picker.generator  # the request's one stream of draws
         self.knobs = SamplerKnobs(engine.device).with_token_mask(words)
@@ -122,8 +127,11 @@ class _Constrained:
         return left <= reserve + LEVEL_TOKENS * m.depth or m.runaway
 
     def next_mask(self, closing: bool = False) -> None:
-        """Compute the mask after the consumed tokens into the host buffer."""
-        self.host.copy_(self.matcher.fill(closing)[0])
+        """Compute the mask after the consumed tokens into the host buffer (a free grammar:
+        only where the JSON is being steered to its end)."""
+        self.masked = not self.free or (closing and not self.matcher.waiting)
+        if self.masked:
+            self.host.copy_(self.matcher.fill(closing)[0])
 
     def pick(self, logits: torch.Tensor, pos: int) -> int:
         """The token at `pos` (chained: its forward is launched before the host reads it)."""
@@ -134,14 +142,32 @@ class _Constrained:
             if self.chained:
                 self.split.forwards[1].feed_picked(pos)
             tok = self.picker.token()  # the one host copy
+        elif not self.masked:
+            tok = self.checked_pick(logits if self.pen is None else self.pen.apply(logits))
         else:
             self.knobs.token_mask.copy_(self.host, non_blocking=True)
             x = logits if self.pen is None else self.pen.apply(logits)
             tok = int(sample(x, self.params, self.gen, self.knobs))  # the one host copy
+        if self.free and tok in self.ends:
+            return tok  # the end of the output (checked_pick): the matcher never sees it
         self.consume([tok])
         if self.drafter is not None:
             self.drafter.extend([tok])
         return tok
+
+    def checked_pick(self, x: torch.Tensor) -> int:
+        """A free grammar's pick: from the unmasked logits, kept if the grammar allows it (an
+        end token where the grammar may end); else drawn again under the mask. The two draws
+        are a draw from the masked distribution: the first is kept with the allowed tokens'
+        own probability, and the second is one of them in proportion."""
+        self.knobs.token_mask.fill_(-1)
+        tok = int(sample(x, self.params, self.gen, self.knobs))  # the one host copy
+        m = self.matcher
+        probe = m.grammar.lltok.eos_token if tok in self.ends else tok
+        if m.allowed_prefix([probe]) == 1:
+            return tok
+        self.knobs.token_mask.copy_(m.fill()[0])
+        return int(sample(x, self.params, self.gen, self.knobs))
 
     def consume(self, tokens) -> None:
         """Tokens that are output now: the matcher's, and the penalties' counts."""

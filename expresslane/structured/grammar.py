@@ -52,10 +52,14 @@ class GrammarSpec:
     source: str  # the schema as JSON text, the regex, the choices as a JSON list, the grammar
     param: str = "response_format"  # the request field it came from (named in errors)
     think: str = ""  # a reasoning parser (structured/reasoning.py): the model may think first
+    # a grammar of free text that may open a call at this marker (`tool_choice: auto`,
+    # serve/tools.py): picks are checked, not masked, and the JSON steering starts after it
+    trigger: str = ""
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(f"{self.kind}\0{self.source}\0{self.think}".encode()).hexdigest()
+        text = f"{self.kind}\0{self.source}\0{self.think}\0{self.trigger}"
+        return hashlib.sha256(text.encode()).hexdigest()
 
     @classmethod
     def json_schema(cls, schema: Any, param: str = "response_format") -> GrammarSpec:
@@ -188,10 +192,10 @@ class GrammarCompiler:
             raise GrammarError(f"{spec.param}: unsupported {spec.kind}: {why}", spec.param)
         # JSON grammars, and the tool calls' (JSON inside the template's wrapper: serve/tools.py)
         json_like = spec.kind in JSON_KINDS or spec.param == "tools"
-        closing = self.closing() if json_like or spec.think else None
+        closing = self.closing() if json_like or spec.think or spec.trigger else None
         end = tuple(self.tokenizer.encode(END + "\n\n", False)) if spec.think else ()
         grammar = Grammar(lltok, text, self.vocab_size, spec, closing if json_like else None,
-                          closing.texts if spec.think else None, end)  # fmt: skip
+                          closing.texts if spec.think or spec.trigger else None, end)  # fmt: skip
         grammar.matcher()  # compiles the lexer now, before the request's clock starts
         with self._lock:
             self._cache[key] = grammar
@@ -226,8 +230,22 @@ class Matcher:
         words = -(-grammar.vocab_size // 32)
         self.words = torch.zeros((1, words), dtype=torch.int32)  # (1, W): 32 tokens a word
         self._lexer = (False, False, 0, 0, "", 0)  # Closing.advance's state of the JSON so far
-        self.thinking, self._tail = bool(grammar.spec.think), ""  # in the thought; its end
+        # the markers still to come before the JSON (the thought's end, a free grammar's
+        # trigger), and the text since the last one
+        spec = grammar.spec
+        self._waits = ([END] if spec.think else []) + ([spec.trigger] if spec.trigger else [])
+        self._tail = ""
         self._check()
+
+    @property
+    def thinking(self) -> bool:
+        """In the thought (before its </think>)."""
+        return bool(self._waits) and self._waits[0] == END and bool(self.grammar.spec.think)
+
+    @property
+    def waiting(self) -> bool:
+        """Before the JSON: in the thought, or in a free grammar's text."""
+        return bool(self._waits)
 
     def _check(self) -> None:
         if self.m.is_error():
@@ -246,7 +264,7 @@ class Matcher:
         self._check()
         if not self.words.any():
             raise GrammarError("structured output: the grammar allows no token here", None)
-        if closing and self.grammar.closing is not None and not self.thinking:
+        if closing and self.grammar.closing is not None and not self.waiting:
             for tier in self.grammar.closing.tiers(self._lexer):
                 close = w & tier
                 if close.any():
@@ -257,23 +275,24 @@ class Matcher:
     def masks(self, drafts: list[int]) -> torch.Tensor:
         """The masks before each draft and after the last, (k + 1, W); the state is unchanged."""
         rows = [self.fill().clone()]
-        state = self._lexer, self.thinking, self._tail
+        state = self._lexer, list(self._waits), self._tail
         for d in drafts:
             self.consume(d)
             rows.append(self.fill().clone())
         if drafts:
             self.m.rollback(len(drafts))
-        self._lexer, self.thinking, self._tail = state
+        self._lexer, self._waits, self._tail = state
         return torch.cat(rows)
 
     def consume(self, token: int) -> None:
         if not self.m.consume_token(token) or self.m.is_error():
             why = self._reason()
             raise GrammarError(f"structured output: token {token} is not allowed here ({why})")
-        if self.thinking:  # the JSON lexer starts after </think>, whatever tokens spell it
+        if self._waits:  # the JSON lexer starts after the markers, whatever tokens spell them
             texts = self.grammar.texts
             self._tail = (self._tail + (texts[token] if token < len(texts) else ""))[-32:]
-            self.thinking = END not in self._tail
+            if self._waits[0] in self._tail:
+                self._tail = self._tail.split(self._waits.pop(0), 1)[1]
         elif self.grammar.closing is not None:
             self._lexer = self.grammar.closing.advance(self._lexer, token)
 

@@ -1,0 +1,125 @@
+"""`tool_choice: auto` through the server: decode speed, and whether the calls the model opens
+parse and match their schemas.
+
+    python -m expresslane.bench.auto_tools [MODEL] [--max-tokens 256] [--repeats 3]
+
+This starts `expresslane serve MODEL` in its own process and sends a set of chat requests, each
+with two tools (get_weather, get_time) and `tool_choice: "auto"`, greedy, `--repeats` times.
+Since serve/tools.py's free grammar, such a request decodes free text checked a token at a time
+and a call held to its schema once `<tool_call>` opens it; before, nothing held it. Per
+request: the decode tokens/s the server reports (median), the tokens, a hash of the answer (the
+same text with and without the grammar: compare two trees' runs), whether a call was opened,
+the calls returned and whether each names a tool with arguments its schema takes (`jsonschema`
+where installed). To time the tree before the grammar, run this file there (a worktree, with
+PYTHONPATH set to it). MODEL: a checkpoint folder or GGUF file (default SmolLM2-135M-Instruct's
+Q4_1 GGUF, fetched once). Prints one table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+from contextlib import ExitStack
+
+from ..errors import ExpressLaneError
+from ..gguf.fetch import model_or_smollm2
+from .agent import _post, start_server
+from .serve_decode import model_parser
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather now",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                    "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
+     "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                    "required": ["zone"]}}},
+]  # fmt: skip
+ASKS = [
+    "Write a long story about a dragon.",
+    "Explain how a hash map works.",
+    "What is the weather in Paris right now?",
+    "What time is it in Tokyo?",
+    "List ten fruits and their colours.",
+    "Write a Python function that reverses a list.",
+]
+
+
+def ask(url: str, question: str, max_tokens: int) -> dict:
+    body = {
+        "model": "agent",
+        "messages": [{"role": "user", "content": question}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    out = _post(url + "/v1/chat/completions", body)
+    msg, timings = out["choices"][0]["message"], out["timings"]
+    calls = msg.get("tool_calls") or []
+    text = (msg.get("content") or "") + json.dumps(calls and [c["function"] for c in calls])
+    return {"tps": timings["decode_tokens_per_s"], "tokens": out["usage"]["completion_tokens"],
+            "hash": hashlib.sha256(text.encode()).hexdigest()[:12],
+            "opened": "<tool_call>" in (msg.get("content") or "") or bool(calls),
+            "calls": len(calls), "valid": all(_valid(c) for c in calls),
+            "finish": out["choices"][0]["finish_reason"]}  # fmt: skip
+
+
+def _valid(call: dict) -> bool:
+    fn = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    schema = fn.get(call["function"]["name"])
+    try:
+        args = json.loads(call["function"]["arguments"])
+    except ValueError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:
+        return schema is not None and isinstance(args, dict)
+    return schema is not None and jsonschema.Draft202012Validator(schema).is_valid(args)
+
+
+def measure(model: str, max_tokens: int, repeats: int) -> list[dict]:
+    with ExitStack() as stack:
+        flags = argparse.Namespace(device="auto", dtype="auto", max_model_len=None, threads=None)
+        url = start_server(stack, model, True, flags)
+        ask(url, ASKS[0], 8)  # untimed: first-use costs (the grammar's compile among them)
+        rows = []
+        for q in ASKS:
+            runs = [ask(url, q, max_tokens) for _ in range(repeats)]
+            rows.append({"ask": q, **runs[-1], "tps": statistics.median(r["tps"] for r in runs)})
+        return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = model_parser("auto_tools", __doc__)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    args = ap.parse_args(argv)
+    try:
+        if args.max_tokens < 1 or args.repeats < 1:
+            raise ExpressLaneError("--max-tokens and --repeats: at least 1")
+        args.model = model_or_smollm2(args.model)
+        rows = measure(args.model, args.max_tokens, args.repeats)
+    except ExpressLaneError as e:
+        print(f"auto_tools: {e}", file=sys.stderr)
+        return 2
+    print(
+        "| request | tokens | decode tok/s | answer hash | call opened | calls | valid | finish |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['ask']} | {r['tokens']} | {r['tps']:.1f} | {r['hash']} | {r['opened']} | "
+            f"{r['calls']} | {r['valid']} | {r['finish']} |"
+        )
+    tokens = sum(r["tokens"] for r in rows)
+    seconds = sum(r["tokens"] / r["tps"] for r in rows if r["tps"])
+    print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "rows": rows,
+                      "tokens_per_s": tokens / seconds if seconds else 0.0}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
