@@ -9,6 +9,8 @@ grammar giving the plain path's tokens; compile errors and dead ends as GrammarE
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import pytest
 import torch
@@ -243,3 +245,32 @@ def test_cli_json_schema(tmp_path, capsys):
     (tmp_path / "bad.json").write_text('{"type": "object", "not": {}}')
     assert main(["run", "--json-schema", str(tmp_path / "bad.json")]) == 2
     assert "Unimplemented keys" in capsys.readouterr().err
+
+
+def _threads_python_does_not_know() -> int:
+    """OS threads of this process that are no Python thread (OpenMP's workers among them)."""
+    known = {t.native_id for t in threading.enumerate()}
+    return sum(int(tid) not in known for tid in os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_a_compile_beside_the_engine_starts_no_openmp_team(kit):
+    """A server compiles grammars on its preparation threads. A parallel torch op there (the
+    closing classes were vocabulary-sized tensors) gives that thread an OpenMP team for its
+    life, and the engine's decode then ran 3x slower (step/threads.py). A vocabulary past
+    torch's grain size, compiled on a side thread whose count is the engine's 2: no new
+    thread."""
+    _, tok, _ = kit
+    comp = GrammarCompiler(tok, 1 << 17)
+    out = {}
+
+    def side():
+        torch.set_num_threads(2)
+        before = _threads_python_does_not_know()
+        comp.compile(GrammarSpec.json_schema({"type": "object"})).matcher().fill(closing=True)
+        out["grown"] = _threads_python_does_not_know() - before
+
+    t = threading.Thread(target=side)
+    t.start()
+    t.join()
+    assert out["grown"] == 0

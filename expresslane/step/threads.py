@@ -21,6 +21,16 @@ request, from the cores other processes left free over the last second (snapshot
 its own takes): no sample on the request's path, and a neighbour that comes or goes is followed
 at the next request. The C step's rows have the same bits on any thread count
 (tests/test_packed_verify.py), so a request's tokens do not depend on it.
+
+Only the engine's thread may run parallel torch ops in a server. One OpenMP runtime serves the
+process and counts the threads of every team: a thread that runs one vocabulary-sized torch op
+(a grammar's compile did, structured/closing.py) keeps a team of its own for its life, the
+process then holds more OpenMP threads than cores, and libgomp stops spinning between regions,
+so the decode step's 31 short regions a token each sleep and wake. A server decoded SmolLM2 at
+65 tok/s after its first structured-output request, against 205-226 before it; one such op on a
+side thread took `run`'s own loop from 242 to 72 (the VM, 2026-12-06). `torch.set_num_threads(1)`
+on the side thread is no cure: torch applies its last count, process-wide, to a thread's first
+parallel op, and the engine's thread would take the 1.
 """
 
 from __future__ import annotations

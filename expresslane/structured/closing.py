@@ -50,10 +50,7 @@ class Closing:
         seps, ends = set(",:"), set("}]")
 
         def cls(test) -> torch.Tensor:
-            bits = torch.zeros(-(-vocab_size // 32) * 32, dtype=torch.bool)
-            for i, t in enumerate(texts):
-                bits[i] = bool(t.strip()) and test(t.strip())
-            return _pack(bits)
+            return _pack((bool(t.strip()) and test(t.strip()) for t in texts), self._words)
 
         # the literals' first pieces too (a tokenizer may split `null`), but not a lone `[` or
         # `{`: that opens a structure instead of ending one
@@ -84,10 +81,8 @@ class Closing:
         kind = str.isdigit if ch.isdigit() else str.isalpha if ch.isalpha() else ch.__eq__
         key = kind.__name__ if ch.isalnum() else ch
         if key not in self._only:
-            bits = torch.zeros(self._words * 32, dtype=torch.bool)
-            for i, t in enumerate(self.texts):
-                bits[i] = bool(t) and all(kind(c) for c in t)
-            self._only[key] = _pack(bits)
+            flags = (bool(t) and all(kind(c) for c in t) for t in self.texts)
+            self._only[key] = _pack(flags, self._words)
         return self._only[key]
 
     def advance(self, state: tuple, token: int) -> tuple:
@@ -118,7 +113,16 @@ def _word_bit(b: int) -> int:
     return -(1 << 31) if b == 31 else 1 << b
 
 
-def _pack(bits: torch.Tensor) -> torch.Tensor:
-    """(32 W,) bools -> (1, W) int32 words, bit i of word w for token 32 w + i."""
-    words = (bits.view(-1, 32).long() << torch.arange(32)).sum(1)  # (W,) in [0, 2^32)
-    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)[None]
+def _pack(flags, n_words: int) -> torch.Tensor:
+    """Token i's flag -> (1, W) int32 words, bit i % 32 of word i // 32.
+
+    Packed in Python, not with vocabulary-sized torch ops: this runs where a grammar is compiled
+    (a server's preparation thread), and a parallel torch op there would give that thread an
+    OpenMP team of its own for its life, which slows the engine's decode threefold
+    (step/threads.py, the module docstring)."""
+    words = [0] * n_words
+    for i, flag in enumerate(flags):
+        if flag:
+            words[i >> 5] |= 1 << (i & 31)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
+                        dtype=torch.int32)[None]  # fmt: skip
