@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import threading
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -247,30 +248,38 @@ def test_cli_json_schema(tmp_path, capsys):
     assert "Unimplemented keys" in capsys.readouterr().err
 
 
-def _threads_python_does_not_know() -> int:
-    """OS threads of this process that are no Python thread (OpenMP's workers among them)."""
+SIDE_COMPILE = """
+import os, threading, torch
+from expresslane.assets import default_model_dir
+from expresslane.structured.grammar import GrammarCompiler, GrammarSpec
+from expresslane.tokenizer import Tokenizer
+
+def foreign():  # OS threads that are no Python thread: OpenMP's workers among them
     known = {t.native_id for t in threading.enumerate()}
     return sum(int(tid) not in known for tid in os.listdir("/proc/self/task"))
 
+comp, out = GrammarCompiler(Tokenizer.from_dir(default_model_dir()), 1 << 17), {}
+
+def side():
+    torch.set_num_threads(2)  # the count the engine's thread leaves process-wide
+    before = foreign()
+    comp.compile(GrammarSpec.json_schema({"type": "object"})).matcher().fill(closing=True)
+    out["grown"] = foreign() - before
+
+t = threading.Thread(target=side)
+t.start()
+t.join()
+print(out["grown"])
+"""
+
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
-def test_a_compile_beside_the_engine_starts_no_openmp_team(kit):
+def test_a_compile_beside_the_engine_starts_no_openmp_team():
     """A server compiles grammars on its preparation threads. A parallel torch op there (the
     closing classes were vocabulary-sized tensors) gives that thread an OpenMP team for its
     life, and the engine's decode then ran 3x slower (step/threads.py). A vocabulary past
-    torch's grain size, compiled on a side thread whose count is the engine's 2: no new
-    thread."""
-    _, tok, _ = kit
-    comp = GrammarCompiler(tok, 1 << 17)
-    out = {}
-
-    def side():
-        torch.set_num_threads(2)
-        before = _threads_python_does_not_know()
-        comp.compile(GrammarSpec.json_schema({"type": "object"})).matcher().fill(closing=True)
-        out["grown"] = _threads_python_does_not_know() - before
-
-    t = threading.Thread(target=side)
-    t.start()
-    t.join()
-    assert out["grown"] == 0
+    torch's grain size, compiled on a side thread of a fresh process (no other work to start
+    threads meanwhile): no new thread."""
+    out = subprocess.run([sys.executable, "-c", SIDE_COMPILE], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert int(out.stdout.strip().splitlines()[-1]) == 0
