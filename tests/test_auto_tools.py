@@ -11,7 +11,6 @@ checked pick), with the embedded model.
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest

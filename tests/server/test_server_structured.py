@@ -122,14 +122,17 @@ def test_forced_tool_calls(server, stream):
             out = server.client.chat.completions.create(**kw)
             calls, finish = out.choices[0].message.tool_calls, out.choices[0].finish_reason
         else:
-            deltas, finish = [], None
+            deltas, finish, early = [], None, False
             for chunk in server.client.chat.completions.create(**kw, stream=True):
                 deltas += chunk.choices[0].delta.tool_calls or []
                 finish = chunk.choices[0].finish_reason or finish
+                early |= bool(chunk.choices[0].delta.tool_calls) and finish is None
             calls = [d for d in deltas if d.id]  # the first delta of each: id and name
             assert {d.index for d in deltas} == {0} and calls[0].function.arguments == ""
             calls[0].function.arguments = "".join(d.function.arguments or "" for d in deltas)
-            assert len(deltas) > 2  # the arguments streamed in pieces, not whole at the end
+            # get_weather's city is written token by token: the call streams as written, not
+            # whole in the finishing chunk (a forced `{}` may come with the finish)
+            assert early or not isinstance(choice, dict)
         assert finish == "tool_calls" and len(calls) == 1
         fn = calls[0].function
         assert fn.name in ("get_weather", "get_time")
