@@ -117,7 +117,7 @@ def test_forced_tool_calls(server, stream):
     props = WEATHER["function"]["parameters"]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         kw = dict(model=NAME, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
-                  max_tokens=120, parallel_tool_calls=False)  # fmt: skip
+                  max_tokens=120, parallel_tool_calls=False, temperature=0)  # fmt: skip
         if not stream:
             out = server.client.chat.completions.create(**kw)
             calls, finish = out.choices[0].message.tool_calls, out.choices[0].finish_reason
