@@ -101,6 +101,8 @@ class _Constrained:
             self.gen = self.picker.generator  # the request's one stream of draws
         self.knobs = SamplerKnobs(engine.device).with_token_mask(words)
         self.knobs.load(params)
+        self.unmasked = SamplerKnobs(engine.device)  # a free grammar's first draw: no mask
+        self.unmasked.load(params)
         cuda = engine.device.type == "cuda"
         self.host = torch.empty(words, dtype=torch.int32, pin_memory=cuda)
         spec = engine.speculator_for(params)  # prompt lookup, or drafts from a prediction
@@ -160,8 +162,7 @@ class _Constrained:
         end token where the grammar may end); else drawn again under the mask. The two draws
         are a draw from the masked distribution: the first is kept with the allowed tokens'
         own probability, and the second is one of them in proportion."""
-        self.knobs.token_mask.fill_(-1)
-        tok = int(sample(x, self.params, self.gen, self.knobs))  # the one host copy
+        tok = int(sample(x, self.params, self.gen, self.unmasked))  # the one host copy
         m = self.matcher
         probe = m.grammar.lltok.eos_token if tok in self.ends else tok
         if m.allowed_prefix([probe]) == 1:
