@@ -2,9 +2,11 @@
 parse and match their schemas.
 
     python -m expresslane.bench.auto_tools [MODEL] [--max-tokens 256] [--repeats 3]
+                                          [--temperature 0.0]
 
 This starts `expresslane serve MODEL` in its own process and sends a set of chat requests, each
-with two tools (get_weather, get_time) and `tool_choice: "auto"`, greedy, `--repeats` times.
+with two tools (get_weather, get_time) and `tool_choice: "auto"`, `--repeats` times (greedy, or
+sampled at `--temperature` with seeds 0, 1, ...: a row per seed).
 Since serve/tools.py's free grammar, such a request decodes free text checked a token at a time
 and a call held to its schema once `<tool_call>` opens it; before, nothing held it. Per
 request: the decode tokens/s the server reports (median), the tokens, a hash of the answer (the
@@ -44,17 +46,20 @@ ASKS = [
     "What time is it in Tokyo?",
     "List ten fruits and their colours.",
     "Write a Python function that reverses a list.",
+    "Reply only with a tool call to get_time for UTC.",
 ]
 
 
-def ask(url: str, question: str, max_tokens: int) -> dict:
+def ask(url: str, question: str, max_tokens: int, temperature: float = 0.0, seed: int = 0,
+        model: str = "agent") -> dict:  # fmt: skip
     body = {
-        "model": "agent",
+        "model": model,
         "messages": [{"role": "user", "content": question}],
         "tools": TOOLS,
         "tool_choice": "auto",
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": temperature,
+        "seed": seed,
     }
     out = _post(url + "/v1/chat/completions", body)
     msg, timings = out["choices"][0]["message"], out["timings"]
@@ -81,27 +86,30 @@ def _valid(call: dict) -> bool:
     return schema is not None and jsonschema.Draft202012Validator(schema).is_valid(args)
 
 
-def measure(model: str, max_tokens: int, repeats: int) -> list[dict]:
+def measure(model: str, max_tokens: int, repeats: int, temperature: float = 0.0) -> list[dict]:
     with ExitStack() as stack:
         flags = argparse.Namespace(device="auto", dtype="auto", max_model_len=None, threads=None)
         url = start_server(stack, model, True, flags)
         ask(url, ASKS[0], 8)  # untimed: first-use costs (the grammar's compile among them)
         rows = []
         for q in ASKS:
-            runs = [ask(url, q, max_tokens) for _ in range(repeats)]
-            rows.append({"ask": q, **runs[-1], "tps": statistics.median(r["tps"] for r in runs)})
+            runs = [ask(url, q, max_tokens, temperature, seed) for seed in range(repeats)]
+            if temperature == 0:  # the same answer each time: one row, the median speed
+                runs = [{**runs[-1], "tps": statistics.median(r["tps"] for r in runs)}]
+            rows += [{"ask": q, **r} for r in runs]
         return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = model_parser("auto_tools", __doc__)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
     try:
         if args.max_tokens < 1 or args.repeats < 1:
             raise ExpressLaneError("--max-tokens and --repeats: at least 1")
         args.model = model_or_smollm2(args.model)
-        rows = measure(args.model, args.max_tokens, args.repeats)
+        rows = measure(args.model, args.max_tokens, args.repeats, args.temperature)
     except ExpressLaneError as e:
         print(f"auto_tools: {e}", file=sys.stderr)
         return 2
@@ -116,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["tokens"] / r["tps"] for r in rows if r["tps"])
-    print(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "rows": rows,
+    print(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
+                      "temperature": args.temperature, "rows": rows,
                       "tokens_per_s": tokens / seconds if seconds else 0.0}))  # fmt: skip
     return 0
 

@@ -11,7 +11,9 @@ tokens of budget (SmolLM2 writes a long text there). Per request: the time to th
 to the call's first delta (id and name), to its first argument piece, and to its last, from the
 moment the request is sent; the number of argument pieces; whether the joined arguments parse.
 Before serve/tool_stream.py a call came whole in the finishing chunk, so the last column is also
-when the call arrived before. MODEL: a checkpoint folder or GGUF file (default
+when the call arrived before. A plain greedy chat answer is timed three times before the calls
+and three times after them (a grammar's compile once left every later request three times
+slower: step/threads.py). MODEL: a checkpoint folder or GGUF file (default
 SmolLM2-135M-Instruct's Q4_1 GGUF, fetched once). Prints one table, then one JSON line.
 """
 
@@ -27,7 +29,7 @@ from contextlib import ExitStack
 
 from ..errors import ExpressLaneError
 from ..gguf.fetch import model_or_smollm2
-from .agent import start_server
+from .agent import _post, start_server
 from .serve_decode import model_parser
 
 WRITE = {"type": "function", "function": {
@@ -66,12 +68,25 @@ def streamed_call(url: str, max_tokens: int, model: str = "agent") -> dict:
     return {**at, "pieces": pieces, "chars": len(args), "parses": parses, "finish": finish}
 
 
-def measure(model: str, max_tokens: int, repeats: int) -> list[dict]:
+def plain_decode(url: str) -> float:
+    """The server's decode tokens/s for a plain greedy chat answer of 128 tokens."""
+    body = {"model": "agent", "messages": [{"role": "user", "content": ASK}], "max_tokens": 128,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    return _post(url + "/v1/chat/completions", body)["timings"]["decode_tokens_per_s"]
+
+
+def measure(model: str, max_tokens: int, repeats: int) -> tuple[list[dict], dict]:
+    """(the forced calls' rows, plain decode tok/s before and after them: a grammar's compile
+    once slowed every later request threefold, step/threads.py)."""
     with ExitStack() as stack:
         flags = argparse.Namespace(device="auto", dtype="auto", max_model_len=None, threads=None)
         url = start_server(stack, model, True, flags)
-        streamed_call(url, 8)  # untimed: first-use costs
-        return [streamed_call(url, max_tokens) for _ in range(repeats)]
+        plain_decode(url)  # untimed: first-use costs
+        before = statistics.median(plain_decode(url) for _ in range(3))
+        streamed_call(url, 8)  # untimed: the grammar's compile
+        rows = [streamed_call(url, max_tokens) for _ in range(repeats)]
+        after = statistics.median(plain_decode(url) for _ in range(3))
+        return rows, {"before": before, "after": after}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_tokens < 8 or args.repeats < 1:
             raise ExpressLaneError("--max-tokens: at least 8; --repeats: at least 1")
         args.model = model_or_smollm2(args.model)
-        rows = measure(args.model, args.max_tokens, args.repeats)
+        rows, plain = measure(args.model, args.max_tokens, args.repeats)
     except ExpressLaneError as e:
         print(f"tool_stream: {e}", file=sys.stderr)
         return 2
@@ -94,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         times = " | ".join(f"{r[c]:.0f}" if c in r else "-" for c in cols)
         print(f"| {i} | {times} | {r['pieces']} | {r['chars']} | {r['parses']} | {r['finish']} |")
     medians = {c: statistics.median(r[c] for r in rows) for c in cols if all(c in r for r in rows)}
+    print(f"plain decode, tok/s (median of 3): {plain['before']:.1f} before the calls, "
+          f"{plain['after']:.1f} after")  # fmt: skip
     print(json.dumps({"model": str(args.model), "max_tokens": args.max_tokens, "rows": rows,
-                      "median_ms": medians}))  # fmt: skip
+                      "median_ms": medians, "plain_tokens_per_s": plain}))  # fmt: skip
     return 0
 
 
