@@ -10,6 +10,10 @@ engine hands over after the prefill, so prefix reuse works as for any request). 
   buffer just before the pick. On a GPU the forward is asynchronous, so the two overlap; on a
   CPU the forward holds every core, and a helper thread for the mask measured slower than
   computing it in line (microseconds to a millisecond a token), so it runs in line there too;
+- a free grammar (`GrammarSpec.trigger`: `tool_choice: auto`, serve/tools.py) is not masked:
+  each token is drawn from the unmasked logits and kept where the grammar allows it, else drawn
+  again under the mask (`checked_pick`), so free text is the text without a grammar; its JSON
+  steering starts after the trigger;
 - jump-forward: the tokens the grammar forces (`Matcher.forced`, the only continuation) are
   appended without sampling and go through the step with the picked token, several per call;
 - with speculative decoding (or a request's predicted output), the drafts are cut to the prefix
