@@ -21,6 +21,7 @@ from expresslane.engine import Engine
 from expresslane.errors import RequestError
 from expresslane.sampling.params import SamplingParams
 from expresslane.serve.tools import answer_grammar, auto_grammar, parse_calls, plan_tools
+from expresslane.step.split import SplitSteps
 from expresslane.structured import decoding
 from expresslane.structured.grammar import GrammarCompiler, GrammarSpec
 from expresslane.tokenizer import Tokenizer
@@ -53,18 +54,25 @@ def test_free_text_is_the_unconstrained_text(kit):
         assert "<tool_call>" not in tok.decode(plain) and held == plain, kw
 
 
-def _fake_engine(engine):
-    return SimpleNamespace(device=engine.device, cfg=engine.cfg, speculator_for=lambda p: None)
+def _fake_engine(engine, split: bool):
+    """What _Constrained reads of an engine; `split`: the split graphs' pick (step/split.py,
+    run eagerly here), which a GPU replays captured."""
+    fake = SimpleNamespace(device=engine.device, cfg=engine.cfg, speculator_for=lambda p: None)
+    if split:
+        fake.split_steps = SplitSteps(engine.step, engine.cfg.vocab_size, capture=False)
+    return fake
 
 
-def test_a_call_the_model_opens_is_held_to_its_schema(kit):
+@pytest.mark.parametrize("split", [False, True])
+def test_a_call_the_model_opens_is_held_to_its_schema(kit, split):
     """Logits that write `Sure. <tool_call>` then a call to `get_wind`: the text up to the marker
     comes out as scripted, the call names a known function from the first refused token on,
     and every prefix the picks make is one the grammar takes."""
     engine, tok, plan, grammar = kit
     script = tok.encode('Sure. <tool_call>\n{"name": "get_wind", "arguments": {}}', False)
     params = SamplingParams(grammar=grammar, max_tokens=64)
-    c = decoding._Constrained(_fake_engine(engine), [1], params, None)
+    c = decoding._Constrained(_fake_engine(engine, split), [1], params, None)
+    assert (c.picker is not None) == split
     V, rng = engine.cfg.vocab_size, torch.Generator().manual_seed(0)
     out = []
     for step in range(60):

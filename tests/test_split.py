@@ -168,6 +168,7 @@ GRAMMARS = [
      "days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["city", "days"]}),
     ("regex", "The answer is (yes|no), because [a-z ]{3,12}\\."),
     ("json_object", None),
+    ("auto", None),  # tool_choice auto's free grammar: checked draws, masked when refused
 ]  # fmt: skip
 SAMPLERS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=4)]
 
@@ -181,6 +182,14 @@ def _spec_of(kind, body):
         return GrammarSpec.json_schema(body)
     if kind == "json_object":
         return GrammarSpec.json_schema({"type": "object"})
+    if kind == "auto":
+        from expresslane.serve.tools import auto_grammar, plan_tools
+
+        fn = {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        }
+        return auto_grammar(plan_tools({"tools": [{"type": "function", "function": fn}]}, ""))
     return GrammarSpec(kind, body if isinstance(body, str) else json.dumps(body))
 
 

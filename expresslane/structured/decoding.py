@@ -100,7 +100,7 @@ class _Constrained:
         self.picker = None
         # (penalties adjust the logits before the mask: the eager pick, not the captured one)
         if self.split is not None and self.split.words == words and params.logprobs is None \
-                and pen is None and not self.free:  # fmt: skip
+                and pen is None:  # fmt: skip
             self.picker = self.split.pick_graph(params)
             self.gen = self.picker.generator  # the request's one stream of draws
         self.knobs = SamplerKnobs(engine.device).with_token_mask(words)
@@ -113,7 +113,11 @@ class _Constrained:
         self.spec = spec
         self.drafter = spec.drafter(prompt_ids, params) if spec is not None else None
         # the chained mode (step/split.py): the picked token's forward runs behind the pick
-        self.chained = self.picker is not None and self.split.chain and self.drafter is None
+        # (not for a free grammar: its first draw may be refused after the forward is launched)
+        self.chained = self.picker is not None and self.split.chain and self.drafter is None \
+            and not self.free  # fmt: skip
+        # the captured pick's mask for a free grammar's unmasked draw
+        self.ones = torch.full((words,), -1, dtype=torch.int32, pin_memory=cuda)
         self.eos = next(iter(engine.cfg.eos_token_ids), None)
 
     def forced(self, left: int, answer: int) -> list[int]:
@@ -144,16 +148,11 @@ class _Constrained:
         if self.picker is not None:
             if logits is not self.split.logits:  # the prefill's
                 self.split.logits.copy_(logits)
-            self.picker.launch(self.host)
-            if self.chained:
-                self.split.forwards[1].feed_picked(pos)
-            tok = self.picker.token()  # the one host copy
-        elif not self.masked:
-            tok = self.checked_pick(logits if self.pen is None else self.pen.apply(logits))
+            draw = lambda mask: self._graph_draw(mask, pos)  # noqa: E731
         else:
-            self.knobs.token_mask.copy_(self.host, non_blocking=True)
             x = logits if self.pen is None else self.pen.apply(logits)
-            tok = int(sample(x, self.params, self.gen, self.knobs))  # the one host copy
+            draw = lambda mask: self._eager_draw(x, mask)  # noqa: E731
+        tok = draw(self.host) if self.masked else self.checked_pick(draw)
         if self.free and tok in self.ends:
             return tok  # the end of the output (checked_pick): the matcher never sees it
         self.consume([tok])
@@ -161,18 +160,30 @@ class _Constrained:
             self.drafter.extend([tok])
         return tok
 
-    def checked_pick(self, x: torch.Tensor) -> int:
-        """A free grammar's pick: from the unmasked logits, kept if the grammar allows it (an
-        end token where the grammar may end); else drawn again under the mask. The two draws
-        are a draw from the masked distribution: the first is kept with the allowed tokens'
-        own probability, and the second is one of them in proportion."""
-        tok = int(sample(x, self.params, self.gen, self.unmasked))  # the one host copy
+    def _graph_draw(self, mask: torch.Tensor | None, pos: int) -> int:
+        self.picker.launch(self.ones if mask is None else mask)
+        if self.chained:
+            self.split.forwards[1].feed_picked(pos)
+        return self.picker.token()  # the one host copy
+
+    def _eager_draw(self, x: torch.Tensor, mask: torch.Tensor | None) -> int:
+        if mask is None:
+            return int(sample(x, self.params, self.gen, self.unmasked))  # the one host copy
+        self.knobs.token_mask.copy_(mask, non_blocking=True)
+        return int(sample(x, self.params, self.gen, self.knobs))
+
+    def checked_pick(self, draw) -> int:
+        """A free grammar's pick: `draw(None)` from the unmasked logits, kept if the grammar
+        allows it (an end token where the grammar may end); else `draw(mask)` again under the
+        mask. The two draws are a draw from the masked distribution: the first is kept with the
+        allowed tokens' own probability, and the second is one of them in proportion."""
+        tok = draw(None)
         m = self.matcher
         probe = m.grammar.lltok.eos_token if tok in self.ends else tok
         if m.allowed_prefix([probe]) == 1:
             return tok
-        self.knobs.token_mask.copy_(m.fill()[0])
-        return int(sample(x, self.params, self.gen, self.knobs))
+        self.host.copy_(m.fill()[0])
+        return draw(self.host)
 
     def consume(self, tokens) -> None:
         """Tokens that are output now: the matcher's, and the penalties' counts."""
