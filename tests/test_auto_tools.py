@@ -139,3 +139,17 @@ def test_answer_grammar_applies_the_free_grammar_only_where_nothing_rules_it_out
                        True)  # fmt: skip
     special = SimpleNamespace(encode=tok.encode, special_ids=frozenset(tok.encode("<", False)))
     assert answer_grammar(plan_tools(tools, ""), None, req, special, True) is None
+
+
+def test_the_json_lexer_starts_at_the_trigger(kit):
+    """The closing steering's lexer starts after `<tool_call>` (with the rest of the token that
+    completes it, where a tokenizer has `>{"`; these two split there): free text before it is
+    not JSON, and after it the lexer is two objects deep, inside the city's string."""
+    _, tok, _, grammar = kit
+    text = 'Sure {[" <tool_call>{"name": "get_weather", "arguments": {"city": "Pa'
+    ids = tok.encode(text, False)
+    m = grammar.matcher()
+    for k, t in enumerate(ids):
+        m.consume(t)
+        assert m.waiting == ("<tool_call>" not in tok.decode(ids[: k + 1]))
+    assert not m.waiting and m.depth == 2 and m.in_string

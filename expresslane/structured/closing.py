@@ -86,8 +86,12 @@ class Closing:
         return self._only[key]
 
     def advance(self, state: tuple, token: int) -> tuple:
+        return self.advance_text(state, self.texts[token] if token < len(self.texts) else "")
+
+    @staticmethod
+    def advance_text(state: tuple, text: str) -> tuple:
         inside, escaped, depth, number, last, run = state
-        for ch in self.texts[token] if token < len(self.texts) else "":
+        for ch in text:
             if inside:
                 run = run + 1 if _kind(ch) == _kind(last) else 1
                 last = ch

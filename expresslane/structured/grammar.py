@@ -291,8 +291,10 @@ class Matcher:
         if self._waits:  # the JSON lexer starts after the markers, whatever tokens spell them
             texts = self.grammar.texts
             self._tail = (self._tail + (texts[token] if token < len(texts) else ""))[-32:]
-            if self._waits[0] in self._tail:
+            while self._waits and self._waits[0] in self._tail:
                 self._tail = self._tail.split(self._waits.pop(0), 1)[1]
+            if not self._waits and self.grammar.closing is not None:  # the JSON's first text
+                self._lexer = Closing.advance_text(self._lexer, self._tail)
         elif self.grammar.closing is not None:
             self._lexer = self.grammar.closing.advance(self._lexer, token)
 
