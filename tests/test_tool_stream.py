@@ -156,3 +156,44 @@ def test_merge_gathers_deltas_into_whole_calls():
         {"id": "c0", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
         {"id": "c1", "type": "function", "function": {"name": "g", "arguments": "{}"}},
     ]
+
+
+def test_responses_events_stream_calls_at_the_indices_of_the_final_output():
+    """The Responses API's events from chat chunks with text, two calls in pieces and text after
+    them: each item is added and done at the index it holds in the final output, the message
+    before the first call, the text after the calls a message of its own."""
+    import json as _json
+
+    from expresslane.serve.responses import ResponsesRequest
+    from expresslane.serve.responses_out import ResponseEvents, ResponseShape
+
+    events = ResponseEvents(ResponseShape(ResponsesRequest(input="x"), "m", []))
+    fn = lambda **f: {"function": f}  # noqa: E731
+    chunks = [{"content": "Let me look."},
+              {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                               **fn(name="get_weather", arguments="")}]},
+              {"tool_calls": [{"index": 0, **fn(arguments='{"city": ')}]},
+              {"tool_calls": [{"index": 0, **fn(arguments='"Paris"}')}]},
+              {"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                               **fn(name="get_time", arguments="{}")}]},
+              {"content": " Done."}]  # fmt: skip
+    frames = events.start()
+    for d in chunks:
+        frames += events.chunk({"delta": d, "finish_reason": None})
+    frames += events.chunk({"delta": {}, "finish_reason": "tool_calls"})
+    usage = {"prompt_tokens": 1, "completion_tokens": 9, "total_tokens": 10}
+    final, closing = events.finish_events(usage, None)
+    frames += closing
+    data = [_json.loads(f.split("data: ", 1)[1]) for f in frames]
+    out = final["output"]
+    assert [o["type"] for o in out] == ["message", "function_call", "function_call", "message"]
+    assert (
+        out[0]["content"][0]["text"] == "Let me look." and out[3]["content"][0]["text"] == " Done."
+    )
+    assert _json.loads(out[1]["arguments"]) == {"city": "Paris"} and out[2]["arguments"] == "{}"
+    for kind in ("response.output_item.added", "response.output_item.done"):
+        seen = [(e["output_index"], e["item"]["id"]) for e in data if e["type"] == kind]
+        assert seen == [(i, o["id"]) for i, o in enumerate(out)], kind
+    pieces = [e["delta"] for e in data if e["type"] == "response.function_call_arguments.delta"]
+    assert pieces == ['{"city": ', '"Paris"}', "{}"]
+    assert [e["sequence_number"] for e in data] == list(range(len(data)))

@@ -17,8 +17,11 @@ A stream is the events OpenAI sends, each `event: <type>` and `data: <json>` wit
 `response.output_text.done`, `response.content_part.done`) or
 (`response.function_call_arguments.delta`, `.done`), `response.output_item.done`, and last
 `response.completed` (or `response.incomplete`) with the whole response. A failure is an `error`
-event. Tool calls are sent whole when the answer ends (the chat stream's call deltas gathered
-by tool_stream.merge_call_deltas), so their arguments are one delta.
+event. A function call streams as the chat stream sends it (serve/tool_stream.py): its item is
+added at its first delta (the message, if any, done before it), its arguments come as
+`function_call_arguments.delta` pieces, and it is done when the next call opens or the answer
+ends. Text after a call (the Hermes convention allows it) comes as a message of its own after
+the calls, whole at the end.
 """
 
 from __future__ import annotations
@@ -121,8 +124,8 @@ class ResponseShape:
         """The conversation after this response, as chat messages (for previous_response_id)."""
         text, calls, thought = "", [], None
         for item in response["output"]:
-            if item["type"] == "message":
-                text = item["content"][0]["text"]
+            if item["type"] == "message":  # two where text came after a call: joined
+                text += item["content"][0]["text"]
             elif item["type"] == "reasoning":
                 thought = item["content"][0]["text"]
             else:
@@ -143,7 +146,9 @@ class ResponseEvents:
     def __init__(self, shape: ResponseShape):
         self.shape, self.seq = shape, 0
         self.text, self.logprobs, self.calls = "", [], []
-        self.opened, self.finish = False, None
+        self.opened, self.finish, self.message_done = False, None, False
+        self.open_call: dict | None = None  # the function_call item streaming: item, index
+        self.late = ""  # text after a call (Hermes allows it): a message after the calls
         self.thought, self.thinking, self.base = "", False, 0  # base: the message's index
 
     def event(self, kind: str, **fields) -> str:
@@ -198,47 +203,85 @@ class ResponseEvents:
             out += self._reasoning_delta(delta["reasoning_content"])
         text = delta.get("content") or ""
         lp = (choice.get("logprobs") or {}).get("content") or []
-        if text or lp:
+        if (text or lp) and self.calls:  # text after a call: one message after the calls
+            self.late += text
+        elif text or lp:
             if not self.opened:
                 out += self._open()
             self.text += text
             self.logprobs += lp
             out.append(self.event("response.output_text.delta", **self._where(), delta=text,
                                   logprobs=lp))  # fmt: skip
-        merge_call_deltas(self.calls, delta.get("tool_calls") or [])
+        for d in delta.get("tool_calls") or []:
+            out += self._call_delta(d)
         if choice.get("finish_reason") is not None:
             self.finish = choice["finish_reason"]
         return out
 
+    def _call_delta(self, d: dict) -> list[str]:
+        """A call's first delta opens its item (the message, if any, is done first); the next
+        ones are its arguments' pieces."""
+        out = []
+        if d.get("id"):
+            out += self._close_call() + self._close_message()
+            merge_call_deltas(self.calls, [d])
+            item = {**self.shape.call(self.calls[-1]), "arguments": "", "status": "in_progress"}
+            self.open_call = {"item": item, "at": self._next_index()}
+            out.append(self.event("response.output_item.added", output_index=self.open_call["at"],
+                                  item=item))  # fmt: skip
+            d = {"index": d["index"], "function": {"arguments": d["function"].get("arguments")}}
+        else:
+            merge_call_deltas(self.calls, [d])
+        piece = d["function"].get("arguments")
+        if piece and self.open_call is not None:
+            where = {"item_id": self.open_call["item"]["id"], "output_index": self.open_call["at"]}
+            out.append(self.event("response.function_call_arguments.delta", **where, delta=piece))
+        return out
+
+    def _next_index(self) -> int:
+        return self.base + (1 if self.opened else 0) + len(self.calls) - 1
+
+    def _close_message(self, status: str = "completed") -> list[str]:
+        if not self.opened or self.message_done:
+            return self._close_reasoning()
+        self.message_done = True
+        msg = self.shape.message(self.text, status, self.logprobs)
+        return [
+            self.event("response.output_text.done", **self._where(), text=self.text,
+                       logprobs=self.logprobs),
+            self.event("response.content_part.done", **self._where(), part=msg["content"][0]),
+            self.event("response.output_item.done", output_index=self.base, item=msg),
+        ]  # fmt: skip
+
+    def _close_call(self) -> list[str]:
+        if self.open_call is None:
+            return []
+        at, j = self.open_call["at"], len(self.calls) - 1
+        item, self.open_call = self.shape.call(self.calls[j]), None
+        where = {"item_id": item["id"], "output_index": at}
+        return [self.event("response.function_call_arguments.done", **where, name=item["name"],
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=at, item=item)]  # fmt: skip
+
     def finish_events(self, chat_usage: dict, timings: dict | None) -> tuple[dict, list[str]]:
-        """(the whole response, the closing events)."""
-        shape, out = self.shape, self._close_reasoning()
-        output = shape.output(self.text, self.calls, self.finish, self.logprobs,
-                              self.thought or None)  # fmt: skip
-        at = self.base
-        if at < len(output) and output[at]["type"] == "message":
-            if not self.opened:
-                out += self._open()
-            msg = output[at]
-            out += [
-                self.event("response.output_text.done", **self._where(), text=self.text,
-                           logprobs=self.logprobs),
-                self.event("response.content_part.done", **self._where(),
-                           part=msg["content"][0]),
-                self.event("response.output_item.done", output_index=at, item=msg),
-            ]  # fmt: skip
-            at += 1
-        for j, item in enumerate(output[at:], start=at):
-            where = {"item_id": item["id"], "output_index": j}
-            out += [
-                self.event("response.output_item.added", output_index=j,
-                           item={**item, "arguments": "", "status": "in_progress"}),
-                self.event("response.function_call_arguments.delta", **where,
-                           delta=item["arguments"]),
-                self.event("response.function_call_arguments.done", **where,
-                           name=item["name"], arguments=item["arguments"]),
-                self.event("response.output_item.done", output_index=j, item=item),
-            ]  # fmt: skip
+        """(the whole response, the closing events); its output is the items as they streamed."""
+        shape, out = self.shape, self._close_call()
+        status = "incomplete" if self.finish == "length" else "completed"
+        if not self.calls and not self.opened:
+            out += self._open()  # an answer of no text and no call: an empty message
+        output = [shape.reasoning(self.thought, "completed")] if self.thought else []
+        if self.opened:
+            # done at the first call: complete then, whatever the finish
+            output.append(shape.message(self.text, status if not self.calls else "completed",
+                                        self.logprobs))  # fmt: skip
+            out += self._close_message(output[-1]["status"])
+        output += [shape.call(c) for c in self.calls]
+        if self.late:  # text after a call: a message of its own, after the calls
+            late = {**shape.message(self.late, status, None), "id": shape.message_id + "_after"}
+            out += [self.event("response.output_item.added", output_index=len(output), item=late),
+                    self.event("response.output_item.done", output_index=len(output),
+                               item=late)]  # fmt: skip
+            output.append(late)
         final = shape.finished(output, usage(chat_usage), self.finish, timings)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return final, [*out, self.event(kind, response=final)]

@@ -143,8 +143,16 @@ def test_forced_tool_call_then_its_result_then_an_answer(embedded):
         if stream:
             events = list(c.responses.create(stream=True, **kw))
             kinds = [e.type for e in events]
-            assert "response.function_call_arguments.done" in kinds
             r = events[-1].response
+            # the call's item opens at its first delta, its arguments come in pieces that join
+            # into the final ones, and its `done` events come before the response's
+            added = kinds.index("response.output_item.added")
+            pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+            done = next(e for e in events if e.type == "response.function_call_arguments.done")
+            assert events[added].item.type == "function_call" and pieces
+            assert added < kinds.index("response.function_call_arguments.delta")
+            assert "".join(pieces) == done.arguments == r.output[-1].arguments
+            assert kinds.index("response.function_call_arguments.done") < len(kinds) - 1
         else:
             r = c.responses.create(**kw)
         calls = [o for o in r.output if o.type == "function_call"]
