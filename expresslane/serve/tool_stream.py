@@ -24,19 +24,13 @@ one's are re-serialized. Both parse to the same object.
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
 
-from .tools import ToolPlan
+from .tools import ToolPlan, call_id, json_or_none, known_call
 
 _MARKER = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
 _PYTHON_TAG = "<|python_tag|>"
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-
-
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 class JsonEnd:
@@ -72,13 +66,13 @@ class CallStream:
     def __init__(self, plan: ToolPlan):
         # calls held to their schemas by a grammar (forced ones, and `auto` where its free
         # grammar applies: tools.answer_grammar) stream as they are written
-        self.plan, self.forced = plan, plan.grammar is not None
+        self.plan, self.held = plan, plan.grammar is not None
         self.text, self.pos, self.state = "", 0, "start"
         self.region = 0  # where the call being read began (its marker): content if it breaks
         self.ws = ""  # whitespace held back from the content
-        self.calls: list[dict] = []  # sent: {"id", "name", "args_from", "args_sent"}
+        self.calls = 0  # calls sent (each one's first delta)
         self.scan: JsonEnd | None = None
-        self.open: dict | None = None  # a forced call whose arguments are streaming
+        self.sent: int | None = None  # a held call streaming: the end of its arguments sent
 
     def push(self, piece: str) -> tuple[str, list[dict]]:
         """(content, tool_call deltas) of the next piece of text."""
@@ -94,11 +88,11 @@ class CallStream:
         call cut short (`length`) stays as sent, as OpenAI's does."""
         if self.state in ("content", "start"):
             tail = self.text[self.pos :]
-        elif self.state in ("bracket", "lead", "call", "broken") and self.open is None:
+        elif self.state in ("bracket", "lead", "call", "broken") and self.sent is None:
             tail = self.text[self.region :]
             if self.calls and self.plan.style == "hermes" and "</tool_call>" not in tail:
                 tail = ""  # a call left open after others, cut short: parse_calls drops it too
-        else:  # text, trail (a call's end marker cut short), an open forced call
+        else:  # text, trail (a call's end marker cut short), a held call cut short
             tail = ""
         return self._content(tail, final=True)
 
@@ -177,33 +171,31 @@ class CallStream:
     def _read_call(self, deltas: list[dict]) -> bool:
         t, scan = self.text, self.scan
         scan.feed(t)
-        if self.forced and self.open is None and scan.end is None:
+        if self.held and self.sent is None and scan.end is None:
             m = _HEAD.match(t, self.pos)
-            name = _string(m.group(1)) if m else None
-            if name in self.plan.functions:
-                self.open = {"id": call_id(), "args_from": m.end(), "args_sent": m.end()}
-                deltas.append({"index": len(self.calls), "id": self.open["id"],
-                               "type": "function", "function": {"name": name,
-                                                                "arguments": ""}})  # fmt: skip
-        if self.open is not None:
-            upto = scan.i if scan.depth >= 2 else (scan.args_end or self.open["args_sent"])
+            name = json_or_none(m.group(1)) if m else None
+            if name in self.plan.functions:  # the call's first delta: id and name
+                self.sent = m.end()
+                deltas.append({"index": self.calls, "id": call_id(), "type": "function",
+                               "function": {"name": name, "arguments": ""}})  # fmt: skip
+        if self.sent is not None:
+            upto = scan.i if scan.depth >= 2 else (scan.args_end or self.sent)
             if scan.end is not None:  # the arguments end before the call's closing brace
                 upto = len(t[: scan.end - 1].rstrip())
-            if upto > self.open["args_sent"]:
-                deltas.append({"index": len(self.calls), "function": {
-                    "arguments": t[self.open["args_sent"]:upto]}})  # fmt: skip
-                self.open["args_sent"] = upto
+            if upto > self.sent:
+                deltas.append({"index": self.calls,
+                               "function": {"arguments": t[self.sent : upto]}})  # fmt: skip
+                self.sent = upto
         if scan.end is None:
             return False
-        if self.open is None:
-            call = _known(t[self.pos : scan.end], self.plan)
+        if self.sent is None:
+            call = known_call(json_or_none(t[self.pos : scan.end]), self.plan)
             if call is None:
                 self.state = "broken"
                 return False
-            deltas.append({"index": len(self.calls), "id": call_id(), "type": "function",
-                           "function": call})  # fmt: skip
-        self.calls.append(self.open or {})
-        self.open, self.pos, self.state = None, scan.end, "trail"
+            deltas.append({"index": self.calls, **call})
+        self.calls += 1
+        self.sent, self.pos, self.state = None, scan.end, "trail"
         return True
 
     def _read_trail(self) -> bool:
@@ -234,28 +226,9 @@ class CallStream:
         piece = self.ws + piece
         body = piece.rstrip()
         self.ws = piece[len(body) :]
-        if final and not self.calls and self.open is None:
+        if final and not self.calls and self.sent is None:
             body, self.ws = piece, ""
         return body
-
-
-def _string(quoted: str) -> str | None:
-    try:
-        return json.loads(quoted)
-    except ValueError:
-        return None
-
-
-def _known(obj_text: str, plan: ToolPlan) -> dict | None:
-    """{"name", "arguments"} of a whole call object, or None if it is not a call to a known
-    function."""
-    try:
-        c = json.loads(obj_text)
-    except ValueError:
-        return None
-    if not isinstance(c, dict) or c.get("name") not in plan.functions:
-        return None
-    return {"name": c["name"], "arguments": json.dumps(c.get("arguments", c.get("parameters", {})))}
 
 
 def merge_call_deltas(calls: list[dict], deltas: list[dict]) -> None:

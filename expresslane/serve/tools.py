@@ -239,8 +239,8 @@ def _plain_calls(m: dict) -> dict:
         args = fn.get("arguments") or {}
         # OpenAI keeps arguments as a string that need not parse (a model may write bad JSON);
         # such a call goes back as written, never as a 500
-        raw = args if isinstance(args, str) and _json(args) is None else json.dumps(
-            _json(args) if isinstance(args, str) else args)  # fmt: skip
+        raw = args if isinstance(args, str) and json_or_none(args) is None else json.dumps(
+            json_or_none(args) if isinstance(args, str) else args)  # fmt: skip
         call = f'{{"name": {json.dumps(fn.get("name"))}, "arguments": {raw}}}'
         parts.append(f"<tool_call>\n{call}\n</tool_call>")
     return {"role": "assistant", "content": "\n".join(p for p in parts if p)}
@@ -254,28 +254,37 @@ def parse_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a finished output; no calls: (text, [])."""
     if plan.style == "mistral":
         head, sep, rest = text.partition("[TOOL_CALLS]")
-        raw = _json(rest) if sep else None
+        raw = json_or_none(rest) if sep else None
         found = raw if isinstance(raw, list) else []
         content = head
     elif plan.style == "llama3":
-        raw = [_json(p) for p in text.strip().removeprefix("<|python_tag|>").split(";")]
+        raw = [json_or_none(p) for p in text.strip().removeprefix("<|python_tag|>").split(";")]
         found = raw if all(isinstance(r, dict) for r in raw) else []
         content = "" if found else text
     else:
-        found = [_json(m) for m in _HERMES.findall(text)]
+        found = [json_or_none(m) for m in _HERMES.findall(text)]
         content = _HERMES.sub("", text).split("<tool_call>")[0]
-    calls = []
-    for c in found:
-        if not isinstance(c, dict) or c.get("name") not in plan.functions:
-            return text, []  # not a well-formed call: the text stays the answer
-        args = c.get("arguments", c.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": c["name"], "arguments": json.dumps(args)}})  # fmt: skip
-    content = content.strip() or None
-    return (content, calls) if calls else (text, [])
+    calls = [known_call(c, plan) for c in found]
+    if not calls or None in calls:
+        return text, []  # not a well-formed call: the text stays the answer
+    return content.strip() or None, calls
 
 
-def _json(s: str) -> Any:
+def known_call(c: Any, plan: ToolPlan) -> dict | None:
+    """A parsed call object as an OpenAI tool call (a new id, its arguments re-serialized), or
+    None where it is not a call to one of the plan's functions."""
+    if not isinstance(c, dict) or c.get("name") not in plan.functions:
+        return None
+    args = c.get("arguments", c.get("parameters", {}))
+    return {"id": call_id(), "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(args)}}  # fmt: skip
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def json_or_none(s: str) -> Any:
     try:
         return json.loads(s)
     except ValueError:
