@@ -122,11 +122,7 @@ def call_grammar(plan: ToolPlan) -> GrammarSpec:
     """A Lark grammar for the forced calls: each call's arguments are the function's schema."""
     names = [plan.named] if plan.choice == "named" else list(plan.functions)
     key = "parameters" if plan.style == "llama3" else "arguments"
-    calls = [{"type": "object", "properties": {"name": {"const": n},
-              key: closed_objects(plan.functions[n]["parameters"])}, "required": ["name", key],
-              "additionalProperties": False} for n in names]  # fmt: skip
-    schema = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}),
-                         "x-guidance": COMPACT})  # fmt: skip
+    schema = calls_schema(plan, names, key, COMPACT)
     many = plan.parallel and plan.choice == "required"
     if plan.style == "mistral":
         body = 'start: "[TOOL_CALLS]" "[" call ("," call)* "]"' if many else \
@@ -139,6 +135,15 @@ def call_grammar(plan: ToolPlan) -> GrammarSpec:
     return GrammarSpec("lark", f"{body}\ncall: %json {schema}\n", "tools")
 
 
+def calls_schema(plan: ToolPlan, names: list[str], key: str, layout: dict) -> str:
+    """The JSON schema (text) of one call to any of `names`: {"name": its name, `key`: its
+    parameters' schema, objects closed}, written in llguidance's `layout`."""
+    calls = [{"type": "object", "properties": {"name": {"const": n},
+              key: closed_objects(plan.functions[n]["parameters"])}, "required": ["name", key],
+              "additionalProperties": False} for n in names]  # fmt: skip
+    return json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": layout})
+
+
 TRIGGER = "<tool_call>"  # where a Hermes call opens: a free grammar holds what follows
 SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -148,12 +153,7 @@ def auto_grammar(plan: ToolPlan) -> GrammarSpec:
     up to it and then calls held to their functions' schemas, in JSON spaced as the convention
     writes it. Picks are checked against it, not masked (structured/decoding.py), so free text
     costs a check a token."""
-    key = "arguments"
-    calls = [{"type": "object", "properties": {"name": {"const": n},
-              key: closed_objects(plan.functions[n]["parameters"])}, "required": ["name", key],
-              "additionalProperties": False} for n in plan.functions]  # fmt: skip
-    schema = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}),
-                         "x-guidance": SPACED})  # fmt: skip
+    schema = calls_schema(plan, list(plan.functions), "arguments", SPACED)
     one = 'GAP? call GAP? "</tool_call>"'
     more = f' (GAP? "<tool_call>" {one})*' if plan.parallel else ""
     lark = "\n".join([

@@ -240,7 +240,7 @@ class Matcher:
     @property
     def thinking(self) -> bool:
         """In the thought (before its </think>)."""
-        return bool(self._waits) and self._waits[0] == END and bool(self.grammar.spec.think)
+        return bool(self._waits) and self._waits[0] == END
 
     @property
     def waiting(self) -> bool:
