@@ -26,10 +26,8 @@ import statistics
 import sys
 from contextlib import ExitStack
 
-from ..errors import ExpressLaneError
-from ..gguf.fetch import model_or_smollm2
 from .agent import _post, start_server
-from .serve_decode import model_parser
+from .serve_decode import measured, model_parser
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather now",
@@ -105,13 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
-    try:
-        if args.max_tokens < 1 or args.repeats < 1:
-            raise ExpressLaneError("--max-tokens and --repeats: at least 1")
-        args.model = model_or_smollm2(args.model)
-        rows = measure(args.model, args.max_tokens, args.repeats, args.temperature)
-    except ExpressLaneError as e:
-        print(f"auto_tools: {e}", file=sys.stderr)
+    bad = args.max_tokens < 1 or args.repeats < 1
+    problem = "--max-tokens and --repeats: at least 1" if bad else None
+    rows = measured("auto_tools", args, problem, lambda model: measure(
+        model, args.max_tokens, args.repeats, args.temperature))  # fmt: skip
+    if rows is None:
         return 2
     print(
         "| request | tokens | decode tok/s | answer hash | call opened | calls | valid | finish |"

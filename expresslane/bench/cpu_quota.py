@@ -22,9 +22,8 @@ import sys
 from contextlib import contextmanager
 
 from ..errors import ExpressLaneError
-from ..gguf.fetch import model_or_smollm2
 from ..step.threads import CGROUP, usable_cores
-from .serve_decode import _summary, model_parser, run_decode
+from .serve_decode import _summary, measured, model_parser, run_decode
 
 PERIOD_US = 100_000
 
@@ -84,13 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quota", type=float, default=1.0, help="cores' worth of CPU time")
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args(argv)
-    try:
-        if args.tokens < 2 or args.repeats < 1 or args.quota <= 0:
-            raise ExpressLaneError("--tokens: at least 2; --repeats: at least 1; --quota: > 0")
-        args.model = model_or_smollm2(args.model)
-        res = measure(args.model, args.quota, args.tokens, args.repeats)
-    except ExpressLaneError as e:
-        print(f"cpu_quota: {e}", file=sys.stderr)
+    bad = args.tokens < 2 or args.repeats < 1 or args.quota <= 0
+    problem = "--tokens: at least 2; --repeats: at least 1; --quota: > 0" if bad else None
+    res = measured("cpu_quota", args, problem,
+                   lambda model: measure(model, args.quota, args.tokens, args.repeats))  # fmt: skip
+    if res is None:
         return 2
     print(f"| threads | quota {args.quota:g} cores: tok/s, median (min) | threads | "
           "no quota: tok/s | threads |")  # fmt: skip

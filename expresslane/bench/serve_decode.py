@@ -94,17 +94,29 @@ def model_parser(module: str, doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def measured(name: str, args: argparse.Namespace, problem: str | None, measure):
+    """`measure(model)` with the bench's MODEL (SmolLM2's GGUF where none was given), or None
+    once a bad flag (`problem`) or the measurement's error is printed as `name: why` (the bench
+    then exits 2). `args.model` is left as the model measured."""
+    try:
+        if problem:
+            raise ExpressLaneError(problem)
+        args.model = model_or_smollm2(args.model)
+        return measure(args.model)
+    except ExpressLaneError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = model_parser("serve_decode", __doc__)
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args(argv)
-    try:
-        if args.tokens < 2 or args.repeats < 1:
-            raise ExpressLaneError("--tokens: at least 2; --repeats: at least 1")
-        args.model = model_or_smollm2(args.model)
-        res = measure(args.model, args.tokens, args.repeats)
-    except ExpressLaneError as e:
-        print(f"serve_decode: {e}", file=sys.stderr)
+    bad = args.tokens < 2 or args.repeats < 1
+    problem = "--tokens: at least 2; --repeats: at least 1" if bad else None
+    res = measured("serve_decode", args, problem,
+                   lambda model: measure(model, args.tokens, args.repeats))  # fmt: skip
+    if res is None:
         return 2
     print("| way | alone: decode tok/s, median (min) | threads | one core busy: tok/s | threads |")
     print("|---|---|---|---|---|")

@@ -27,10 +27,8 @@ import time
 import urllib.request
 from contextlib import ExitStack
 
-from ..errors import ExpressLaneError
-from ..gguf.fetch import model_or_smollm2
 from .agent import _post, start_server
-from .serve_decode import model_parser
+from .serve_decode import measured, model_parser
 
 WRITE = {"type": "function", "function": {
     "name": "write_file", "description": "Write a text file.",
@@ -93,14 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = model_parser("tool_stream", __doc__)
     ap.add_argument("--max-tokens", type=int, default=200)
     args = ap.parse_args(argv)
-    try:
-        if args.max_tokens < 8 or args.repeats < 1:
-            raise ExpressLaneError("--max-tokens: at least 8; --repeats: at least 1")
-        args.model = model_or_smollm2(args.model)
-        rows, plain = measure(args.model, args.max_tokens, args.repeats)
-    except ExpressLaneError as e:
-        print(f"tool_stream: {e}", file=sys.stderr)
+    bad = args.max_tokens < 8 or args.repeats < 1
+    problem = "--max-tokens: at least 8; --repeats: at least 1" if bad else None
+    res = measured("tool_stream", args, problem,
+                   lambda model: measure(model, args.max_tokens, args.repeats))  # fmt: skip
+    if res is None:
         return 2
+    rows, plain = res
     cols = ("chunk", "call", "args", "last")
     print("| request | first chunk, ms | call's first delta, ms | first argument piece, ms | "
           "last argument piece, ms | pieces | chars | parses | finish |")  # fmt: skip
