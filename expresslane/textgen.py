@@ -32,7 +32,8 @@ def stream_text(
     # vLLM's default hides special tokens (a sampled <|endoftext|> that is no stop id for this
     # model would otherwise show up in the text); spaces_between_special_tokens changes nothing
     # here: these decoders, like vLLM's fast detokenizer, put no space between added tokens.
-    detok = IncrementalDetokenizer(tok, params.skip_special_tokens, context=prompt_ids)
+    detok = IncrementalDetokenizer(tok, params.skip_special_tokens, prompt_ids,
+                                   params.kept_special_ids)  # fmt: skip
     matcher = StopStringMatcher(list(stop), include_stop)
     params = with_tokenizer_eos(engine, tok, params)
     stops = engine.stop_ids(params)

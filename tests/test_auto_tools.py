@@ -116,29 +116,26 @@ def test_the_grammar_refuses_a_call_that_does_not_match(kit, bad):
     assert grammar.matcher().allowed_prefix(ids) < len(ids)
 
 
-def test_answer_grammar_applies_the_free_grammar_only_where_nothing_rules_it_out(kit):
-    _, tok, _, _ = kit
+def test_answer_grammar_applies_the_free_grammar_only_where_nothing_rules_it_out():
     req = SimpleNamespace(min_tokens=None, allowed_token_ids=None, bad_words=None)
     tools = {"tools": [WEATHER]}
-    auto = answer_grammar(plan_tools(tools, ""), None, req, tok, True)
+    auto = answer_grammar(plan_tools(tools, ""), None, req, True)
     assert auto is not None and auto.trigger == "<tool_call>"
     schema = GrammarSpec.json_schema({"type": "object"})
-    assert answer_grammar(plan_tools(tools, ""), schema, req, tok, True) is schema
-    assert answer_grammar(plan_tools(tools, ""), None, req, tok, False) is None  # no grammars
+    assert answer_grammar(plan_tools(tools, ""), schema, req, True) is schema
+    assert answer_grammar(plan_tools(tools, ""), None, req, False) is None  # no grammars
     for field in ("min_tokens", "bad_words"):
         own = SimpleNamespace(**{**req.__dict__, field: 2 if field == "min_tokens" else ["x"]})
-        assert answer_grammar(plan_tools(tools, ""), None, own, tok, True) is None
-    mistral = plan_tools(tools, "tools [TOOL_CALLS]")
-    assert answer_grammar(mistral, None, req, tok, True) is None
-    assert answer_grammar(plan_tools({**tools, "tool_choice": "none"}, ""), None, req, tok,
+        assert answer_grammar(plan_tools(tools, ""), None, own, True) is None
+    for template, trigger in (("tools [TOOL_CALLS]", "[TOOL_CALLS]"),
+                              ("tools <|python_tag|>", "^<|python_tag|>")):  # fmt: skip
+        assert answer_grammar(plan_tools(tools, template), None, req, True).trigger == trigger
+    assert answer_grammar(plan_tools({**tools, "tool_choice": "none"}, ""), None, req,
                           True) is None  # fmt: skip
     forced = plan_tools({**tools, "tool_choice": "required"}, "")
-    assert answer_grammar(forced, None, req, tok, True) is forced.grammar
+    assert answer_grammar(forced, None, req, True) is forced.grammar
     with pytest.raises(RequestError, match="cannot be combined"):
-        answer_grammar(plan_tools({**tools, "tool_choice": "required"}, ""), schema, req, tok,
-                       True)  # fmt: skip
-    special = SimpleNamespace(encode=tok.encode, special_ids=frozenset(tok.encode("<", False)))
-    assert answer_grammar(plan_tools(tools, ""), None, req, special, True) is None
+        answer_grammar(plan_tools({**tools, "tool_choice": "required"}, ""), schema, req, True)
 
 
 def test_the_json_lexer_starts_at_the_trigger(kit):

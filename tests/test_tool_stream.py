@@ -10,7 +10,7 @@ import random
 import pytest
 
 from expresslane.serve.tool_stream import CallStream, JsonEnd, merge_call_deltas
-from expresslane.serve.tools import parse_calls, plan_tools
+from expresslane.serve.tools import auto_grammar, parse_calls, plan_tools
 
 F = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
      "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}  # fmt: skip
@@ -83,6 +83,29 @@ def test_every_split_gives_the_whole_answers_parse(style):
                 assert content.strip() == (want_content or ""), (text, pieces)
             else:
                 assert content == text, (text, pieces)  # the text whole, whitespace too
+
+
+# answers a free grammar lets through (tools.auto_grammar): text, or calls that parse
+HELD = {
+    "hermes": ["Plain text.", f"Sure.\n<tool_call>\n{W}\n</tool_call>\n<tool_call>{X}</tool_call>"],
+    "mistral": ["Just [text].", f"Sure [TOOL_CALLS] [{W}, {X}]", f"[TOOL_CALLS][{W}]"],
+    "llama3": ["Just text {x}.", f"<|python_tag|> {W} ; {X}", f"  {W}"],
+}
+
+
+@pytest.mark.parametrize("style", list(HELD))
+def test_calls_held_by_the_free_grammar_stream_as_the_whole_answer_parses(style):
+    p, rng = plan(style), random.Random(2)
+    p.grammar = auto_grammar(p)
+    for text in HELD[style]:
+        want_content, want = parse_calls(text, p)
+        assert want or "name" not in text
+        for pieces in splits(text, rng):
+            content, calls, _ = streamed(p, pieces)
+            got = [(c["name"], json.loads(c["arguments"])) for c in calls]
+            assert got == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                           for c in want], (text, pieces)  # fmt: skip
+            assert content.strip() == (want_content or ""), (text, pieces)
 
 
 # A call sent before the text breaks stays sent; the whole answer's parse makes it all text

@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the chosen token's plus the top n
     skip_special_tokens: bool = True  # vLLM's default: special tokens never reach the text
+    kept_special_ids: tuple[int, ...] = ()  # in the text all the same (a tool call's marker)
     spaces_between_special_tokens: bool = True
     grammar: Any = None  # a compiled grammar.Grammar: decoding is constrained to it
     # vLLM's logits adjustments (sampler.Penalties), applied before temperature in this order:

@@ -169,6 +169,7 @@ class Preparer:
         choice: int,
         grammar=None,
         prediction: tuple[int, ...] = (),
+        kept: tuple[int, ...] = (),
     ) -> SamplingParams:
         seed = req.seed
         if seed is None and self.rng is not None:
@@ -190,6 +191,7 @@ class Preparer:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            kept_special_ids=kept,  # a tool call's markers (tools.ToolPlan.kept)
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             grammar=grammar,
             allowed_token_ids=tuple(req.allowed_token_ids or ()),
@@ -261,9 +263,9 @@ class Preparer:
         req: P.ChatCompletionRequest = P.parse(P.ChatCompletionRequest, body)
         model = self.model_name(req.model)
         self.check_n(req.n)
-        plan = plan_tools(req.model_extra or {}, self.template(req), self.limits.tool_call_parser)
-        spec = answer_grammar(plan, request_grammar(req.model_extra), req, self.tok,
-                              self.engine.grammars)  # fmt: skip
+        plan = plan_tools(req.model_extra or {}, self.template(req), self.limits.tool_call_parser,
+                          self.tok)  # fmt: skip
+        spec = answer_grammar(plan, request_grammar(req.model_extra), req, self.engine.grammars)
         grammar = self.grammar(spec, req)
         asked = req.max_completion_tokens or req.max_tokens
         ids = self.truncated(self.chat_prompt(req, plan), req.truncate_prompt_tokens, asked)
@@ -276,7 +278,9 @@ class Preparer:
             ChoiceSpec(
                 j,
                 ids,
-                self.sampling(req, max_tokens, logprobs, j, grammar, prediction),
+                self.sampling(
+                    req, max_tokens, logprobs, j, grammar, prediction, plan.kept if plan else ()
+                ),
                 req.stop_strings(),
                 include_stop=req.include_stop_str_in_output,
                 prompt_logprobs=req.prompt_logprobs if j == 0 else None,  # once: a shared prompt

@@ -11,8 +11,9 @@ A whole answer is parsed once (tools.parse_calls). A stream decides as the text 
   streams as it is written, as vLLM's parsers stream: a delta
   with its id and name once the name is whole, then the arguments' text piece by piece. A long
   argument (a file to write) shows as it is typed, not in one piece at the end.
-- **A call no grammar holds** (`auto` in the Mistral and Llama 3 conventions) may not parse,
-  and a sent call cannot be taken back. Each
+- **A call no grammar holds** (`auto` where its free grammar does not apply: with min_tokens,
+  allowed_token_ids or bad_words, or on an engine without grammars) may not parse, and a sent
+  call cannot be taken back. Each
   is held until its JSON object closes, then sent whole if it parses and names a known function.
   If not, it and the rest of the text go out as content at the end, as the parsed answer would
   have it. (One case differs from the parsed answer: calls sent before a broken one stay sent,

@@ -9,8 +9,15 @@ assistant calls and `role: "tool"` results written back as Hermes text (`<tool_c
 `<tool_response>`) in roles the template knows.
 
 `tool_choice`: "none" renders no tools and parses nothing; "auto" parses the model's free
-output by the convention; "required" and a named function force the calls through a grammar
-(Lark with inline JSON schemas: `%json`), so the arguments always parse and match the schema.
+output by the convention, under a free grammar where it applies (auto_grammar); "required" and
+a named function force the calls through a grammar (Lark with inline JSON schemas: `%json`),
+so the arguments always parse and match the schema.
+
+A marker the tokenizer keeps as one special token (Mistral's `[TOOL_CALLS]`, Llama's
+`<|python_tag|>`, a Hermes model's `<tool_call>`) is that token in the grammars (`<[id]>`), as
+the model was trained to write it, and it stays in the answer's text even where special tokens
+are skipped (`ToolPlan.kept`): the answer is parsed by it. vLLM's parsers keep it by turning
+`skip_special_tokens` off; here only the markers are kept, so no other special token shows.
 """
 
 from __future__ import annotations
@@ -53,17 +60,29 @@ class ToolPlan:
     native: bool = False  # the template renders the tools itself
     grammar: GrammarSpec | None = None
     tools: list[dict] = field(default_factory=list)  # as sent, for a native template
+    specials: dict[str, int] = field(default_factory=dict)  # markers that are special tokens
 
     @property
     def parses(self) -> bool:
         return self.choice != "none" and bool(self.functions)
 
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """The special tokens the answer's text keeps: the markers it is parsed by."""
+        return tuple(self.specials.values()) if self.parses else ()
 
-def plan_tools(extra: dict, template: str, parser: str | None = None) -> ToolPlan | None:
+    def marker(self, text: str) -> str:
+        """A marker in Lark: its special token where the tokenizer has one, else its text."""
+        return f"<[{self.specials[text]}]>" if text in self.specials else json.dumps(text)
+
+
+def plan_tools(extra: dict, template: str, parser: str | None = None,
+               tok=None) -> ToolPlan | None:  # fmt: skip
     """The ToolPlan of a request's `tools`, `tool_choice`, `parallel_tool_calls`, or None.
     `parser` (vLLM's --tool-call-parser) names the convention of a template that renders
     tools itself, instead of reading it from the template's text; the generic prompt asks for
-    Hermes calls whatever it says."""
+    Hermes calls whatever it says. `tok`: the tokenizer, whose special tokens the markers may
+    be (special_markers)."""
     tools, choice = extra.get("tools"), extra.get("tool_choice")
     if not tools:
         if choice not in (None, "none", "auto"):
@@ -103,6 +122,7 @@ def plan_tools(extra: dict, template: str, parser: str | None = None) -> ToolPla
         "hermes"  # fmt: skip
     plan = ToolPlan(functions, choice, named, extra.get("parallel_tool_calls") is not False,
                     style, native, tools=tools)  # fmt: skip
+    plan.specials = special_markers(style, tok) if tok is not None else {}
     if choice in ("required", "named"):
         plan.grammar = call_grammar(plan)
     return plan
@@ -118,6 +138,20 @@ def template_style(template: str) -> str:
     return "hermes"
 
 
+MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]",),
+           "llama3": ("<|python_tag|>",)}  # fmt: skip
+
+
+def special_markers(style: str, tok) -> dict[str, int]:
+    """The convention's markers that the tokenizer encodes as one special token: text -> id."""
+    found = {}
+    for text in MARKERS[style]:
+        ids = [i for i in tok.encode(text, False) if i in tok.special_ids]
+        if len(ids) == 1 and tok.decode(ids) == text:
+            found[text] = ids[0]
+    return found
+
+
 def call_grammar(plan: ToolPlan) -> GrammarSpec:
     """A Lark grammar for the forced calls: each call's arguments are the function's schema."""
     names = [plan.named] if plan.choice == "named" else list(plan.functions)
@@ -125,12 +159,12 @@ def call_grammar(plan: ToolPlan) -> GrammarSpec:
     schema = calls_schema(plan, names, key, COMPACT)
     many = plan.parallel and plan.choice == "required"
     if plan.style == "mistral":
-        body = 'start: "[TOOL_CALLS]" "[" call ("," call)* "]"' if many else \
-               'start: "[TOOL_CALLS]" "[" call "]"'  # fmt: skip
+        head = f'{plan.marker("[TOOL_CALLS]")} "["'
+        body = f'start: {head} call ("," call)* "]"' if many else f'start: {head} call "]"'
     elif plan.style == "llama3":
         body = 'start: call (";" call)*' if many else "start: call"
     else:
-        one = '"<tool_call>\\n" call "\\n</tool_call>"'
+        one = f'{plan.marker("<tool_call>")} "\\n" call "\\n" {plan.marker("</tool_call>")}'
         body = f'start: {one} ("\\n" {one})*' if many else f"start: {one}"
     return GrammarSpec("lark", f"{body}\ncall: %json {schema}\n", "tools")
 
@@ -144,35 +178,58 @@ def calls_schema(plan: ToolPlan, names: list[str], key: str, layout: dict) -> st
     return json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": layout})
 
 
-TRIGGER = "<tool_call>"  # where a Hermes call opens: a free grammar holds what follows
 SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# where each convention's call opens (GrammarSpec.trigger): the JSON steering starts after it;
+# "^": the call must begin the answer (after whitespace), the trigger then optional
+TRIGGERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3": "^<|python_tag|>"}
 
 
 def auto_grammar(plan: ToolPlan) -> GrammarSpec:
-    """`tool_choice: auto` in the Hermes convention: any text without `<tool_call>`, or text
-    up to it and then calls held to their functions' schemas, in JSON spaced as the convention
-    writes it. Picks are checked against it, not masked (structured/decoding.py), so free text
-    costs a check a token."""
-    schema = calls_schema(plan, list(plan.functions), "arguments", SPACED)
-    one = 'GAP? call GAP? "</tool_call>"'
-    more = f' (GAP? "<tool_call>" {one})*' if plan.parallel else ""
-    lark = "\n".join([
-        f"start: TEXT | OPEN {one}{more}", f"call: %json {schema}",
-        r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
-        r"OPEN: /(?s:.*)<tool_call>/ & ~/(?s:.*<tool_call>.+)/", r"GAP: /[ \t\r\n]{1,4}/",
-    ])  # fmt: skip
-    return GrammarSpec("lark", lark + "\n", "tools", trigger=TRIGGER)
+    """`tool_choice: auto`: any text that opens no call, or calls held to their functions'
+    schemas, in JSON spaced as the convention writes it. Hermes and Mistral: text up to the
+    marker, then the calls (`<tool_call>{...}</tool_call>`..., `[TOOL_CALLS] [{...}, ...]`);
+    Llama 3: all text or all calls (`{...}; {...}`), a call being an answer that begins with
+    `{` or the python tag. The free text never holds a marker spelled out in plain tokens, so
+    the answer is parsed as it was written. Picks are checked against the grammar, not masked
+    (structured/decoding.py), so free text costs a check a token."""
+    key = "parameters" if plan.style == "llama3" else "arguments"
+    lark = [f"call: %json {calls_schema(plan, list(plan.functions), key, SPACED)}",
+            r"GAP: /[ \t\r\n]{1,4}/"]  # fmt: skip
+    if plan.style == "llama3":
+        tag = plan.marker("<|python_tag|>")
+        more = ' (GAP? ";" GAP? call)*' if plan.parallel else ""
+        lark += [f"start: TEXT | GAP? ({tag} GAP?)? call{more} GAP?",
+                 r"TEXT: /(?s:.*)/ & ~/[ \t\r\n]*(\{|<\|python_tag\|>)(?s:.*)/"]  # fmt: skip
+    else:
+        opener = TRIGGERS[plan.style]
+        lark.append(rf"TEXT: /(?s:.*)/ & ~/(?s:.*){_regex(opener)}(?s:.*)/")
+        if opener in plan.specials:
+            head = f"TEXT {plan.marker(opener)}"
+        else:  # the text up to the first marker, as one lexeme
+            head = "OPEN"
+            lark.append(rf"OPEN: /(?s:.*){_regex(opener)}/ & ~/(?s:.*){_regex(opener)}(?s:.+)/")
+        if plan.style == "mistral":
+            more = ' ("," GAP? call)*' if plan.parallel else ""
+            lark.append(f'start: TEXT | {head} GAP? "[" call{more} "]"')
+        else:
+            one = f"GAP? call GAP? {plan.marker('</tool_call>')}"
+            more = f" (GAP? {plan.marker(opener)} {one})*" if plan.parallel else ""
+            lark.append(f"start: TEXT | {head} {one}{more}")
+    return GrammarSpec("lark", "\n".join(lark) + "\n", "tools", trigger=TRIGGERS[plan.style])
 
 
-def answer_grammar(plan: ToolPlan | None, spec: GrammarSpec | None, req, tok,
+def _regex(text: str) -> str:
+    """`text` literally inside a Lark /regex/."""
+    return re.escape(text).replace("/", r"\/")
+
+
+def answer_grammar(plan: ToolPlan | None, spec: GrammarSpec | None, req,
                    grammars: bool) -> GrammarSpec | None:  # fmt: skip
     """The grammar a chat answer runs under: the request's structured output (`spec`), or its
     forced calls' (the two together: a 400), or for `auto` the free grammar (auto_grammar) where
-    nothing rules it out: a structured output, an engine without grammars (`grammars`), a
-    convention whose marker is not plain text (Mistral's `[TOOL_CALLS]` and Llama's python tag
-    are special tokens a text grammar cannot take; so is a `<tool_call>` the tokenizer keeps
-    special), or masks of the request's own that a grammar could contradict (min_tokens,
-    allowed_token_ids, bad_words: a 400 with a grammar)."""
+    nothing rules it out: a structured output, an engine without grammars (`grammars`), or
+    masks of the request's own that a grammar could contradict (min_tokens, allowed_token_ids,
+    bad_words: a 400 with a grammar)."""
     if plan is None or plan.choice == "none":
         return spec
     if plan.grammar is not None:
@@ -181,9 +238,7 @@ def answer_grammar(plan: ToolPlan | None, spec: GrammarSpec | None, req, tok,
             raise RequestError(msg, param=spec.param)
         return plan.grammar
     own = req.min_tokens or req.allowed_token_ids or req.bad_words
-    marker = tok.encode(TRIGGER, False)
-    if spec is not None or not grammars or plan.style != "hermes" or own \
-            or any(t in tok.special_ids for t in marker):  # fmt: skip
+    if spec is not None or not grammars or own:
         return spec
     plan.grammar = auto_grammar(plan)  # its calls stream as written (tool_stream.py)
     return plan.grammar

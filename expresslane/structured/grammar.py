@@ -220,6 +220,9 @@ class Grammar:
         return Matcher(self)
 
 
+_NEVER = object()  # a wait that never ends: a free grammar's answer is text (Matcher._passed)
+
+
 class Matcher:
     """One request's grammar state and its next-token bitmask (host, int32 words)."""
 
@@ -291,12 +294,32 @@ class Matcher:
         if self._waits:  # the JSON lexer starts after the markers, whatever tokens spell them
             texts = self.grammar.texts
             self._tail = (self._tail + (texts[token] if token < len(texts) else ""))[-32:]
-            while self._waits and self._waits[0] in self._tail:
-                self._tail = self._tail.split(self._waits.pop(0), 1)[1]
+            while self._waits and self._passed(self._waits[0]):
+                self._waits.pop(0)
             if not self._waits and self.grammar.closing is not None:  # the JSON's first text
                 self._lexer = Closing.advance_text(self._lexer, self._tail)
         elif self.grammar.closing is not None:
             self._lexer = self.grammar.closing.advance(self._lexer, token)
+
+    def _passed(self, marker) -> bool:
+        """Has the text since the last marker passed `marker`? If so the tail keeps what
+        follows it. A lead marker ("^T", a Llama 3 call): the answer begins, after whitespace,
+        with `{` (kept: it is the JSON's) or T; an answer that begins otherwise is text, and
+        the wait never ends."""
+        if marker is _NEVER:
+            return False
+        if not marker.startswith("^"):
+            if marker not in self._tail:
+                return False
+            self._tail = self._tail.split(marker, 1)[1]
+            return True
+        head, tag = self._tail.lstrip(), marker[1:]
+        if head.startswith("{") or head.startswith(tag):
+            self._tail = head.removeprefix(tag)
+            return True
+        if head and not tag.startswith(head):
+            self._waits[0] = _NEVER
+        return False
 
     @property
     def in_string(self) -> bool:

@@ -22,6 +22,8 @@ class IncrementalDetokenizer:
     for ByteFallback decoders, while the last token is a byte token, since a later byte can
     still turn the whole run into replacement characters.
 
+    `kept`: special tokens decoded even with `skip_special_tokens`.
+
     `context` is the prompt: its last tokens are decoded with the first generated ones and never
     emitted, so the output equals decode(prompt + output) minus decode(prompt). Without it a
     SentencePiece-style decoder strips the first token's leading space ("    return" after
@@ -33,11 +35,14 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         skip_special_tokens: bool = False,
         context: Sequence[int] = (),
+        kept: Sequence[int] = (),
     ):
         self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
+        # the skipped specials are dropped before decoding; `kept` ones stay (a tool call's
+        # marker), so the window is decoded as is
+        self._skip = skip_special_tokens and not kept
         self._held_bytes = tokenizer.byte_ids if tokenizer.atomic_byte_runs() else frozenset()
-        self._dropped = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._dropped = tokenizer.special_ids - set(kept) if skip_special_tokens else frozenset()
         self._ids: list[int] = self._context(context)
         self._prefix = 0  # window start: tokens already emitted, kept as decoding context
         self._read = len(self._ids)  # end of the emitted tokens

@@ -56,10 +56,11 @@ def wait_idle(s, timeout: float = 5.0) -> float:
 
 
 @contextmanager
-def embedded_server(api_key: str | None = None) -> Iterator[str]:
+def embedded_server(api_key: str | None = None, tokenizer=None) -> Iterator[str]:
     """The embedded model (a context of 1024, for tool prompts) behind a real uvicorn, one
     intra-op thread; its base URL. Models bigger than the tiny random one for structured output
-    and tool calls (test_server_structured.py, _responses.py, _messages.py)."""
+    and tool calls (test_server_structured.py, _responses.py, _messages.py). `tokenizer`: a
+    folder of another tokenizer of the same vocabulary (marker_kit.py's)."""
     from expresslane.assets import default_model_dir
     from expresslane.cli.serve import serving
     from expresslane.engine import Engine
@@ -70,7 +71,8 @@ def embedded_server(api_key: str | None = None) -> Iterator[str]:
     torch.set_num_threads(1)
     path = default_model_dir()
     engine = Engine.from_pretrained(str(path), device="cpu", dtype="float32", progress=False)
-    app = create_app(engine, Tokenizer.from_dir(path), served_model_name=NAME, api_key=api_key)
+    tok = Tokenizer.from_dir(tokenizer or path)
+    app = create_app(engine, tok, served_model_name=NAME, api_key=api_key)
     try:
         with serving(app) as url:
             yield url

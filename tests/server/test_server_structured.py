@@ -22,6 +22,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from marker_kit import marker_tokenizer
 from pydantic import BaseModel, Field
 from serverkit import NAME, embedded_server, post
 
@@ -140,6 +141,33 @@ def test_forced_tool_calls(server, stream):
             assert fn.name == "get_weather"
             jsonschema.validate(json.loads(fn.arguments), props)
         assert calls[0].id.startswith("call_")
+
+
+@pytest.mark.parametrize("style", ["mistral", "llama3"])
+def test_calls_in_a_native_convention_whose_marker_is_a_special_token(tmp_path, style):
+    """A template in the Mistral or Llama 3 convention, its marker a special token: forced
+    calls come back as tool_calls, streamed or not (the marker's token stays in the text that
+    is parsed), and an `auto` answer is text without the marker or calls that validate."""
+    folder, ids = marker_tokenizer(tmp_path, style)
+    props = WEATHER["function"]["parameters"]
+    with embedded_server(tokenizer=folder) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=60)
+        kw = dict(model=NAME, messages=ASK, tools=[WEATHER], max_tokens=100, temperature=0)
+        out = client.chat.completions.create(**kw, tool_choice="required")
+        calls = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls" and len(calls) >= 1
+        jsonschema.validate(json.loads(calls[0].function.arguments), props)
+        deltas = [d for c in client.chat.completions.create(**kw, tool_choice="required",
+                  stream=True) for d in c.choices[0].delta.tool_calls or []]  # fmt: skip
+        assert deltas and deltas[0].function.name == "get_weather"
+        args = "".join(d.function.arguments or "" for d in deltas if d.index == 0)
+        assert json.loads(args) == json.loads(calls[0].function.arguments)
+        for seed in range(3):
+            auto = client.chat.completions.create(**{**kw, "temperature": 1.0}, seed=seed)
+            msg = auto.choices[0].message
+            for call in msg.tool_calls or []:
+                jsonschema.validate(json.loads(call.function.arguments), props)
+            assert not any(m in (msg.content or "") for m in ids), msg.content
 
 
 def test_tool_loop(server):
