@@ -246,8 +246,10 @@ def converse(send: dict[bool, Send], tok: Tokenizer, args: argparse.Namespace) -
     return rows
 
 
-def start_server(stack: ExitStack, path: str, reuse: bool, args: argparse.Namespace) -> str:
-    """`expresslane serve` in its own process (stopped when `stack` closes); its base URL."""
+def start_server(stack: ExitStack, path: str, reuse: bool, args: argparse.Namespace,
+                 extra: tuple[str, ...] = ()) -> str:  # fmt: skip
+    """`expresslane serve` in its own process (stopped when `stack` closes); its base URL.
+    `extra`: more of serve's flags."""
     port = free_port()
     cmd = [sys.executable, "-m", "expresslane", "serve", path, "--port", str(port),
            "--served-model-name", "agent", "--log-level", "warning", "--device", args.device,
@@ -257,6 +259,7 @@ def start_server(stack: ExitStack, path: str, reuse: bool, args: argparse.Namesp
             cmd += [flag, str(value)]
     if not reuse:
         cmd.append("--no-prefix-reuse")
+    cmd += extra
     log = stack.enter_context(tempfile.TemporaryFile())
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     stack.callback(_stop, proc)

@@ -20,3 +20,28 @@ def test_an_auto_request_reports_its_answer(server):
 def test_bad_arguments_exit_2(capsys):
     assert auto_tools.main(["--max-tokens", "0"]) == 2
     assert "--max-tokens" in capsys.readouterr().err
+
+
+def test_a_convention_gets_its_template_and_parser(tmp_path):
+    """--convention mistral|llama3: a template that renders the tools and asks for that
+    convention's calls, read as that convention (serve/tools.py), and its parser named."""
+    from expresslane.serve.tools import plan_tools
+    from expresslane.tokenizer.chat import _compile_template, chat_template_from
+
+    assert auto_tools.serve_flags("hermes", str(tmp_path)) == ()
+    for convention, parser in auto_tools.PARSER.items():
+        flags = auto_tools.serve_flags(convention, str(tmp_path))
+        assert flags[2:] == ("--tool-call-parser", parser)
+        template = chat_template_from(flags[1])  # as serve reads it
+        text = _compile_template(template).render(
+            messages=[{"role": "user", "content": "hi"}],
+            tools=auto_tools.TOOLS,
+            add_generation_prompt=True,
+        )
+        assert "get_weather" in text and text.endswith("<|im_start|>assistant\n")
+        plan = plan_tools({"tools": auto_tools.TOOLS}, template, parser)
+        assert plan.native and plan.style == convention
+    assert auto_tools._opened('  {"name": "x"', "llama3") and not auto_tools._opened(
+        "a {", "llama3"
+    )
+    assert auto_tools._opened("Sure [TOOL_CALLS] [", "mistral")
