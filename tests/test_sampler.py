@@ -7,7 +7,16 @@ import torch
 
 from expresslane.errors import RequestError
 from expresslane.sampling.params import SamplingParams
-from expresslane.sampling.sampler import filter_logits, make_generator, sample
+from expresslane.sampling.sampler import (
+    argmax,
+    draw,
+    filter_logits,
+    make_generator,
+    race,
+    sample,
+    top_p_candidates,
+    top_p_sorted,
+)
 
 
 def _logits(seed=0, v=50):
@@ -24,6 +33,68 @@ def test_greedy_is_argmax_and_temperature_zero_is_greedy():
     assert int(sample(x, SamplingParams(temperature=0.0), None)) == int(x.argmax())
     assert _draws(SamplingParams(temperature=0.0), x, 5) == [int(x.argmax())] * 5
     assert _draws(SamplingParams(temperature=1.0, top_k=1, seed=3), x, 5) == [int(x.argmax())] * 5
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (49153,), (3, 1001), (5, 49152)])
+def test_fast_argmax_is_torchs_on_ties_nans_infs_and_strides(shape):
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x = torch.randint(-3, 3, shape, generator=g).float()  # many ties: the first max must win
+    variants = [x, x.transpose(0, -1).contiguous().transpose(0, -1), -x]
+    y = x.clone()
+    y.view(-1)[:: max(1, y.numel() // 3)] = float("-inf")
+    z = x.clone()
+    z.view(-1)[-1] = float("nan")
+    for v in [*variants, y, z, torch.full(shape, float("-inf"))]:
+        got = argmax(v)
+        assert got.dtype == torch.long and got.shape == v.shape[:-1]
+        assert torch.equal(got, v.argmax(-1))
+    assert torch.equal(argmax(x.bfloat16()), x.bfloat16().argmax(-1))  # torch's own path
+
+
+@pytest.mark.parametrize("pick", [draw, race])
+def test_draws_follow_unnormalised_weights_and_never_pick_a_zero(pick):
+    """The CPU's inverse-CDF draw and the race (the GPU's, its reference) against the weights:
+    rows drawn together are independent, zero weights (first, middle, last) never come."""
+    w = torch.tensor([0.0, 3.0, 1.0, 0.0, 6.0, 0.0])  # unnormalised: sums to 10
+    rows = torch.stack((w, w.flip(0) * 7))  # (2, 6)
+    g, n = torch.Generator().manual_seed(4), 6000
+    got = torch.stack([pick(rows, g) for _ in range(n)])  # (n, 2)
+    assert got.shape == (n, 2) and got.dtype == torch.long
+    for r in range(2):
+        freq = torch.bincount(got[:, r], minlength=6).double() / n
+        want = rows[r].double() / rows[r].sum()
+        assert torch.all(freq[want == 0] == 0)
+        assert torch.allclose(freq, want, atol=0.025), (freq, want)
+
+
+def test_a_cpu_draw_whose_uniform_rounds_up_to_the_total_stays_on_a_positive_weight(
+    monkeypatch,
+):
+    w = torch.tensor([[0.0, 2.0, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
+    assert draw(w, None).tolist() == [2, 0]  # u = 1 (beyond rand's range): the last positive
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.zeros(shape, dtype=kw["dtype"]))
+    assert draw(w, None).tolist() == [1, 0]  # u = 0: the first positive
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 1001), (2, 49152)])
+@pytest.mark.parametrize("top_p", [0.0, 1e-9, 0.3, 0.9, 0.95, 0.99995, torch.tensor([0.8])])
+def test_top_p_over_candidates_is_the_full_sorts(shape, top_p):
+    g = torch.Generator().manual_seed(shape[-1])
+    for scale in (0.5, 3.0, 12.0):  # flat to peaked
+        x = torch.randn(shape, generator=g) * scale
+        x.view(-1)[1::5] = float("-inf")  # as top-k leaves it
+        got, want = top_p_candidates(x, top_p), top_p_sorted(x, top_p)
+        assert torch.equal(got.isfinite(), want.isfinite()), (scale, top_p)
+        assert torch.equal(got[got.isfinite()], x[want.isfinite()])
+        assert got.isfinite().any(-1).all()  # never a row with nothing left
+
+
+def test_top_p_over_candidates_keeps_as_many_tied_tokens_as_the_sort():
+    x = torch.tensor([[2.0, 1.0, 2.0, 2.0, 0.0, 1.0], [0.0] * 6])
+    for top_p in (0.2, 0.5, 0.7, 0.9):
+        got, want = top_p_candidates(x, top_p), top_p_sorted(x, top_p)
+        assert torch.equal(got.isfinite().sum(-1), want.isfinite().sum(-1))
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens():

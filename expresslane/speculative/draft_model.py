@@ -39,6 +39,7 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling.params import SamplingParams
+from ..sampling.sampler import argmax
 from ..step.graph import DecodeGraph
 from .drafting import DRAFT_MODEL_MARGIN
 
@@ -137,5 +138,5 @@ class DraftModelDrafter:
         out: list[int] = []
         for _ in range(max(0, k)):
             logits = self.engine.prefill(self.seq + out)
-            out.append(int(logits.argmax()))
+            out.append(int(argmax(logits)))
         return out

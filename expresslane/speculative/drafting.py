@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling.params import SamplingParams
-from ..sampling.sampler import SamplerKnobs, filter_logits
+from ..sampling.sampler import SamplerKnobs, argmax, draw, filter_logits
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
@@ -206,19 +206,18 @@ def accept(
     """
     k = drafts.shape[0]
     if params.greedy:
-        target = logits.argmax(-1)  # (k + 1,)
+        target = argmax(logits)  # (k + 1,)
         kept = (target[:k] == drafts).long().cumprod(0).sum()
         return kept, target
     probs = filter_logits(logits, params, knobs).softmax(-1)  # (k + 1, V)
     p_draft = probs[:k].gather(1, drafts[:, None])[:, 0]  # (k,)
     u = torch.rand(k, device=logits.device, generator=generator)
     kept = (u < p_draft).long().cumprod(0).sum()
-    # rows < k: the residual after rejecting the draft (renormalised by the argmax below);
-    # row k: the bonus token's full distribution. One exponential race per row.
+    # rows < k: the residual after rejecting the draft (`draw` takes it unnormalised);
+    # row k: the bonus token's full distribution. One draw per row.
     residual = probs.clone()
     residual[:k].scatter_(1, drafts[:, None], 0.0)
-    noise = torch.empty_like(residual).exponential_(generator=generator)
-    own = (residual / noise).argmax(-1)  # (k + 1,)
+    own = draw(residual, generator)  # (k + 1,)
     rows = torch.arange(k + 1, device=logits.device)
     tokens = torch.where(rows < kept, torch.cat((drafts, own[k:])), own)
     return kept, tokens

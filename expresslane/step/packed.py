@@ -44,7 +44,7 @@ from ..kernels.ref import _head_input
 from ..model import Laneformer, Partials
 from ..rope import apply_rope, cos_sin
 from ..sampling.params import SamplingParams
-from ..sampling.sampler import SamplerKnobs, sample
+from ..sampling.sampler import SamplerKnobs, argmax, sample
 from ..weights.packing import pack_model
 from ..weights.quant import QTensor, matvec
 from .fused import MAX_OVERRUN
@@ -131,7 +131,7 @@ def head(h, norm, w, *, native, head_type, eps, pre_norm_lane_agg, greedy):
     x = torch.stack([_head_input(row, norm.float(), head_type, eps, pre_norm_lane_agg)
                      for row in h])  # fmt: skip
     logits = product(QTensor(*w), x, native).reshape(h.shape[0], -1)  # vocab_parallel: lanes
-    return torch.argmax(logits[-1]) if greedy else logits
+    return argmax(logits[-1]) if greedy else logits
 
 
 def _parts(q: QTensor) -> tuple:
@@ -304,4 +304,4 @@ class PackedDecoder:
         if tokens.shape[0] == 1 and params.greedy:
             return self._run_head(self.hidden(tokens, position), greedy=True)
         logits = self.forward(tokens, position)[-1]
-        return logits.argmax() if params.greedy else sample(logits, params, generator, knobs)
+        return argmax(logits) if params.greedy else sample(logits, params, generator, knobs)
