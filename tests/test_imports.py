@@ -101,7 +101,7 @@ def describe(graph: Graph, comp: list[str]) -> str:
 # docs/architecture.md, section 2, top to bottom: a module may import its own layer and below.
 LAYERS = [
     ("__main__", "cli"),
-    ("evals",),
+    ("evals", "bench.free_grammar"),
     ("serve",),
     ("bench",),
     ("parallel.launch",),
