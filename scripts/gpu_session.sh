@@ -5,7 +5,8 @@
 #   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] [LIMITS="stage=seconds ..."]
 #          [SWEEP_MODELS="laneformer-2b ..."] scripts/gpu_session.sh [--dry-run] STAGE...
 #   stages: smoke bench-2b bench-1b bench-qwen tests kernels profile sweep quant-2b quant-1b
-#           ttft structured spec-replay barrier persistent (at most 4 per call: 8 files)
+#           ttft structured free-grammar spec-replay barrier persistent (at most 4 per call: 8
+#           files)
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
 # (rows kept as measured, test verdicts, rc, seconds) goes to $OUT/STAGE.json. A stage that fails
@@ -24,7 +25,7 @@ export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 STAGES=(smoke bench-2b bench-1b bench-qwen tests kernels profile sweep quant-2b quant-1b ttft
-        structured spec-replay barrier persistent)
+        structured free-grammar spec-replay barrier persistent)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -34,7 +35,7 @@ for s in "$@"; do
 done
 mkdir -p "$OUT"
 # Packages the image lacks travel as wheels in .whl (ignored by git; the call's `carry` names it):
-# llguidance, for the structured stage. docs/gpu-session.md has the download command.
+# llguidance, for the structured and free-grammar stages. docs/gpu-session.md has the download command.
 if ((!DRY)) && compgen -G ".whl/*.whl" > /dev/null; then
   SITE=$(mktemp -d)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -107,6 +108,10 @@ stage_command() {
       LIMIT=180; CMD=("$PY" -m expresslane.bench.structured --preset laneformer-2b --device cuda
                       --schemas 12 --max-tokens 128 --split plain chain)
       ((DRY)) && CMD=("$PY" -m expresslane.bench.structured --dry-run --split plain chain) ;;
+    free-grammar)  # tool_choice auto's checked pick at the 2B's shapes, per convention
+      LIMIT=120; CMD=("$PY" -m expresslane.bench.free_grammar --preset laneformer-2b --device cuda
+                      --max-tokens 128 --repeats 3)
+      ((DRY)) && CMD=("$PY" -m expresslane.bench.free_grammar --dry-run) ;;
     spec-replay)  # speculation at the 2B's shapes: SmolLM2's recorded acceptance x step times
       LIMIT=120; CMD=("$PY" -m expresslane.bench.spec_replay --preset laneformer-2b --context 1024)
       ((DRY)) && CMD+=(--dry-run) ;;

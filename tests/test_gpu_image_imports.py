@@ -61,6 +61,7 @@ quiet(cli, "ceiling", "--model", "laneformer-2b")
 import expresslane.bench.kernels, expresslane.bench.profile, expresslane.kernels.aot  # noqa
 import expresslane.bench.session, expresslane.step.graph, expresslane.step.fused  # noqa
 import expresslane.bench.persistent, expresslane.step.persistent, expresslane.bench.barrier  # noqa
+import expresslane.bench.free_grammar, expresslane.bench.structured  # noqa: the grammar stages
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r})
 assert not loaded, loaded
 print("entry points ok")

@@ -40,7 +40,7 @@ def test_dry_run_of_every_stage(tmp_path):
         ("smoke", "bench-2b", "bench-1b", "ttft"),
         ("tests", "kernels", "profile", "sweep"),
         ("structured", "spec-replay", "barrier", "persistent"),
-        ("bench-qwen",),
+        ("bench-qwen", "free-grammar"),
     ]
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
@@ -81,6 +81,9 @@ def test_dry_run_of_every_stage(tmp_path):
     assert grammar["greedy"]["valid"] == grammar["greedy"]["runs"] == 3  # every answer parsed
     assert grammar["greedy chain"]["valid"] == grammar["greedy chain"]["runs"] == 3
     assert grammar["sampled chain"]["host_ms_per_token"]["launch"] > 0  # the pick graph ran
+    free = results["free-grammar"]["result"]  # each convention's free grammar, timed
+    assert [r["grammar"] for r in free["rows"]] == ["none", "hermes", "mistral", "llama3"]
+    assert all(r["tokens_per_s"] > 0 for r in free["rows"])
     barrier = results["barrier"]["result"]  # one program in the interpreter: every form exact
     assert {r["variant"] for r in barrier["rows"]} == {"stream", "launches", "persistent",
                                                        "persistent+prefetch"}  # fmt: skip

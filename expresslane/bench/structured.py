@@ -165,13 +165,20 @@ def measure(engine: Engine, tok: Tokenizer, max_tokens: int, schemas: dict | Non
     return out, failures
 
 
-def _random_engine(preset: str, device: str, dtype: str, max_tokens: int) -> Engine:
-    """A preset's shape on random weights, built as `run` builds an engine (graphs at load)."""
+def random_engine(preset: str, device: str, dtype: str, max_tokens: int,
+                  vocab: int | None = None) -> Engine:  # fmt: skip
+    """A preset's shape on random weights, built as `run` builds an engine (graphs at load);
+    `vocab`: its vocabulary cut to a borrowed tokenizer's, so that every id is a token."""
+    from dataclasses import replace
+
     from ..checkpoint import resolve_device, resolve_dtype
     from ..presets import load_model_config
     from .weights import random_model
 
     cfg = load_model_config(preset)
+    if vocab is not None and vocab < cfg.vocab_size:
+        ends = tuple(i for i in cfg.eos_token_ids if i < vocab)
+        cfg = replace(cfg, vocab_size=vocab, eos_token_ids=ends)
     dev = resolve_device(device)
     model = random_model(cfg, dev, resolve_dtype(dtype, cfg, dev))
     return Engine(model, max_model_len=min(cfg.max_position_embeddings, 1024 + max_tokens))
@@ -182,7 +189,7 @@ def _engine(args) -> tuple[Engine, Tokenizer, str]:
     if args.preset:
         from ..assets import TRAINED
 
-        engine = _random_engine(args.preset, args.device, args.dtype, args.max_tokens)
+        engine = random_engine(args.preset, args.device, args.dtype, args.max_tokens)
         tok = Tokenizer.from_dir(args.tokenizer or str(TRAINED))
         return engine, tok, f"{args.preset} (random weights)"
     path = model_or_smollm2(args.model)
