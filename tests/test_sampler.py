@@ -14,6 +14,7 @@ from expresslane.sampling.sampler import (
     make_generator,
     race,
     sample,
+    top_k_draw,
     top_p_candidates,
     top_p_sorted,
 )
@@ -95,6 +96,32 @@ def test_top_p_over_candidates_keeps_as_many_tied_tokens_as_the_sort():
     for top_p in (0.2, 0.5, 0.7, 0.9):
         got, want = top_p_candidates(x, top_p), top_p_sorted(x, top_p)
         assert torch.equal(got.isfinite().sum(-1), want.isfinite().sum(-1))
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_p": 0.6}, {"min_p": 0.2}, {"top_p": 0.8, "min_p": 0.1}])
+def test_top_k_over_the_k_best_follows_the_whole_vocabularys_filters(kw):
+    """top_k_draw (the CPU's, over k values) against the whole vocabulary's filters: the same
+    support and the same frequencies, for top-k alone and with top-p and min-p after it."""
+    x = torch.randn(301, generator=torch.Generator().manual_seed(9)) * 2
+    params = SamplingParams(temperature=0.9, top_k=7, **kw)
+    want = filter_logits(x, params).softmax(-1).double()
+    g, n = torch.Generator().manual_seed(2), 6000
+    got = torch.stack([top_k_draw(x, params, None, g) for _ in range(n)])
+    freq = torch.bincount(got, minlength=301).double() / n
+    assert torch.all(freq[want == 0] == 0) and (want > 0).sum() >= 2
+    assert torch.allclose(freq, want, atol=0.025), (freq[want > 0], want[want > 0])
+    rows = torch.stack([x, x.flip(0)])  # (2, V): a row each
+    assert top_k_draw(rows, params, None, g).shape == (2,)
+
+
+def test_top_k_over_the_k_best_leaves_ties_and_masked_rows_to_the_whole_vocabulary():
+    params = SamplingParams(temperature=1.0, top_k=3)
+    tie = torch.tensor([5.0, 1.0, 4.0, 2.0, 2.0, 0.0])  # the 3rd best ties with the 4th
+    assert top_k_draw(tie, params, None, None) is None
+    masked = torch.tensor([1.0, float("-inf"), 3.0, float("-inf"), float("-inf")])
+    assert top_k_draw(masked, params, None, None) is None  # 2 finite: -inf ties at the 3rd
+    g = torch.Generator().manual_seed(0)
+    assert int(sample(tie, params, g)) in (0, 2, 3, 4)  # the dense path: every tie stays
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens():

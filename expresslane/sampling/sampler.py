@@ -281,18 +281,22 @@ def top_p_candidates(x: torch.Tensor, top_p) -> torch.Tensor:
 
 
 def filter_logits(
-    logits: torch.Tensor, params: SamplingParams, knobs: SamplerKnobs | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    knobs: SamplerKnobs | None = None,
+    top_k: bool = True,
 ) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks; logits (..., V) in fp32.
 
-    `params` decides which filters run; `knobs`, when given, supplies their values.
+    `params` decides which filters run; `knobs`, when given, supplies their values. `top_k`
+    False: the logits are already the top k (`top_k_draw`).
     """
     temperature, top_p, min_p = params.temperature, params.top_p, params.min_p
     if knobs is not None:
         temperature, top_p, min_p = knobs.temperature, knobs.top_p, knobs.min_p
     x = logits.float() / temperature
     V = x.shape[-1]
-    if 0 < params.top_k < V:
+    if top_k and 0 < params.top_k < V:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
@@ -315,7 +319,26 @@ def sample(
         logits = apply_token_mask(logits, knobs.token_mask)
     if params.greedy:
         return argmax(logits)
+    cpu = logits.device.type == "cpu" and not torch.compiler.is_compiling()
+    if cpu and 0 < params.top_k < logits.shape[-1]:
+        picked = top_k_draw(logits, params, knobs, generator)
+        if picked is not None:
+            return picked
     return draw(filter_logits(logits, params, knobs).softmax(-1), generator)
+
+
+def top_k_draw(logits: torch.Tensor, params: SamplingParams, knobs: SamplerKnobs | None,
+               generator: torch.Generator | None) -> torch.Tensor | None:  # fmt: skip
+    """`sample` of a top-k request over the k best tokens alone (the CPU's: the filters and the
+    draw over the whole vocabulary measured 300 us a token, topk alone 82 us): the same
+    distribution, as the other tokens have probability 0. None where a token ties with the
+    k-th (the whole-vocabulary path keeps every tie) or fewer than k are finite."""
+    x = logits.float()
+    best, at = torch.topk(x, params.top_k, dim=-1)  # (..., k), descending
+    if bool(((x >= best[..., -1:]).sum(-1) > params.top_k).any()):
+        return None
+    pick = draw(filter_logits(best, params, knobs, top_k=False).softmax(-1), generator)
+    return at.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
 
 
 def logprobs_of(logits: torch.Tensor, token: torch.Tensor, top_n: int):
