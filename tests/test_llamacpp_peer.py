@@ -84,3 +84,22 @@ def test_llamacpp_decodes_our_f32_weights_to_our_tokens(model, tokenizer_json, t
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     ours = list(Engine(model, max_model_len=64).generate([1, 7, 9, 30, 11], params))
     assert got == ours
+
+
+@pytest.mark.skipif(not llamacpp.available(), reason=NO_LLAMACPP)
+def test_llamacpps_sampler_chain_draws_by_its_seed(model, tokenizer_json, tmp_path):
+    """`bench --peer llama.cpp --temperature T`'s peer: llama.cpp's chain reproduces a seed,
+    another seed draws other tokens, and top-k 1 is greedy (our tokens)."""
+    path = llamacpp.write_gguf(model, tokenizer_json, tmp_path / "m.gguf", "F32")
+    prompt = [1, 7, 9, 30, 11]
+
+    def tokens(**draw) -> list[int]:
+        peer = llamacpp.LlamaCppPeer(path, threads=1, n_ctx=64, draw=draw or None)
+        try:
+            return peer.generate(prompt, n=24, warmup=0)["token_ids"]
+        finally:
+            peer.close()
+
+    hot = {"temperature": 1.5, "top_p": 0.95, "min_p": 0.01}
+    assert tokens(**hot, seed=3) == tokens(**hot, seed=3) != tokens(**hot, seed=4)
+    assert tokens(temperature=0.8, top_k=1, seed=5) == tokens()

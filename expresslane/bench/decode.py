@@ -56,11 +56,15 @@ class BenchConfig:
     prefill_dtype: str = "float32"  # a CPU's long prompts: fp32 or bf16 products (Engine)
     kv_cache_dtype: str = "auto"  # the model's, or on a CPU float16 / bfloat16 (Engine)
     lora: tuple[tuple[str, float], ...] = ()  # (adapter, scale): --peer llama.cpp rounds only
+    # SamplingParams fields of a sampled draw (temperature, top_k, ...): () is greedy; with
+    # --peer llama.cpp only, whose sampler chain draws the same way (bench/llamacpp.py)
+    sampling: tuple[tuple[str, float], ...] = ()
 
 
 def bench_engine(engine: Engine, cfg: BenchConfig, context: int) -> dict:
     prompt = prompt_ids(engine.cfg.vocab_size, context, torch.device("cpu"))[0].tolist()
-    params = SamplingParams(max_tokens=cfg.decode_tokens + cfg.warmup_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=cfg.decode_tokens + cfg.warmup_tokens, ignore_eos=True,
+                            **dict(cfg.sampling))  # fmt: skip
     timer = Timer(engine.device)
     t0 = time.perf_counter()
     ttft, tokens = None, []

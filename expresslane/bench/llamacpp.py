@@ -168,11 +168,33 @@ def _copy_tokenizer(w, source: Path) -> None:
             w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
 
 
-class LlamaCppPeer:
-    """One GGUF loaded by llama-cpp-python, decoding greedily one token per eval."""
+def sampler_chain(draw: dict):
+    """llama.cpp's own sampler chain for a draw (SamplingParams fields): top-k, top-p, min-p,
+    temperature, then the distribution from the seed, in common/sampling.cpp's order. llama.cpp
+    scales by the temperature after the truncations, transformers, vLLM and this engine before
+    them: the same work, not the same distribution where top-p or min-p is set."""
+    from llama_cpp import llama_cpp as C
 
-    def __init__(self, path: Path, threads: int, n_ctx: int, lora: tuple | None = None):
-        """`lora`: (adapter path, scale), applied by llama.cpp at run time."""
+    chain = C.llama_sampler_chain_init(C.llama_sampler_chain_default_params())
+    if draw.get("top_k", 0) > 0:
+        C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_k(int(draw["top_k"])))
+    if draw.get("top_p", 1.0) < 1.0:
+        C.llama_sampler_chain_add(chain, C.llama_sampler_init_top_p(draw["top_p"], 1))
+    if draw.get("min_p", 0.0) > 0.0:
+        C.llama_sampler_chain_add(chain, C.llama_sampler_init_min_p(draw["min_p"], 1))
+    C.llama_sampler_chain_add(chain, C.llama_sampler_init_temp(draw["temperature"]))
+    C.llama_sampler_chain_add(chain, C.llama_sampler_init_dist(int(draw.get("seed", 0))))
+    return chain
+
+
+class LlamaCppPeer:
+    """One GGUF loaded by llama-cpp-python, decoding one token per eval: greedily, or with
+    llama.cpp's sampler chain for a draw."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, lora: tuple | None = None,
+                 draw: dict | None = None):  # fmt: skip
+        """`lora`: (adapter path, scale), applied by llama.cpp at run time. `draw`: the
+        SamplingParams fields of a sampled draw (none: greedy)."""
         from llama_cpp import Llama
 
         extra = {"lora_path": str(lora[0]), "lora_scale": lora[1]} if lora else {}
@@ -181,9 +203,23 @@ class LlamaCppPeer:
             n_batch=512, verbose=False, **extra,
         )  # fmt: skip
         self.n_vocab = self.llm.n_vocab()
+        self.draw = draw
+        self.sampler = None
 
     def close(self) -> None:
+        if self.sampler is not None:
+            from llama_cpp import llama_cpp as C
+
+            C.llama_sampler_free(self.sampler)
         self.llm.close()  # now, not in __del__ at interpreter exit (llama.cpp is gone by then)
+
+    def _next(self) -> int:
+        """The token after the last eval: the argmax, or the sampler chain's draw."""
+        if self.draw is None:
+            return self._argmax()
+        from llama_cpp import llama_cpp as C
+
+        return int(C.llama_sampler_sample(self.sampler, self.llm._ctx.ctx, -1))
 
     def last_logits(self) -> np.ndarray:
         """The logits after the last eval (a view of llama.cpp's buffer)."""
@@ -193,17 +229,24 @@ class LlamaCppPeer:
         return int(self.last_logits().argmax())
 
     def generate(self, prompt: list[int], n: int, warmup: int) -> dict:
-        """Greedy decode of n tokens after the prompt: TTFT, median decode step, token ids."""
+        """n tokens decoded after the prompt (greedy, or drawn from a fresh chain seeded as
+        asked): TTFT, median decode step, token ids."""
         self.llm.reset()
+        if self.draw is not None:
+            if self.sampler is not None:
+                from llama_cpp import llama_cpp as C
+
+                C.llama_sampler_free(self.sampler)
+            self.sampler = sampler_chain(self.draw)
         t0 = time.perf_counter()
         self.llm.eval(prompt)
-        tokens = [self._argmax()]
+        tokens = [self._next()]
         ttft = time.perf_counter() - t0
         steps = []
         for _ in range(n + warmup - 1):
             t = time.perf_counter()
             self.llm.eval([tokens[-1]])
-            tokens.append(self._argmax())
+            tokens.append(self._next())
             steps.append(time.perf_counter() - t)
         med = statistics.median(steps[warmup:] or steps)
         return {
@@ -238,7 +281,8 @@ class LlamaCppRunner:
             else Path(ckpt) / "tokenizer.json"
         )
         path = write_gguf(setup.model, tok, Path(self.tmp.name) / f"{t}.gguf", t)
-        self.peer = LlamaCppPeer(path, torch.get_num_threads(), n_ctx=setup.max_len)
+        draw = (setup.shared or {}).get("draw")
+        self.peer = LlamaCppPeer(path, torch.get_num_threads(), n_ctx=setup.max_len, draw=draw)
 
     def measure(self, context: int) -> dict:
         s = self.setup

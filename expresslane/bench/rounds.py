@@ -96,7 +96,8 @@ def llamacpp_peers(
     if "file" in types:
         path = find_gguf(checkpoint)
         runner = llamacpp.LlamaCppPeer(path, torch.get_num_threads(), n_ctx=setup.max_len,
-                                       lora=lora[0] if lora else None)  # fmt: skip
+                                       lora=lora[0] if lora else None,
+                                       draw=(setup.shared or {}).get("draw"))  # fmt: skip
         s = setup
 
         def run(ctx: int) -> dict:
@@ -156,15 +157,20 @@ def bench_vs_llamacpp(
     if not cfg.lora:  # the base model's forward and transformers' know no adapter
         contestants.append(ours_eager(checkpoint, cfg, max_len))
     model = load_model(checkpoint, device="cpu", dtype="float32", progress=False)
+    draw = dict(cfg.sampling) or None  # a sampled draw: llama.cpp's own sampler chain
     setup = PeerSetup(model.cfg, model, torch.device("cpu"), torch.float32, cfg.decode_tokens,
-                      cfg.warmup_tokens, max_len, shared={"checkpoint": checkpoint})  # fmt: skip
-    if cfg.peers and not cfg.lora:
+                      cfg.warmup_tokens, max_len,
+                      shared={"checkpoint": checkpoint, "draw": draw})  # fmt: skip
+    if cfg.peers and not cfg.lora and draw is None:  # transformers' peer decodes greedily
         contestants.append(peer("transformers", setup))
     # with an adapter llama.cpp runs the file itself and applies it at run time (the types it
     # would write from our weights would be the base's)
     types = ["file"] if cfg.lora else list(dict.fromkeys(PEER_OF[f] for f in fmts))
     peers, notes = llamacpp_peers(setup, types, checkpoint, cfg.lora)
     contestants += peers
+    if draw is not None:
+        notes.append("sampled: " + ", ".join(f"{k} {v:g}" for k, v in draw.items())
+                     + "; llama.cpp with its own sampler chain (bench/llamacpp.py)")  # fmt: skip
     notes.append(f"set-up (loads, compilation, GGUF writes) {time.perf_counter() - t:.0f} s")
     try:
         rows = run_rounds(contestants, cfg.contexts, rounds)

@@ -42,6 +42,7 @@ from .run import (
     lora_from_args,
     speculative_from_args,
 )
+from .sampling import add_draw_arguments, bench_draw
 
 HELP = "benchmark time to first token, prefill and batch-1 decode speed (with a peer baseline)"
 
@@ -120,6 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "no peer baseline there",
     )
     add_speculative_argument(p)
+    add_draw_arguments(p)  # sampled rows, with --peer llama.cpp
     p.add_argument("--quantization", choices=["int8", "int8-row"], default=None,
                    help="--speculative-config: weights as run's --quantization")  # fmt: skip
     p.add_argument("--repeats", type=int, default=1,
@@ -223,6 +225,7 @@ def _bench_config(args: argparse.Namespace, device: str, peer: bool) -> BenchCon
         prefill_dtype=args.prefill_dtype,
         kv_cache_dtype=_one_kv_cache_dtype(args),
         lora=_lora(args),
+        sampling=bench_draw(args),
     )
 
 

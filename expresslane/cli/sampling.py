@@ -1,6 +1,6 @@
-"""The sampling flags of `run` and what they build: SamplingParams from the flags, and the
-request's parts that come from files (--json-schema's grammar, --prediction's tokens). A bad
-value is a ConfigError naming the flag (exit 2)."""
+"""The sampling flags of `run` (and `bench`'s draw) and what they build: SamplingParams from the
+flags, and the request's parts that come from files (--json-schema's grammar, --prediction's
+tokens). A bad value is a ConfigError naming the flag (exit 2)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,36 @@ from ..structured.grammar import GrammarCompiler, GrammarSpec
 from ..tokenizer import Tokenizer
 
 
-def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+def add_draw_arguments(p: argparse.ArgumentParser) -> None:
+    """How a token is drawn: `run`'s flags, and `bench --peer llama.cpp`'s."""
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+
+
+def bench_draw(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """`bench`'s draw flags as SamplingParams fields (seed 0 unless given: the rounds draw the
+    same tokens), () for greedy. Sampled rows need --peer llama.cpp, whose sampler runs in its
+    own C (the other peers decode greedily)."""
+    if args.temperature <= 0:
+        return ()
+    if args.peer != "llama.cpp" or args.speculative_config:
+        raise ConfigError("--temperature > 0: with --peer llama.cpp only (the other peers and "
+                          "--speculative-config decode greedily)")  # fmt: skip
+    draw = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "min_p": args.min_p, "seed": 0 if args.seed is None else args.seed}  # fmt: skip
+    try:
+        SamplingParams(**draw)
+    except RequestError as e:
+        raise ConfigError(str(e)) from None
+    return tuple(draw.items())
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    add_draw_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
