@@ -89,7 +89,7 @@ def test_llamacpp_decodes_our_f32_weights_to_our_tokens(model, tokenizer_json, t
 @pytest.mark.skipif(not llamacpp.available(), reason=NO_LLAMACPP)
 def test_llamacpps_sampler_chain_draws_by_its_seed(model, tokenizer_json, tmp_path):
     """`bench --peer llama.cpp --temperature T`'s peer: llama.cpp's chain reproduces a seed,
-    another seed draws other tokens, and top-k 1 is greedy (our tokens)."""
+    another seed draws other tokens, and top-k 1 (top-p, min-p that keep one token) is greedy."""
     path = llamacpp.write_gguf(model, tokenizer_json, tmp_path / "m.gguf", "F32")
     prompt = [1, 7, 9, 30, 11]
 
@@ -100,6 +100,10 @@ def test_llamacpps_sampler_chain_draws_by_its_seed(model, tokenizer_json, tmp_pa
         finally:
             peer.close()
 
-    hot = {"temperature": 1.5, "top_p": 0.95, "min_p": 0.01}
+    hot = {"temperature": 20.0}  # the tiny model is peaked (0.98 at T = 3), no truncation
     assert tokens(**hot, seed=3) == tokens(**hot, seed=3) != tokens(**hot, seed=4)
     assert tokens(temperature=0.8, top_k=1, seed=5) == tokens()
+    # top-p and min-p cut before llama.cpp's temperature: only the 0.98 token stays, so even
+    # at 20 they draw the greedy tokens (without them in the chain, the draws above)
+    assert tokens(temperature=20.0, top_p=0.5, seed=3) == tokens()
+    assert tokens(temperature=20.0, min_p=0.5, seed=3) == tokens()
