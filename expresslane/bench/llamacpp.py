@@ -20,6 +20,7 @@ a warm-up; the thread count is the caller's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import statistics
@@ -168,6 +169,40 @@ def _copy_tokenizer(w, source: Path) -> None:
             w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
 
 
+def has_amx() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _no_amx_buffers():
+    """On a CPU with AMX, llama.cpp without its extra buffer types (`use_extra_bufts`, llama's
+    `--no-extra-bufts`): with them, llama-cpp-python 0.3.36 (GGML_NATIVE=ON or not) crashed
+    with a segmentation fault in its first eval of SmolLM2's Q4_1 file on the VM's Xeon
+    (2026-12-06), and ran without them. They hold the AMX and repacked layouts; the second
+    serves Q4_0, IQ4_NL and Q8_0 on x86 (llama.cpp's repack.cpp), so on such a CPU those types'
+    rows are llama.cpp without its repacking, and the rounds' notes say so."""
+    from llama_cpp import llama as module
+
+    if not has_amx():
+        yield
+        return
+    default = module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    module.llama_cpp.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_cpp.llama_model_default_params = default
+
+
 def sampler_chain(draw: dict):
     """llama.cpp's own sampler chain for a draw (SamplingParams fields): top-k, top-p, min-p,
     temperature, then the distribution from the seed, in common/sampling.cpp's order. llama.cpp
@@ -198,10 +233,11 @@ class LlamaCppPeer:
         from llama_cpp import Llama
 
         extra = {"lora_path": str(lora[0]), "lora_scale": lora[1]} if lora else {}
-        self.llm = Llama(
-            model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-            n_batch=512, verbose=False, **extra,
-        )  # fmt: skip
+        with _no_amx_buffers():
+            self.llm = Llama(
+                model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False, **extra,
+            )  # fmt: skip
         self.n_vocab = self.llm.n_vocab()
         self.draw = draw
         self.sampler = None

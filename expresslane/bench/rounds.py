@@ -92,6 +92,9 @@ def llamacpp_peers(
     written = [t for t in types if t != "file"]  # the file itself: any architecture it runs
     why = llamacpp.unsupported(setup.model) if written else None
     notes = [why] if why is not None else []
+    if llamacpp.has_amx():
+        notes.append("llama.cpp without its extra buffer types (AMX, repacked layouts): on this "
+                     "AMX CPU they crashed it (bench/llamacpp.py)")  # fmt: skip
     out = [peer(f"llama.cpp={t}", setup) for t in written] if why is None else []
     if "file" in types:
         path = find_gguf(checkpoint)
