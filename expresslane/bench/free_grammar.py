@@ -25,7 +25,6 @@ weights, CPU, 8 tokens. Prints one table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -34,14 +33,13 @@ import torch
 
 from ..engine import Engine
 from ..errors import ExpressLaneError
-from ..gguf.fetch import model_or_smollm2
 from ..sampling.params import SamplingParams
 from ..serve.tools import auto_grammar, plan_tools
 from ..structured.grammar import GrammarCompiler
 from ..tokenizer import Tokenizer
 from .auto_tools import CHATML, PARSER, TOOLS
 from .serve_decode import model_parser
-from .structured import random_engine
+from .structured import bench_model
 
 ASK = "Write a long story about a dragon."
 CONVENTIONS = ("hermes", "mistral", "llama3")
@@ -55,24 +53,6 @@ def grammars(engine: Engine, tok: Tokenizer) -> dict:
         template, parser = ("", None) if c == "hermes" else (CHATML, PARSER[c])
         out[c] = compiler.compile(auto_grammar(plan_tools({"tools": TOOLS}, template, parser, tok)))
     return out
-
-
-def build(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
-    """The engine and tokenizer: MODEL (SmolLM2's GGUF by default), or a preset's shape on
-    random weights with a borrowed tokenizer. `args.model` is left as the name reported."""
-    if args.preset:
-        from ..assets import TRAINED
-
-        tok = Tokenizer.from_dir(args.tokenizer or str(TRAINED))
-        # the head cut to the tokenizer's ids (the 2B's 32,000 rows to the embedded model's
-        # 4,096: 3% of its bytes), else most random picks are ids no text has, refused
-        engine = random_engine(args.preset, args.device, args.dtype, args.max_tokens,
-                               vocab=tok.vocab_size)  # fmt: skip
-        args.model = f"{args.preset} (random weights)"
-        return engine, tok
-    args.model = str(model_or_smollm2(args.model))
-    engine = Engine.from_pretrained(args.model, device=args.device, progress=False)
-    return engine, Tokenizer.from_dir(args.model)
 
 
 def measure(engine: Engine, tok: Tokenizer, max_tokens: int, repeats: int,
@@ -126,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "--temperature: not negative")  # fmt: skip
         if args.threads:
             torch.set_num_threads(args.threads)
-        engine, tok = build(args)
+        engine, tok, args.model = bench_model(args, cut_vocab=True)
         speeds, same = measure(engine, tok, args.max_tokens, args.repeats, args.temperature)
     except ExpressLaneError as e:  # a bad flag, an unknown model or preset, an absent device
         print(f"free_grammar: {e}", file=sys.stderr)

@@ -170,6 +170,7 @@ def _copy_tokenizer(w, source: Path) -> None:
 
 
 def has_amx() -> bool:
+    """Whether this CPU has AMX (Linux's flags), where llama.cpp's extra buffers crashed it."""
     try:
         return "amx_int8" in Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -177,7 +178,7 @@ def has_amx() -> bool:
 
 
 @contextlib.contextmanager
-def _no_amx_buffers():
+def _without_extra_buffers():
     """On a CPU with AMX, llama.cpp without its extra buffer types (`use_extra_bufts`, llama's
     `--no-extra-bufts`): with them, llama-cpp-python 0.3.36 (GGML_NATIVE=ON or not) crashed
     with a segmentation fault in its first eval of SmolLM2's Q4_1 file on the VM's Xeon
@@ -233,7 +234,7 @@ class LlamaCppPeer:
         from llama_cpp import Llama
 
         extra = {"lora_path": str(lora[0]), "lora_scale": lora[1]} if lora else {}
-        with _no_amx_buffers():
+        with _without_extra_buffers():
             self.llm = Llama(
                 model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                 n_batch=512, verbose=False, **extra,
@@ -242,11 +243,15 @@ class LlamaCppPeer:
         self.draw = draw
         self.sampler = None
 
-    def close(self) -> None:
+    def _free_sampler(self) -> None:
         if self.sampler is not None:
             from llama_cpp import llama_cpp as C
 
             C.llama_sampler_free(self.sampler)
+            self.sampler = None
+
+    def close(self) -> None:
+        self._free_sampler()
         self.llm.close()  # now, not in __del__ at interpreter exit (llama.cpp is gone by then)
 
     def _next(self) -> int:
@@ -268,11 +273,8 @@ class LlamaCppPeer:
         """n tokens decoded after the prompt (greedy, or drawn from a fresh chain seeded as
         asked): TTFT, median decode step, token ids."""
         self.llm.reset()
-        if self.draw is not None:
-            if self.sampler is not None:
-                from llama_cpp import llama_cpp as C
-
-                C.llama_sampler_free(self.sampler)
+        if self.draw is not None:  # a fresh chain: its seed's draws from the start
+            self._free_sampler()
             self.sampler = sampler_chain(self.draw)
         t0 = time.perf_counter()
         self.llm.eval(prompt)

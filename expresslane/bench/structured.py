@@ -184,16 +184,22 @@ def random_engine(preset: str, device: str, dtype: str, max_tokens: int,
     return Engine(model, max_model_len=min(cfg.max_position_embeddings, 1024 + max_tokens))
 
 
-def _engine(args) -> tuple[Engine, Tokenizer, str]:
-    """The engine, its tokenizer and the name the report gives the model."""
+def bench_model(args, cut_vocab: bool = False) -> tuple[Engine, Tokenizer, str]:
+    """The engine, its tokenizer and the name the report gives the model: args.model (SmolLM2's
+    GGUF by default) on args.device, or args.preset's shape on random weights with a borrowed
+    tokenizer (args.tokenizer, default the embedded model's). `cut_vocab`: the preset's head cut
+    to that tokenizer's ids (the 2B's 32,000 rows to the embedded model's 4,096: 3% of its
+    bytes), for a bench whose random picks must be text (bench/free_grammar.py)."""
     if args.preset:
         from ..assets import TRAINED
 
-        engine = random_engine(args.preset, args.device, args.dtype, args.max_tokens)
         tok = Tokenizer.from_dir(args.tokenizer or str(TRAINED))
+        vocab = tok.vocab_size if cut_vocab else None
+        engine = random_engine(args.preset, args.device, args.dtype, args.max_tokens, vocab)
         return engine, tok, f"{args.preset} (random weights)"
-    path = model_or_smollm2(args.model)
-    return Engine.from_pretrained(path, progress=False), Tokenizer.from_dir(path), path
+    path = str(model_or_smollm2(args.model))
+    engine = Engine.from_pretrained(path, device=args.device, progress=False)
+    return engine, Tokenizer.from_dir(path), path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     try:
-        engine, tok, path = _engine(args)
+        engine, tok, path = bench_model(args)
     except ExpressLaneError as e:  # an unknown model or preset, a device that is not here
         print(f"error: {e}", file=sys.stderr)
         return 2

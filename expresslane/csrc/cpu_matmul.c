@@ -66,7 +66,7 @@
             a[t][0] = a[t][1] = a[t][2] = a[t][3] = _mm512_setzero_ps();                     \
         int64_t k = 0;                                                                       \
         for (; k + 64 <= K; k += 64) {                                                       \
-            for (int p = 0; p < 64 * (ES); p += 64) /* PREFETCH_AHEAD: cpu_matmul's top */    \
+            for (int p = 0; p < 64 * (ES); p += 64) /* this iteration's lines, further on */  \
                 _mm_prefetch((const char *)w + k * (ES) + PREFETCH_AHEAD + p, _MM_HINT_T0);  \
             const int64_t c = k / 16;                                                        \
             const __m512 w0 = LD(w, k), w1 = LD(w, k + 16), w2 = LD(w, k + 32),              \

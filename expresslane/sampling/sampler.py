@@ -30,12 +30,18 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return g
 
 
+def on_host(x: torch.Tensor) -> bool:
+    """Does x take the CPU's fast paths (numpy, host loops)? Not on a GPU, and not while
+    torch.compile traces: those keep the elementwise, capture-safe references."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1): the first maximum of each row, as a tensor on x's device. On the CPU (fp32)
     through numpy: torch's CPU argmax measured 65 us over a 49,152-token vocabulary and 316 us
     over 5 rows, numpy's 5 us (2026-12-06, the VM), and a greedy token takes one a token (a
     verify one a row). Both take the first of equal maxima and a NaN as the maximum."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.compiler.is_compiling():
+    if not on_host(x) or x.dtype != torch.float32:
         return x.argmax(-1)
     return torch.from_numpy(np.asarray(np.argmax(x.detach().numpy(), axis=-1)))
 
@@ -44,7 +50,7 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """One index per row of non-negative weights (..., V), drawn in proportion to them (a row
     need not sum to 1; a zero weight is never drawn), on the weights' device (module docstring:
     the race on a GPU, the inverse CDF on the CPU)."""
-    if weights.device.type != "cpu":
+    if not on_host(weights):
         return race(weights, generator)
     u = torch.rand((*weights.shape[:-1], 1), generator=generator, dtype=torch.float64)
     cdf = weights.double().cumsum(-1)  # fp64: tail tokens keep their mass over a large vocabulary
@@ -300,8 +306,7 @@ def filter_logits(
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
-        cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
-        x = (top_p_candidates if cpu else top_p_sorted)(x, top_p)
+        x = (top_p_candidates if on_host(x) else top_p_sorted)(x, top_p)
     if params.min_p > 0.0:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
@@ -319,8 +324,7 @@ def sample(
         logits = apply_token_mask(logits, knobs.token_mask)
     if params.greedy:
         return argmax(logits)
-    cpu = logits.device.type == "cpu" and not torch.compiler.is_compiling()
-    if cpu and 0 < params.top_k < logits.shape[-1]:
+    if on_host(logits) and 0 < params.top_k < logits.shape[-1]:
         picked = top_k_draw(logits, params, knobs, generator)
         if picked is not None:
             return picked

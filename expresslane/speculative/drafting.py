@@ -202,7 +202,9 @@ def accept(
     """Verify k drafts against logits (k + 1, V) -> (n accepted (), tokens (k + 1,)).
 
     The step's output is tokens[: n + 1]: the n kept drafts, then the model's own token. With
-    k = 0 this is exactly `sampler.sample` (same filters, same draw). No host synchronisation.
+    k = 0 this draws as `sampler.sample` does (same filters, same `draw`), except a CPU's top-k
+    request, which `sample` draws over the k best alone (`top_k_draw`): the same distribution,
+    another token for a seed. No host synchronisation.
     """
     k = drafts.shape[0]
     if params.greedy:
