@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from expresslane.bench.llamacpp import has_amx, without_extra_buffers
 from expresslane.checkpoint import load_model
 from expresslane.engine import Engine
 from expresslane.gguf import variants
@@ -62,6 +63,11 @@ QUANT_BOUND, QUANT_COSINE = 2.0, 0.9
 # the file (cosine 0.70), ours 0.00 (NVFP4's: 0.50 and 0.00).
 LOOSE_BOUND = {"IQ3_M": 4.5}
 NOT_COMPARABLE = ("TQ2_0", "TQ1_0", "Q1_0")
+# On a CPU with AMX llama.cpp runs without its extra buffer types (most types crashed it with
+# them: bench/llamacpp.py). Its plain MXFP4 path then moved the second position's logits 1.6 from
+# its repacked path's: our top token ranked 19th there, and 2nd against the repacked path (which
+# ran on the Xeon, 2026-12-06). So on such a CPU MXFP4 keeps the bounds, not the top-5 check.
+TOP5_OFF_WITHOUT_EXTRA_BUFFERS = ("MXFP4",)
 
 
 def _file(type_name: str, smollm2_gguf):
@@ -159,7 +165,8 @@ def test_logits_match_llama_cpp_on_the_same_file(type_name, smollm2_gguf):
         pytest.skip(f"{type_name}: llama.cpp's Q8_K inputs alone move these logits (LOOSE_BOUND)")
     path = _file(type_name, smollm2_gguf)
     ids = _prompt_ids(path)
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    with without_extra_buffers():  # an AMX CPU: llama.cpp's AMX buffers crashed it
+        llm = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
     llm.eval(ids)
     theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))  # (S, V)
     llm.close()  # now, not in a finalizer at interpreter exit (llama_cpp's raises there)
@@ -170,7 +177,8 @@ def test_logits_match_llama_cpp_on_the_same_file(type_name, smollm2_gguf):
     if type_name not in FLOAT_BOUND:
         assert F.cosine_similarity(ours, theirs, dim=-1).min().item() >= QUANT_COSINE
     top5 = theirs.topk(5, dim=-1).indices  # (S, 5): our top token is among llama.cpp's five
-    assert (top5 == ours.argmax(-1, keepdim=True)).any(-1).all()
+    if not (has_amx() and type_name in TOP5_OFF_WITHOUT_EXTRA_BUFFERS):
+        assert (top5 == ours.argmax(-1, keepdim=True)).any(-1).all()
     assert ours[-1].argmax() == theirs[-1].argmax()  # the next token of the chat prompt
 
 

@@ -178,7 +178,7 @@ def has_amx() -> bool:
 
 
 @contextlib.contextmanager
-def _without_extra_buffers():
+def without_extra_buffers():
     """On a CPU with AMX, llama.cpp without its extra buffer types (`use_extra_bufts`, llama's
     `--no-extra-bufts`): with them, llama-cpp-python 0.3.36 (GGML_NATIVE=ON or not) crashed
     with a segmentation fault in its first eval of SmolLM2's Q4_1 file on the VM's Xeon
@@ -234,7 +234,7 @@ class LlamaCppPeer:
         from llama_cpp import Llama
 
         extra = {"lora_path": str(lora[0]), "lora_scale": lora[1]} if lora else {}
-        with _without_extra_buffers():
+        with without_extra_buffers():
             self.llm = Llama(
                 model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                 n_batch=512, verbose=False, **extra,
