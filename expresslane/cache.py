@@ -34,6 +34,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import RequestError
+from .weights.hugepages import tensors
 
 # --kv-cache-dtype's names: "auto" is the model's dtype. fp8 (vLLM's other choice) is not built:
 # no kernel here reads it, and on a CPU the step's stream halves with 16 bits already.
@@ -72,12 +73,13 @@ class KVCache:
         self.max_len = max_len
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]
         heads = kv_heads or cfg.num_kv_heads
-        self.k, self.v, self.pos = [], [], []
-        for w in self.windows:
-            cap = min(w + headroom, max_len) if w else max_len
-            self.k.append(torch.zeros(cap, heads, cfg.head_dim, device=device, dtype=dtype))
-            self.v.append(torch.zeros(cap, heads, cfg.head_dim, device=device, dtype=dtype))
-            self.pos.append(torch.full((cap,), -1, device=device, dtype=torch.long))
+        caps = [min(w + headroom, max_len) if w else max_len for w in self.windows]
+        shapes = [(cap, heads, cfg.head_dim) for cap in caps for _ in "kv"]
+        # a CPU decode step streams the cache as it streams the weights: huge pages, as those
+        kv = tensors(shapes, dtype) if torch.device(device).type == "cpu" else None
+        kv = kv or [torch.zeros(s, device=device, dtype=dtype) for s in shapes]
+        self.k, self.v = kv[0::2], kv[1::2]
+        self.pos = [torch.full((cap,), -1, device=device, dtype=torch.long) for cap in caps]
         self.length = 0
         self.tokens: list[int] = []  # the token id at each committed position
         # static: positions come only from the device tensor (no host counter), every slot below

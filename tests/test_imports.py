@@ -118,7 +118,7 @@ LAYERS = [
     ("step.fused", "step.native"),
     ("step.protocol",),
     ("kernels", "kernels.prefill_norm"),
-    ("checkpoint", "weights.packing"),
+    ("checkpoint", "weights.packing", "weights.packed_modules"),
     ("generation",),
     ("model",),
     ("prefix", "speculative.drafting", "speculative"),

@@ -18,7 +18,8 @@ from expresslane.engine import Engine
 from expresslane.sampling.params import SamplingParams
 from expresslane.step.native import MAX_TOKENS, available, native_step_built
 from expresslane.step.prefill import BF16_PRODUCTS, LOWP_BY_DTYPE, StepPrefill
-from expresslane.weights.packing import pack_model, products_in
+from expresslane.weights.packed_modules import products_in
+from expresslane.weights.packing import pack_model
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -185,7 +186,7 @@ def test_prefill_dtype_int8_is_the_forward_with_each_products_input_rounded_per_
     (llama.cpp's q8_0 activations): logits and cache to fp32's rounding; not the exact
     prefill's."""
     from expresslane.step.native import lowp_activations
-    from expresslane.weights import packing
+    from expresslane.weights import packed_modules
 
     model = tiny.laneformer(seed=13, **MODELS["llama"])
     pack_model(model, fmt)
@@ -195,13 +196,13 @@ def test_prefill_dtype_int8_is_the_forward_with_each_products_input_rounded_per_
         torch.bfloat16 if available("bfloat16") else None)  # fmt: skip
     ids = prompt(33, seed=4)
     la = a.prefill(ids).float().view(-1)
-    own, head = packing.PackedProj.forward, set(model.lm_head.modules())
+    own, head = packed_modules.PackedProj.forward, set(model.lm_head.modules())
 
     def rounded(self, x):  # the layers' products, not the head's
         return own(self, x if self in head else lowp_activations(x, fmt))
 
     with monkeypatch.context() as m, torch.inference_mode():
-        m.setattr(packing.PackedProj, "forward", rounded)
+        m.setattr(packed_modules.PackedProj, "forward", rounded)
         lb = b.model(torch.tensor([ids]), None, b.cache, True).float().view(-1)
     torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
     same_cache(a.cache, b.cache, tol=1e-4)

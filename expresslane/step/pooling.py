@@ -14,7 +14,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..weights.packing import products_in
+from ..weights.packed_modules import products_in
 from .native import native_dequantize
 from .prefill import StepPrefill
 

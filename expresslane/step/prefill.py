@@ -28,7 +28,7 @@ from ..generation import Stats
 from ..kernels import ref, use_triton
 from ..model import Block, FeedForward, Laneformer, Partials, RMSNorm
 from ..prefix import PrefixReuse
-from ..weights.packing import products_in
+from ..weights.packed_modules import products_in
 from ..weights.quant import GGUF_FORMATS
 from .native import LOWP_FORMATS, available, native_dequantize
 from .packed import PackedDecoder

@@ -20,22 +20,19 @@ The result is kept on the model (`model.packed`), so packing twice returns the s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..checkpoint import resolve_device
 from ..errors import ConfigError
 from ..gguf import find_gguf
-from ..model import Laneformer, lane_linear
+from ..model import Laneformer
 from .gpu_pack import GPU_QUANTIZATIONS
+from .hugepages import place
 from .lora import load_adapter, merge
+from .packed_modules import PackedEmbedding, PackedProj
 from .quant import (
     FLOAT_FORMATS,
     GGUF_FORMATS,
@@ -57,24 +54,6 @@ QUANTIZATIONS = {"int8": "q8_0", "int8-row": "int8"}
 # through its forward's graph, not the fused bf16 step, and which is faster at a model's size
 # waits for a GPU run to measure it (docs/gpu-session.md).
 GGUF_BLOCKS = "gguf"
-
-# How PackedProj computes inside `products_in`: (dtype or None for the input's, the dequantizer
-# that writes its weights), or None outside. A context variable: one thread's prefill does not
-# change another's forward.
-_PRODUCTS: ContextVar[tuple | None] = ContextVar("products", default=None)
-
-
-@contextmanager
-def products_in(dtype: torch.dtype | None, dequantize: Callable | None = None) -> Iterator[None]:
-    """Inside the block, every PackedProj takes its weights as `dequantize(q, dtype)` (default:
-    the reference's, rounded), rounds its input to `dtype` (None: the input's own), multiplies
-    in it, and returns the product in the input's dtype, biases added there. step/prefill.py
-    runs a long prompt's products in bf16 this way, the weights from the C decoder."""
-    token = _PRODUCTS.set((dtype, dequantize or (lambda q, dt: q.dequantize().to(dt))))
-    try:
-        yield
-    finally:
-        _PRODUCTS.reset(token)
 
 
 def packed_format(name: str) -> str:
@@ -199,9 +178,26 @@ def pack_model(model: Laneformer, fmt: str | None = None) -> PackedWeights:
         raise ValueError(f"packing as {fmt} needs an fp32 model (its activations stay fp32)")
     with torch.no_grad():
         packed = _pack(model, fmt)
+        if same:  # the parameters become views first, so _pack's copies are the only ones
+            _repoint(model, packed)
+        packed = _placed(packed)
         (_repoint if same else _swap)(model, packed)
     model.packed = packed
     return packed
+
+
+def _placed(packed: PackedWeights) -> PackedWeights:
+    """Its matrices copied into one huge-page arena in the order a step streams them
+    (weights/hugepages.py); `packed` itself where no arena can be had."""
+    mats = [m for w in packed.layers for m in (w.wqkv, w.wo, w.w13, w.w2)]
+    moved = place([*mats, packed.head, packed.embed])
+    if moved[-1] is packed.embed:
+        return packed
+    it = iter(moved)
+    layers = [replace(w, wqkv=next(it), wo=next(it), w13=next(it), w2=next(it))
+              for w in packed.layers]  # fmt: skip
+    head, embed = next(it), next(it)
+    return PackedWeights(packed.fmt, embed, layers, packed.final_norm, head)
 
 
 def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights:
@@ -294,6 +290,7 @@ def pack_gguf(model: Laneformer, path, adapted: set[str] = frozenset()) -> Packe
 
     with torch.no_grad():
         packed = _pack(model, "float32", fused if cfg.num_lanes == 1 else None, stored)
+        packed = _placed(packed)
         _swap(model, packed)
     packed.fmt = "gguf"
     model.packed = packed
@@ -326,6 +323,12 @@ def _repoint(model: Laneformer, packed: PackedWeights) -> None:
             module.weight.data = q.data
             if bias_rows is not None and module.bias is not None:
                 module.bias.data = w.bqkv[..., bias_rows[0] : bias_rows[1]]
+    head = getattr(model, "lm_head", None)  # none where tied
+    head = getattr(head, "linear", head)  # the lane head's nn.Linear
+    pairs = [(model.model.tok_embeddings, packed.embed), (head, packed.head)]
+    for p, q in ((m.weight, q) for m, q in pairs if m is not None):
+        if q.stack is None and p.shape == q.data.shape and p.dtype == q.data.dtype:
+            p.data = q.data  # the same values; placed (hugepages.py) where they were moved
 
 
 def _swap(model: Laneformer, packed: PackedWeights) -> None:
@@ -343,57 +346,3 @@ def _swap(model: Laneformer, packed: PackedWeights) -> None:
         model.lm_head = PackedProj(packed.head, None)
     elif not cfg.tie_word_embeddings:
         model.lm_head = PackedProj(packed.head, None)
-
-
-class _Packed(nn.Module):
-    """Holds a QTensor as buffers (they follow the module in state_dict and .to())."""
-
-    def __init__(self, q: QTensor):
-        super().__init__()
-        self.fmt = q.fmt
-        self.register_buffer("qdata", q.data)
-        self.register_buffer("qscale", q.scale)
-        self.register_buffer("qrowsum", q.rowsum)
-        self.register_buffer("qmins", q.mins)
-        self.register_buffer("qhigh", q.high)
-        self.register_buffer("qsub", q.sub)
-
-    @property
-    def q(self) -> QTensor:
-        return QTensor(self.fmt, self.qdata, self.qscale, self.qrowsum, self.qmins, self.qhigh,
-                       self.qsub)  # fmt: skip
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dequantized fp32 matrix (what the model's own forward computes with)."""
-        return self.q.dequantize()
-
-
-class PackedProj(_Packed):
-    """A lane-major projection (or a plain linear) on packed storage; the model's _Proj twin."""
-
-    def __init__(self, q: QTensor, bias: torch.Tensor | None):
-        super().__init__(q)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        products = _PRODUCTS.get()  # (dtype or None, dequantize) inside products_in
-        dt = (products[0] or x.dtype) if products else x.dtype
-        w = products[1](self.q, dt) if products else self.weight.to(dt)
-        if dt == x.dtype:  # the product the model's own projection computes, bias and all
-            return self._product(x, w, None if self.bias is None else self.bias.to(dt))
-        y = self._product(x.to(dt), w, None).to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
-
-    @staticmethod
-    def _product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        if w.dim() == 2:  # an nn.Linear's place (the lane head)
-            return F.linear(x, w, b)
-        return lane_linear(x, w, b)
-
-
-class PackedEmbedding(_Packed):
-    """nn.Embedding on packed storage: rows dequantized at lookup."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.q.lookup(tokens)

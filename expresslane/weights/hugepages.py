@@ -1,0 +1,123 @@
+"""Packed CPU weights in transparent huge pages: one 2 MB-aligned arena the decode step streams.
+
+A batch-1 decode step on a CPU reads every weight once per token, front to back. On 4 KB pages
+that stream crosses a page every 4 KB: a TLB miss each time, and the hardware prefetchers stop
+at every page boundary. Linux backs a mapping with 2 MB pages where the program asks for them
+(`madvise(MADV_HUGEPAGE)`; the kernel's default, `transparent_hugepage/enabled` = "madvise", does
+nothing for memory that does not ask, which is what torch and malloc hand out).
+
+Measured on the 2-vCPU VM (an Intel Xeon, 2026-12-06): one core summing 1 GB with AVX-512 read
+13 GB/s on 4 KB pages and 15 GB/s on 2 MB pages; with the weights prefetched 1 KB ahead, as
+csrc/cpu_matmul.c does, 13 and 20 GB/s. The decode step's figures are in BENCHMARKS.md.
+
+- `thp_mode()`: the kernel's setting ("always", "madvise", "never"), or "" where there is none.
+- `arena(nbytes)`: a zeroed uint8 tensor on a 2 MB boundary, advised for huge pages, or None.
+- `tensors(shapes, dtype)`: zeroed tensors in one arena (the KV cache's, cache.py).
+- `place(matrices)`: the same QTensors with every CPU field copied into one arena (values and
+  shapes unchanged; a matrix that appears twice, a tied head, stays one matrix).
+
+`EXPRESSLANE_HUGE_PAGES=0` keeps the weights where torch allocated them (to compare).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+
+import torch
+
+from .quant import QTensor
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each field's start: a cache line (the C kernels' vector loads)
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+ENABLED = os.environ.get("EXPRESSLANE_HUGE_PAGES", "1") != "0"
+
+
+def thp_mode() -> str:
+    """The bracketed word of the kernel's THP setting ("always [madvise] never"), or ""."""
+    try:
+        with open(THP_SETTING) as f:
+            words = f.read().split()
+    except OSError:
+        return ""
+    return next((w[1:-1] for w in words if w.startswith("[")), "")
+
+
+def available_bytes() -> int | None:
+    """The kernel's MemAvailable, or None where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next(x for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
+def arena(nbytes: int) -> torch.Tensor | None:
+    """nbytes of zeroed memory starting on a 2 MB boundary, advised for huge pages, as a uint8
+    tensor (which keeps its mapping alive); None where huge pages cannot be asked for, or where
+    the memory left could not hold it (placing weights holds two copies for a moment)."""
+    if not ENABLED or not hasattr(mmap, "MADV_HUGEPAGE") or thp_mode() not in ("always", "madvise"):
+        return None
+    free = available_bytes()
+    if free is not None and nbytes + HUGE_PAGE > free * 0.9:
+        return None
+    # private: a shared anonymous map is shmem, which the anonymous THP setting does not cover;
+    # one spare huge page to align the start
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def tensors(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Zeroed tensors of these shapes, one after another in one arena (a KV cache's layers); None
+    where no arena can be had."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    sizes = [-(-math.prod(s) * size // ALIGN) * ALIGN for s in shapes]
+    room = arena(sum(sizes))
+    if room is None:
+        return None
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [room[a : a + math.prod(s) * size].view(dtype).view(s)
+            for a, s in zip(starts, shapes, strict=True)]  # fmt: skip
+
+
+def _movable(t: torch.Tensor | None) -> bool:
+    return t is not None and t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0
+
+
+def _fields(matrices: list[QTensor]) -> list[torch.Tensor]:
+    """Every movable field once (by identity), in the order the step streams them."""
+    seen, out = set(), []
+    for m in matrices:
+        for t in m.fields:
+            if _movable(t) and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def place(matrices: list[QTensor]) -> list[QTensor]:
+    """`matrices` with their CPU fields copied, in order, into one huge-page arena; as they were
+    where no arena can be had. The caller drops the old tensors (their memory is freed then)."""
+    fields = _fields(matrices)
+    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in fields]
+    room = arena(sum(sizes)) if fields else None
+    if room is None:
+        return matrices
+    moved, at = {}, 0
+    for t, size in zip(fields, sizes, strict=True):
+        nbytes = t.numel() * t.element_size()
+        new = room[at : at + nbytes].view(t.dtype).view(t.shape)
+        moved[id(t)] = new.copy_(t)
+        at += size
+    done: dict[int, QTensor] = {}
+    for m in matrices:  # a tied head is the embedding: one QTensor, placed once
+        if id(m) not in done:
+            done[id(m)] = m.map(lambda t: moved.get(id(t), t))
+    return [done[id(m)] for m in matrices]

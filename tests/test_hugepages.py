@@ -1,0 +1,124 @@
+"""Packed weights and the KV cache in huge pages (weights/hugepages.py): the same values, one
+arena on a 2 MB boundary that the kernel may back with huge pages, no second copy of a weight,
+and the same tokens as without."""
+
+from __future__ import annotations
+
+import pytest
+import tiny
+import torch
+from test_packed_step import llama
+
+from expresslane.cache import KVCache
+from expresslane.engine import Engine
+from expresslane.sampling.params import SamplingParams
+from expresslane.weights import hugepages
+from expresslane.weights.packing import pack_model
+from expresslane.weights.quant import quantize, stack_rows
+
+HUGE = hugepages.arena(1) is not None  # this kernel lets a program ask for huge pages
+
+
+def _matrices() -> list:
+    g = torch.Generator().manual_seed(0)
+    w = [torch.randn(2, 24 + i, 64, generator=g) for i in range(5)]
+    q4 = stack_rows([quantize(w[4], "q4_1"), quantize(w[0], "float16")])  # a mixed stack
+    fmts = ("float32", "bfloat16", "int8", "q8_0")
+    qs = [*(quantize(x, f) for x, f in zip(w, fmts, strict=False)), q4]
+    return [*qs, qs[0]]  # the last one twice: a tied head is the embedding
+
+
+def _mapping(ptr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds address ptr."""
+    fields, inside = {}, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                if inside:
+                    break
+                inside = lo <= ptr < hi
+            elif inside:
+                fields[head.rstrip(":")] = line.split()[1]
+    return fields
+
+
+def test_place_keeps_every_value_and_a_tied_matrix_stays_one():
+    before = _matrices()
+    after = hugepages.place(before)
+    assert len(after) == len(before) and after[-1] is after[0]
+    for a, b in zip(after, before, strict=True):
+        assert a.fmt == b.fmt and a.shape == b.shape
+        assert torch.equal(a.dequantize(), b.dequantize())
+        for ta, tb in zip(a.fields, b.fields, strict=True):
+            assert ta.dtype == tb.dtype and ta.shape == tb.shape and torch.equal(ta, tb)
+    if HUGE:  # one arena, in order, every field on a cache line, the first on a huge page
+        ptrs = [t.data_ptr() for m in after[:-1] for t in m.fields]
+        assert ptrs == sorted(ptrs) and all(p % hugepages.ALIGN == 0 for p in ptrs)
+        assert ptrs[0] % hugepages.HUGE_PAGE == 0
+        old = {t.data_ptr() for t in before[0].fields}
+        assert not old & {t.data_ptr() for t in after[0].fields}  # copied
+
+
+@pytest.mark.parametrize("why", ["turned off", "too little memory"])
+def test_without_an_arena_nothing_moves(monkeypatch, why):
+    if why == "turned off":
+        monkeypatch.setattr(hugepages, "ENABLED", False)
+    else:  # a second copy of the weights would not fit
+        monkeypatch.setattr(hugepages, "available_bytes", lambda: hugepages.HUGE_PAGE)
+    before = _matrices()
+    assert hugepages.arena(1 << 20) is None
+    assert all(a is b for a, b in zip(hugepages.place(before), before, strict=True))
+
+
+@pytest.mark.skipif(not HUGE, reason="this kernel has no transparent huge pages to ask for")
+def test_the_arena_is_eligible_for_huge_pages():
+    room = hugepages.arena(3 * hugepages.HUGE_PAGE)
+    room.fill_(1)  # touched: the kernel backs it now
+    fields = _mapping(room.data_ptr())
+    if "THPeligible" not in fields:
+        pytest.skip("this kernel's smaps has no THPeligible field")
+    assert fields["THPeligible"] == "1"
+
+
+def test_the_kv_cache_is_zeroed_and_laid_out_as_before():
+    cfg = tiny.laneformer_config()
+    cache = KVCache(cfg, max_len=40, headroom=2)
+    assert len(cache.k) == len(cache.v) == cfg.num_layers
+    for i, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
+        w = cfg.window(i)
+        cap = min(w + 2, 40) if w else 40
+        assert k.shape == v.shape == (cap, cfg.num_kv_heads, cfg.head_dim)
+        assert k.is_contiguous() and not k.any() and not v.any()
+    k0 = cache.k[0]
+    k0.fill_(3.0)  # layers do not overlap
+    assert not cache.v[0].any() and not cache.k[1].any()
+
+
+def _tokens(model, n: int = 12) -> list[int]:
+    engine = Engine(model, max_model_len=64, decode="graph")
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    return [s.token for s in engine.generate_steps([1, 7, 9, 30, 11], params)]
+
+
+@pytest.mark.parametrize("fmt", [None, "bfloat16", "int8"])
+@pytest.mark.parametrize("name", ["llama-tied", "qwen2-untied", "laneformer"])
+def test_placed_weights_decode_the_same_tokens(monkeypatch, name, fmt):
+    make = {
+        "llama-tied": llama,
+        "qwen2-untied": lambda: llama(model_type="qwen2", tie_word_embeddings=False),
+        "laneformer": lambda: tiny.laneformer(seed=3),
+    }[name]
+    plain, placed = make(), make()
+    with monkeypatch.context() as m:
+        m.setattr(hugepages, "ENABLED", False)
+        pack_model(plain, fmt)
+        want = _tokens(plain)
+    pack_model(placed, fmt)
+    assert _tokens(placed) == want
+    if HUGE and fmt is None:  # same dtype: the parameters are views of the placed copy
+        p, w = placed.packed, placed.model.layers[0]
+        assert w.attention.wq.weight.data_ptr() == p.layers[0].wqkv.data.data_ptr()
+        assert placed.model.tok_embeddings.weight.data_ptr() == p.embed.data.data_ptr()
+        assert p.layers[0].wqkv.data.data_ptr() % hugepages.HUGE_PAGE == 0
