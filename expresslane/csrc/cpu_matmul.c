@@ -44,10 +44,6 @@
 #define FMA_TOKENS 5       /* fp32 / fp16 / bf16: 4 accumulators a token (BY_T's largest T) */
 #define INT_TOKENS 5       /* integer formats: 2-4 accumulators a token (6 was slower) */
 #define GROUP_BYTES 262144 /* rows re-read from L2 by each block of tokens */
-/* fp32, fp16 and bf16 rows prefetch the weights this many bytes ahead, as int8's do: on an
-   Intel Xeon with AMX (2026-12-06) the hardware prefetcher alone left SmolLM2's bf16 decode at
-   0.79x llama.cpp's F16 with one thread (short rows: a few hundred bytes to 3 KB). */
-#define PREFETCH_AHEAD 1024
 
 #ifdef EL_X86
 #define AT(c, t, off) (xp + ((c) * T + (t)) * CB + (off)) /* chunk c of token t */
