@@ -6,9 +6,9 @@ at every page boundary. Linux backs a mapping with 2 MB pages where the program 
 (`madvise(MADV_HUGEPAGE)`; the kernel's default, `transparent_hugepage/enabled` = "madvise", does
 nothing for memory that does not ask, which is what torch and malloc hand out).
 
-Measured on the 2-vCPU VM (an Intel Xeon, 2026-12-06): one core summing 1 GB with AVX-512 read
-13 GB/s on 4 KB pages and 15 GB/s on 2 MB pages; with the weights prefetched 1 KB ahead, as
-csrc/cpu_matmul.c does, 13 and 20 GB/s. The decode step's figures are in BENCHMARKS.md.
+Measured on the 2-vCPU VM (an Intel Xeon, 2026-12-06, `python -m expresslane.bench.hugepages`):
+the C fp32 product of a 1 GB matrix read 13.7 GB/s on 4 KB pages and 16.4 on 2 MB pages with one
+thread, 25.8 and 32.1 with two. The decode step's figures are in BENCHMARKS.md.
 
 - `thp_mode()`: the kernel's setting ("always", "madvise", "never"), or "" where there is none.
 - `arena(nbytes)`: a zeroed uint8 tensor on a 2 MB boundary, advised for huge pages, or None.
