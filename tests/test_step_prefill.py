@@ -233,28 +233,52 @@ def test_products_follow_the_request_and_the_weights_formats():
         Engine(tiny.laneformer(seed=1, **MODELS["llama"]), max_model_len=32, prefill_dtype="fp8")
 
 
-def test_the_bound_follows_the_products_and_the_weights_formats():
-    """The measured crossings (step/prefill.py STEP_PREFILL_MAX): a mix takes its smallest."""
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
+def test_the_bound_follows_the_products_and_the_weights_formats(monkeypatch, vendor):
+    """The measured crossings (step/prefill.py STEP_PREFILL_MAX, Intel's entries over it on an
+    Intel CPU): by the products and each format, a mix taking its smallest."""
     from types import SimpleNamespace
 
-    from expresslane.step.prefill import STEP_PREFILL_MAX
+    from expresslane.step import prefill
+
+    monkeypatch.setattr(prefill, "cpu_vendor", lambda: vendor)
+    table = prefill.step_prefill_max(vendor)
 
     def bound(*formats, dtype=torch.float32, lowp=frozenset()):
         step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
         return StepPrefill(None, step, products=dtype, lowp=lowp).max_tokens
 
-    fp32 = STEP_PREFILL_MAX[None]
-    assert bound("float32") == fp32["float32"] < bound("q8_0") == fp32["q8_0"]
-    assert bound("q4_k") == bound("q6_k") == fp32[None] < fp32["q8_0"]
-    assert bound("q4_k", "q8_0") == fp32[None]  # a mix: its smallest
+    def want(key, *formats):
+        return min(table[key].get(f, table[key][None]) for f in formats)
+
+    fp32 = table[None]
+    for formats in [("float32",), ("q8_0",), ("q4_k",), ("q6_k",), ("q4_k", "q8_0")]:
+        assert bound(*formats) == want(None, *formats), formats
+    assert bound("float32") == fp32["float32"] < bound("q4_k") == fp32[None]
     if available("bfloat16"):
-        bf16 = STEP_PREFILL_MAX[torch.bfloat16]
-        assert bound("q4_k", dtype=torch.bfloat16) == bf16[None] < bound("q4_k")
+        assert bound("q4_k", dtype=torch.bfloat16) == want(torch.bfloat16, "q4_k") < bound("q4_k")
+        assert bound("q8_0", dtype=torch.bfloat16) == want(torch.bfloat16, "q8_0")
         assert bound("float32", dtype=torch.bfloat16) == fp32["float32"]  # fp32 weights: fp32
-    low, every = STEP_PREFILL_MAX["lowp"], LOWP_BY_DTYPE["int8"]  # the low-precision step's
-    assert bound("q4_k", dtype=torch.bfloat16, lowp=every) == low[None]
-    assert bound("q4_k", "q6_k", dtype=torch.bfloat16, lowp=every) == low["q6_k"] < low[None]
+    every = LOWP_BY_DTYPE["int8"]  # the low-precision step's
+    assert bound("q4_k", dtype=torch.bfloat16, lowp=every) == want("lowp", "q4_k")
+    assert bound("q4_k", "q6_k", dtype=torch.bfloat16, lowp=every) == want("lowp", "q4_k", "q6_k")
     assert bound("float32", lowp=every) == fp32["float32"]  # nothing of the step's would change
+
+
+def test_intel_takes_its_measured_crossings_and_the_others_elsewhere():
+    from expresslane.step.prefill import (
+        INTEL_STEP_PREFILL_MAX,
+        STEP_PREFILL_MAX,
+        step_prefill_max,
+    )
+
+    assert step_prefill_max("AuthenticAMD") is STEP_PREFILL_MAX
+    intel = step_prefill_max("GenuineIntel")
+    assert intel.keys() == STEP_PREFILL_MAX.keys()
+    for key, row in STEP_PREFILL_MAX.items():
+        mine = INTEL_STEP_PREFILL_MAX.get(key, {})
+        assert intel[key] == {**row, **mine} and all(intel[key][f] == n for f, n in mine.items())
+    assert intel[None][None] < STEP_PREFILL_MAX[None][None]  # the 4- to 6-bit formats' fp32
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])

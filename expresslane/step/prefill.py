@@ -62,6 +62,34 @@ STEP_PREFILL_MAX = {  # by the layers' products (None: fp32) or "lowp", then for
     torch.bfloat16: {"bfloat16": 80, "float16": 48, "q8_0": 96, "q6_k": 96, None: 64},
     "lowp": {"bfloat16": 112, "q8_0": 96, "q6_k": 96, None: 128},
 }
+# The same crossings on an Intel Xeon with AMX (the VM, 2026-12-06; BENCHMARKS.md, "Prefill
+# crossings on an Intel Xeon"): there MKL's fp32 GEMM and oneDNN's bf16 one overtook the step
+# sooner (the 4- to 6-bit formats at 110-180 tokens in fp32, not 512). The entries not measured
+# there keep the table above's. Keyed by the vendor: the two tables come from one CPU each.
+INTEL_STEP_PREFILL_MAX = {
+    None: {"float16": 96, "q8_0": 96, "q6_k": 96, None: 128},
+    torch.bfloat16: {"q8_0": 48},
+    "lowp": {"bfloat16": 64},
+}
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
+def step_prefill_max(vendor: str) -> dict:
+    """STEP_PREFILL_MAX for a CPU of this vendor: Intel's measured entries over it on Intel."""
+    if vendor != "GenuineIntel":
+        return STEP_PREFILL_MAX
+    return {k: {**t, **INTEL_STEP_PREFILL_MAX.get(k, {})} for k, t in STEP_PREFILL_MAX.items()}
+
+
 # The formats whose step products take x at llama.cpp's precision, by --prefill-dtype: bfloat16
 # only bf16 weights' (the precision the bf16 layers have), int8 every format that can.
 LOWP_BY_DTYPE = {"float32": frozenset(), "bfloat16": frozenset({"bfloat16"}), "int8": LOWP_FORMATS}
@@ -203,7 +231,7 @@ class StepPrefill:
         takes = fmts & LOWP_FORMATS  # the step's formats that would change
         self.lowp = bool(takes) and takes <= lowp and all(available(f) for f in takes)
         if max_tokens is None:
-            table = STEP_PREFILL_MAX["lowp" if self.lowp else self.products]
+            table = step_prefill_max(cpu_vendor())["lowp" if self.lowp else self.products]
             max_tokens = min(table.get(f, table[None]) for f in fmts)
         self.max_tokens = max_tokens
         # the layers alone (Laneformer.hidden, then the step's head) only where the model's
