@@ -76,7 +76,7 @@ class KVCache:
         caps = [min(w + headroom, max_len) if w else max_len for w in self.windows]
         shapes = [(cap, heads, cfg.head_dim) for cap in caps for _ in "kv"]
         # a CPU decode step streams the cache as it streams the weights: huge pages, as those
-        kv = tensors(shapes, dtype) if torch.device(device).type == "cpu" else None
+        kv = tensors([(s, dtype) for s in shapes]) if torch.device(device).type == "cpu" else None
         kv = kv or [torch.zeros(s, device=device, dtype=dtype) for s in shapes]
         self.k, self.v = kv[0::2], kv[1::2]
         self.pos = [torch.full((cap,), -1, device=device, dtype=torch.long) for cap in caps]

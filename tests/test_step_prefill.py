@@ -241,7 +241,7 @@ def test_the_bound_follows_the_products_and_the_weights_formats(monkeypatch, ven
 
     from expresslane.step import prefill
 
-    monkeypatch.setattr(prefill, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(prefill, "cpu_info", lambda field: vendor)
     table = prefill.step_prefill_max(vendor)
 
     def bound(*formats, dtype=torch.float32, lowp=frozenset()):

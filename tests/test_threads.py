@@ -121,3 +121,19 @@ def test_the_governor_follows_the_other_processes_between_requests(monkeypatch):
         assert gov.revise() == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_info_reads_the_first_value_of_a_field(tmp_path, monkeypatch):
+    text = "processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx512f amx_int8\n"
+    text += "processor\t: 1\nvendor_id\t: Other\n"
+    monkeypatch.setattr(threads, "_read", lambda path: text if path == "/proc/cpuinfo" else None)
+    threads.cpu_info.cache_clear()
+    try:
+        assert threads.cpu_info("vendor_id") == "GenuineIntel"  # the first core's
+        assert threads.cpu_info("flags").split() == ["fpu", "avx512f", "amx_int8"]
+        assert threads.cpu_info("no such field") == ""
+        monkeypatch.setattr(threads, "_read", lambda path: None)  # not Linux
+        threads.cpu_info.cache_clear()
+        assert threads.cpu_info("vendor_id") == ""
+    finally:
+        threads.cpu_info.cache_clear()  # the real file's values for later tests

@@ -33,6 +33,7 @@ import torch
 
 from ..gguf import find_gguf
 from ..model import Laneformer
+from ..step.threads import cpu_info
 from .peers import PeerSetup, prompt_ids
 
 TYPES = ("F32", "F16", "Q8_0", "Q4_1")
@@ -171,10 +172,7 @@ def _copy_tokenizer(w, source: Path) -> None:
 
 def has_amx() -> bool:
     """Whether this CPU has AMX (Linux's flags), where llama.cpp's extra buffers crashed it."""
-    try:
-        return "amx_int8" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return "amx_int8" in cpu_info("flags").split()
 
 
 @contextlib.contextmanager

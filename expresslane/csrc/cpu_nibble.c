@@ -148,8 +148,8 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
     const int64_t QB = IS_BITS(FMT) ? 16 : IS_CRUMB(FMT) ? 32 : 64; /* bytes of q a group */
     const int HIGH1 = FMT == FMT_Q5_0 || FMT == FMT_Q5_1 || FMT == FMT_Q5_K || FMT == FMT_Q3_K;
     const int64_t HB = FMT == FMT_Q6_K ? 32 : HIGH1 ? 16 : 0; /* and of the high bits' masks */
-    /* both streams prefetched PREFETCH_AHEAD on: 5-19% faster with one thread on the Xeon
-       (2026-12-06; Q6_K, bound by its unpacking, 3%), 0-16% with two */
+    /* both streams prefetched PREFETCH_AHEAD on: decode 1.02-1.26x with one thread on the Xeon,
+       0.99-1.42x with two (Q6_K, bound by its unpacking, level; BENCHMARKS.md, 2026-12-06) */
     for (; (g + 1) * 4 <= nb; g++) {
         _mm_prefetch((const char *)q + g * QB + PREFETCH_AHEAD, _MM_HINT_T0);
         if (HB) _mm_prefetch((const char *)high + g * HB + PREFETCH_AHEAD, _MM_HINT_T0);

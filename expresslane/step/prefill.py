@@ -32,6 +32,7 @@ from ..weights.packed_modules import products_in
 from ..weights.quant import GGUF_FORMATS
 from .native import LOWP_FORMATS, available, native_dequantize
 from .packed import PackedDecoder
+from .threads import cpu_info
 
 # A prompt up to this many tokens prefills in one pass over the weights (Engine's
 # prefill_chunk). A chunk after cached ones attends through SDPA's bottom-right causal bias,
@@ -71,16 +72,6 @@ INTEL_STEP_PREFILL_MAX = {
     torch.bfloat16: {"q8_0": 48},
     "lowp": {"bfloat16": 64},
 }
-
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
 
 
 def step_prefill_max(vendor: str) -> dict:
@@ -231,7 +222,7 @@ class StepPrefill:
         takes = fmts & LOWP_FORMATS  # the step's formats that would change
         self.lowp = bool(takes) and takes <= lowp and all(available(f) for f in takes)
         if max_tokens is None:
-            table = step_prefill_max(cpu_vendor())["lowp" if self.lowp else self.products]
+            table = step_prefill_max(cpu_info("vendor_id"))["lowp" if self.lowp else self.products]
             max_tokens = min(table.get(f, table[None]) for f in fmts)
         self.max_tokens = max_tokens
         # the layers alone (Laneformer.hidden, then the step's head) only where the model's

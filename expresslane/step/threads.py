@@ -35,6 +35,7 @@ parallel op, and the engine's thread would take the 1.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -88,6 +89,17 @@ def _up(base: str, path: str):
     parts = [p for p in path.split("/") if p]
     for n in range(len(parts), -1, -1):
         yield os.path.join(base, *parts[:n])
+
+
+@functools.cache
+def cpu_info(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("vendor_id": "GenuineIntel"; "flags": the
+    instruction sets, space-separated), "" where there is none (not Linux, no such field)."""
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == field:
+            return value.strip()
+    return ""
 
 
 def _read(path: str) -> str | None:

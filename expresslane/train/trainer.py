@@ -32,6 +32,7 @@ from tqdm import tqdm
 from ..checkpoint import resolve_device, save_model
 from ..config import ModelConfig
 from ..model import Laneformer, init_weights
+from ..step.threads import cpu_info
 from .data import IGNORE
 
 # The embedded model: every feature of the 2B (8 lanes, delay 2, GQA with 2 KV heads per lane,
@@ -118,10 +119,7 @@ def use_autocast(mode: str, device: torch.device) -> bool:
         return mode == "on"
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    try:  # bf16 autocast on a CPU pays off only with native bf16 dot products
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_info("flags").split()  # bf16 autocast on a CPU pays off only with bf16 dots
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -12,7 +12,7 @@ thread, 25.8 and 32.1 with two. The decode step's figures are in BENCHMARKS.md.
 
 - `thp_mode()`: the kernel's setting ("always", "madvise", "never"), or "" where there is none.
 - `arena(nbytes)`: a zeroed uint8 tensor on a 2 MB boundary, advised for huge pages, or None.
-- `tensors(shapes, dtype)`: zeroed tensors in one arena (the KV cache's, cache.py).
+- `tensors(specs)`: zeroed tensors of given shapes and dtypes in one arena (the KV cache's).
 - `place(matrices)`: the same QTensors with every CPU field copied into one arena (values and
   shapes unchanged; a matrix that appears twice, a tied head, stays one matrix).
 
@@ -74,17 +74,17 @@ def arena(nbytes: int) -> torch.Tensor | None:
     return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start)
 
 
-def tensors(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor] | None:
-    """Zeroed tensors of these shapes, one after another in one arena (a KV cache's layers); None
-    where no arena can be had."""
-    size = torch.tensor([], dtype=dtype).element_size()
-    sizes = [-(-math.prod(s) * size // ALIGN) * ALIGN for s in shapes]
-    room = arena(sum(sizes))
+def tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor] | None:
+    """Zeroed contiguous tensors of these (shape, dtype)s, one after another in one arena, each
+    on a cache line (a KV cache's layers, a model's weights); None where no arena can be had."""
+    nbytes = [math.prod(shape) * torch.empty(0, dtype=dt).element_size() for shape, dt in specs]
+    sizes = [-(-n // ALIGN) * ALIGN for n in nbytes]
+    room = arena(sum(sizes)) if specs else None
     if room is None:
         return None
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [room[a : a + math.prod(s) * size].view(dtype).view(s)
-            for a, s in zip(starts, shapes, strict=True)]  # fmt: skip
+    return [room[a : a + n].view(dt).view(shape)
+            for a, n, (shape, dt) in zip(starts, nbytes, specs, strict=True)]  # fmt: skip
 
 
 def _movable(t: torch.Tensor | None) -> bool:
@@ -106,16 +106,10 @@ def place(matrices: list[QTensor]) -> list[QTensor]:
     """`matrices` with their CPU fields copied, in order, into one huge-page arena; as they were
     where no arena can be had. The caller drops the old tensors (their memory is freed then)."""
     fields = _fields(matrices)
-    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in fields]
-    room = arena(sum(sizes)) if fields else None
+    room = tensors([(tuple(t.shape), t.dtype) for t in fields])
     if room is None:
         return matrices
-    moved, at = {}, 0
-    for t, size in zip(fields, sizes, strict=True):
-        nbytes = t.numel() * t.element_size()
-        new = room[at : at + nbytes].view(t.dtype).view(t.shape)
-        moved[id(t)] = new.copy_(t)
-        at += size
+    moved = {id(t): new.copy_(t) for t, new in zip(fields, room, strict=True)}
     done: dict[int, QTensor] = {}
     for m in matrices:  # a tied head is the embedding: one QTensor, placed once
         if id(m) not in done:
