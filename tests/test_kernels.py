@@ -284,8 +284,15 @@ def test_lm_head(s, dtype, head_type, per_lane_norm, pre_agg):
         assert token.item() == ref.lm_head_argmax(h, nw, w, **kw).item()
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 2])
 @pytest.mark.parametrize("head_type", ["replicate", "vocab_parallel"])
-def test_argmax_ties_pick_lowest_index(head_type):
+def test_argmax_ties_pick_lowest_index(head_type, chunk, monkeypatch):
+    """The lowest index of the tied maxima, whether the combine reads every block's pair at
+    once or a few at a time (chunk 1: every tie meets in one slot)."""
+    from expresslane.kernels import lm_head as head
+
+    if chunk:
+        monkeypatch.setattr(head, "COMBINE_MAX", chunk)
     s = SHAPES[-1]
     h, nw, w = head_inputs(s, torch.float32, head_type, False)
     rows = w.view(-1, s.dim)  # (V, D) in global vocab order for both head types
