@@ -5,8 +5,8 @@
 #   usage: [OUT=dir] [PY=python3] [GPTFAST_DIR=dir] [LIMITS="stage=seconds ..."]
 #          [SWEEP_MODELS="laneformer-2b ..."] scripts/gpu_session.sh [--dry-run] STAGE...
 #   stages: smoke bench-2b bench-1b bench-qwen tests kernels profile sweep quant-2b quant-1b
-#           ttft structured free-grammar spec-replay barrier persistent (at most 4 per call: 8
-#           files)
+#           ttft structured free-grammar spec-replay barrier persistent persistent-1b (at most 4
+#           per call: 8 files)
 #
 # Every stage runs under `timeout` and tees its whole output to $OUT/STAGE.log; its result
 # (rows kept as measured, test verdicts, rc, seconds) goes to $OUT/STAGE.json. A stage that fails
@@ -25,7 +25,7 @@ export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 STAGES=(smoke bench-2b bench-1b bench-qwen tests kernels profile sweep quant-2b quant-1b ttft
-        structured free-grammar spec-replay barrier persistent)
+        structured free-grammar spec-replay barrier persistent persistent-1b)
 if [ $# -eq 0 ] || [ $# -gt 4 ]; then
   echo "usage: $0 [--dry-run] STAGE... (1 to 4 of: ${STAGES[*]}; 2 files each, 8 come back)" >&2
   exit 2
@@ -122,6 +122,11 @@ stage_command() {
       LIMIT=240; CMD=("$PY" -m expresslane.bench.persistent --preset laneformer-2b
                       --contexts 1024 4000 128 --programs-per-sm 2 4 --chunks 1 4 --warps 2 4
                       --deps phase lane)
+      ((DRY)) && CMD+=(--dry-run) ;;
+    persistent-1b)  # the one-lane Llama shape in one launch: its split-K wo and w2 as tasks
+      LIMIT=150; CMD=("$PY" -m expresslane.bench.persistent --preset llama-3.2-1b
+                      --contexts 1024 4000 128 --programs-per-sm 2 4 --chunks 1 --warps 2
+                      --deps phase)
       ((DRY)) && CMD+=(--dry-run) ;;
     sweep)  # every kernel variant checked, then timed; the winners: sweep.json's result.table
       LIMIT=480; CMD=("$PY" -m expresslane.bench.sweep --model ${SWEEP_MODELS:-laneformer-2b

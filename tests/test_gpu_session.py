@@ -40,7 +40,7 @@ def test_dry_run_of_every_stage(tmp_path):
         ("smoke", "bench-2b", "bench-1b", "ttft"),
         ("tests", "kernels", "profile", "sweep"),
         ("structured", "spec-replay", "barrier", "persistent"),
-        ("bench-qwen", "free-grammar"),
+        ("bench-qwen", "free-grammar", "persistent-1b"),
     ]
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
@@ -88,10 +88,13 @@ def test_dry_run_of_every_stage(tmp_path):
     assert {r["variant"] for r in barrier["rows"]} == {"stream", "launches", "persistent",
                                                        "persistent+prefetch"}  # fmt: skip
     assert all(r["ok"] and r["spin_error"] == 0 for r in barrier["rows"])
-    persistent = results["persistent"]["result"]  # the one-launch step gives the fused bits
-    steps = [r for r in persistent["rows"] if r["step"] != "fused"]
-    assert steps and all(r["bitwise"] and r["same_pick"] and not r["failed_waits"] for r in steps)
-    assert steps[0]["rows_are_lone_steps"]
+    for stage, tiny in (("persistent", "laneformer-tiny"), ("persistent-1b", "llama-tiny")):
+        persistent = results[stage]["result"]  # the one-launch step gives the fused bits
+        assert persistent["preset"].startswith(tiny)  # a one-lane preset dry-runs a one-lane model
+        steps = [r for r in persistent["rows"] if r["step"] != "fused"]
+        assert steps and all(r["bitwise"] and r["same_pick"] and not r["failed_waits"]
+                             for r in steps)  # fmt: skip
+        assert steps[0]["rows_are_lone_steps"]
     spec = results["spec-replay"]["result"]
     assert spec["bench"] == "spec_replay" and set(spec["by_kind"]) == {"edit", "quote", "free"}
     tests = results["tests"]["tests"]

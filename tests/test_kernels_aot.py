@@ -213,9 +213,15 @@ from expresslane.kernels.aot import record_decode_step
 one, eight = persistent_invariance("laneformer-2b")
 (greedy,) = distinct(record_decode_step("laneformer-2b", 4096, 132, True, logits=False,
                                         persistent=True))
+qwen = {}
 with tempfile.TemporaryDirectory() as tmp:
     row = compile_launch(greedy, 90, Path(tmp))  # the S = 1 build above, from triton's cache
-print(json.dumps({"one": one, "eight": eight, "row": row}))
+    for preset in ("qwen3-0.6b", "qwen2.5-0.5b"):  # q/k norms; attention biases
+        (launch,) = distinct(record_decode_step(preset, 4096, 132, True, logits=False,
+                                                persistent=True))
+        qwen[preset] = compile_launch(launch, 90, Path(tmp))
+q1, q8 = persistent_invariance("qwen3-0.6b")
+print(json.dumps({"one": one, "eight": eight, "row": row, "qwen": qwen, "q1": q1, "q8": q8}))
 """
 
 
@@ -223,13 +229,17 @@ def test_persistent_kernel_builds_and_sums_alike_for_1_and_8_tokens():
     """The one-launch step (kernels/persistent.py) compiles for sm_90, streams its weights 16
     bytes at a time (its per-layer offsets carry their alignment), keeps more than one program
     an SM, and at its one warp count sums every row alike in the 1- and the 8-token builds: a
-    verify's rows are lone steps, which the interpreter cannot show."""
+    verify's rows are lone steps, which the interpreter cannot show. The same for qwen3's q/k
+    norms and qwen2's biases, which reach its QKV task through the per-layer offsets."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", PERSISTENT], capture_output=True, text=True,
                          env=env, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["one"] and report["one"] == report["eight"], report
-    row = report["row"]
-    assert row["loads"].get("128", 0) >= 16 and row["spill_bytes"] == 0, row
-    assert row["blocks_per_sm"] >= 2 and row["grid"][0] >= 132, row
+    for name, row in (("laneformer-2b", report["row"]), *report["qwen"].items()):
+        assert row["loads"].get("128", 0) >= 16 and row["blocks_per_sm"] >= 2, (name, row)
+        assert row["grid"][0] >= 132, (name, row)
+        # Qwen2.5's GQA group of 7 spills in the fused attention kernel too (BENCHMARKS.md)
+        assert row["spill_bytes"] == 0 or name == "qwen2.5-0.5b", (name, row)
+    assert report["q1"] and report["q1"] == report["q8"], (report["q1"], report["q8"])

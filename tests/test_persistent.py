@@ -49,7 +49,25 @@ MODELS = {
         sliding_window=None,
         sliding_window_n_layers=0,
     ),  # fmt: skip
+    # qwen2's attention biases and qwen3's q/k norms (a head over two programs: the scratch's
+    # counter), as test_kernels_qwen's fused-step models
+    "qwen2": lambda: _qwen("qwen2", attention_bias=True),
+    "qwen3": lambda: _qwen("qwen3", head_dim=32),
+    # DTP's no_reduce layers before the delay (use_early_comm off), past after
+    "no-early-comm": lambda: tiny.laneformer(
+        seed=8,
+        sliding_window=4,
+        num_hidden_layers=3,
+        sliding_window_n_layers=2,
+        use_early_comm=False,
+    ),  # fmt: skip
 }
+
+
+def _qwen(family, **kw):
+    return tiny.laneformer(seed=4, model_type=family, num_lanes=1, sliding_window=None,
+                           num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                           hidden_size=48, **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -57,12 +75,38 @@ MODELS = {
     [
         pytest.param("laneformer", 3, 3, 5, marks=pytest.mark.gpu),
         ("llama", 1, 2, 3),
+        ("qwen2", 2, 2, 1),
+        ("qwen3", 3, 3, 2),
     ],
 )
 def test_persistent_equals_fused(name, S, programs, chunk):
     """Logits, greedy picks and the cache it leaves: the fused step's, bit for bit, whatever
     the grid and the tasks a program takes at once (a chunk may cross phases)."""
-    model = MODELS[name]().to(DEVICE)
+    _equal_steps(MODELS[name]().to(DEVICE), S, programs, chunk)
+
+
+@pytest.mark.parametrize(
+    "name, mode, split, S",
+    [("llama", "present", 4, 2), ("qwen3", "present", 2, 1), ("laneformer", "past", 2, 3),
+     ("laneformer", "present", 3, 1), ("no-early-comm", "no_reduce", 2, 2)],
+)  # fmt: skip
+def test_split_k_projections_equal_the_fused_steps(name, mode, split, S):
+    """A projection split along K (a Llama's narrow wo and w2 on a GPU; forced here, where the
+    interpreter's tiles never split): lane_gemv's programs as tasks, the last to arrive summing
+    the partials as the fused step's epilogue kernel does, bit for bit, in each reduce mode
+    and over lanes; 3 splits of the laneformer's K = 8 and 16 leave the last one empty."""
+    from expresslane.kernels import tuning
+
+    with tuning.forcing(f"gemv_reduce_{mode}", {"SPLIT_K": split, "BLOCK_K": 4}):
+        step = _equal_steps(MODELS[name]().to(DEVICE), S, 2, 3)
+    plan = step.plan(S, False)
+    assert plan.consts["SK_MAX"] == split
+    assert plan.args["arrive_ptr"].abs().sum() == 0  # every count left at 0 for the next
+
+
+def _equal_steps(model, S, programs, chunk):
+    """The fused and the persistent step from the same prefilled cache: logits, picks, one
+    more step and the caches equal; returns the persistent step."""
     prompt, tokens = [1, 5, 9, 13, 17, 21], torch.tensor([7, 30, 4][:S], device=DEVICE)
     out, caches = {}, {}
     for kind in ("fused", "persistent"):
@@ -82,6 +126,7 @@ def test_persistent_equals_fused(name, S, programs, chunk):
         assert torch.equal(a, b), what
     assert all(torch.equal(a, b) for a, b in zip(*caches.values(), strict=True))
     assert torch.equal(out["persistent"][1], out["persistent"][0].argmax(-1))
+    return step
 
 
 def waits_order(rows: torch.Tensor) -> torch.Tensor:
@@ -164,10 +209,9 @@ def test_persistent_logits_are_the_models_and_sampling_works():
 
 
 def test_persistent_refuses_what_it_does_not_cover():
-    model = tiny.laneformer(seed=1, model_type="llama", num_lanes=1, lm_head_type="replicate",
-                            sliding_window=None, sliding_window_n_layers=0,
-                            attention_bias=True).to(DEVICE)  # fmt: skip
-    assert "biases" in unsupported(model, KVCache(model.cfg, 8, DEVICE, torch.float32))
+    model = MODELS["llama"]().to(DEVICE)
+    model.gpu_quantization = "int8"  # kernels/qlinear.py's mark: projections the tasks lack
+    assert "quantized" in unsupported(model, KVCache(model.cfg, 8, DEVICE, torch.float32))
     with pytest.raises(ValueError, match="does not cover"):
         PersistentDecoder(model, KVCache(model.cfg, 8, DEVICE, torch.float32))
     llama = MODELS["llama"]().to(DEVICE)

@@ -19,8 +19,8 @@ keys and values, the positions a prefill would leave, rings included), for each 
   expresslane.kernels.aot --persistent`).
 GB/s counts the bytes a step must read (bench/ceiling.py: weights once, the scanned KV) and
 %copy sets them against a copy measured in the same run. One table, then one JSON line.
---dry-run runs a narrowed laneformer-tiny (DRY_MODEL) on the CPU through the Triton
-interpreter, timed by a host clock: the wiring, not a figure.
+--dry-run runs a narrowed laneformer-tiny (DRY_MODEL), or llama-tiny for a one-lane preset, on
+the CPU through the Triton interpreter, timed by a host clock: the wiring, not a figure.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from ..presets import load_model_config, preset_hf_dict
 # only through partials, a vocab-parallel head) at a quarter of its width, for the interpreter.
 DRY_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_lanes": 4, "vocab_size": 128,
              "num_attention_heads": 8, "num_key_value_heads": 4, "sliding_window": 16}  # fmt: skip
+DRY_LLAMA = {"num_lanes": 1, "sliding_window": None}  # a one-lane preset's dry run: llama-tiny
 
 
 def fill_cache(cache: KVCache, context: int, seed: int = 0) -> None:
@@ -114,7 +115,8 @@ def measure(args) -> dict:
     from .weights import random_model
 
     if args.dry_run:
-        cfg = ModelConfig.from_hf_dict({**preset_hf_dict("laneformer-tiny"), **DRY_MODEL})
+        llama = DRY_LLAMA if args.dry_base == "llama-tiny" else {}
+        cfg = ModelConfig.from_hf_dict({**preset_hf_dict(args.dry_base), **DRY_MODEL, **llama})
     else:
         cfg = load_model_config(args.preset)
     dev = resolve_device(args.device)
@@ -217,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["EXPRESSLANE_FORCE_TRITON"] = "1"
-        args.preset, args.device, args.contexts = "laneformer-tiny (narrowed)", "cpu", [24]
+        one_lane = load_model_config(args.preset).num_lanes == 1  # the preset's family
+        args.dry_base = "llama-tiny" if one_lane else "laneformer-tiny"
+        args.preset, args.device, args.contexts = f"{args.dry_base} (narrowed)", "cpu", [24]
         args.programs_per_sm, args.chunks, args.steps, args.trials = [2], [3], 1, 1
         args.deps, args.warps = ["lane"], [2]
     if min(args.contexts + args.programs_per_sm + args.chunks + args.warps

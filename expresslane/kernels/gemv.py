@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import MAX_TOKENS, tuning
-from .tiles import cast_as, first_tile, pdl_wait, rms_rstd_rows, stream_rows
+from .tiles import await_inputs, cast_as, first_tile, rms_rstd_rows, stream_rows
 from .tuning import PLANNED_GPU  # the GPU kernels/aot.py plans for (empty: ask the device)
 
 # --- launch configuration --------------------------------------------------------------------
@@ -157,20 +157,24 @@ def block_s(n_tokens: int) -> int:
 
 # --- the lane-major GEMV kernel ----------------------------------------------------------------
 @triton.jit
-def lane_gemv_kernel(
-    # Pointers
+def lane_gemv_task(
     w_ptr,  # (L, O, K) weights, contiguous
     x_ptr,  # (S, L, K) inputs, contiguous
     nw_ptr,  # (K,) or (L, K) norm weight (unused without HAS_NORM)
     y_ptr,  # (S, L, O) output, or (SPLIT_K, S, L, O) fp32 partials when SPLIT_K > 1
-    # Sizes
     S,
     L,
     O,
     K,
     eps,
     stride_nwl,  # 0 for a shared norm weight
-    # Meta-parameters
+    lane,  # the program's coordinates: (lane, row block, K split)
+    pid_o,
+    pid_k,
+    dep_ptr,  # what the inputs wait for (tiles.await_inputs)
+    dep_target,
+    max_spin,
+    err_ptr,
     HAS_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -178,10 +182,10 @@ def lane_gemv_kernel(
     BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SYNC: tl.constexpr,
 ):
-    lane = tl.program_id(0)
-    pid_o = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    """The work of program (lane, pid_o, pid_k): a kernel's, or (a split-K projection's first
+    half: gemv_reduce.split_reduce_task) a task of the persistent kernel's."""
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < O
     w_rows = w_ptr + lane * O * K + offs_o[:, None] * K  # (BLOCK_O, 1) row starts
@@ -190,7 +194,7 @@ def lane_gemv_kernel(
     k_lo = pid_k * k_len
     k_hi = tl.minimum(k_lo + k_len, K)
     w_first = first_tile(w_rows, mask_o, k_lo, k_hi, BLOCK_K)
-    pdl_wait(USE_PDL)
+    await_inputs(USE_PDL, SYNC, dep_ptr, dep_target, max_spin, err_ptr)
     x_row = x_ptr + lane * K  # token s's row is x_row + s * L * K
     rstd = tl.full([BLOCK_S], 1.0, dtype=tl.float32)
     if HAS_NORM:
@@ -205,6 +209,16 @@ def lane_gemv_kernel(
     else:
         dst = y_ptr + ((pid_k * S + offs_s[:, None]) * L + lane) * O + offs_o[None, :]
         tl.store(dst, y, mask=m)
+
+
+@triton.jit
+def lane_gemv_kernel(w_ptr, x_ptr, nw_ptr, y_ptr, S, L, O, K, eps, stride_nwl,
+                     HAS_NORM: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                     BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+                     USE_PDL: tl.constexpr):  # fmt: skip
+    lane_gemv_task(w_ptr, x_ptr, nw_ptr, y_ptr, S, L, O, K, eps, stride_nwl, tl.program_id(0),
+                   tl.program_id(1), tl.program_id(2), None, 0, 0, None, HAS_NORM, SPLIT_K,
+                   BLOCK_S, BLOCK_O, BLOCK_K, PREFETCH, USE_PDL, False)  # fmt: skip
 
 
 # fp32 accumulator elements a program may hold (all its accumulators, all its tokens): 64

@@ -16,7 +16,8 @@ Grids:
 - present: (D / BLOCK_O,), each program loops over the lanes, because lane l's new h needs every
   lane's y for the same columns.
 - split-K (narrow outputs, e.g. a 1-lane Llama with D = 2048): `lane_gemv_kernel` writes fp32
-  partials (SPLIT_K, L, D) and `reduce_epilogue_kernel` sums them and applies the same epilogue.
+  partials (SPLIT_K, L, D) and `reduce_epilogue_kernel` sums them and applies the same epilogue;
+  in the persistent kernel (`split_reduce_task`) the last program to arrive does that epilogue.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .gemv import (
     assert_lane_weight,
     block_s,
     gemv_config,
+    lane_gemv_task,
     launch_kwargs,
     launch_lane_gemv,
     tokens_of,
@@ -158,33 +160,20 @@ def gemv_reduce_kernel(a_ptr, w_ptr, r_ptr, past_ptr, h_ptr, y_ptr, S, L, D, K, 
 
 
 @triton.jit
-def reduce_epilogue_kernel(
-    ws_ptr,  # (SPLIT_K, S, L, D) fp32 split-K partials of y
-    r_ptr,
-    past_ptr,
-    h_ptr,
-    y_ptr,
-    S,
-    L,
-    D,
-    sqrt_l,
-    SPLIT_K: tl.constexpr,
-    MODE: tl.constexpr,
-    HAS_PAST: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_O: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pid_o = tl.program_id(0)
-    pdl_prologue(USE_PDL)
+def _split_epilogue(ws_ptr, r_ptr, past_ptr, h_ptr, y_ptr, S, L, D, sqrt_l, pid_o, lane_lo,
+                    lane_hi, SPLIT_K: tl.constexpr, MODE: tl.constexpr, HAS_PAST: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr,
+                    BLOCK_L: tl.constexpr):  # fmt: skip
+    """Columns pid_o * BLOCK_O ... of lanes [lane_lo, lane_hi): y = the splits' fp32 partials
+    summed in split order and rounded, then the mode's update (present: every lane's). The sum
+    is elementwise, so any BLOCK_O gives the same bits."""
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     mask_o = offs_o < D
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < S
     m2 = mask_s[:, None] & mask_o[None, :]
     total = tl.zeros([BLOCK_S, BLOCK_O], dtype=tl.float32)
-    for lane in range(L):
+    for lane in range(lane_lo, lane_hi):
         at = (offs_s[:, None] * L + lane) * D + offs_o[None, :]
         y = tl.zeros([BLOCK_S, BLOCK_O], dtype=tl.float32)
         for k in tl.static_range(SPLIT_K):  # fixed order: deterministic
@@ -198,6 +187,42 @@ def reduce_epilogue_kernel(
                          sqrt_l, MODE, HAS_PAST, BLOCK_L)  # fmt: skip
     if MODE == 1:
         _present_update(total, offs_s, mask_s, offs_o, mask_o, r_ptr, h_ptr, L, D)
+
+
+@triton.jit
+def reduce_epilogue_kernel(ws_ptr, r_ptr, past_ptr, h_ptr, y_ptr, S, L, D, sqrt_l,
+                           SPLIT_K: tl.constexpr, MODE: tl.constexpr, HAS_PAST: tl.constexpr,
+                           BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_L: tl.constexpr,
+                           USE_PDL: tl.constexpr):  # fmt: skip
+    """The split-K kernels' second launch: every lane of BLOCK_O columns a program."""
+    pdl_prologue(USE_PDL)
+    _split_epilogue(ws_ptr, r_ptr, past_ptr, h_ptr, y_ptr, S, L, D, sqrt_l, tl.program_id(0), 0,
+                    L, SPLIT_K, MODE, HAS_PAST, BLOCK_S, BLOCK_O, BLOCK_L)  # fmt: skip
+
+
+@triton.jit
+def split_reduce_task(a_ptr, w_ptr, r_ptr, past_ptr, h_ptr, y_ptr, ws_ptr, arrive_ptr, S, L, D,
+                      K, sqrt_l, pid_o, lane, pid_k, dep_ptr, dep_target, max_spin, err_ptr,
+                      MODE: tl.constexpr, HAS_PAST: tl.constexpr, SPLIT_K: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_L: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """A split-K projection as tasks of the persistent kernel: program (lane, pid_o, pid_k) of
+    lane_gemv_kernel writes its fp32 partial to ws (SPLIT_K, S, L, D); the last of the programs
+    whose partials an update needs (every lane's splits of the columns when present, else the
+    lane's own) sums them as reduce_epilogue_kernel does, so no phase of its own waits between.
+    arrive_ptr: int32 per column block (present) or per (column block, lane), left at 0."""
+    lane_gemv_task(w_ptr, a_ptr, a_ptr, ws_ptr, S, L, D, K, 0.0, 0, lane, pid_o, pid_k, dep_ptr,
+                   dep_target, max_spin, err_ptr, False, SPLIT_K, BLOCK_S, BLOCK_O, BLOCK_K,
+                   PREFETCH, False, True)  # fmt: skip
+    tl.debug_barrier()  # every thread's partials are written before the arrival
+    if MODE == 1:
+        counter, n, lo, hi = arrive_ptr + pid_o, L * SPLIT_K, 0, L
+    else:
+        counter, n, lo, hi = arrive_ptr + pid_o * L + lane, SPLIT_K, lane, lane + 1
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n - 1:
+        tl.atomic_xchg(counter, 0)  # ready for the next layer and the next launch
+        _split_epilogue(ws_ptr, r_ptr, past_ptr, h_ptr, y_ptr, S, L, D, sqrt_l, pid_o, lo, hi,
+                        SPLIT_K, MODE, HAS_PAST, BLOCK_S, BLOCK_O, BLOCK_L)  # fmt: skip
 
 
 def gemv_reduce_config(a: torch.Tensor, mode: str, S: int, L: int, D: int, K: int,

@@ -12,8 +12,8 @@ A plan is built per (S, head): the task list and its counts, the buffers (static
 graph captures a launch, and its replays reuse them) and the constexprs. The grid is the
 resident programs (`programs_per_sm` x SMs; any grid is correct, as tasks are taken from a
 queue in dependency order). A model the kinds do not cover (more than two attention or
-projection configurations, a split-K projection) is refused by `unsupported` (and a split-K
-projection when the first plan is built, at load).
+projection configurations, quantized projections) is refused by `unsupported`. Split-K
+projections (a Llama's narrow wo and w2) and qwen's biases and q/k norms are covered.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class PersistentDecoder:
         self.plan(1, True)  # a model the task kinds do not cover fails here, at load
 
     def _layer_offsets(self) -> torch.Tensor:
-        """int64 (layers, 12): element offsets of each layer's tensors from layer 0's."""
+        """int64 (layers, 17): element offsets of each layer's tensors from layer 0's (0 for a
+        bias or q/k norm the model does not have)."""
         from ..kernels.persistent import LAYER_TENSORS
 
         def tensors(i: int) -> dict:
@@ -76,8 +77,12 @@ class PersistentDecoder:
 
         first, rows = tensors(0), []
         for i in range(self.cfg.num_layers):
-            row = []
-            for name, t in ((n, tensors(i)[n]) for n in LAYER_TENSORS):
+            row, layer = [], tensors(i)
+            for name in LAYER_TENSORS:
+                if name not in first:
+                    row.append(0)
+                    continue
+                t = layer[name]
                 gap = t.data_ptr() - first[name].data_ptr()
                 # 16-byte aligned, as the kernel tells the compiler (kernels/persistent._at)
                 assert gap % (8 * t.element_size()) == 0 and t.dtype == first[name].dtype, name
@@ -133,9 +138,8 @@ class PersistentDecoder:
 
 def unsupported(model: Laneformer, cache: KVCache) -> str | None:
     """What the persistent step cannot run on this model and cache, or None."""
-    if not fused_supports(model) or model.cfg.attention_bias or model.cfg.qk_norm:
-        # its QKV task has no bias or q/k-norm operands (the fused step's kernel has)
-        return "attention biases, q/k norms or quantized projections"
+    if not fused_supports(model):
+        return "quantized projections"
     for what, keys in (("attention", attention_keys(model.cfg, cache)),
                        ("reduce", projection_keys(model.cfg))):  # fmt: skip
         if len(set(keys)) > KINDS_PER_CONFIG:

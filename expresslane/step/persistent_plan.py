@@ -61,7 +61,7 @@ def _configs(dec, S: int, h: torch.Tensor, q: torch.Tensor) -> tuple[dict, dict,
 
     from ..kernels.decode_attention import attention_config
     from ..kernels.gemv_reduce import MODES, gemv_reduce_config
-    from ..kernels.lm_head import _blocks, _prepare
+    from ..kernels.lm_head import _blocks, _prepare, combine_block
     from ..kernels.norm_qkv import norm_qkv_config
     from ..kernels.swiglu import norm_swiglu_config
     from ..kernels.tuning import split
@@ -79,6 +79,8 @@ def _configs(dec, S: int, h: torch.Tensor, q: torch.Tensor) -> tuple[dict, dict,
          "CHUNK": dec.chunk}  # fmt: skip
     qkv = norm_qkv_config(h, S, D, L, QL // hd, n_kv // L, hd)
     c["QKV_P"], c["QKV_K"], c["QKV_PF"] = take(qkv, "BLOCK_P", "BLOCK_K", "PREFETCH")
+    c |= {"HAS_BIAS": "bq" in f.layers[0], "QK_NORM": "q_norm" in f.layers[0],
+          "BLOCK_H": triton.next_power_of_2(hd // 2)}  # fmt: skip
     grids = {"QKV": (L, (QL // hd + 2 * (n_kv // L)) * (hd // 2 // c["QKV_P"])), "splits": []}
     configs, attn_slot = _slots(attention_keys(cfg, dec.cache))
     for j, (cap, windowed) in enumerate(configs):
@@ -91,12 +93,13 @@ def _configs(dec, S: int, h: torch.Tensor, q: torch.Tensor) -> tuple[dict, dict,
     for name, K in (("WO", QL), ("W2", FL)):
         for j, (mode, past) in enumerate(configs):
             p = gemv_reduce_config(h, mode, S, L, D, K)
-            if p["SPLIT_K"] != 1:
-                raise ValueError(f"{name.lower()} splits K ({p['SPLIT_K']}): not a task kind")
-            bo, bk, pf = take(p, "BLOCK_O", "BLOCK_K", "PREFETCH")
+            bo, bk, pf, sk = take(p, "BLOCK_O", "BLOCK_K", "PREFETCH", "SPLIT_K")
             c |= {f"{name}{j}_MODE": MODES[mode], f"{name}{j}_PAST": past, f"{name}{j}_O": bo,
-                  f"{name}{j}_K": bk, f"{name}{j}_PF": pf}  # fmt: skip
-            grids[name, j] = (triton.cdiv(D, bo), 1 if mode == "present" else L)
+                  f"{name}{j}_K": bk, f"{name}{j}_PF": pf, f"{name}{j}_SK": sk}  # fmt: skip
+            # a split-K projection's tasks are lane_gemv's programs (kernels/gemv_reduce.py)
+            grids[name, j] = ((triton.cdiv(D, bo), L, sk) if sk > 1 else
+                              (triton.cdiv(D, bo), 1 if mode == "present" else L))  # fmt: skip
+    c["SK_MAX"] = max(c[f"{n}{j}_SK"] for n in ("WO", "W2") for j in range(KINDS_PER_CONFIG))
     sw = norm_swiglu_config(h, S, L, D, FL)
     c["SW_O"], c["SW_K"], c["SW_PF"] = take(sw, "BLOCK_O", "BLOCK_K", "PREFETCH")
     grids["SWIGLU"] = (L, triton.cdiv(FL, c["SW_O"]))
@@ -105,8 +108,24 @@ def _configs(dec, S: int, h: torch.Tensor, q: torch.Tensor) -> tuple[dict, dict,
     block_v, block_k = _blocks(h, vl, lanes)
     grids["HEAD"] = (lanes, triton.cdiv(vl, block_v))
     c |= {"HEAD_MODE": mode, "HEAD_V": block_v, "HEAD_K": block_k,
-          "COMBINE_BLOCK": triton.next_power_of_2(lanes * grids["HEAD"][1])}  # fmt: skip
+          "COMBINE_BLOCK": combine_block(lanes * grids["HEAD"][1])}  # fmt: skip
     return c, grids, {"attention": attn_slot, "projection": proj_slot}, head
+
+
+def _extras(w0: dict, L: int, heads_lane: int, hd: int) -> dict:
+    """qwen2's biases and qwen3's q/k norms (layer 0's: the offsets reach the others) and the
+    q/k norm's scratch (kernels/qk_norm.py); a model without them passes the attention norm in
+    their place, never read (the kernel's HAS_BIAS / QK_NORM are off)."""
+    from ..kernels.qk_norm import qk_scratch
+
+    stand_in = w0["attention_norm"]
+    names = {"bq": "bq", "bk": "bk", "bv": "bv", "qn": "q_norm", "kn": "k_norm"}
+    args = {f"{a}_ptr": w0.get(n, stand_in) for a, n in names.items()}
+    if "q_norm" in w0:
+        args["raw_ptr"], args["qk_cnt_ptr"] = qk_scratch(stand_in.device, L * heads_lane, hd)
+    else:
+        args["raw_ptr"], args["qk_cnt_ptr"] = stand_in, stand_in
+    return args
 
 
 def build_plan(dec, S: int, argmax: bool) -> Plan:
@@ -127,6 +146,7 @@ def build_plan(dec, S: int, argmax: bool) -> Plan:
     consts, grids, slots, (_, head_lanes, vl, stride_final, V) = _configs(dec, S, h, q)
     t = decode_tasks(cfg, S, argmax, dec.deps, grids, slots)
     n_parts = head_lanes * grids["HEAD"][1]
+    n_arrive = D * L  # at most one count a column block and lane
     ns = max(grids["splits"])
     ints = [[cache.k[i].shape[0], cfg.window(i) or 0,
              -1 if cfg.past_source(i) is None else cfg.past_source(i), 0]
@@ -140,6 +160,9 @@ def build_plan(dec, S: int, argmax: bool) -> Plan:
         "h_ptr": h, "q_ptr": q, "o_ptr": torch.empty_like(q),
         "g_ptr": torch.empty((S, L, FL), device=dev, dtype=dt),
         "part_ptr": torch.zeros((cfg.num_layers, 2, S, L, D), device=dev, dtype=dt),
+        # split-K projections: fp32 partials and arrival counts, one of each for wo and for w2
+        "ws_ptr": torch.empty((2, consts["SK_MAX"], S, L, D), device=dev, dtype=torch.float32),
+        "arrive_ptr": zeros(2, n_arrive), "n_arrive": n_arrive,
         "m_ptr": zeros(S * n_q, ns, dtype=torch.float32),
         "l_ptr": zeros(S * n_q, ns, dtype=torch.float32),
         "acc_ptr": zeros(S * n_q, ns, hd, dtype=torch.float32),
@@ -149,6 +172,7 @@ def build_plan(dec, S: int, argmax: bool) -> Plan:
         "wv_ptr": w0["wv"], "wo_ptr": w0["wo"], "fnw_ptr": w0["ffn_norm"], "w1_ptr": w0["w1"],
         "w3_ptr": w0["w3"], "w2_ptr": w0["w2"],
         "kc_ptr": cache.k[0], "vc_ptr": cache.v[0], "pc_ptr": cache.pos[0],
+        **_extras(w0, L, QL // hd + n_kv // L, hd),
         "final_nw_ptr": f.final_norm, "head_w_ptr": f.head_w,
         "logits_ptr": zeros(S, V, dtype=torch.float32),
         "part_val_ptr": zeros(S, n_parts, dtype=torch.float32),
