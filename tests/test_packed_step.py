@@ -243,3 +243,29 @@ def test_gguf_blocks_stay_quantized_through_the_engine(tmp_path, ggml_type):
     eng = Engine(model, max_model_len=64)
     assert eng.decode == "graph"  # quantized weights take the packed step by default
     assert list(eng.generate(PROMPT, params)) == ref
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_forward_shared_is_forward_in_the_heads_buffer(S):
+    """forward_shared gives forward's logits bit for bit, from the C head's buffer (the next
+    call writes the same storage, no copy per token); the split path's forward_logits reads
+    it, and a grammar's greedy tokens stay the unconstrained ones (test_auto_tools)."""
+    model = llama(seed=2)
+    pack_model(model, "float32")
+    out = {}
+    with torch.no_grad():
+        for name in ("forward", "forward_shared"):
+            cache = KVCache(model.cfg, max_len=32)
+            cache.static = True
+            dec = PackedDecoder(model, cache)
+            assert dec.step is not None  # the C layers: the buffer this is about
+            fn = getattr(dec, name)
+            first = fn(torch.tensor(PROMPT[:S]), torch.tensor([0])).clone()
+            again = fn(torch.tensor(PROMPT[S : 2 * S]), torch.tensor([S]))
+            out[name] = (first, again.clone())
+            if name == "forward_shared":
+                assert again.data_ptr() == fn(torch.tensor(PROMPT[:1]), torch.tensor([2 * S])
+                                              ).data_ptr()  # fmt: skip
+    assert all(
+        torch.equal(a, b) for a, b in zip(out["forward"], out["forward_shared"], strict=True)
+    )

@@ -9,7 +9,10 @@ rows are the bits of S single steps and greedy speculation is plain greedy decod
 `next_token` is the pick on the device after the last row (greedy: the argmax; otherwise
 `sampler.sample` with the knobs in device buffers); a peer may fuse it into its head (the
 fused GPU step never materialises logits for greedy). `position` is a (1,) device tensor, so a
-captured graph (graph.py) replays the step at any position.
+captured graph (graph.py) replays the step at any position. A peer may also offer
+`forward_shared`, the same logits in a buffer of its own, valid until its next call, for callers
+that read them at once (split.forward_logits: a grammar's pick, a request's logprobs); the packed
+CPU step's head buffer saves a copy of the vocabulary's logits per token there.
 
 The peers: `EagerStep` here (the model's own forward: the reference), the packed CPU step on
 packed weights with its C layers (packed.py, native.py) and the fused GPU step (fused.py);

@@ -54,15 +54,17 @@ def chunk_width(cache: KVCache) -> int:
     return min(STEP_TOKENS, cache.forward_room() or STEP_TOKENS)
 
 
-def step_rows(step: Step, ids: list[int], pos: int) -> torch.Tensor:
+def step_rows(step: Step, ids: list[int], pos: int, shared: bool = False) -> torch.Tensor:
     """Logits (S, V) of `ids` written from `pos` by the step, uncaptured; the cache runs static
-    as inside a decode graph."""
+    as inside a decode graph. `shared`: the step's own buffer where it offers one (protocol.py
+    `forward_shared`), valid until its next call."""
     cache = step.cache
     dev = cache.k[0].device
     x, position = torch.tensor(ids, device=dev), torch.tensor([pos], device=dev)
+    forward = getattr(step, "forward_shared", step.forward) if shared else step.forward
     cache.static, cache.live = True, pos + len(ids)
     try:
-        return step.forward(x, position)
+        return forward(x, position)
     finally:
         cache.static, cache.live = False, None
 
@@ -70,12 +72,13 @@ def step_rows(step: Step, ids: list[int], pos: int) -> torch.Tensor:
 def forward_logits(step: Step, split: SplitSteps | None, ids: list[int], pos: int):
     """Logits (V,) after `ids` written from `pos`: replayed from the split graphs where given
     (asynchronous on a GPU; the shared buffer, overwritten by the next forward), else the step
-    uncaptured, `chunk_width` tokens a call. The caller commits the ids to the cache."""
+    uncaptured, `chunk_width` tokens a call, in the step's buffer where it has one (overwritten
+    by its next call alike). The caller commits the ids to the cache."""
     if split is not None:
         return split.forward(ids, pos)
     width = chunk_width(step.cache)
     for at in range(0, len(ids), width):
-        logits = step_rows(step, ids[at : at + width], pos + at)[-1]
+        logits = step_rows(step, ids[at : at + width], pos + at, shared=True)[-1]
     return logits
 
 
