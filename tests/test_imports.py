@@ -131,6 +131,7 @@ LAYERS = [
         "weights.gpu_pack",
         "weights.blocks",
         "step.threads",
+        "step.heap",
         "step",
         "weights",
         "structured.grammar",

@@ -23,6 +23,7 @@ from ..errors import RequestError
 from ..kernels import use_triton
 from ..model import Laneformer
 from .fused import FusedDecoder, supports
+from .heap import keep_freed_memory
 from .native import native_step_built
 from .packed import PackedDecoder
 from .persistent import PersistentDecoder, unsupported
@@ -123,10 +124,13 @@ def choose_prefill(
     it supports; StepPrefill where the step is the packed CPU step with its C layers (short
     chunks through it, long ones through the layers with `dtype` products where it applies:
     one of PREFILL_DTYPES, which the engine checked);
-    else the model itself (the eager forward, bit for bit)."""
+    else the model itself (the eager forward, bit for bit). On a CPU the C library's heap keeps
+    freed buffers for the forward's next op (heap.py)."""
     p = next(model.parameters())
     if kernels != "off" and use_triton(p) and prefill_supports(model):
         return FusedPrefill(model)
+    if p.device.type == "cpu":
+        keep_freed_memory()
     if isinstance(step, PackedDecoder) and step.step is not None:  # the one-call C layers
         products = torch.float32 if dtype == "float32" else torch.bfloat16
         return StepPrefill(model, step, products=products, lowp=LOWP_BY_DTYPE[dtype])
