@@ -221,8 +221,8 @@ class _Proj(nn.Module):
 def reduce(y: torch.Tensor, mode: str, past: torch.Tensor | None) -> torch.Tensor:
     """What a module adds to each lane's residual (laneformer.md 5.2); y, past: (B, S, L, D).
     One lane (a Llama): y itself in every mode, as each formula gives for L = 1 (a sum over one
-    lane, sqrt(1), past - past = 0) without their passes over the activations (4% of a
-    SmolLM2-shaped 2,000-token prefill on the CPU, 2026-12-07)."""
+    lane, sqrt(1), past - past = 0) without their passes over the activations (2% of a
+    SmolLM2-shaped 4,000-token fp32 prefill on the CPU, 2026-12-07; BENCHMARKS.md)."""
     if y.shape[-2] == 1:
         return y
     if mode == "present":

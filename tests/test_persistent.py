@@ -267,3 +267,13 @@ def test_bench_refuses_bad_counts(args, capsys):
 
     assert bench.main(args) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_bench_names_an_unknown_preset(dry, capsys):
+    """An unknown preset is named, exit 2: also in a dry run, which reads the preset's lanes to
+    pick the tiny model it runs."""
+    from expresslane.bench import persistent as bench
+
+    assert bench.main(["--preset", "no-such-model", *dry]) == 2
+    assert "no-such-model" in capsys.readouterr().err

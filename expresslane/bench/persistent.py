@@ -219,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["EXPRESSLANE_FORCE_TRITON"] = "1"
-        one_lane = load_model_config(args.preset).num_lanes == 1  # the preset's family
+        try:
+            one_lane = load_model_config(args.preset).num_lanes == 1  # the preset's family
+        except ExpressLaneError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         args.dry_base = "llama-tiny" if one_lane else "laneformer-tiny"
         args.preset, args.device, args.contexts = f"{args.dry_base} (narrowed)", "cpu", [24]
         args.programs_per_sm, args.chunks, args.steps, args.trials = [2], [3], 1, 1

@@ -87,7 +87,7 @@ def _embed_task(tokens_ptr, embed_ptr, h_ptr, L, D, tok, lane, BLOCK_E: tl.const
 
 
 @triton.jit
-def _project(kind, a, b, c, wait, target, S, L, D, K, sqrt_l, in_ptr, w, h_ptr, past, y, ws,
+def _project(a, b, c, wait, target, S, L, D, K, sqrt_l, in_ptr, w, h_ptr, past, y, ws,
              arrive, cnt_ptr, max_spin, err_ptr, MODE: tl.constexpr, PAST: tl.constexpr,
              O: tl.constexpr, BK: tl.constexpr, PF: tl.constexpr, SK: tl.constexpr,
              BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):  # fmt: skip
@@ -123,11 +123,11 @@ def _project_task(kind, layer, a, b, c, wait, target, S, L, D, K, sqrt_l, in_ptr
     ws = ws_ptr + slot * SK_MAX * n
     arrive = arrive_ptr + slot * n_arrive
     if kind == FIRST:
-        _project(kind, a, b, c, wait, target, S, L, D, K, sqrt_l, in_ptr, w, h_ptr, past, y, ws,
+        _project(a, b, c, wait, target, S, L, D, K, sqrt_l, in_ptr, w, h_ptr, past, y, ws,
                  arrive, cnt_ptr, max_spin, err_ptr, MODE0, PAST0, O0, K0, PF0, SK0, BLOCK_S,
                  BLOCK_L)  # fmt: skip
     else:
-        _project(kind, a, b, c, wait, target, S, L, D, K, sqrt_l, in_ptr, w, h_ptr, past, y, ws,
+        _project(a, b, c, wait, target, S, L, D, K, sqrt_l, in_ptr, w, h_ptr, past, y, ws,
                  arrive, cnt_ptr, max_spin, err_ptr, MODE1, PAST1, O1, K1, PF1, SK1, BLOCK_S,
                  BLOCK_L)  # fmt: skip
 

@@ -29,7 +29,7 @@ import os
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 SETTINGS = (
     (M_MMAP_THRESHOLD, 1 << 30),  # buffers under 1 GB from the heap (and no dynamic threshold)
-    (M_TRIM_THRESHOLD, 1 << 31),  # a freed top of the heap stays mapped
+    (M_TRIM_THRESHOLD, (1 << 31) - 1),  # a freed top of the heap stays mapped (mallopt: int)
     (M_TOP_PAD, 64 << 20),  # the heap grows 64 MB at a time past what a request asks
 )
 
