@@ -272,8 +272,13 @@ def test_bench_refuses_bad_counts(args, capsys):
 @pytest.mark.parametrize("dry", [[], ["--dry-run"]])
 def test_bench_names_an_unknown_preset(dry, capsys):
     """An unknown preset is named, exit 2: also in a dry run, which reads the preset's lanes to
-    pick the tiny model it runs."""
+    pick the tiny model it runs, and refuses before it sets the interpreter's environment (set,
+    it made every later test of a pytest worker run the fused kernels in the interpreter)."""
+    import os
+
     from expresslane.bench import persistent as bench
 
+    before = os.environ.get("EXPRESSLANE_FORCE_TRITON")
     assert bench.main(["--preset", "no-such-model", *dry]) == 2
     assert "no-such-model" in capsys.readouterr().err
+    assert os.environ.get("EXPRESSLANE_FORCE_TRITON") == before

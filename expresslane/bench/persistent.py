@@ -217,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --dry-run runs the kernels in the interpreter, and triton was imported "
                   "without it", file=sys.stderr)  # fmt: skip
             return 2
-        os.environ["TRITON_INTERPRET"] = "1"
-        os.environ["EXPRESSLANE_FORCE_TRITON"] = "1"
         try:
             one_lane = load_model_config(args.preset).num_lanes == 1  # the preset's family
-        except ExpressLaneError as e:
+        except ExpressLaneError as e:  # refused before the environment is touched
             print(f"error: {e}", file=sys.stderr)
             return 2
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["EXPRESSLANE_FORCE_TRITON"] = "1"
         args.dry_base = "llama-tiny" if one_lane else "laneformer-tiny"
         args.preset, args.device, args.contexts = f"{args.dry_base} (narrowed)", "cpu", [24]
         args.programs_per_sm, args.chunks, args.steps, args.trials = [2], [3], 1, 1
