@@ -67,8 +67,11 @@ STEP_PREFILL_MAX = {  # by the layers' products (None: fp32) or "lowp", then for
 # crossings on an Intel Xeon"): there MKL's fp32 GEMM and oneDNN's bf16 one overtook the step
 # sooner (the 4- to 6-bit formats at 110-180 tokens in fp32, not 512). The entries not measured
 # there keep the table above's. Keyed by the vendor: the two tables come from one CPU each.
+# F32 and BF16 weights with fp32 products were measured there on 2026-12-07 (BENCHMARKS.md,
+# "Short prompts of fp32 and bf16 weights"): the step's fp32 FMA and two-part bf16 products
+# run at about half the rate of MKL's fp32 GEMM, so the layers win from 48 and 40 tokens.
 INTEL_STEP_PREFILL_MAX = {
-    None: {"float16": 96, "q8_0": 96, "q6_k": 96, None: 128},
+    None: {"float32": 48, "bfloat16": 40, "float16": 96, "q8_0": 96, "q6_k": 96, None: 128},
     torch.bfloat16: {"q8_0": 48},
     "lowp": {"bfloat16": 64},
 }
