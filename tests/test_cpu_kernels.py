@@ -61,16 +61,18 @@ def test_product_equals_the_dequantized_reference(fmt, shape):
 @pytest.mark.parametrize("shape", [(37, 70), (130, 576), (5, 200), (9, 1)])
 def test_bf16_products_with_lowp_take_x_rounded_to_bf16(shape):
     """lowp (--prefill-dtype bfloat16 or int8) on bf16 weights: x rounded to bf16 (its hi
-    part alone, as llama.cpp's), to fp32's rounding; a row's bits the same for 1 token or 7,
-    by the one-block and the multi-block drivers alike; not the exact product."""
+    part alone, as llama.cpp's), to fp32's rounding; a row's bits the same for 1 token, 7 (one
+    block) or 11 (three), by the one-block and the multi-block drivers alike; not the exact
+    product."""
     g = torch.Generator().manual_seed(shape[-1])
-    w, x = torch.randn(shape, generator=g), torch.randn(7, shape[-1], generator=g) * 3
+    w, x = torch.randn(shape, generator=g), torch.randn(11, shape[-1], generator=g) * 3
     q = quantize(w, "bfloat16")
-    got = cpu_kernels.native_matmul(q, x, lowp=True)  # 7 tokens: two blocks
+    got = cpu_kernels.native_matmul(q, x, lowp=True)  # 11 tokens: blocks of 4, 4 and 3
     ref = cpu_kernels.lowp_activations(x, "bfloat16").double() @ q.dequantize().double().T
     assert (got.double() - ref).abs().max() <= 2e-5 * (ref.abs().max() + 1e-6)
-    one = torch.cat([cpu_kernels.native_matmul(q, x[s : s + 1], lowp=True) for s in range(7)])
+    one = torch.cat([cpu_kernels.native_matmul(q, x[s : s + 1], lowp=True) for s in range(11)])
     assert torch.equal(one, got)
+    assert torch.equal(cpu_kernels.native_matmul(q, x[:7], lowp=True), got[:7])  # one block
     if shape[-1] > 1:
         assert not torch.equal(got, cpu_kernels.native_matmul(q, x))
 

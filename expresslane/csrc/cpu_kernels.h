@@ -116,7 +116,7 @@ void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const 
 #endif
 #define TMAX 8 /* tokens of a block at most (the per-block arrays), and blocks of one call */
 
-/* One call's work for a block of T <= 5 tokens (tokens s0 .. s0 + T - 1): what a family of
+/* One call's work for a block of T <= TMAX tokens (tokens s0 .. s0 + T - 1): what a family of
    kernels needs to run rows r0 .. r1 - 1 (el_span_nibble: cpu_nibble.c). */
 typedef struct {
     const qmat_t *w;
@@ -172,7 +172,7 @@ typedef struct {
         r_ = end;                                                                         \
     }
 
-/* a switch over T = 1..5 calling CALL(T) with T a constant (the kernels' accumulators then
+/* a switch over T = 1..TMAX calling CALL(T) with T a constant (the kernels' accumulators then
    stay in registers) */
 #define BY_T(T, CALL)        \
     switch (T) {             \
@@ -180,7 +180,10 @@ typedef struct {
     case 2: CALL(2); break;  \
     case 3: CALL(3); break;  \
     case 4: CALL(4); break;  \
-    default: CALL(5); break; \
+    case 5: CALL(5); break;  \
+    case 6: CALL(6); break;  \
+    case 7: CALL(7); break;  \
+    default: CALL(8); break; \
     }
 /* the same for kernels with a low-precision variant: CALL(T, LOWP), both constants (lowp: the
    span's xparts_t flag) */
@@ -190,7 +193,10 @@ typedef struct {
     case 2: CALL(2, A); break;  \
     case 3: CALL(3, A); break;  \
     case 4: CALL(4, A); break;  \
-    default: CALL(5, A); break; \
+    case 5: CALL(5, A); break;  \
+    case 6: CALL(6, A); break;  \
+    case 7: CALL(7, A); break;  \
+    default: CALL(8, A); break; \
     }
 #define BY_T_LOWP(T, lowp, CALL)   \
     if (lowp) {                    \

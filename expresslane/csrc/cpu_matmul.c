@@ -3,8 +3,9 @@
    S = k + 1 <= 16.
 
    Batch-1 products are bound by streaming the weights; S tokens through S products would stream
-   them S times. Here each weight row is read from memory once: the tokens go in blocks of up to
-   5 (the accumulators of a block fill the vector registers), and the rows in groups of about
+   them S times. Here each weight row is read from memory once: a verify's S <= 8 tokens go in
+   one block, a prompt's in blocks of up to 5 (the accumulators of a block fill the vector
+   registers; in one block of 6-8, fp32's spill a little), and the rows in groups of about
    256 KB that every block reads in turn, the first from memory, the others from L2. (Re-reading
    each row from L1 for the next block right away was slower: it stalls the weight stream.) A row
    is read front to back with several accumulators (rows of a few hundred bytes read as
@@ -279,9 +280,14 @@ int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K) {
     return el_split_scratch(S * L, K) + S * L * 4 * padded(K) + 64;
 }
 
-/* blocks of even size: 6 = 3 + 3, not 5 + 1 */
+/* S <= TMAX (a verify step) in one block: each further block repeats the per-weight work (a
+   row's conversion or unpacking) and re-reads it from L2, and on the Xeon (1 thread,
+   SmolLM2-135M) a verify of 6 rows as 3 + 3 cost 2.61-2.82 plain steps for Q8_0 and Q4_K_M
+   against 2.06-2.21 as one block of 6 (BENCHMARKS.md, "A verify of up to 8 rows in one
+   block"). Longer runs (a prompt) in blocks of even size, 6 = 3 + 3 rather than 5 + 1, of at
+   most block_tokens: blocks of 6 or 8 there took 1.1-1.25x the time at 40 tokens (cpu_nibble.c). */
 static int64_t token_blocks(int fmt, int64_t S, int *Ts) {
-    const int64_t tb = block_tokens(fmt), blocks = (S + tb - 1) / tb;
+    const int64_t tb = S <= TMAX ? S : block_tokens(fmt), blocks = (S + tb - 1) / tb;
     for (int64_t b = 0, s0 = 0; b < blocks; b++) {
         Ts[b] = (int)((S - s0 + (blocks - b) - 1) / (blocks - b));
         s0 += Ts[b];
@@ -327,7 +333,7 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
        threads left one thread 2/3 of a bf16 product (the 2026-11-27 CPU regression) */
     const int64_t t = threads > 1 ? threads : 1;
     int64_t groups = ((rows + most - 1) / most + t - 1) / t * t;
-    /* one block of tokens (S <= 5: a decode or verify step) re-reads nothing, so the rows go
+    /* one block of tokens (S <= 8: a decode or verify step) re-reads nothing, so the rows go
        a tile at a time (int8's one by one), each thread a contiguous half */
     const int tiled = fmt != FMT_I8; /* EL_TILES */
     const int64_t per = blocks == 1 ? (tiled ? TILE_ROWS : 1) : (rows + groups - 1) / groups;
