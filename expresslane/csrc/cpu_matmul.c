@@ -4,7 +4,8 @@
 
    Batch-1 products are bound by streaming the weights; S tokens through S products would stream
    them S times. Here each weight row is read from memory once: a verify's S <= 8 tokens go in
-   one block, a prompt's in blocks of up to 5 (the accumulators of a block fill the vector
+   one block, up to 16 in two, longer prompts in blocks of up to 5 (the accumulators of a block
+   fill the vector
    registers; in one block of 6-8, fp32's spill a little), and the rows in groups of about
    256 KB that every block reads in turn, the first from memory, the others from L2. (Re-reading
    each row from L1 for the next block right away was slower: it stalls the weight stream.) A row
@@ -284,10 +285,13 @@ int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K) {
    row's conversion or unpacking) and re-reads it from L2, and on the Xeon (1 thread,
    SmolLM2-135M) a verify of 6 rows as 3 + 3 cost 2.61-2.82 plain steps for Q8_0 and Q4_K_M
    against 2.06-2.21 as one block of 6 (BENCHMARKS.md, "A verify of up to 8 rows in one
-   block"). Longer runs (a prompt) in blocks of even size, 6 = 3 + 3 rather than 5 + 1, of at
-   most block_tokens: blocks of 6 or 8 there took 1.1-1.25x the time at 40 tokens (cpu_nibble.c). */
+   block"). Up to 2 TMAX (a short prompt, an agent's next turn) in two: 16 tokens as 8 + 8, not
+   4 x 4, prefilled in 0.84-0.93x the time on the block formats (2 threads). Longer runs in
+   blocks of even size, 6 = 3 + 3 rather than 5 + 1, of at most block_tokens: blocks of 6 or 8
+   there took 1.1-1.25x the time at 40 tokens (cpu_nibble.c). */
 static int64_t token_blocks(int fmt, int64_t S, int *Ts) {
-    const int64_t tb = S <= TMAX ? S : block_tokens(fmt), blocks = (S + tb - 1) / tb;
+    const int64_t tb = S <= TMAX ? S : S <= 2 * TMAX ? (S + 1) / 2 : block_tokens(fmt);
+    const int64_t blocks = (S + tb - 1) / tb;
     for (int64_t b = 0, s0 = 0; b < blocks; b++) {
         Ts[b] = (int)((S - s0 + (blocks - b) - 1) / (blocks - b));
         s0 += Ts[b];
