@@ -3,15 +3,15 @@
    S = k + 1 <= 16.
 
    Batch-1 products are bound by streaming the weights; S tokens through S products would stream
-   them S times. Here each weight row is read from memory once: a verify's S <= 8 tokens go in
-   one block, up to 16 in two, longer prompts in blocks of up to 5 (the accumulators of a block
-   fill the vector registers; in one block of 6-8, fp32's spill a little), and the rows in
-   groups of about 256 KB that every block reads in turn, the first from memory, the others from L2. (Re-reading
-   each row from L1 for the next block right away was slower: it stalls the weight stream.) A row
-   is read front to back with several accumulators (rows of a few hundred bytes read as
-   interleaved streams defeat the hardware prefetcher, sequential rows do not). What the tokens
-   of a block share is computed once per weight vector: the fp16 conversion, Q8_0's correction
-   term and block scales, the nibble split and scales (cpu_nibble.c).
+   them S times. Here each weight row is read from memory once: a verify's S <= 8 tokens go in one
+   block, up to 16 in two, longer prompts in blocks of up to 5 (the accumulators of a block fill the
+   vector registers; in one block of 6-8, fp32's spill a little), and the rows in groups of about
+   256 KB that every block reads in turn, the first from memory, the others from L2. (Re-reading
+   each row from L1 for the next block right away was slower: it stalls the weight stream.) A row is
+   read front to back with several accumulators (rows of a few hundred bytes read as interleaved
+   streams defeat the hardware prefetcher, sequential rows do not). What the tokens of a block share
+   is computed once per weight vector: the fp16 conversion, Q8_0's correction term and block scales,
+   the nibble split and scales (cpu_nibble.c).
 
      float32   AVX-512F FMA.              float16   F16C conversion, then FMA.
      bfloat16  AVX512_BF16 dot products (vdpbf16ps) with x's two bf16 parts (lowp: the hi
