@@ -282,8 +282,8 @@ int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K) {
 
 /* S <= TMAX (a verify step) in one block: each further block repeats the per-weight work (a
    row's conversion or unpacking) and re-reads it from L2, and on the Xeon (1 thread,
-   SmolLM2-135M) a verify of 6 rows as 3 + 3 cost 2.61-2.82 plain steps for Q8_0 and Q4_K_M
-   against 2.06-2.21 as one block of 6 (BENCHMARKS.md, "A verify of up to 8 rows in one
+   SmolLM2-135M) a verify of 6 rows as 3 + 3 cost 2.49-2.95 plain steps for Q8_0 and Q4_K_M
+   against 2.20-2.55 as one block of 6 (BENCHMARKS.md, "A verify of up to 8 rows in one
    block"). Up to 2 TMAX (a short prompt, an agent's next turn) in two: 16 tokens as 8 + 8, not
    4 x 4, prefilled in 0.84-0.93x the time on the block formats (2 threads). Longer runs in
    blocks of even size, 6 = 3 + 3 rather than 5 + 1, of at most block_tokens: blocks of 6 or 8

@@ -49,7 +49,7 @@ from .prediction import drafter_for
 # a plain packed step is the slope of the "verify of S rows" line of `expresslane bench MODEL
 # --speculative-config ...` (SmolLM2-135M, 1 thread): fp32 0.15-0.16, bf16/fp16 0.2, int8 (Q8_0)
 # 0.31-0.35 (BENCHMARKS.md); on the Xeon with a verify's rows in one block (2026-12-07) F32
-# 0.11, F16 0.14, BF16, Q8_0 and Q6_K 0.22, Q4_K_M 0.26, Q4_0 0.30. 0.15 for every format: with
+# 0.11, BF16 0.23, Q8_0 and int8 0.23-0.24, Q4_K_M 0.29. 0.15 for every format: with
 # int8's own 0.31 the back-off counts verify steps that keep 1 of 5 drafts as misses and paused
 # drafting more often, which in A/B runs gained nothing on edits and lost on free generation;
 # drafts shortened by each format's cost were no measured gain either (BENCHMARKS.md, "Drafts
