@@ -222,12 +222,15 @@ class PackedDecoder:
                                    lowp)  # fmt: skip
 
     def _native_logits(self, tokens: torch.Tensor, position: int, last_only: bool = False,
-                       lowp: bool = False) -> torch.Tensor:  # fmt: skip
-        """fp32 logits (S, V), or (1, V) of the last row, through the C layers."""
+                       lowp: bool = False, shared: bool = False) -> torch.Tensor:  # fmt: skip
+        """fp32 logits (S, V), or (1, V) of the last row, through the C layers. Rows come in
+        the head's buffer, copied; with `shared` and one call's tokens, not (forward_shared)."""
+        keep = shared and tokens.shape[0] <= self.prefill_chunk()
         rows = []
         for h in self._native_rows(tokens, position, lowp):
             if not last_only:
-                rows.append(self.step.head(h)[1].clone())  # the head's buffer: copied
+                logits = self.step.head(h)[1]
+                rows.append(logits if keep else logits.clone())
         if last_only:
             return self.step.head(h[-1:])[1].clone()
         return torch.cat(rows) if len(rows) > 1 else rows[0]
@@ -288,12 +291,10 @@ class PackedDecoder:
         """forward's logits (S, V) in the C head's own buffer, not copied: valid until the
         step's next call (protocol.py). A grammar's pick and a request's logprobs read them at
         once, and the copy of 49,152 floats measured 2.5% of a SmolLM2 decode step there (the
-        free grammar's cost, 2026-12-07). Without the C step, or past one call's tokens: forward."""
-        tokens = tokens.view(-1)
-        if self.step is None or tokens.shape[0] > self.prefill_chunk():
+        free grammar's cost, 2026-12-07). Without the C step, or past one call's tokens: copied."""
+        if self.step is None:
             return self.forward(tokens, position)
-        (h,) = self._native_rows(tokens, int(position))
-        return self.step.head(h)[1]
+        return self._native_logits(tokens.view(-1), int(position), shared=True)
 
     def next_token(
         self,
