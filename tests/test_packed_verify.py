@@ -64,7 +64,7 @@ def test_s_token_products_are_the_single_token_bits(fmt):
     try:
         for shape in BLOCK_SHAPES if fmt in GGUF_FORMATS else SHAPES:
             q = quantize(torch.randn(shape, generator=g) * 2, fmt)
-            for S in (2, 3, 5, 6, 7, 8, 9, 12, 16, 37):  # one block to 8, two to 16, then 5s
+            for S in (2, 3, 5, 6, 7, 8, 9, 12, 16, 17, 37, 41):  # blocks of 8, 5s; AMX of 16
                 x = torch.randn((S, *shape[:-2], shape[-1]), generator=g)
                 x[..., 0] = 25.0  # an outlier: the integer formats scale to it
                 torch.set_num_threads(1 + S % 2)

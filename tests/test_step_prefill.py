@@ -242,7 +242,7 @@ def test_the_bound_follows_the_products_and_the_weights_formats(monkeypatch, ven
     from expresslane.step import prefill
 
     monkeypatch.setattr(prefill, "cpu_info", lambda field: vendor)
-    table = prefill.step_prefill_max(vendor)
+    table = prefill.step_prefill_max(vendor, bool(prefill.FEATURES & prefill.HAS_AMX))
 
     def bound(*formats, dtype=torch.float32, lowp=frozenset()):
         step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
@@ -263,6 +263,9 @@ def test_the_bound_follows_the_products_and_the_weights_formats(monkeypatch, ven
     assert bound("q4_k", dtype=torch.bfloat16, lowp=every) == want("lowp", "q4_k")
     assert bound("q4_k", "q6_k", dtype=torch.bfloat16, lowp=every) == want("lowp", "q4_k", "q6_k")
     assert bound("float32", lowp=every) == fp32["float32"]  # nothing of the step's would change
+    if available("bfloat16"):
+        assert bound("bfloat16") == want(None, "bfloat16")
+        assert bound("bfloat16", lowp=every) == want("lowp", "bfloat16")
 
 
 def test_intel_takes_its_measured_crossings_and_the_others_elsewhere():
@@ -279,6 +282,19 @@ def test_intel_takes_its_measured_crossings_and_the_others_elsewhere():
         mine = INTEL_STEP_PREFILL_MAX.get(key, {})
         assert intel[key] == {**row, **mine} and all(intel[key][f] == n for f, n in mine.items())
     assert intel[None][None] < STEP_PREFILL_MAX[None][None]  # the 4- to 6-bit formats' fp32
+
+
+def test_amx_tiles_take_bf16_prompts_further_through_the_step():
+    """Where the bf16 products run in AMX tiles, their crossings over the vendor's table; the
+    other formats' as they were."""
+    from expresslane.step.prefill import AMX_STEP_PREFILL_MAX, step_prefill_max
+
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        plain, tiles = step_prefill_max(vendor), step_prefill_max(vendor, amx=True)
+        for key, row in plain.items():
+            assert tiles[key] == {**row, **AMX_STEP_PREFILL_MAX.get(key, {})}
+        assert tiles[None]["bfloat16"] > plain[None]["bfloat16"]
+        assert tiles["lowp"]["bfloat16"] > plain["lowp"]["bfloat16"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])

@@ -24,6 +24,7 @@
    (el_pack_block), the same bytes in another order. */
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
@@ -97,6 +98,8 @@ int el_features(void) {
         g |= HAS_AVX512;
     if ((g & HAS_AVX512) && __builtin_cpu_supports("avx512bf16")) g |= HAS_BF16;
     if ((g & HAS_AVX512) && __builtin_cpu_supports("avx512vnni")) g |= HAS_VNNI;
+    const char *amx = getenv("EXPRESSLANE_AMX");
+    if ((g & HAS_BF16) && !(amx && !strcmp(amx, "0")) && el_amx_usable()) g |= HAS_AMX;
     return f = g;
 }
 

@@ -3,6 +3,7 @@
 
      cpu_activations.c  the CPU's features, and x in the form each format's kernels read
      cpu_matmul.c       el_matmul: the float, int8 and Q8_0 kernels and the driver
+     cpu_amx.c          el_matmul for bf16 and int8 weights in AMX tiles, where the CPU has them
      cpu_nibble.c       the 1- to 6-bit GGUF formats (Q4_0 ... Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS,
                         MXFP4, NVFP4, Q1_0) and the codebook types re-laid as nibbles (IQ3_S ...
                         IQ1_M)
@@ -20,7 +21,9 @@ enum {
     FMT_IQ1_M = 22, FMT_MXFP4 = 23, FMT_NVFP4 = 24, FMT_Q1_0 = 25,
     FMT_COUNT
 };
-enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4 };
+/* HAS_AMX: AMX-BF16 and AMX-INT8 tiles granted by the OS, and not turned off
+   (EXPRESSLANE_AMX=0): the bf16 and int8 products then run in tiles (cpu_amx.c) */
+enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4, HAS_AMX = 8 };
 
 /* The nibble formats: 4 low bits of every value as nibbles (in each 32-value block, byte j holds
    value j low and value j + 16 high), 0-2 high bits as byte masks, and the block scales. The
@@ -206,6 +209,13 @@ typedef struct {
     }
 
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1);
+
+/* cpu_amx.c: may this process use AMX tiles (asks Linux once)? el_matmul's bf16 and int8
+   products there for S <= 40 tokens, and the scratch they need (el_matmul_scratch covers it) */
+int el_amx_usable(void);
+int64_t el_amx_scratch(int64_t S, int64_t L, int64_t K);
+int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t L,
+                  int64_t N, int64_t K, int threads, void *work, int lowp);
 
 /* The N rows of a q8_0 or nibble-format matrix (K values each) as values: fp32, or with bf16
    their round to nearest even, N K of them to out. Returns 0, or -1 for another format, a K the

@@ -25,6 +25,9 @@
                prompt's opt-in) the hi part alone, sum w (q + 128) - 128 sum w, and a scale
                of x per block.
 
+   Where the CPU has AMX tiles (el_features' HAS_AMX), bf16 and int8 go to cpu_amx.c instead: a
+   tile product takes up to 16 tokens at once.
+
    Every kernel but int8's (whose integer sums are exact in any order) leaves a row's result
    as 16 lanes, summed 16 rows at a time (EL_TILES).
 
@@ -277,7 +280,9 @@ static int64_t padded(int64_t K) { return (K + 127) / 128 * 128; }
 
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K) {
     /* the split parts, then the packed blocks: at most 4 Kp bytes a token */
-    return el_split_scratch(S * L, K) + S * L * 4 * padded(K) + 64;
+    const int64_t own = el_split_scratch(S * L, K) + S * L * 4 * padded(K) + 64;
+    const int64_t amx = el_amx_scratch(S < TMAX * INT_TOKENS ? S : TMAX * INT_TOKENS, L, K);
+    return own > amx ? own : amx;
 }
 
 /* S <= TMAX (a verify step) in one block: each further block repeats the per-weight work (a
@@ -306,6 +311,8 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
                       S - TMAX * INT_TOKENS, L, N, K, threads, work, lowp);
     const int fmt = (int)w->fmt;
     if (!el_supports(fmt)) return -1;
+    if ((fmt == FMT_BF16 || fmt == FMT_I8) && (el_features() & HAS_AMX))
+        return el_matmul_amx(w, x, y, ldy, S, L, N, K, threads, work, lowp);
     if ((fmt == FMT_Q8_0 || IS_NIBBLE(fmt)) && K % BLOCK_VALUES(fmt)) return -2;
     void *own = NULL;
     if (!work) {

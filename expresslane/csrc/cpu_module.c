@@ -100,7 +100,7 @@ static PyObject *py_layer_scratch(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI"},
+    {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI, 8 AMX-BF16 tiles in use"},
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(fmt, w, scale, rowsum, mins, high, sub, x, y, S, L, N, K, threads, lowp=False) -> "
      "status (lowp: x at llama.cpp's precision where the format takes it)"},

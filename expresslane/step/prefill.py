@@ -30,7 +30,7 @@ from ..model import Block, FeedForward, Laneformer, Partials, RMSNorm
 from ..prefix import PrefixReuse
 from ..weights.packed_modules import products_in
 from ..weights.quant import GGUF_FORMATS
-from .native import LOWP_FORMATS, available, native_dequantize
+from .native import FEATURES, HAS_AMX, LOWP_FORMATS, available, native_dequantize
 from .packed import PackedDecoder
 from .threads import cpu_info
 
@@ -75,13 +75,23 @@ INTEL_STEP_PREFILL_MAX = {
     torch.bfloat16: {"q8_0": 48},
     "lowp": {"bfloat16": 64},
 }
+# Where the step's bf16 products run in AMX tiles (csrc/cpu_amx.c: up to 16 tokens in one tile
+# product), its exact prompt crossed the layers' fp32 GEMMs at 768-1,000 tokens on the Xeon
+# (2026-12-07: 690 against 727 ms at 768, 955 against 989 at 1,000; 170 against 262 at 256),
+# and its bf16-rounded one (lowp) the layers' bf16 GEMMs between 256 and 384 (BENCHMARKS.md,
+# "bf16 products in AMX tiles").
+AMX_STEP_PREFILL_MAX = {None: {"bfloat16": 768}, "lowp": {"bfloat16": 256}}
 
 
-def step_prefill_max(vendor: str) -> dict:
-    """STEP_PREFILL_MAX for a CPU of this vendor: Intel's measured entries over it on Intel."""
-    if vendor != "GenuineIntel":
-        return STEP_PREFILL_MAX
-    return {k: {**t, **INTEL_STEP_PREFILL_MAX.get(k, {})} for k, t in STEP_PREFILL_MAX.items()}
+def step_prefill_max(vendor: str, amx: bool = False) -> dict:
+    """STEP_PREFILL_MAX for a CPU of this vendor: Intel's measured entries over it on Intel,
+    and the AMX ones over those where the bf16 products run in tiles."""
+    tables = [INTEL_STEP_PREFILL_MAX] if vendor == "GenuineIntel" else []
+    tables += [AMX_STEP_PREFILL_MAX] if amx else []
+    out = STEP_PREFILL_MAX
+    for over in tables:
+        out = {k: {**t, **over.get(k, {})} for k, t in out.items()}
+    return out
 
 
 # The formats whose step products take x at llama.cpp's precision, by --prefill-dtype: bfloat16
@@ -225,7 +235,8 @@ class StepPrefill:
         takes = fmts & LOWP_FORMATS  # the step's formats that would change
         self.lowp = bool(takes) and takes <= lowp and all(available(f) for f in takes)
         if max_tokens is None:
-            table = step_prefill_max(cpu_info("vendor_id"))["lowp" if self.lowp else self.products]
+            tables = step_prefill_max(cpu_info("vendor_id"), bool(FEATURES & HAS_AMX))
+            table = tables["lowp" if self.lowp else self.products]
             max_tokens = min(table.get(f, table[None]) for f in fmts)
         self.max_tokens = max_tokens
         # the layers alone (Laneformer.hidden, then the step's head) only where the model's
