@@ -10,6 +10,8 @@ against the reference's bit for bit), every-row logits and hooked models through
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import tiny
 import torch
@@ -321,6 +323,20 @@ def test_cpu_prefill_bench_refuses_bad_counts(capsys):
     assert "cpu_prefill:" in capsys.readouterr().err
     assert cpu_prefill.main(["/no/such/model.gguf"]) == 2  # the message, not a traceback
     assert "no such folder or file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse's refusal, exit code 2
+        cpu_prefill.main(["model.gguf", "--quantization", "int4"])
+    assert e.value.code == 2
+
+
+def test_cpu_prefill_bench_hands_its_quantization_to_the_engine(monkeypatch, capsys):
+    from expresslane.bench import cpu_prefill
+
+    seen = []
+    monkeypatch.setattr(cpu_prefill, "measure", lambda *a: seen.append(a) or [])
+    assert cpu_prefill.main(["m.gguf", "--lengths", "4", "--quantization", "int8"]) == 0
+    assert cpu_prefill.main(["m.gguf", "--lengths", "4"]) == 0
+    assert [a[-1] for a in seen] == ["int8", None]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == []
 
 
 def test_logprob_requests_decode_through_the_step(model):

@@ -18,7 +18,7 @@ llama.cpp`, llama.cpp's own prefill of the same file and ids too (llama-cpp-pyth
 threads): its time and its difference from our fp32 forward, the yardstick for `layers`' bf16.
 
     python -m expresslane.bench.cpu_prefill [FILE.gguf ...] [--lengths 16 40 ...] [--threads 2]
-        [--peer llama.cpp] [--prefill-dtype float32|bfloat16|int8]
+        [--peer llama.cpp] [--prefill-dtype float32|bfloat16|int8] [--quantization int8]
 
 Default files: SmolLM2-135M-Instruct as F32, Q8_0 and Q4_K_M (llama.cpp's quantizer writes
 them: gguf/variants.py). One table, then one JSON line.
@@ -33,6 +33,7 @@ import time
 import torch
 
 from ..step.choose import PREFILL_DTYPES
+from ..weights.quant import FORMATS
 from .cpu_files import arguments, files, measure_all
 
 LENGTHS = (16, 40, 64, 128, 192, 256, 384, 512)
@@ -66,12 +67,14 @@ def _peer_cold(peer, ids: list[int]) -> tuple[float, torch.Tensor]:
 
 
 def measure(path: str, lengths, repeats: int, peer: bool = False, threads: int = 2,
-            prefill_dtype: str = "float32") -> list[dict]:  # fmt: skip
+            prefill_dtype: str = "float32",
+            quantization: str | None = None) -> list[dict]:  # fmt: skip
     from ..engine import Engine
     from ..step.prefill import StepPrefill
 
     engine = Engine.from_pretrained(path, progress=False, decode="graph",
-                                    prefill_dtype=prefill_dtype)  # fmt: skip
+                                    prefill_dtype=prefill_dtype,
+                                    quantization=quantization)  # fmt: skip
     if not isinstance(engine._prefill, StepPrefill):
         raise SystemExit(f"{path}: its step cannot prefill (not the packed C step)")
     fmt = "+".join(sorted(engine.step.weights.formats))
@@ -123,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         "int8 (or bfloat16 on bf16 weights) the step's x at llama.cpp's precision: `products` "
         "then reads +lowp",
     )
+    ap.add_argument(
+        "--quantization",
+        choices=FORMATS,
+        default=None,
+        help="a float file's weights in this format, as `run --quantization` (GGUF blocks: kept)",
+    )
     args = ap.parse_args(argv)
     paths = files("cpu_prefill", args, "lengths", ["F32", "Q8_0", "Q4_K_M"])
     if paths is None:
@@ -140,7 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_prefill",
         paths,
         lambda f: measure(
-            f, args.lengths, args.repeats, args.peer is not None, args.threads, args.prefill_dtype
+            f,
+            args.lengths,
+            args.repeats,
+            args.peer is not None,
+            args.threads,
+            args.prefill_dtype,
+            args.quantization,
         ),
     )
     if rows is None:
