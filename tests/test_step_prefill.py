@@ -333,9 +333,9 @@ def test_cpu_prefill_bench_hands_its_quantization_to_the_engine(monkeypatch, cap
 
     seen = []
     monkeypatch.setattr(cpu_prefill, "measure", lambda *a: seen.append(a) or [])
-    assert cpu_prefill.main(["m.gguf", "--lengths", "4", "--quantization", "int8"]) == 0
+    assert cpu_prefill.main(["m.gguf", "--lengths", "4", "--quantization", "int8-row"]) == 0
     assert cpu_prefill.main(["m.gguf", "--lengths", "4"]) == 0
-    assert [a[-1] for a in seen] == ["int8", None]
+    assert [a[-1] for a in seen] == ["int8-row", None]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == []
 
 

@@ -18,7 +18,7 @@ llama.cpp`, llama.cpp's own prefill of the same file and ids too (llama-cpp-pyth
 threads): its time and its difference from our fp32 forward, the yardstick for `layers`' bf16.
 
     python -m expresslane.bench.cpu_prefill [FILE.gguf ...] [--lengths 16 40 ...] [--threads 2]
-        [--peer llama.cpp] [--prefill-dtype float32|bfloat16|int8] [--quantization int8]
+        [--peer llama.cpp] [--prefill-dtype float32|bfloat16|int8] [--quantization int8|int8-row]
 
 Default files: SmolLM2-135M-Instruct as F32, Q8_0 and Q4_K_M (llama.cpp's quantizer writes
 them: gguf/variants.py). One table, then one JSON line.
@@ -33,7 +33,7 @@ import time
 import torch
 
 from ..step.choose import PREFILL_DTYPES
-from ..weights.quant import FORMATS
+from ..weights.packing import QUANTIZATIONS
 from .cpu_files import arguments, files, measure_all
 
 LENGTHS = (16, 40, 64, 128, 192, 256, 384, 512)
@@ -128,9 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--quantization",
-        choices=FORMATS,
+        choices=list(QUANTIZATIONS),
         default=None,
-        help="a float file's weights in this format, as `run --quantization` (GGUF blocks: kept)",
+        help="a float file's weights quantized, as `run --quantization` (int8: Q8_0's layout, "
+        "int8-row: a scale per row; GGUF blocks stay as stored)",
     )
     args = ap.parse_args(argv)
     paths = files("cpu_prefill", args, "lengths", ["F32", "Q8_0", "Q4_K_M"])
