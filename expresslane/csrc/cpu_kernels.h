@@ -210,11 +210,9 @@ typedef struct {
 
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1);
 
-/* cpu_amx.c: may this process use AMX tiles (asks Linux once)? el_matmul's bf16, int8 and
-   Q8_0 products there for S <= 40 tokens, and the scratch they need (el_matmul_scratch covers it) */
+/* cpu_amx.c: may this process use AMX tiles (asks Linux once)? el_matmul's bf16 and int8
+   products there for S <= 40 tokens, and the scratch they need (el_matmul_scratch covers it) */
 int el_amx_usable(void);
-/* does el_matmul_amx take this product (the format, K, lowp) on this CPU? */
-int el_amx_takes(int fmt, int64_t K, int lowp);
 int64_t el_amx_scratch(int64_t S, int64_t L, int64_t K);
 int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t L,
                   int64_t N, int64_t K, int threads, void *work, int lowp);

@@ -25,8 +25,8 @@
                prompt's opt-in) the hi part alone, sum w (q + 128) - 128 sum w, and a scale
                of x per block.
 
-   Where the CPU has AMX tiles (el_features' HAS_AMX), bf16, int8 and Q8_0 (but its lowp) go to
-   cpu_amx.c instead: a tile product takes up to 16 tokens at once.
+   Where the CPU has AMX tiles (el_features' HAS_AMX), bf16 and int8 go to cpu_amx.c instead: a
+   tile product takes up to 16 tokens at once.
 
    Every kernel but int8's (whose integer sums are exact in any order) leaves a row's result
    as 16 lanes, summed 16 rows at a time (EL_TILES).
@@ -311,7 +311,7 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
                       S - TMAX * INT_TOKENS, L, N, K, threads, work, lowp);
     const int fmt = (int)w->fmt;
     if (!el_supports(fmt)) return -1;
-    if (el_amx_takes(fmt, K, lowp))
+    if ((fmt == FMT_BF16 || fmt == FMT_I8) && (el_features() & HAS_AMX))
         return el_matmul_amx(w, x, y, ldy, S, L, N, K, threads, work, lowp);
     if ((fmt == FMT_Q8_0 || IS_NIBBLE(fmt)) && K % BLOCK_VALUES(fmt)) return -2;
     void *own = NULL;
