@@ -19,7 +19,11 @@
    and vpdpbusd do 64 bytes of one row and token. A decode step is bound by the weight stream
    either way, but a verify's rows and a short prompt's tokens are bound by the dot products in
    those kernels (a bf16 verify of 6 rows cost 2.32 plain steps on the Xeon); here they ride the
-   same stream (1.26; BENCHMARKS.md, "bf16 and int8 products in AMX tiles"). */
+   same stream (1.26-1.31; BENCHMARKS.md, "bf16 and int8 products in AMX tiles").
+
+   Not Q8_0: its blocks of 32 values each need their integer dot apart, scaled by their own d,
+   and a tile product per block, stored and scaled, made a plain step's products 1.5-1.7x slower
+   than the vpdpbusd kernel's (measured, reverted: same section). */
 
 #include <stdlib.h>
 #include <string.h>

@@ -77,9 +77,9 @@ INTEL_STEP_PREFILL_MAX = {
 }
 # Where the step's bf16 products run in AMX tiles (csrc/cpu_amx.c: up to 16 tokens in one tile
 # product), its exact prompt crossed the layers' fp32 GEMMs at 768-1,000 tokens on the Xeon
-# (2026-12-07: 690 against 727 ms at 768, 955 against 989 at 1,000; 170 against 262 at 256),
-# and its bf16-rounded one (lowp) the layers' bf16 GEMMs between 256 and 384 (BENCHMARKS.md,
-# "bf16 products in AMX tiles").
+# (2026-12-07: 684 against 765 ms at 768, 1,003 against 1,005 at 1,000; 179 against 272 at
+# 256), and its bf16-rounded one (lowp) the layers' bf16 GEMMs between 256 and 384
+# (BENCHMARKS.md, "bf16 and int8 products in AMX tiles"). int8-row keeps the vendor's entry.
 AMX_STEP_PREFILL_MAX = {None: {"bfloat16": 768}, "lowp": {"bfloat16": 256}}
 
 
