@@ -286,7 +286,7 @@ def test_intel_takes_its_measured_crossings_and_the_others_elsewhere():
     assert intel[None][None] < STEP_PREFILL_MAX[None][None]  # the 4- to 6-bit formats' fp32
 
 
-def test_amx_tiles_take_bf16_prompts_further_through_the_step():
+def test_amx_tiles_take_bf16_and_int8_prompts_further_through_the_step():
     """Where the bf16 products run in AMX tiles, their crossings over the vendor's table; the
     other formats' as they were."""
     from expresslane.step.prefill import AMX_STEP_PREFILL_MAX, step_prefill_max
@@ -297,6 +297,8 @@ def test_amx_tiles_take_bf16_prompts_further_through_the_step():
             assert tiles[key] == {**row, **AMX_STEP_PREFILL_MAX.get(key, {})}
         assert tiles[None]["bfloat16"] > plain[None]["bfloat16"]
         assert tiles["lowp"]["bfloat16"] > plain["lowp"]["bfloat16"]
+        for key in (None, torch.bfloat16):  # int8-row: exact integer sums in tiles
+            assert tiles[key]["int8"] > plain[key].get("int8", plain[key][None])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])

@@ -79,8 +79,15 @@ INTEL_STEP_PREFILL_MAX = {
 # product), its exact prompt crossed the layers' fp32 GEMMs at 768-1,000 tokens on the Xeon
 # (2026-12-07: 684 against 765 ms at 768, 1,003 against 1,005 at 1,000; 179 against 272 at
 # 256), and its bf16-rounded one (lowp) the layers' bf16 GEMMs between 256 and 384
-# (BENCHMARKS.md, "bf16 and int8 products in AMX tiles"). int8-row keeps the vendor's entry.
-AMX_STEP_PREFILL_MAX = {None: {"bfloat16": 768}, "lowp": {"bfloat16": 256}}
+# (BENCHMARKS.md, "bf16 and int8 products in AMX tiles"). int8-row's step ("int8": x in 16 bits,
+# exact integer sums) crossed the fp32 layers between 1,000 and 1,500 tokens (746 against 924 ms
+# at 1,000, 1,439 against 1,472 at 1,500, 2,402 against 2,085 at 2,000; the step's attention
+# grows with the square) and the bf16 layers at 384 (198 against 207 ms; 123 against 164 at 256).
+AMX_STEP_PREFILL_MAX = {
+    None: {"bfloat16": 768, "int8": 1000},
+    torch.bfloat16: {"int8": 384},
+    "lowp": {"bfloat16": 256},
+}
 
 
 def step_prefill_max(vendor: str, amx: bool = False) -> dict:
