@@ -1,4 +1,4 @@
-"""The `expresslane run` CLI: streams text or JSON; bad input is one line and exit code 2.
+"""The `expresslane run` CLI: streams text or JSON; bad input is one line and exit code 2."""
 
 from __future__ import annotations
 
