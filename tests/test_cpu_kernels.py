@@ -173,22 +173,24 @@ NO_TILES = {**os.environ, "EXPRESSLANE_AMX": "0"}
 
 
 @needs_amx
-def test_tiles_and_dot_products_bf16_close_int8_the_same_bits(tmp_path):
-    """Where AMX runs the bf16 and int8 products (csrc/cpu_amx.c), EXPRESSLANE_AMX=0 gives the
-    dot-product kernels back. bf16: both near the reference, each in its own order of sums, so
-    the bits differ somewhere (the switch is real). int8: integer sums, exact in any order, so
-    the very same bits. Irregular shapes: 3 lanes of 45 rows (a partial tile of rows), K = 200
-    (a partial tile of values), 9 tokens and 37 (three tile widths, the last padded)."""
+def test_tiles_and_dot_products_close_and_int8_the_same_bits(tmp_path):
+    """Where AMX runs the bf16 and int8 products, and Q8_0's for a prompt's chunks (csrc/
+    cpu_amx.c, cpu_amx_q8.c), EXPRESSLANE_AMX=0 gives the dot-product kernels back. bf16 and a
+    prompt's Q8_0: both near the reference, each in its own order of sums, so the bits differ
+    somewhere (the switch is real). int8: integer sums, exact in any order, so the very same
+    bits; and Q8_0 outside a prompt keeps the vpdpbusd kernel, bits and all. Irregular shapes: 3
+    lanes of 45 rows (a partial tile of rows), K = 224 (bf16 and int8: a partial tile of
+    values), 9 tokens and 37 (three tile widths, the last padded)."""
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(3, 45, 200, generator=g)
-    case = {f: quantize(w, f) for f in ("bfloat16", "int8")}
-    xs = [torch.randn(S, 3, 200, generator=g) * 3 for S in (9, 37)]
+    w = torch.randn(3, 45, 224, generator=g)
+    case = {f: quantize(w, f) for f in ("bfloat16", "int8", "q8_0")}
+    xs = [torch.randn(S, 3, 224, generator=g) * 3 for S in (9, 37)]
     torch.save({"w": {f: q.parts for f, q in case.items()}, "xs": xs}, tmp_path / "case.pt")
     probe = (
         "import sys, torch; from expresslane.step import native as c; "
         "from expresslane.weights.quant import QTensor; d = torch.load(sys.argv[1]); "
         "assert not c.FEATURES & c.HAS_AMX; "
-        "torch.save({f: [c.native_matmul(QTensor(f, *p), x) for x in d['xs']] "
+        "torch.save({f: [c.native_matmul(QTensor(f, *p), x, prompt=True) for x in d['xs']] "
         "for f, p in d['w'].items()}, sys.argv[2])"
     )
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "case.pt"),
@@ -198,23 +200,31 @@ def test_tiles_and_dot_products_bf16_close_int8_the_same_bits(tmp_path):
     dot = torch.load(tmp_path / "dot.pt")
     for fmt, q in case.items():
         for x, theirs in zip(xs, dot[fmt], strict=True):
-            tiles = cpu_kernels.native_matmul(q, x)
-            ref = torch.einsum("lnk,slk->sln", q.dequantize().double(), x.double())
-            bound = (2e-5 if fmt == "bfloat16" else 2e-4) * ref.abs().max()
+            tiles = cpu_kernels.native_matmul(q, x, prompt=True)
+            assert torch.equal(cpu_kernels.native_matmul(q, x), theirs) == (fmt != "bfloat16")
+            wd = q.dequantize().double()
+            ref = torch.einsum("lnk,slk->sln", wd, x.double())
+            if fmt == "bfloat16":
+                bound = 2e-5 * ref.abs().max()
+            else:  # x in 16-bit fixed point: half a step of max|x| / 32639 an element
+                step = x.abs().amax(-1, keepdim=True).double() / 32639
+                bound = 0.5 * step * wd.abs().sum(-1) + 1e-5 * ref.abs() + 1e-6
             for got in (theirs, tiles):
-                assert (got.double() - ref).abs().max() <= bound
+                assert ((got.double() - ref).abs() <= bound).all(), fmt
             assert torch.equal(theirs, tiles) == (fmt == "int8"), fmt
+    assert {"bfloat16", "int8", "q8_0"} <= set(dot)
 
 
 @needs_amx
 def test_the_dot_product_kernels_still_pass_without_tiles():
     """The vdpbf16ps and vpdpbusd kernels are what CPUs without AMX run (AMD's, older Xeons):
-    their bf16 and int8 tests here and in test_packed_verify.py, in a process without tiles."""
+    their bf16, int8 and Q8_0 tests here and in test_packed_verify.py, in a process without
+    tiles."""
     here = os.path.dirname(__file__)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-o", "addopts=", os.path.join(here, "test_cpu_kernels.py"),
                           os.path.join(here, "test_packed_verify.py"), "-k",
-                          "bf16 or bfloat16 or int8"], env=NO_TILES, capture_output=True,
+                          "bf16 or bfloat16 or int8 or q8_0"], env=NO_TILES, capture_output=True,
                          text=True)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " failed" not in out.stdout

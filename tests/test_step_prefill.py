@@ -153,6 +153,32 @@ def test_quantized_long_prompts_are_exact_by_default(biases):
     torch.testing.assert_close(la.float(), lb.float(), rtol=1e-4, atol=1e-4)  # the C head
 
 
+def test_q8_0_prompts_near_the_forward_and_a_decodes_bits_only_without_tiles():
+    """Q8_0 weights: a prompt's chunk through the step runs in AMX tiles where the CPU has them
+    (csrc/cpu_amx_q8.c, EL_PROMPT): its logits and cache as near the fp32 forward's as the
+    vpdpbusd kernel's; the cache is the bits of the same tokens decoded one at a time (that
+    kernel's, which decode steps keep) only where there are no tiles."""
+    from expresslane.step.native import FEATURES, HAS_AMX
+
+    model = tiny.laneformer(seed=11, **MODELS["llama"])
+    pack_model(model, "q8_0")
+    a, b = engines(model)
+    a._prefill.max_tokens = MAX_TOKENS
+    ids = prompt(33, seed=6)
+    la = a.prefill(ids).float().view(-1)
+    with torch.inference_mode():
+        lb = b.model(torch.tensor([ids]), None, b.cache, True).float().view(-1)
+    torch.testing.assert_close(la, lb, rtol=1e-3, atol=1e-3)
+    same_cache(a.cache, b.cache, tol=1e-3)
+    c, _ = engines(model)
+    for i, t in enumerate(ids):  # one token a call: below AMX_Q8_PROMPT_MIN, the decode kernel
+        c._prefill.step.prefill_logits(torch.tensor([t]), i)
+    c.cache.advance(len(ids))
+    held = a.cache.pos[0] >= 0
+    bits = all(torch.equal(x[held], y[held]) for x, y in zip(a.cache.k, c.cache.k, strict=True))
+    assert bits == (not FEATURES & HAS_AMX)
+
+
 @pytest.mark.skipif(not available("bfloat16"), reason="no AVX512_BF16: products stay fp32")
 def test_prefill_dtype_bfloat16_multiplies_in_bf16_with_the_c_decoders_weights():
     """Q8_0 weights, `prefill_dtype="bfloat16"`: the cache equals the forward's under the same
@@ -297,8 +323,10 @@ def test_amx_tiles_take_bf16_and_int8_prompts_further_through_the_step():
             assert tiles[key] == {**row, **AMX_STEP_PREFILL_MAX.get(key, {})}
         assert tiles[None]["bfloat16"] > plain[None]["bfloat16"]
         assert tiles["lowp"]["bfloat16"] > plain["lowp"]["bfloat16"]
-        for key in (None, torch.bfloat16):  # int8-row: exact integer sums in tiles
-            assert tiles[key]["int8"] > plain[key].get("int8", plain[key][None])
+        for key in (None, torch.bfloat16):  # int8-row's products and Q8_0 prompts in tiles
+            for fmt in ("int8", "q8_0"):  # AMD's vpdpbusd step crossed Q8_0's at 768 too
+                was = plain[key].get(fmt, plain[key][None])
+                assert tiles[key][fmt] > was or (vendor, fmt) == ("AuthenticAMD", "q8_0")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])

@@ -21,26 +21,20 @@
    those kernels (a bf16 verify of 6 rows cost 2.32 plain steps on the Xeon); here they ride the
    same stream (1.26-1.31; BENCHMARKS.md, "bf16 and int8 products in AMX tiles").
 
-   Not Q8_0: its blocks of 32 values each need their integer dot apart, scaled by their own d,
-   and a tile product per block, stored and scaled, made a plain step's products 1.5-1.7x slower
-   than the vpdpbusd kernel's (measured, reverted: same section). */
+   Q8_0 only for a prompt's chunks (cpu_amx_q8.c): its blocks of 32 values each need their
+   integer dot apart, scaled by their own d, and a tile product per block, stored and scaled,
+   made a plain step's products 1.5-1.7x slower than the vpdpbusd kernel's (measured: same
+   section), while a chunk of 40 tokens took 0.43x its time. */
 
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_kernels.h"
-#include "simd.h"
+#include "cpu_amx.h"
 
-#if defined(EL_X86) && (defined(__clang__) || __GNUC__ >= 11)
+#ifdef EL_AMX
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#define T_AMX                                                                              \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16,amx-tile,"   \
-                          "amx-bf16,amx-int8")))
-#define AMX_TOKENS 16 /* a tile's rows of 64 bytes: at most 16 tokens a block */
-#define AMX_BLOCKS 3  /* blocks of one call: 40 tokens (cpu_matmul.c's bound) in 3 */
 
 /* AMX-BF16, AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 22, 24, 25), and Linux's leave to use
    the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: a process asks once) */
@@ -52,40 +46,23 @@ int el_amx_usable(void) {
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 }
 
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
 /* bf16: tiles 0-2 the blocks' sums, 16 rows x Tw fp32; 3: 16 weight rows x 32 values; 4, 5: x's
    hi and lo pairs of one block, 16 pairs x Tw. int8: tiles 0-5 the blocks' hi and lo sums, 16
    rows x Tw int32; 6: 16 weight rows x 64 values; 7: x's hi quads of one block, and its lo
-   quads in a free tile (2 for one block, 4 for two) or in 7 again (three). */
-T_AMX static void configure(int fmt, int Tw) {
+   quads in a free tile (2 for one block, 4 for two) or in 7 again (three). Q8_0 (cpu_amx_q8.c)
+   as int8 but a block of 32 values: 16 x 32 bytes of weights, 8 words of x, lo in 4 or 7. */
+T_AMX static void configure(int fmt, int Tw, int nb) {
     tilecfg_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     const int a = fmt == FMT_BF16 ? 3 : 6;
     for (int i = 0; i < 8; i++) c.rows[i] = 16, c.colsb[i] = (uint16_t)(i == a ? 64 : 4 * Tw);
+    if (fmt == FMT_Q8_0) { /* a block of 32 values: weights 16 x 32 bytes, x 8 words x Tw */
+        c.colsb[6] = 32, c.rows[7] = 8;
+        if (nb < 3) c.rows[4] = 8; /* x's lo words (tiles 4, 5 hold sums for three blocks) */
+    }
     _tile_loadconfig(&c);
 }
-
-/* 16 weight rows' 64 bytes from byte `at` where the tile lies whole in the matrix (rows of rb
-   bytes), else a copy with zeros past the row and past the last row (no read past the end) */
-INLINE const char *weight_tile(const char *w, int64_t rb, int rows, int64_t at, char *buf,
-                               int64_t *stride) {
-    if (rows == 16 && at + 64 <= rb) return *stride = rb, w + at;
-    memset(buf, 0, 16 * 64);
-    const int64_t n = rb - at < 64 ? rb - at : 64;
-    for (int r = 0; r < rows; r++) memcpy(buf + 64 * r, w + r * rb + at, (size_t)n);
-    return *stride = 64, buf;
-}
-
-/* The next tile's bytes (rows follow rows) into L2 while this one runs, 16 lines a step: per
-   row read ahead (the rows' own streams) or not at all was slower (BENCHMARKS.md). */
-#define PREFETCH_NEXT(w, rb, kb)                                                             \
-    for (int i = 0; i < 16; i++) _mm_prefetch((w) + 16 * (rb) + ((kb) * 16 + i) * 64, _MM_HINT_T1)
 
 /* one tile of bf16 rows (w: its first, `rows` <= 16 of them) for NB blocks of Tw tokens: c gets
    NB x 16 x Tw sums. xb: the lane's blocks, each a hi then a lo plane of PB bytes. */
@@ -106,9 +83,9 @@ T_AMX INLINE void tile_bf16(const char *w, int64_t K, int rows, const char *xb, 
     if (NB > 1) _tile_zero(1);
     if (NB > 2) _tile_zero(2);
     for (int64_t kb = 0; kb * 32 < K; kb++) {
-        PREFETCH_NEXT(w, 2 * K, kb);
+        PREFETCH_NEXT(w, 2 * K, kb, 16);
         int64_t stride;
-        _tile_loadd(3, weight_tile(w, 2 * K, rows, kb * 64, buf, &stride), stride);
+        _tile_loadd(3, weight_tile(w, 2 * K, rows, kb * 64, 64, buf, &stride), stride);
         DP_BF16(0);
         if (NB > 1) DP_BF16(1);
         if (NB > 2) DP_BF16(2);
@@ -142,9 +119,9 @@ T_AMX INLINE void tile_i8(const char *w, int64_t K, int rows, const char *xb, in
         _tile_zero(5);
     }
     for (int64_t kb = 0; kb * 64 < K; kb++) {
-        PREFETCH_NEXT(w, K, kb);
+        PREFETCH_NEXT(w, K, kb, 16);
         int64_t stride;
-        _tile_loadd(6, weight_tile(w, K, rows, kb * 64, buf, &stride), stride);
+        _tile_loadd(6, weight_tile(w, K, rows, kb * 64, 64, buf, &stride), stride);
         /* x's lo part in a tile of its own where one is free (tile 7 again for three blocks:
            its load then waits for the hi part's product) */
         if (NB == 1) DP_I8(0, 0, 1, 2);
@@ -189,14 +166,16 @@ T_AMX static void pack_bf16(const float *x, int64_t K, int64_t Kw, int Tw, int t
                                      _mm512_castsi256_si512((__m256i)l), 4);
     }
 }
-/* int8: values 4w .. 4w + 3 of the two bytes el_split_x wrote (hi: a + 128, lo: b) */
+/* int8: values 4w .. 4w + 3 of the two bytes el_split_x wrote (hi: a + 128, lo: b); with
+   flip, hi as the signed a (Q8_0's tiles take it so) */
 T_AMX static void pack_i8(const uint8_t *a, const uint8_t *b, int64_t Kw, int Tw, int t,
-                          uint32_t *hi, uint32_t *lo) {
+                          uint32_t *hi, uint32_t *lo, int flip) {
+    const __m512i f = _mm512_set1_epi8(flip ? (char)0x80 : 0);
     const __m512i at = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(Tw));
     for (int64_t k = 0; k < Kw; k += 64) {
-        const __m512i va = a ? _mm512_loadu_si512(a + k) : _mm512_setzero_si512();
+        const __m512i va = a ? _mm512_xor_si512(_mm512_loadu_si512(a + k), f) : _mm512_setzero_si512();
         const __m512i vb = b ? _mm512_loadu_si512(b + k) : _mm512_setzero_si512();
         _mm512_i32scatter_epi32(hi + k / 4 * Tw + t, at, va, 4);
         _mm512_i32scatter_epi32(lo + k / 4 * Tw + t, at, vb, 4);
@@ -265,13 +244,21 @@ T_AMX INLINE void put_i8(const int32_t *c, const qmat_t *w, const float *sx, int
     else                \
         CALL(3)
 
-/* el_matmul for bf16 and int8 weights, S <= 40 (the caller splits longer runs) */
+int el_amx_takes(int fmt, int64_t K, int64_t S, int flags) {
+    if (!(el_features() & HAS_AMX)) return 0;
+    return fmt == FMT_BF16 || fmt == FMT_I8 ||
+           (fmt == FMT_Q8_0 && flags == EL_PROMPT && S >= AMX_Q8_PROMPT_MIN && K % 32 == 0 &&
+            K <= 32 * AMX_Q8_BLOCKS);
+}
+
+/* el_matmul for bf16, int8 and Q8_0 weights, S <= 40 (the caller splits longer runs) */
 T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S,
                         int64_t L, int64_t N, int64_t K, int threads, void *work, int lowp) {
     const int fmt = (int)w->fmt, bf16 = fmt == FMT_BF16;
     int64_t nb, Tw;
     blocks_of(S, &nb, &Tw);
-    if (nb > AMX_BLOCKS || (fmt != FMT_BF16 && fmt != FMT_I8)) return -2;
+    if (nb > AMX_BLOCKS || (fmt != FMT_BF16 && fmt != FMT_I8 && (fmt != FMT_Q8_0 || lowp)))
+        return -2;
     /* bytes of a block's plane: a 32-bit word per 2 values (bf16) or 4 (int8) per token */
     const int64_t Kw = (K + 127) / 128 * 128, PB = Kw / (bf16 ? 2 : 4) * Tw * 4;
     void *own = NULL;
@@ -293,13 +280,14 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
                 pack_bf16(s < S ? x + v * K : NULL, K, Kw, (int)Tw, t, hi, lo);
             else
                 pack_i8(s < S ? (const uint8_t *)P.a + v * Kw * 2 : NULL,
-                        s < S ? (const uint8_t *)P.b + v * Kw * 2 : NULL, Kw, (int)Tw, t, hi, lo);
+                        s < S ? (const uint8_t *)P.b + v * Kw * 2 : NULL, Kw, (int)Tw, t, hi, lo,
+                        fmt == FMT_Q8_0);
         }
     }
     const int64_t per_lane = (N + 15) / 16, tiles = L * per_lane;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        configure(fmt, (int)Tw);
+        configure(fmt, (int)Tw, (int)nb);
         union {
             float f[AMX_BLOCKS * 16 * AMX_TOKENS];
             int32_t i[2 * AMX_BLOCKS * 16 * AMX_TOKENS];
@@ -316,6 +304,10 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
                 BY_NB(nb, TILES_BF16);
 #undef TILES_BF16
                 put_bf16(c.f, S, Tw, rows, y, L, l, ldy, n0);
+            } else if (fmt == FMT_Q8_0) {
+                const char *wt = (const char *)w->data + (l * N + n0) * K;
+                el_amx_q8_0_tile(w, wt, K, rows, l * N + n0, xl, PB, (int)Tw, (int)nb, P.sx, S,
+                                 L, l, y, ldy, n0);
             } else {
                 const char *wt = (const char *)w->data + (l * N + n0) * K;
 #define TILES_I8(n) tile_i8(wt, K, rows, xl, PB, (int)Tw, c.i, n)
@@ -331,6 +323,10 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
 }
 #else
 int el_amx_usable(void) { return 0; }
+int el_amx_takes(int fmt, int64_t K, int64_t S, int flags) {
+    (void)fmt, (void)K, (void)S, (void)flags;
+    return 0;
+}
 int64_t el_amx_scratch(int64_t S, int64_t L, int64_t K) { (void)S, (void)L, (void)K; return 0; }
 int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t L,
                   int64_t N, int64_t K, int threads, void *work, int lowp) {

@@ -211,8 +211,11 @@ typedef struct {
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1);
 
 /* cpu_amx.c: may this process use AMX tiles (asks Linux once)? el_matmul's bf16 and int8
-   products there for S <= 40 tokens, and the scratch they need (el_matmul_scratch covers it) */
+   products there for S <= 40 tokens, Q8_0's for a prompt's chunks (EL_PROMPT), and the scratch
+   they need (el_matmul_scratch covers it) */
 int el_amx_usable(void);
+/* does el_matmul_amx take this product (the format, K, S tokens, the EL_* flags) on this CPU? */
+int el_amx_takes(int fmt, int64_t K, int64_t S, int flags);
 int64_t el_amx_scratch(int64_t S, int64_t L, int64_t K);
 int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S, int64_t L,
                   int64_t N, int64_t K, int threads, void *work, int lowp);
@@ -229,6 +232,12 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
    precision where the format takes it (xparts_t). Returns 0, -1 when the CPU lacks the
    instructions, or -2 for a K that a block format's blocks do not divide. */
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K);
+/* el_matmul's and el_layer's last argument, `lowp`, is a word of flags: EL_LOWP, x at
+   llama.cpp's precision (above); EL_PROMPT, the tokens are a prompt's chunk, whose bits need not
+   be a decode step's: there Q8_0 runs in AMX tiles (cpu_amx_q8.c), its sums in another order
+   than the vpdpbusd kernel's, as the layers' GEMMs take longer prompts in theirs. */
+#define EL_LOWP 1
+#define EL_PROMPT 2
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,
               int64_t K, int threads, void *work, int lowp);
 /* the same for one lane, token s's outputs at y + s ldy (rows of a wider output) */

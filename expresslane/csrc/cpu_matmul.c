@@ -26,7 +26,8 @@
                of x per block.
 
    Where the CPU has AMX tiles (el_features' HAS_AMX), bf16 and int8 go to cpu_amx.c instead: a
-   tile product takes up to 16 tokens at once.
+   tile product takes up to 16 tokens at once; so does Q8_0 for a prompt's chunks (EL_PROMPT,
+   exact x), whose bits need not be a decode step's.
 
    Every kernel but int8's (whose integer sums are exact in any order) leaves a row's result
    as 16 lanes, summed 16 rows at a time (EL_TILES).
@@ -309,9 +310,10 @@ static int matmul(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_
         return matmul(w, x, y, ldy, TMAX * INT_TOKENS, L, N, K, threads, work, lowp) |
                matmul(w, x + TMAX * INT_TOKENS * L * K, y + TMAX * INT_TOKENS * L * ldy, ldy,
                       S - TMAX * INT_TOKENS, L, N, K, threads, work, lowp);
-    const int fmt = (int)w->fmt;
+    const int fmt = (int)w->fmt, flags = lowp;
+    lowp &= EL_LOWP;
     if (!el_supports(fmt)) return -1;
-    if ((fmt == FMT_BF16 || fmt == FMT_I8) && (el_features() & HAS_AMX))
+    if (el_amx_takes(fmt, K, S, flags))
         return el_matmul_amx(w, x, y, ldy, S, L, N, K, threads, work, lowp);
     if ((fmt == FMT_Q8_0 || IS_NIBBLE(fmt)) && K % BLOCK_VALUES(fmt)) return -2;
     void *own = NULL;

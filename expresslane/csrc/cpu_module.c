@@ -15,7 +15,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     unsigned long long w, scale, rowsum, mins, high, sub, x, y;
     long long S, L, N, K;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iKKKKKKKKLLLLi|p", &fmt, &w, &scale, &rowsum, &mins, &high, &sub,
+    if (!PyArg_ParseTuple(args, "iKKKKKKKKLLLLi|i", &fmt, &w, &scale, &rowsum, &mins, &high, &sub,
                           &x, &y, &S, &L, &N, &K, &threads, &lowp))
         return NULL;
     qmat_t m = {fmt, ADDR(w), ADDR(scale), ADDR(rowsum), ADDR(mins), ADDR(high), ADDR(sub)};
@@ -49,7 +49,7 @@ static PyObject *py_layer(PyObject *self, PyObject *args) {
     float eps;
     int threads, rc, lowp = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKKKLLfKiL|p", &d, &h, &c, &s, &position, &live, &eps, &scratch,
+    if (!PyArg_ParseTuple(args, "KKKKLLfKiL|i", &d, &h, &c, &s, &position, &live, &eps, &scratch,
                           &threads, &S, &lowp))
         return NULL;
     if (S < 1) S = 1;
@@ -103,7 +103,7 @@ static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI, 8 AMX-BF16 tiles in use"},
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(fmt, w, scale, rowsum, mins, high, sub, x, y, S, L, N, K, threads, lowp=False) -> "
-     "status (lowp: x at llama.cpp's precision where the format takes it)"},
+     "status (lowp: csrc/cpu_kernels.h's EL_LOWP | EL_PROMPT flags)"},
     {"dequant", py_dequant, METH_VARARGS,
      "dequant(fmt, w, scale, rowsum, mins, high, sub, out, N, K, bf16, threads) -> status"},
     {"layer_fields", py_layer_fields, METH_NOARGS, "names of a layer descriptor's int64 entries"},

@@ -86,14 +86,23 @@ def _matrix(w: QTensor) -> list[int]:
     return [CODES[w.fmt], *(_addr(t) for t in (w.data, w.scale, w.rowsum, w.mins, w.high, w.sub))]
 
 
-def _matmul(w: QTensor, x: torch.Tensor, S: int, lowp: bool = False) -> torch.Tensor:
+# csrc/cpu_kernels.h's flags for a product's or a layer's last argument: x at llama.cpp's
+# precision; a prompt's chunk (Q8_0 then in AMX tiles where the CPU has them, not a decode's bits)
+EL_LOWP, EL_PROMPT = 1, 2
+
+
+def _flags(lowp: bool, prompt: bool) -> int:
+    return (EL_LOWP if lowp else 0) | (EL_PROMPT if prompt else 0)
+
+
+def _matmul(w: QTensor, x: torch.Tensor, S: int, flags: int = 0) -> torch.Tensor:
     """S tokens: W (L, N, K) or (N, K) and x (S, L, K) or (S, K) -> (S, L, N) or (S, N)."""
     x = x.contiguous().float()
     N, K = w.data.shape[-2], x.shape[-1]
     L = x.numel() // (S * K)
     y = torch.empty((*x.shape[:-1], N), dtype=torch.float32)
     rc = _native.matmul(*_matrix(w), x.data_ptr(), y.data_ptr(), S, L, N, K,
-                        torch.get_num_threads(), lowp)  # fmt: skip
+                        torch.get_num_threads(), flags)  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"cpu_matmul({w.fmt}): the kernel refused (status {rc})")
     return y
@@ -132,16 +141,18 @@ def native_matvec(w: QTensor, x: torch.Tensor) -> torch.Tensor:
                                             w.fmt)  # fmt: skip
 
 
-def native_matmul(w: QTensor, x: torch.Tensor, lowp: bool = False) -> torch.Tensor:
+def native_matmul(w: QTensor, x: torch.Tensor, lowp: bool = False, prompt: bool = False
+                  ) -> torch.Tensor:  # fmt: skip
     """S tokens at once: W (L, N, K) or (N, K) and x (S, L, K) or (S, K) -> y (S, L, N) or
     (S, N) fp32, each weight row read once for all S, each token's result the bits of
     native_matvec's (csrc/cpu_matmul.c). For the verify step; not an operator (run eagerly).
     lowp: LOWP_FORMATS take x at llama.cpp's precision (a prompt's opt-in): still a row's bits
-    whatever S, but not native_matvec's."""
+    whatever S, but not native_matvec's. prompt: a prompt's chunk (EL_PROMPT), whose bits need
+    not be a decode step's."""
     if w.stack is not None:
-        return torch.cat([native_matmul(p, x, lowp) for p in w.stack], dim=-1)
+        return torch.cat([native_matmul(p, x, lowp, prompt) for p in w.stack], dim=-1)
     return _matmul(QTensor(w.fmt, *(None if t is None else t.contiguous() for t in w.parts)),
-                   x, x.shape[0], lowp)  # fmt: skip
+                   x, x.shape[0], _flags(lowp, prompt))  # fmt: skip
 
 
 def lowp_activations(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -248,11 +259,12 @@ class NativeStep:
         return torch.tensor([sizes[f] if f in sizes else _addr(t[f]) for f in fields])
 
     def hidden(self, tokens: torch.Tensor, position: int, live: int | None = None,
-               lowp: bool = False) -> torch.Tensor:  # fmt: skip
+               lowp: bool = False, prompt: bool = False) -> torch.Tensor:  # fmt: skip
         """S <= MAX_TOKENS tokens at positions position.. -> their final residual streams (S, D)
         fp32; writes their KV. Attention reads the first min(live, cap) slots (default: the
         cache's live bound; a verify step passes position + S). lowp: LOWP_FORMATS' products
-        take x at llama.cpp's precision (a prompt's opt-in, --prefill-dtype)."""
+        take x at llama.cpp's precision (a prompt's opt-in, --prefill-dtype). prompt: the
+        tokens are a prompt's chunk, whose bits need not be a decode step's (EL_PROMPT)."""
         S = tokens.numel()
         if not 1 <= S <= MAX_TOKENS:
             raise ValueError(f"NativeStep.hidden: {S} tokens, expected 1..{MAX_TOKENS}")
@@ -262,9 +274,10 @@ class NativeStep:
         row = position * self.cos.shape[1] * 4
         cos, sin = self.cos.data_ptr() + row, self.sin.data_ptr() + row
         scratch, eps, threads = self.scratch.data_ptr(), self.cfg.norm_eps, torch.get_num_threads()
+        flags = _flags(lowp, prompt)
         for d in self.descs:
             rc = _native.layer(d.data_ptr(), h.data_ptr(), cos, sin, position, live, eps,
-                               scratch, threads, S, lowp)  # fmt: skip
+                               scratch, threads, S, flags)  # fmt: skip
             if rc != 0:
                 raise RuntimeError(f"native decode layer refused (status {rc})")
         return h

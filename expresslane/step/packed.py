@@ -211,23 +211,25 @@ class PackedDecoder:
             pre_norm_lane_agg=cfg.pre_norm_lane_agg, greedy=greedy,
         )  # fmt: skip
 
-    def _native_rows(self, tokens: torch.Tensor, position: int, lowp: bool = False):
+    def _native_rows(self, tokens: torch.Tensor, position: int, lowp: bool = False,
+                     prompt: bool = False):  # fmt: skip
         """The final residual streams (S', D) fp32 of tokens (S,) (NativeStep.hidden's: the C
         layers run one-lane models), through them in calls of at most `prefill_chunk()` tokens
-        (lowp: NativeStep.hidden's); each the step's buffer, valid until the next call."""
+        (lowp, prompt: NativeStep.hidden's); each the step's buffer, valid until the next call."""
         live, width = self._live(), self.prefill_chunk()
         for at in range(0, tokens.shape[0], width):
             chunk = tokens[at : at + width]
             yield self.step.hidden(chunk, position + at, max(live, position + at + len(chunk)),
-                                   lowp)  # fmt: skip
+                                   lowp, prompt)  # fmt: skip
 
     def _native_logits(self, tokens: torch.Tensor, position: int, last_only: bool = False,
-                       lowp: bool = False, shared: bool = False) -> torch.Tensor:  # fmt: skip
+                       lowp: bool = False, shared: bool = False, prompt: bool = False
+                       ) -> torch.Tensor:  # fmt: skip
         """fp32 logits (S, V), or (1, V) of the last row, through the C layers. Rows come in
         the head's buffer, copied; with `shared` and one call's tokens, not (forward_shared)."""
         keep = shared and tokens.shape[0] <= self.prefill_chunk()
         rows = []
-        for h in self._native_rows(tokens, position, lowp):
+        for h in self._native_rows(tokens, position, lowp, prompt):
             if not last_only:
                 logits = self.step.head(h)[1]
                 rows.append(logits if keep else logits.clone())
@@ -244,9 +246,12 @@ class PackedDecoder:
                        ) -> torch.Tensor:  # fmt: skip
         """fp32 logits (V,) after tokens (S,) written from `position`: a prefill's, the head
         on the last row only, through the C layers (StepPrefill is chosen only with them).
-        lowp: the layers' products take x at llama.cpp's precision (native.LOWP_FORMATS)."""
+        lowp: the layers' products take x at llama.cpp's precision (native.LOWP_FORMATS). A
+        prompt's bits need not be a decode step's: Q8_0's products run in AMX tiles where the
+        CPU has them (csrc/cpu_amx_q8.c)."""
         with self._live_slots(position + tokens.numel()):
-            return self._native_logits(tokens.view(-1), position, last_only=True, lowp=lowp)[0]
+            return self._native_logits(tokens.view(-1), position, last_only=True, lowp=lowp,
+                                       prompt=True)[0]  # fmt: skip
 
     def prefill_hidden(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         """The final residual streams (S, L, D) fp32 of tokens (S,) written from `position`

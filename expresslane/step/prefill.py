@@ -83,9 +83,12 @@ INTEL_STEP_PREFILL_MAX = {
 # exact integer sums) crossed the fp32 layers between 1,000 and 1,500 tokens (746 against 924 ms
 # at 1,000, 1,439 against 1,472 at 1,500, 2,402 against 2,085 at 2,000; the step's attention
 # grows with the square) and the bf16 layers at 384 (198 against 207 ms; 123 against 164 at 256).
+# Q8_0's prompt chunks in tiles (csrc/cpu_amx_q8.c, exact x) crossed the fp32 layers at 768 (660
+# against 667 ms; 178 against 234 at 256, where the vpdpbusd step took 340) and the bf16 layers
+# at 128 (91 against 96 ms).
 AMX_STEP_PREFILL_MAX = {
-    None: {"bfloat16": 768, "int8": 1000},
-    torch.bfloat16: {"int8": 384},
+    None: {"bfloat16": 768, "int8": 1000, "q8_0": 768},
+    torch.bfloat16: {"int8": 384, "q8_0": 128},
     "lowp": {"bfloat16": 256},
 }
 

@@ -1,0 +1,56 @@
+/* What the AMX tile kernels share (cpu_amx.c: the driver, bf16 and int8; cpu_amx_q8.c: Q8_0):
+   the target attribute, the tile configuration record, the weight tile loader and the
+   prefetch of the next tile. EL_AMX where the compiler knows the AMX intrinsics. */
+#ifndef EXPRESSLANE_CPU_AMX_H
+#define EXPRESSLANE_CPU_AMX_H
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+#include "simd.h"
+
+#if defined(EL_X86) && (defined(__clang__) || __GNUC__ >= 11)
+#define EL_AMX 1
+#define T_AMX                                                                              \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16,amx-tile,"   \
+                          "amx-bf16,amx-int8")))
+#define AMX_TOKENS 16 /* a tile's rows of 64 bytes: at most 16 tokens a block */
+#define AMX_BLOCKS 3  /* blocks of one call: 40 tokens (cpu_matmul.c's bound) in 3 */
+#define AMX_Q8_BLOCKS 512 /* Q8_0: a tile's scales on the stack, rows of K <= 16,384 */
+/* Q8_0 in tiles from this many tokens of a prompt's chunk (its last, shorter one below: the
+   vpdpbusd kernel, which a tile product per block overtakes at about 6 tokens) */
+#define AMX_Q8_PROMPT_MIN 8
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* 16 weight rows' `width` (<= 64) bytes from byte `at` where the tile lies whole in the matrix
+   (rows of rb bytes), else a copy with zeros past the row and past the last row (no read past
+   the matrix's end) */
+INLINE const char *weight_tile(const char *w, int64_t rb, int rows, int64_t at, int width,
+                               char *buf, int64_t *stride) {
+    if (rows == 16 && at + width <= rb) return *stride = rb, w + at;
+    memset(buf, 0, 16 * 64);
+    const int64_t n = rb - at < width ? rb - at : width;
+    for (int r = 0; r < rows; r++) memcpy(buf + 64 * r, w + r * rb + at, (size_t)n);
+    return *stride = 64, buf;
+}
+
+/* The next tile's bytes (rows follow rows) into L2 while this one runs, `lines` a step of
+   `width` bytes a row (16 x width / 64): per row read ahead (the rows' own streams) or not at
+   all was slower (BENCHMARKS.md, "bf16 and int8 products in AMX tiles"). */
+#define PREFETCH_NEXT(w, rb, kb, lines)                                                       \
+    for (int i_ = 0; i_ < (lines); i_++)                                                      \
+    _mm_prefetch((w) + 16 * (rb) + ((kb) * (lines) + i_) * 64, _MM_HINT_T1)
+
+/* Q8_0 (cpu_amx_q8.c): one tile of `rows` <= 16 rows (w: its first; row g of the matrix) for
+   nb blocks of Tw tokens, x's words at xl (each block a signed hi then an unsigned lo plane of
+   PB bytes) and scales sx (vector s L + l); y as el_matmul's */
+void el_amx_q8_0_tile(const qmat_t *m, const char *w, int64_t K, int rows, int64_t g,
+                      const char *xl, int64_t PB, int Tw, int nb, const float *sx, int64_t S,
+                      int64_t L, int64_t l, float *y, int64_t ldy, int64_t n0);
+#endif
+#endif
