@@ -255,11 +255,12 @@ class PackedDecoder:
 
     def prefill_hidden(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         """The final residual streams (S, L, D) fp32 of tokens (S,) written from `position`
-        through the C layers, exact, the cache written as prefill_logits writes it: what
-        /v1/embeddings pools (serve/embeddings.py)."""
+        through the C layers, exact, the cache written as prefill_logits writes it (a prompt's
+        chunks: Q8_0 in AMX tiles where the CPU has them): what /v1/embeddings pools
+        (serve/embeddings.py)."""
         L, D = self.cfg.num_lanes, self.cfg.hidden_size
         with self._live_slots(position + tokens.numel()):
-            rows = self._native_rows(tokens.view(-1), position)
+            rows = self._native_rows(tokens.view(-1), position, prompt=True)
             return torch.cat([h.reshape(-1, L, D).clone() for h in rows])
 
     @contextlib.contextmanager
