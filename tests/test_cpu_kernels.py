@@ -175,7 +175,7 @@ NO_TILES = {**os.environ, "EXPRESSLANE_AMX": "0"}
 @needs_amx
 def test_tiles_and_dot_products_close_and_int8_the_same_bits(tmp_path):
     """Where AMX runs the bf16 and int8 products, and Q8_0's for a prompt's chunks (csrc/
-    cpu_amx.c, cpu_amx_q8.c), EXPRESSLANE_AMX=0 gives the dot-product kernels back. bf16 and a
+    cpu_amx.c, cpu_amx_blocks.c), EXPRESSLANE_AMX=0 gives the dot-product kernels back. bf16 and a
     prompt's Q8_0: both near the reference, each in its own order of sums, so the bits differ
     somewhere (the switch is real). int8: integer sums, exact in any order, so the very same
     bits; and Q8_0 outside a prompt keeps the vpdpbusd kernel, bits and all. Irregular shapes: 3

@@ -155,7 +155,7 @@ def test_quantized_long_prompts_are_exact_by_default(biases):
 
 def test_q8_0_prompts_near_the_forward_and_a_decodes_bits_only_without_tiles():
     """Q8_0 weights: a prompt's chunk through the step runs in AMX tiles where the CPU has them
-    (csrc/cpu_amx_q8.c, EL_PROMPT): its logits and cache as near the fp32 forward's as the
+    (csrc/cpu_amx_blocks.c, EL_PROMPT): its logits and cache as near the fp32 forward's as the
     vpdpbusd kernel's; the cache is the bits of the same tokens decoded one at a time (that
     kernel's, which decode steps keep) only where there are no tiles."""
     from expresslane.step.native import FEATURES, HAS_AMX
@@ -171,7 +171,7 @@ def test_q8_0_prompts_near_the_forward_and_a_decodes_bits_only_without_tiles():
     torch.testing.assert_close(la, lb, rtol=1e-3, atol=1e-3)
     same_cache(a.cache, b.cache, tol=1e-3)
     c, _ = engines(model)
-    for i, t in enumerate(ids):  # one token a call: below AMX_Q8_PROMPT_MIN, the decode kernel
+    for i, t in enumerate(ids):  # one token a call: below prompt_min, the decode kernel
         c._prefill.step.prefill_logits(torch.tensor([t]), i)
     c.cache.advance(len(ids))
     held = a.cache.pos[0] >= 0
@@ -240,6 +240,16 @@ def test_prefill_dtype_int8_is_the_forward_with_each_products_input_rounded_per_
     assert not torch.equal(exact.prefill(ids).float().view(-1), la)  # 8 bits, not 16
 
 
+def test_the_main_format_is_the_one_holding_most_of_the_layers_bytes():
+    model = tiny.laneformer(seed=3, **MODELS["llama"])
+    weights = pack_model(model, "q8_0")
+    assert weights.layers_format == "q8_0"
+    w2 = weights.layers[0].w2
+    weights.layers[0].w2 = type(w2)("q4_1", *w2.parts)  # one matrix of another name: not main
+    assert weights.layers_format == "q8_0"
+    weights.layers[0].w2 = w2
+
+
 def test_products_follow_the_request_and_the_weights_formats():
     """bf16 products only when asked for, where every format is quantized, bf16 or fp16 (not
     fp32) and the CPU has bf16 dot products; an unknown prefill_dtype is refused by name."""
@@ -248,7 +258,8 @@ def test_products_follow_the_request_and_the_weights_formats():
     from expresslane.errors import RequestError
 
     def products(*formats, dtype=torch.bfloat16):
-        step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
+        weights = SimpleNamespace(formats=set(formats), layers_format=formats[0])
+        step = SimpleNamespace(weights=weights, cache=None)
         return StepPrefill(None, step, products=dtype).products
 
     bf16 = torch.bfloat16 if available("bfloat16") else None
@@ -264,25 +275,29 @@ def test_products_follow_the_request_and_the_weights_formats():
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
 def test_the_bound_follows_the_products_and_the_weights_formats(monkeypatch, vendor):
     """The measured crossings (step/prefill.py STEP_PREFILL_MAX, Intel's entries over it on an
-    Intel CPU): by the products and each format, a mix taking its smallest."""
+    Intel CPU): by the products and each format, a mix taking its smallest, or with AMX tiles
+    its main format's (the first listed here)."""
     from types import SimpleNamespace
 
     from expresslane.step import prefill
 
     monkeypatch.setattr(prefill, "cpu_info", lambda field: vendor)
-    table = prefill.step_prefill_max(vendor, bool(prefill.FEATURES & prefill.HAS_AMX))
+    amx = bool(prefill.FEATURES & prefill.HAS_AMX)
+    table = prefill.step_prefill_max(vendor, amx)
 
     def bound(*formats, dtype=torch.float32, lowp=frozenset()):
-        step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
+        weights = SimpleNamespace(formats=set(formats), layers_format=formats[0])
+        step = SimpleNamespace(weights=weights, cache=None)
         return StepPrefill(None, step, products=dtype, lowp=lowp).max_tokens
 
     def want(key, *formats):
-        return min(table[key].get(f, table[key][None]) for f in formats)
+        return min(table[key].get(f, table[key][None]) for f in (formats[:1] if amx else formats))
 
     fp32 = table[None]
-    for formats in [("float32",), ("q8_0",), ("q4_k",), ("q6_k",), ("q4_k", "q8_0")]:
+    for formats in [("float32",), ("q8_0",), ("q4_k",), ("q6_k",), ("q4_k", "q8_0"),
+                    ("q4_k", "q6_k"), ("q6_k", "q4_k")]:  # fmt: skip
         assert bound(*formats) == want(None, *formats), formats
-    assert bound("float32") == fp32["float32"] < bound("q4_k") == fp32[None]
+    assert bound("float32") == fp32["float32"] < bound("q4_k") == fp32.get("q4_k", fp32[None])
     if available("bfloat16"):
         assert bound("q4_k", dtype=torch.bfloat16) == want(torch.bfloat16, "q4_k") < bound("q4_k")
         assert bound("q8_0", dtype=torch.bfloat16) == want(torch.bfloat16, "q8_0")
@@ -336,7 +351,8 @@ def test_which_steps_take_x_at_llama_cpps_precision(dtype):
     from types import SimpleNamespace
 
     def lowp(*formats):
-        step = SimpleNamespace(weights=SimpleNamespace(formats=set(formats)), cache=None)
+        weights = SimpleNamespace(formats=set(formats), layers_format=formats[0])
+        step = SimpleNamespace(weights=weights, cache=None)
         return StepPrefill(None, step, lowp=LOWP_BY_DTYPE[dtype]).lowp
 
     blocks, bf16 = available("q8_0"), available("bfloat16")

@@ -21,10 +21,11 @@
    those kernels (a bf16 verify of 6 rows cost 2.32 plain steps on the Xeon); here they ride the
    same stream (1.26-1.31; BENCHMARKS.md, "bf16 and int8 products in AMX tiles").
 
-   Q8_0 only for a prompt's chunks (cpu_amx_q8.c): its blocks of 32 values each need their
-   integer dot apart, scaled by their own d, and a tile product per block, stored and scaled,
-   made a plain step's products 1.5-1.7x slower than the vpdpbusd kernel's (measured: same
-   section), while a chunk of 40 tokens took 0.43x its time. */
+   Q8_0 and the nibble formats with a scale per 32 values only for a prompt's chunks
+   (cpu_amx_blocks.c): their blocks of 32 values each need their integer dot apart, scaled by
+   their own d, and a tile product per block, stored and scaled, made a plain Q8_0 step's
+   products 1.5-1.7x slower than the vpdpbusd kernel's (measured: same section), while a chunk of
+   40 tokens took 0.43x its time. */
 
 #include <stdlib.h>
 #include <string.h>
@@ -49,8 +50,9 @@ int el_amx_usable(void) {
 /* bf16: tiles 0-2 the blocks' sums, 16 rows x Tw fp32; 3: 16 weight rows x 32 values; 4, 5: x's
    hi and lo pairs of one block, 16 pairs x Tw. int8: tiles 0-5 the blocks' hi and lo sums, 16
    rows x Tw int32; 6: 16 weight rows x 64 values; 7: x's hi quads of one block, and its lo
-   quads in a free tile (2 for one block, 4 for two) or in 7 again (three). Q8_0 (cpu_amx_q8.c)
-   as int8 but a block of 32 values: 16 x 32 bytes of weights, 8 words of x, lo in 4 or 7. */
+   quads in a free tile (2 for one block, 4 for two) or in 7 again (three). Q8_0 and the nibble
+   formats (cpu_amx_blocks.c) as int8 but a block of 32 values: 16 x 32 bytes of weights, 8
+   words of x, lo in 4 or 7. */
 T_AMX static void configure(int fmt, int Tw, int nb) {
     tilecfg_t c;
     memset(&c, 0, sizeof c);
@@ -182,6 +184,23 @@ T_AMX static void pack_i8(const uint8_t *a, const uint8_t *b, int64_t Kw, int Tw
     }
 }
 
+/* a nibble format's x (el_split_x's: per vector its a and b parts, each Kp / 2 bytes of the
+   low-nibble places then Kp / 2 of the high ones) as pack_i8 takes x: block j's 32 values as
+   the weights' bytes lie (cpu_nibble.c's decode), its 16 low-nibble places, then its 16 high */
+T_AMX static void pack_nibble(const xparts_t *P, int64_t v, int64_t Kw, int Tw, int t,
+                              uint32_t *hi, uint32_t *lo) {
+    int8_t a[AMX_Q8_BLOCKS * 32], b[AMX_Q8_BLOCKS * 32];
+    if (P) {
+        const int64_t Kp = P->Kp;
+        const char *pa = P->a + v * Kp * 2, *pb = P->b + v * Kp * 2;
+        for (int64_t j = 0; j < Kw / 32; j++) {
+            memcpy(a + 32 * j, pa + 16 * j, 16), memcpy(a + 32 * j + 16, pa + Kp / 2 + 16 * j, 16);
+            memcpy(b + 32 * j, pb + 16 * j, 16), memcpy(b + 32 * j + 16, pb + Kp / 2 + 16 * j, 16);
+        }
+    }
+    pack_i8(P ? (const uint8_t *)a : NULL, P ? (const uint8_t *)b : NULL, Kw, Tw, t, hi, lo, 0);
+}
+
 /* Up to 16 tokens a block; 17-40 in 2-3 blocks of one width, the last padded with zero tokens
    (a tile product's width is its configuration's). */
 INLINE void blocks_of(int64_t S, int64_t *nb, int64_t *Tw) {
@@ -244,11 +263,18 @@ T_AMX INLINE void put_i8(const int32_t *c, const qmat_t *w, const float *sx, int
     else                \
         CALL(3)
 
+/* the fewest tokens of a prompt's chunk whose blocks go in tiles: below, the vpdpbusd kernels
+   were faster (SmolLM2's shapes, 1 thread: Q8_0 from 8 tokens, Q4_0 and IQ4_XS from 16, Q4_K,
+   whose 16 rows are decoded with their mins, from 24) */
+static int64_t prompt_min(int fmt) {
+    return fmt == FMT_Q8_0 ? 8 : el_nibble_center(fmt) ? 16 : 24;
+}
+
 int el_amx_takes(int fmt, int64_t K, int64_t S, int flags) {
     if (!(el_features() & HAS_AMX)) return 0;
     return fmt == FMT_BF16 || fmt == FMT_I8 ||
-           (fmt == FMT_Q8_0 && flags == EL_PROMPT && S >= AMX_Q8_PROMPT_MIN && K % 32 == 0 &&
-            K <= 32 * AMX_Q8_BLOCKS);
+           ((fmt == FMT_Q8_0 || el_nibble_tiles(fmt)) && flags == EL_PROMPT &&
+            S >= prompt_min(fmt) && K % 32 == 0 && K <= 32 * AMX_Q8_BLOCKS);
 }
 
 /* el_matmul for bf16, int8 and Q8_0 weights, S <= 40 (the caller splits longer runs) */
@@ -257,7 +283,8 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
     const int fmt = (int)w->fmt, bf16 = fmt == FMT_BF16;
     int64_t nb, Tw;
     blocks_of(S, &nb, &Tw);
-    if (nb > AMX_BLOCKS || (fmt != FMT_BF16 && fmt != FMT_I8 && (fmt != FMT_Q8_0 || lowp)))
+    const int nib = el_nibble_tiles(fmt);
+    if (nb > AMX_BLOCKS || (fmt != FMT_BF16 && fmt != FMT_I8 && ((fmt != FMT_Q8_0 && !nib) || lowp)))
         return -2;
     /* bytes of a block's plane: a 32-bit word per 2 values (bf16) or 4 (int8) per token */
     const int64_t Kw = (K + 127) / 128 * 128, PB = Kw / (bf16 ? 2 : 4) * Tw * 4;
@@ -278,6 +305,8 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
             const int64_t s = b * Tw + t, v = s * L + l;
             if (bf16)
                 pack_bf16(s < S ? x + v * K : NULL, K, Kw, (int)Tw, t, hi, lo);
+            else if (nib)
+                pack_nibble(s < S ? &P : NULL, v, Kw, (int)Tw, t, hi, lo);
             else
                 pack_i8(s < S ? (const uint8_t *)P.a + v * Kw * 2 : NULL,
                         s < S ? (const uint8_t *)P.b + v * Kw * 2 : NULL, Kw, (int)Tw, t, hi, lo,
@@ -287,7 +316,8 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
     const int64_t per_lane = (N + 15) / 16, tiles = L * per_lane;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        configure(fmt, (int)Tw, (int)nb);
+        configure(nib ? FMT_Q8_0 : fmt, (int)Tw, (int)nb);
+        char *mine = nib ? aligned_alloc(64, (size_t)(AMX_NIBBLE_WORK(K, S) + 63) / 64 * 64) : NULL;
         union {
             float f[AMX_BLOCKS * 16 * AMX_TOKENS];
             int32_t i[2 * AMX_BLOCKS * 16 * AMX_TOKENS];
@@ -304,6 +334,9 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
                 BY_NB(nb, TILES_BF16);
 #undef TILES_BF16
                 put_bf16(c.f, S, Tw, rows, y, L, l, ldy, n0);
+            } else if (nib) {
+                el_amx_nibble_tile(w, l * N + n0, K, rows, &P, xl, PB, (int)Tw, (int)nb, S, L,
+                                   l, y, ldy, n0, mine);
             } else if (fmt == FMT_Q8_0) {
                 const char *wt = (const char *)w->data + (l * N + n0) * K;
                 el_amx_q8_0_tile(w, wt, K, rows, l * N + n0, xl, PB, (int)Tw, (int)nb, P.sx, S,
@@ -317,6 +350,7 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
             }
         }
         _tile_release();
+        free(mine);
     }
     free(own);
     return 0;

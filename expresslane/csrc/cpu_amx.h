@@ -1,4 +1,5 @@
-/* What the AMX tile kernels share (cpu_amx.c: the driver, bf16 and int8; cpu_amx_q8.c: Q8_0):
+/* What the AMX tile kernels share (cpu_amx.c: the driver, bf16 and int8; cpu_amx_blocks.c:
+   Q8_0 and the nibble formats' blocks of 32, a prompt's chunks):
    the target attribute, the tile configuration record, the weight tile loader and the
    prefetch of the next tile. EL_AMX where the compiler knows the AMX intrinsics. */
 #ifndef EXPRESSLANE_CPU_AMX_H
@@ -17,9 +18,6 @@
 #define AMX_TOKENS 16 /* a tile's rows of 64 bytes: at most 16 tokens a block */
 #define AMX_BLOCKS 3  /* blocks of one call: 40 tokens (cpu_matmul.c's bound) in 3 */
 #define AMX_Q8_BLOCKS 512 /* Q8_0: a tile's scales on the stack, rows of K <= 16,384 */
-/* Q8_0 in tiles from this many tokens of a prompt's chunk (its last, shorter one below: the
-   vpdpbusd kernel, which a tile product per block overtakes at about 6 tokens) */
-#define AMX_Q8_PROMPT_MIN 8
 
 typedef struct __attribute__((packed)) {
     uint8_t palette, start_row, reserved[14];
@@ -46,11 +44,17 @@ INLINE const char *weight_tile(const char *w, int64_t rb, int rows, int64_t at, 
     for (int i_ = 0; i_ < (lines); i_++)                                                      \
     _mm_prefetch((w) + 16 * (rb) + ((kb) * (lines) + i_) * 64, _MM_HINT_T1)
 
-/* Q8_0 (cpu_amx_q8.c): one tile of `rows` <= 16 rows (w: its first; row g of the matrix) for
-   nb blocks of Tw tokens, x's words at xl (each block a signed hi then an unsigned lo plane of
-   PB bytes) and scales sx (vector s L + l); y as el_matmul's */
+/* cpu_amx_blocks.c, Q8_0: one tile of `rows` <= 16 rows (w: its first; row g of the matrix)
+   for nb blocks of Tw tokens, x's words at xl (each block a signed hi then an unsigned lo plane
+   of PB bytes) and scales sx (vector s L + l); y as el_matmul's */
 void el_amx_q8_0_tile(const qmat_t *m, const char *w, int64_t K, int rows, int64_t g,
                       const char *xl, int64_t PB, int Tw, int nb, const float *sx, int64_t S,
                       int64_t L, int64_t l, float *y, int64_t ldy, int64_t n0);
+/* the same for a nibble format (el_nibble_tiles), x's words from its nibble order (P: its
+   scales and block sums), work: AMX_NIBBLE_WORK(K, S) bytes of the calling thread's */
+#define AMX_NIBBLE_WORK(K, S) (16 * (K) + 2 * 16 * ((K) / 32) * 4 + 16 * (S) * 4 + 64)
+void el_amx_nibble_tile(const qmat_t *m, int64_t g, int64_t K, int rows, const xparts_t *P,
+                        const char *xl, int64_t PB, int Tw, int nb, int64_t S, int64_t L,
+                        int64_t l, float *y, int64_t ldy, int64_t n0, char *work);
 #endif
 #endif

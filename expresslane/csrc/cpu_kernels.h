@@ -209,6 +209,15 @@ typedef struct {
     }
 
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1);
+/* for a prompt's chunk in AMX tiles (cpu_amx_blocks.c), the nibble formats with a scale per
+   32 values (not IS_SWAPPED's): 16 rows' values less their centre, a signed byte each, block by
+   block in x's nibble order, and their blocks' scales; and the min coefficients of those without
+   a centre, block-major (cpu_nibble.c) */
+int el_nibble_tiles(int fmt);
+int el_nibble_center(int fmt);
+void el_nibble_decode_tile(const qmat_t *w, int64_t r0, int rows, int64_t K, int8_t *q,
+                           float *sc);
+void el_nibble_tile_mins(const qmat_t *w, int64_t r0, int rows, int64_t K, float *mt);
 
 /* cpu_amx.c: may this process use AMX tiles (asks Linux once)? el_matmul's bf16 and int8
    products there for S <= 40 tokens, Q8_0's for a prompt's chunks (EL_PROMPT), and the scratch
@@ -234,8 +243,9 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K);
 /* el_matmul's and el_layer's last argument, `lowp`, is a word of flags: EL_LOWP, x at
    llama.cpp's precision (above); EL_PROMPT, the tokens are a prompt's chunk, whose bits need not
-   be a decode step's: there Q8_0 runs in AMX tiles (cpu_amx_q8.c), its sums in another order
-   than the vpdpbusd kernel's, as the layers' GEMMs take longer prompts in theirs. */
+   be a decode step's: there Q8_0 and the nibble formats with a scale per 32 values run in AMX
+   tiles (cpu_amx_blocks.c), their sums in another order than the vpdpbusd kernels', as the
+   layers' GEMMs take longer prompts in theirs. */
 #define EL_LOWP 1
 #define EL_PROMPT 2
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,

@@ -198,6 +198,85 @@ void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
     switch ((int)sp->w->fmt) { NIBBLE_FORMATS(SPAN_CASE) }
 #undef SPAN_CASE
 }
+
+/* ---- for AMX tiles (cpu_amx_blocks.c): a prompt's chunk, a scale per 32 values ---------- */
+
+/* 16 rows from r0 (`rows` of them, the rest zeros) as their values q less the format's centre
+   c (el_nibble_center), one signed byte each, block by block in x's nibble order (a block's 16
+   low-nibble values, then its 16 high ones), to q (rows of K bytes), and each block's scale d_b
+   (the kernels' dv) to sc (rows of K / 32) */
+T_VNNI INLINE void decode_tile(const int FMT, const qmat_t *w, int64_t r0, int rows, int64_t K,
+                               int8_t *q, float *sc) {
+    const __m512i c = _mm512_set1_epi8((char)el_nibble_center(FMT));
+    const int64_t nb = K / 32, rb = el_row_bytes(FMT, K);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    memset(q + rows * K, 0, (size_t)((16 - rows) * K));
+    memset(sc + rows * nb, 0, sizeof(float) * (size_t)((16 - rows) * nb));
+    for (int i = 0; i < rows; i++) {
+        const wrow_t wr = wrow(FMT, w, r0 + i, K, (const char *)w->data + (r0 + i) * rb);
+        for (int64_t g = 0; g * 4 < nb; g++) {
+            const int64_t n = nb - g * 4 < 4 ? nb - g * 4 : 4;
+            const group_t G = load_group(FMT, wr.q, wr.d, wr.high, wr.sub, g, n);
+            const __m512i lo = _mm512_sub_epi8(G.lo, c), hi = _mm512_sub_epi8(G.hi, c);
+            const __mmask64 m = n >= 2 ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1;
+            int8_t *o = q + i * K + g * 128;
+            _mm512_mask_storeu_epi8(o, m, _mm512_permutex2var_epi64(lo, first, hi));
+            if (n > 2)
+                _mm512_mask_storeu_epi8(o + 64, n == 4 ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1,
+                                        _mm512_permutex2var_epi64(lo, second, hi));
+            _mm512_mask_compressstoreu_ps(sc + i * nb + g * 4, (__mmask16)(0x1111 & ((1u << (4 * n)) - 1)),
+                                          G.dv);
+        }
+    }
+}
+
+/* the formats without a centre (mins of their own): each block's min coefficient m_b, the
+   row's offset being sum_b m_b (sum of x over block b), for `rows` rows from r0, block-major
+   (mt[b 16 + i]; zeros past the last row): Q4_1, Q5_1 an f16 m per block, Q4_K, Q5_K
+   - dmin m_j (offset_lanes' terms) */
+T_VNNI INLINE void tile_mins(const int FMT, const qmat_t *w, int64_t r0, int rows, int64_t K,
+                             float *mt) {
+    const int64_t nb = K / 32, rb = el_row_bytes(FMT, K);
+    memset(mt, 0, sizeof(float) * (size_t)(16 * nb));
+    for (int i = 0; i < rows; i++) {
+        const wrow_t wr = wrow(FMT, w, r0 + i, K, (const char *)w->data + (r0 + i) * rb);
+        for (int64_t b = 0; b < nb; b++)
+            mt[b * 16 + i] = FMT == FMT_Q4_K || FMT == FMT_Q5_K
+                                 ? -_cvtsh_ss(wr.mn[b / 8]) *
+                                       (float)((const uint8_t *)wr.sub)[(b / 8) * 16 + 8 + b % 8]
+                                 : _cvtsh_ss(wr.mn[b]);
+    }
+}
+
+int el_nibble_tiles(int fmt) { return IS_NIBBLE(fmt) && !IS_SWAPPED(fmt); }
+
+/* c where a format's offset is - c d_b (sum of x over block b) with the block's own scale
+   d_b (offset_lanes' k), so that the tiles take q - c as signed bytes and need no offset; 0
+   where it has mins of its own (Q4_1, Q5_1, Q4_K, Q5_K: q < 32, signed bytes too) */
+int el_nibble_center(int fmt) {
+    return fmt == FMT_Q4_0 ? 8 : fmt == FMT_Q5_0 ? 16 : fmt == FMT_Q1_0 ? 1
+           : IS_GRID(fmt) ? 128 : 0;
+}
+
+T_VNNI void el_nibble_decode_tile(const qmat_t *w, int64_t r0, int rows, int64_t K, int8_t *q,
+                                  float *sc) {
+#define DECODE_CASE(F) \
+    case FMT_##F: decode_tile(FMT_##F, w, r0, rows, K, q, sc); break;
+    switch ((int)w->fmt) { NIBBLE_FORMATS(DECODE_CASE) }
+#undef DECODE_CASE
+}
+
+T_VNNI void el_nibble_tile_mins(const qmat_t *w, int64_t r0, int rows, int64_t K, float *mt) {
+    switch ((int)w->fmt) {
+    case FMT_Q4_1: tile_mins(FMT_Q4_1, w, r0, rows, K, mt); break;
+    case FMT_Q5_1: tile_mins(FMT_Q5_1, w, r0, rows, K, mt); break;
+    case FMT_Q4_K: tile_mins(FMT_Q4_K, w, r0, rows, K, mt); break;
+    case FMT_Q5_K: tile_mins(FMT_Q5_K, w, r0, rows, K, mt); break;
+    }
+}
 #else
 void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) { (void)sp, (void)r0, (void)r1; }
+int el_nibble_tiles(int fmt) { (void)fmt; return 0; }
+int el_nibble_center(int fmt) { (void)fmt; return 0; }
 #endif

@@ -83,11 +83,28 @@ INTEL_STEP_PREFILL_MAX = {
 # exact integer sums) crossed the fp32 layers between 1,000 and 1,500 tokens (746 against 924 ms
 # at 1,000, 1,439 against 1,472 at 1,500, 2,402 against 2,085 at 2,000; the step's attention
 # grows with the square) and the bf16 layers at 384 (198 against 207 ms; 123 against 164 at 256).
-# Q8_0's prompt chunks in tiles (csrc/cpu_amx_q8.c, exact x) crossed the fp32 layers at 768 (660
+# Q8_0's prompt chunks in tiles (csrc/cpu_amx_blocks.c, exact x) crossed the fp32 layers at 768 (660
 # against 667 ms; 178 against 234 at 256, where the vpdpbusd step took 340) and the bf16 layers
-# at 128 (91 against 96 ms).
+# at 128 (91 against 96 ms). The nibble formats with a scale per 32 values take a prompt's chunks
+# in tiles too (csrc/cpu_amx_blocks.c, their values decoded 16 rows at a time). With tiles a mix
+# takes its main format's entry (PackedWeights.layers_format), not its smallest: Q4_K_M's Q6_K
+# matrices, outside the tiles, held SmolLM2's file (mostly q5_0: 576 is no multiple of 256) at
+# 96 where its step was the faster to 512. The step against the fp32 layers, ms at 256 / 512, by
+# the file's main format: q4_0 213 / 470 against 265 / 527, q5_0 (Q4_K_M) 240 / 504 against
+# 276 / 541, q5_0 (Q5_0) 225 / 454 against 282 / 517, iq4_nl (IQ4_XS) 227 / 489 against 281 /
+# 530; with mins of their own, level from 256: q4_1 259 / 557 against 272 / 557, q5_1 (Q5_K_M)
+# 263 / 560 against 291 / 545 (at 128: 112 and 128 against 168 and 163).
 AMX_STEP_PREFILL_MAX = {
-    None: {"bfloat16": 768, "int8": 1000, "q8_0": 768},
+    None: {
+        "bfloat16": 768,
+        "int8": 1000,
+        "q8_0": 768,
+        "q4_0": 512,
+        "q5_0": 512,
+        "iq4_nl": 512,
+        "q4_1": 256,
+        "q5_1": 256,
+    },  # fmt: skip
     torch.bfloat16: {"int8": 384, "q8_0": 128},
     "lowp": {"bfloat16": 256},
 }
@@ -245,9 +262,11 @@ class StepPrefill:
         takes = fmts & LOWP_FORMATS  # the step's formats that would change
         self.lowp = bool(takes) and takes <= lowp and all(available(f) for f in takes)
         if max_tokens is None:
-            tables = step_prefill_max(cpu_info("vendor_id"), bool(FEATURES & HAS_AMX))
+            amx = bool(FEATURES & HAS_AMX)
+            tables = step_prefill_max(cpu_info("vendor_id"), amx)
             table = tables["lowp" if self.lowp else self.products]
-            max_tokens = min(table.get(f, table[None]) for f in fmts)
+            main = {step.weights.layers_format} if amx else fmts  # AMX_STEP_PREFILL_MAX's note
+            max_tokens = min(table.get(f, table[None]) for f in main)
         self.max_tokens = max_tokens
         # the layers alone (Laneformer.hidden, then the step's head) only where the model's
         # forward is Laneformer's: hidden then finish

@@ -157,6 +157,16 @@ class PackedWeights:
     def formats(self) -> set[str]:
         return {p.fmt for m in [*self.matrices, self.embed] for p in m.pieces}
 
+    @property
+    def layers_format(self) -> str:
+        """The format holding most of the layers' bytes (a GGUF mix's main type: Q4_K_M's q4_k)."""
+        held: dict[str, int] = {}
+        for w in self.layers:
+            for m in (w.wqkv, w.wo, w.w13, w.w2):
+                for p in m.pieces:
+                    held[p.fmt] = held.get(p.fmt, 0) + p.nbytes
+        return max(held, key=held.get)
+
 
 def model_dtype_name(model: Laneformer) -> str:
     dt = model.model.layers[0].attention.wq.weight.dtype

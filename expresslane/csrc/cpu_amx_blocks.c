@@ -1,0 +1,156 @@
+/* Blocks of 32 values with a scale each through AMX-INT8 tiles, for a prompt's chunks
+   (EL_PROMPT): el_matmul_amx's tile of rows for GGUF Q8_0 (int8 values with an f16 scale d
+   each, stored planar: quant.py) and for the nibble formats with a scale per 32 values
+   (cpu_nibble.c decodes 16 rows of them into their unsigned values q, a byte each, block by
+   block in x's nibble order, and each block's scale d_b; the offsets as its kernels add them).
+
+   Each block's integer dot is needed apart, to scale it by its own d. So a tile product here
+   takes one block (16 rows x 32 values) for every token of a tile: x in 16-bit fixed point
+   (cpu_activations.c's two bytes), its hi and lo parts summed exactly into two int32 tiles of
+   16 rows x Tw tokens, then sum = 256 hi + lo (exact: |sum| < 2^28) goes to fp32 and is added to
+   the row's and token's sum with its d:
+
+       acc[r, t] = fma(float(sum), d[r, block], acc[r, t])    block by block, K in order
+       y[t, r]   = fma(acc[r, t], sx[t], off[r, t])          (x's scale; nibbles' offsets)
+
+   Each (row, token) takes the same operations in the same order whatever the tile's width or
+   the other tokens in it. They are not cpu_matmul.c's vpdpbusd kernels' bits, which sum 16
+   lanes per row, so only a prompt's chunks of enough tokens come here (cpu_amx.c's prompt_min)
+   (exact x): decode and verify steps keep those kernels, whose bits they share, and a prompt's
+   cache is then as near the forward's as theirs, not the same bits (as with the layers' GEMMs
+   for longer prompts).
+
+   Why: those kernels' work per token (two dot products and the scaling per 64 bytes of a row)
+   bounds a prompt's chunk; a tile product does 16 rows x 32 values x Tw tokens at once
+   (BENCHMARKS.md, "Q8_0 prompts in AMX tiles": 0.43x the time at 40 tokens, but 1.5-1.7x at
+   one, which is why a decode step stays there). */
+
+#include <stdlib.h>
+
+#include "cpu_amx.h"
+
+#ifdef EL_AMX
+/* Q8_0's 16 rows' block scales as fp32, row-major (sc[r nblk + b]), zeros past the last row */
+T_AMX static void row_scales(const uint16_t *d, int64_t nblk, int rows, float *sc) {
+    for (int r = 0; r < 16; r++)
+        for (int64_t b = 0; b < nblk; b += 16) {
+            const __mmask16 m = r < rows ? MASK(nblk, b) : 0;
+            const __m256i h = _mm256_maskz_loadu_epi16(m, d + r * nblk + b);
+            _mm512_mask_storeu_ps(sc + r * nblk + b, MASK(nblk, b), _mm512_cvtph_ps(h));
+        }
+}
+
+/* one block's sums of token block J into tiles CH and CL, then to memory: the weights signed,
+   x's hi part signed, its lo part unsigned (Q8_0's split) or signed (the nibbles') */
+#define BLOCK_DOTS(J, CH, CL, BL)                                                            \
+    do {                                                                                     \
+        const char *xk = xl + (int64_t)(J) * 2 * PB + kb * 8 * Tw * 4;                         \
+        _tile_zero(CH);                                                                      \
+        _tile_zero(CL);                                                                      \
+        _tile_loadd(7, xk, 4 * Tw);                                                          \
+        _tile_dpbssd(CH, 6, 7);                                                              \
+        _tile_loadd(BL, xk + PB, 4 * Tw);                                                    \
+        if (LO_SIGNED)                                                                       \
+            _tile_dpbssd(CL, 6, BL);                                                         \
+        else                                                                                 \
+            _tile_dpbsud(CL, 6, BL);                                                         \
+        _tile_stored(CH, ci + (J) * 32 * Tw, 4 * Tw);                                        \
+        _tile_stored(CL, ci + (J) * 32 * Tw + 16 * Tw, 4 * Tw);                              \
+    } while (0)
+
+/* one tile of 16 rows (w: its first, rows rs bytes apart; `rows` of them real) with their
+   blocks' scales sc (16 x K / 32) for nb blocks of Tw tokens, x's words at xl (each token block
+   a hi then a lo plane of PB bytes), x's scales sx (vector s L + l), the rows' offsets off (16
+   x S, or NULL); y as el_matmul's */
+T_AMX INLINE void block_tile(const char *w, int64_t rs, int rows, const float *sc, int64_t K,
+                             const char *xl, int64_t PB, int Tw, int nb, const float *sx,
+                             const float *off, int64_t S, int64_t L, int64_t l, float *y,
+                             int64_t ldy, int64_t n0, const int LO_SIGNED) {
+    const int64_t nblk = K / 32;
+    float acc[AMX_BLOCKS * 16 * AMX_TOKENS];
+    int32_t ci[2 * AMX_BLOCKS * 16 * AMX_TOKENS];
+    char buf[16 * 64];
+    int32_t pick[AMX_TOKENS * 16]; /* vector v of a 16 x Tw tile: lane i is row (16 v + i) / Tw */
+    for (int i = 0; i < 16 * Tw; i++) pick[i] = i / Tw;
+    memset(acc, 0, sizeof(float) * (size_t)(nb * 16 * Tw));
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)nblk));
+    for (int64_t kb = 0; kb < nblk; kb++) {
+        PREFETCH_NEXT(w, rs, kb, 8);
+        int64_t stride;
+        _tile_loadd(6, weight_tile(w, rs, rows, kb * 32, 32, buf, &stride), stride);
+        if (nb == 1) {
+            BLOCK_DOTS(0, 0, 1, 4);
+        } else if (nb == 2) {
+            BLOCK_DOTS(0, 0, 1, 4);
+            BLOCK_DOTS(1, 2, 3, 4);
+        } else {
+            BLOCK_DOTS(0, 0, 1, 7);
+            BLOCK_DOTS(1, 2, 3, 7);
+            BLOCK_DOTS(2, 4, 5, 7);
+        }
+        const __m512 d = _mm512_i32gather_ps(at, sc + kb, 4); /* the 16 rows' d */
+        for (int j = 0; j < nb; j++)
+            for (int v = 0; v < Tw; v++) {
+                const int32_t *c = ci + j * 32 * Tw + 16 * v;
+                const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(c), 8),
+                                                   _mm512_loadu_si512(c + 16 * Tw));
+                const __m512 dv =
+                    Tw == 1 ? d : _mm512_permutexvar_ps(_mm512_loadu_si512(pick + 16 * v), d);
+                float *a = acc + (j * Tw + v) * 16;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv,
+                                                    _mm512_loadu_ps(a)));
+            }
+    }
+    const __mmask16 keep = rows == 16 ? (__mmask16)0xFFFF : MASK16(rows);
+    const __m512i col = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(Tw));
+    const __m512i orow = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)S));
+    for (int64_t s = 0; s < S; s++) { /* block s / Tw, its column s % Tw */
+        const __m512 a = _mm512_i32gather_ps(col, acc + (s / Tw) * 16 * Tw + s % Tw, 4);
+        const __m512 o = off ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, orow,
+                                                        off + s, 4)
+                             : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(y + (s * L + l) * ldy + n0, keep,
+                              _mm512_fmadd_ps(a, _mm512_set1_ps(sx[s * L + l]), o));
+    }
+}
+
+T_AMX void el_amx_q8_0_tile(const qmat_t *m, const char *w, int64_t K, int rows, int64_t g,
+                            const char *xl, int64_t PB, int Tw, int nb, const float *sx,
+                            int64_t S, int64_t L, int64_t l, float *y, int64_t ldy, int64_t n0) {
+    float sc[16 * AMX_Q8_BLOCKS];
+    row_scales((const uint16_t *)m->scale + g * (K / 32), K / 32, rows, sc);
+    block_tile(w, K, rows, sc, K, xl, PB, Tw, nb, sx, NULL, S, L, l, y, ldy, n0, 0);
+}
+
+T_AMX void el_amx_nibble_tile(const qmat_t *m, int64_t g, int64_t K, int rows,
+                              const xparts_t *P, const char *xl, int64_t PB, int Tw, int nb,
+                              int64_t S, int64_t L, int64_t l, float *y, int64_t ldy, int64_t n0,
+                              char *work) {
+    int8_t *q = (int8_t *)work; /* 16 rows of K bytes, their scales, offsets, then mins */
+    float *sc = (float *)(work + 16 * K), *off = sc + 16 * (K / 32);
+    const int centred = el_nibble_center((int)m->fmt) != 0;
+    el_nibble_decode_tile(m, g, rows, K, q, sc);
+    if (!centred) { /* mins of their own: off[i S + s] = sum_b m_b (x's sum over block b) */
+        const int64_t nblk = K / 32, Kp = P->Kp;
+        float *mt = off + 16 * S;
+        el_nibble_tile_mins(m, g, rows, K, mt);
+        for (int64_t s = 0; s < S; s++) {
+            const float *xs = P->xs + (s * L + l) * (Kp / 32 + Kp / 16);
+            __m512 o = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nblk; b++)
+                o = _mm512_fmadd_ps(_mm512_loadu_ps(mt + 16 * b), _mm512_set1_ps(xs[b]), o);
+            float lanes[16];
+            _mm512_storeu_ps(lanes, o);
+            for (int i = 0; i < 16; i++) off[i * S + s] = lanes[i];
+        }
+    }
+    block_tile((const char *)q, K, rows, sc, K, xl, PB, Tw, nb, P->sx, centred ? NULL : off, S,
+               L, l, y, ldy, n0, 1);
+}
+#endif
