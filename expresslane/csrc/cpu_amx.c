@@ -284,8 +284,8 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
     int64_t nb, Tw;
     blocks_of(S, &nb, &Tw);
     const int nib = el_nibble_tiles(fmt);
-    if (nb > AMX_BLOCKS || (fmt != FMT_BF16 && fmt != FMT_I8 && ((fmt != FMT_Q8_0 && !nib) || lowp)))
-        return -2;
+    const int blocks = fmt == FMT_Q8_0 || nib;
+    if (nb > AMX_BLOCKS || (fmt != FMT_BF16 && fmt != FMT_I8 && (!blocks || lowp))) return -2;
     /* bytes of a block's plane: a 32-bit word per 2 values (bf16) or 4 (int8) per token */
     const int64_t Kw = (K + 127) / 128 * 128, PB = Kw / (bf16 ? 2 : 4) * Tw * 4;
     void *own = NULL;

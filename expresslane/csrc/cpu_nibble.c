@@ -225,8 +225,8 @@ T_VNNI INLINE void decode_tile(const int FMT, const qmat_t *w, int64_t r0, int r
             if (n > 2)
                 _mm512_mask_storeu_epi8(o + 64, n == 4 ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1,
                                         _mm512_permutex2var_epi64(lo, second, hi));
-            _mm512_mask_compressstoreu_ps(sc + i * nb + g * 4, (__mmask16)(0x1111 & ((1u << (4 * n)) - 1)),
-                                          G.dv);
+            const __mmask16 quarters = (__mmask16)(0x1111 & ((1u << (4 * n)) - 1));
+            _mm512_mask_compressstoreu_ps(sc + i * nb + g * 4, quarters, G.dv);
         }
     }
 }
