@@ -1,8 +1,10 @@
 /* Blocks of 32 values with a scale each through AMX-INT8 tiles, for a prompt's chunks
    (EL_PROMPT): el_matmul_amx's tile of rows for GGUF Q8_0 (int8 values with an f16 scale d
    each, stored planar: quant.py) and for the nibble formats with a scale per 32 values
-   (cpu_nibble.c decodes 16 rows of them into their unsigned values q, a byte each, block by
-   block in x's nibble order, and each block's scale d_b; the offsets as its kernels add them).
+   (cpu_nibble.c decodes 16 rows of them into their values q less the format's centre c, a
+   signed byte each, block by block in x's nibble order, and each block's scale d_b; where the
+   offset is - c d_b sum x, q - c has it, and Q4_1, Q5_1, Q4_K and Q5_K add their mins' offsets
+   from x's block sums, as their kernels do).
 
    Each block's integer dot is needed apart, to scale it by its own d. So a tile product here
    takes one block (16 rows x 32 values) for every token of a tile: x in 16-bit fixed point
@@ -15,15 +17,16 @@
 
    Each (row, token) takes the same operations in the same order whatever the tile's width or
    the other tokens in it. They are not cpu_matmul.c's vpdpbusd kernels' bits, which sum 16
-   lanes per row, so only a prompt's chunks of enough tokens come here (cpu_amx.c's prompt_min)
-   (exact x): decode and verify steps keep those kernels, whose bits they share, and a prompt's
+   lanes per row, so only a prompt's chunks of enough tokens (cpu_amx.c's prompt_min; exact x)
+   come here: decode and verify steps keep those kernels, whose bits they share, and a prompt's
    cache is then as near the forward's as theirs, not the same bits (as with the layers' GEMMs
    for longer prompts).
 
    Why: those kernels' work per token (two dot products and the scaling per 64 bytes of a row)
    bounds a prompt's chunk; a tile product does 16 rows x 32 values x Tw tokens at once
    (BENCHMARKS.md, "Q8_0 prompts in AMX tiles": 0.43x the time at 40 tokens, but 1.5-1.7x at
-   one, which is why a decode step stays there). */
+   one, which is why a decode step stays there; "The nibble formats' prompts in AMX tiles too":
+   0.55x for Q4_0 and IQ4_XS, 0.75x for Q4_K). */
 
 #include <stdlib.h>
 
