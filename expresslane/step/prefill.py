@@ -93,7 +93,9 @@ INTEL_STEP_PREFILL_MAX = {
 # the file's main format: q4_0 213 / 470 against 265 / 527, q5_0 (Q4_K_M) 240 / 504 against
 # 276 / 541, q5_0 (Q5_0) 225 / 454 against 282 / 517, iq4_nl (IQ4_XS) 227 / 489 against 281 /
 # 530; with mins of their own, level from 256: q4_1 259 / 557 against 272 / 557, q5_1 (Q5_K_M)
-# 263 / 560 against 291 / 545 (at 128: 112 and 128 against 168 and 163).
+# 263 / 560 against 291 / 545 (at 128: 112 and 128 against 168 and 163). Against the bf16
+# layers (--prefill-dtype bfloat16) the step crossed at 96-128 on the same files (at 96: 82 / 88
+# / 80 / 94 against 88 / 94 / 89 / 94 ms for Q4_0, Q4_K_M, IQ4_XS, Q4_1; 64 before).
 AMX_STEP_PREFILL_MAX = {
     None: {
         "bfloat16": 768,
@@ -105,7 +107,7 @@ AMX_STEP_PREFILL_MAX = {
         "q4_1": 256,
         "q5_1": 256,
     },  # fmt: skip
-    torch.bfloat16: {"int8": 384, "q8_0": 128},
+    torch.bfloat16: {"int8": 384, "q8_0": 128, "q4_0": 96, "q5_0": 96, "iq4_nl": 96, "q4_1": 96},
     "lowp": {"bfloat16": 256},
 }
 
