@@ -177,7 +177,8 @@ T_AMX static void pack_i8(const uint8_t *a, const uint8_t *b, int64_t Kw, int Tw
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(Tw));
     for (int64_t k = 0; k < Kw; k += 64) {
-        const __m512i va = a ? _mm512_xor_si512(_mm512_loadu_si512(a + k), f) : _mm512_setzero_si512();
+        const __m512i va =
+            a ? _mm512_xor_si512(_mm512_loadu_si512(a + k), f) : _mm512_setzero_si512();
         const __m512i vb = b ? _mm512_loadu_si512(b + k) : _mm512_setzero_si512();
         _mm512_i32scatter_epi32(hi + k / 4 * Tw + t, at, va, 4);
         _mm512_i32scatter_epi32(lo + k / 4 * Tw + t, at, vb, 4);
@@ -277,7 +278,8 @@ int el_amx_takes(int fmt, int64_t K, int64_t S, int flags) {
             S >= prompt_min(fmt) && K % 32 == 0 && K <= 32 * AMX_Q8_BLOCKS);
 }
 
-/* el_matmul for bf16, int8 and Q8_0 weights, S <= 40 (the caller splits longer runs) */
+/* el_matmul for bf16 and int8 weights, and a prompt's Q8_0 and nibble ones, S <= 40 (the caller
+   splits longer runs) */
 T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, int64_t S,
                         int64_t L, int64_t N, int64_t K, int threads, void *work, int lowp) {
     const int fmt = (int)w->fmt, bf16 = fmt == FMT_BF16;
@@ -314,10 +316,13 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
         }
     }
     const int64_t per_lane = (N + 15) / 16, tiles = L * per_lane;
-#pragma omp parallel num_threads(threads) if (threads > 1)
+    int failed = 0; /* a thread without its buffer for the nibbles' decoded rows */
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
         configure(nib ? FMT_Q8_0 : fmt, (int)Tw, (int)nb);
+        /* each thread allocates its own: one buffer for all, split by thread, ran 1.3x slower */
         char *mine = nib ? aligned_alloc(64, (size_t)(AMX_NIBBLE_WORK(K, S) + 63) / 64 * 64) : NULL;
+        failed = nib && !mine;
         union {
             float f[AMX_BLOCKS * 16 * AMX_TOKENS];
             int32_t i[2 * AMX_BLOCKS * 16 * AMX_TOKENS];
@@ -335,6 +340,7 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
 #undef TILES_BF16
                 put_bf16(c.f, S, Tw, rows, y, L, l, ldy, n0);
             } else if (nib) {
+                if (!mine) continue;
                 el_amx_nibble_tile(w, l * N + n0, K, rows, &P, xl, PB, (int)Tw, (int)nb, S, L,
                                    l, y, ldy, n0, mine);
             } else if (fmt == FMT_Q8_0) {
@@ -353,7 +359,7 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
         free(mine);
     }
     free(own);
-    return 0;
+    return failed ? -3 : 0;
 }
 #else
 int el_amx_usable(void) { return 0; }

@@ -220,8 +220,8 @@ void el_nibble_decode_tile(const qmat_t *w, int64_t r0, int rows, int64_t K, int
 void el_nibble_tile_mins(const qmat_t *w, int64_t r0, int rows, int64_t K, float *mt);
 
 /* cpu_amx.c: may this process use AMX tiles (asks Linux once)? el_matmul's bf16 and int8
-   products there for S <= 40 tokens, Q8_0's for a prompt's chunks (EL_PROMPT), and the scratch
-   they need (el_matmul_scratch covers it) */
+   products there for S <= 40 tokens, Q8_0's and the nibble formats' (el_nibble_tiles) for a
+   prompt's chunks (EL_PROMPT), and the scratch they need (el_matmul_scratch covers it) */
 int el_amx_usable(void);
 /* does el_matmul_amx take this product (the format, K, S tokens, the EL_* flags) on this CPU? */
 int el_amx_takes(int fmt, int64_t K, int64_t S, int flags);

@@ -219,11 +219,12 @@ T_VNNI INLINE void decode_tile(const int FMT, const qmat_t *w, int64_t r0, int r
             const int64_t n = nb - g * 4 < 4 ? nb - g * 4 : 4;
             const group_t G = load_group(FMT, wr.q, wr.d, wr.high, wr.sub, g, n);
             const __m512i lo = _mm512_sub_epi8(G.lo, c), hi = _mm512_sub_epi8(G.hi, c);
-            const __mmask64 m = n >= 2 ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1;
+            const __mmask64 all = ~(__mmask64)0, half = ((__mmask64)1 << 32) - 1; /* 2, 1 block */
             int8_t *o = q + i * K + g * 128;
-            _mm512_mask_storeu_epi8(o, m, _mm512_permutex2var_epi64(lo, first, hi));
+            _mm512_mask_storeu_epi8(o, n >= 2 ? all : half,
+                                    _mm512_permutex2var_epi64(lo, first, hi));
             if (n > 2)
-                _mm512_mask_storeu_epi8(o + 64, n == 4 ? ~(__mmask64)0 : ((__mmask64)1 << 32) - 1,
+                _mm512_mask_storeu_epi8(o + 64, n == 4 ? all : half,
                                         _mm512_permutex2var_epi64(lo, second, hi));
             const __mmask16 quarters = (__mmask16)(0x1111 & ((1u << (4 * n)) - 1));
             _mm512_mask_compressstoreu_ps(sc + i * nb + g * 4, quarters, G.dv);

@@ -87,7 +87,8 @@ def _matrix(w: QTensor) -> list[int]:
 
 
 # csrc/cpu_kernels.h's flags for a product's or a layer's last argument: x at llama.cpp's
-# precision; a prompt's chunk (Q8_0 then in AMX tiles where the CPU has them, not a decode's bits)
+# precision; a prompt's chunk (Q8_0's and most nibble formats' blocks then in AMX tiles where the
+# CPU has them: not a decode's bits)
 EL_LOWP, EL_PROMPT = 1, 2
 
 

@@ -106,7 +106,7 @@ AMX_STEP_PREFILL_MAX = {
         "iq4_nl": 512,
         "q4_1": 256,
         "q5_1": 256,
-    },  # fmt: skip
+    },
     torch.bfloat16: {"int8": 384, "q8_0": 128, "q4_0": 96, "q5_0": 96, "iq4_nl": 96, "q4_1": 96},
     "lowp": {"bfloat16": 256},
 }

@@ -159,7 +159,8 @@ class PackedWeights:
 
     @property
     def layers_format(self) -> str:
-        """The format holding most of the layers' bytes (a GGUF mix's main type: Q4_K_M's q4_k)."""
+        """The format holding most of the layers' bytes: a GGUF mix's main type (q4_k in most
+        Q4_K_M files; q5_0 in SmolLM2's, whose 576-wide rows K-quants cannot take)."""
         held: dict[str, int] = {}
         for w in self.layers:
             for m in (w.wqkv, w.wo, w.w13, w.w2):
