@@ -162,7 +162,10 @@ def test_cpu_products_bench_times_every_product_and_refuses_bad_counts(capsys):
     assert all(r["ms"] > 0 and r["gops"] > 0 for r in rows)
     assert cpu_products.main([str(model), "--tokens", "1", "--repeats", "1", "--layer", "1"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
-    assert {r["layer"] for r in rows} == {1}
+    assert {r["layer"] for r in rows} == {1} and not any(r["prompt"] for r in rows)
+    assert cpu_products.main([str(model), "--tokens", "2", "--repeats", "1", "--prompt"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert rows and all(r["prompt"] for r in rows)
     assert cpu_products.main([str(model), "--layer", "99"]) == 2  # named, not a traceback
     assert "--layer 99" in capsys.readouterr().err
 

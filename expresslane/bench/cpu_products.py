@@ -9,10 +9,12 @@ kernels' own cost shows best; the VM's neighbours move two-thread figures by mor
 differences measured here.
 
     python -m expresslane.bench.cpu_products [FILE.gguf ...] [--tokens 1 5 40 160]
-        [--threads 1] [--repeats 9] [--layer 0]
+        [--threads 1] [--repeats 9] [--layer 0] [--prompt]
 
 `--layer` picks the layer whose products are timed: llama.cpp's mixes give layers different
-types (its IQ2_XXS file of SmolLM2 keeps layers 0-2's ffn_down in Q2_K).
+types (its IQ2_XXS file of SmolLM2 keeps layers 0-2's ffn_down in Q2_K). `--prompt` times the
+products as a prompt's chunk takes them (csrc/cpu_kernels.h's EL_PROMPT: on a CPU with AMX, Q8_0
+and the nibble formats with a scale per 32 values in tiles, from their least chunk on).
 
 Default file: SmolLM2-135M-Instruct as Q4_0 (llama.cpp's quantizer writes it: gguf/variants.py).
 One table, then one JSON line.
@@ -51,7 +53,7 @@ def matrices(engine, index: int = 0) -> list[tuple[str, object]]:
     return out + [("head", engine.step.weights.head)]
 
 
-def measure(path: str, tokens, repeats: int, layer: int = 0) -> list[dict]:
+def measure(path: str, tokens, repeats: int, layer: int = 0, prompt: bool = False) -> list[dict]:
     from ..engine import Engine
     from ..errors import ConfigError
     from ..step.native import available, native_matmul
@@ -68,9 +70,10 @@ def measure(path: str, tokens, repeats: int, layer: int = 0) -> list[dict]:
         g = torch.Generator().manual_seed(N + K)
         for S in tokens:
             x = torch.randn(S, K, generator=g)
-            s = _best(lambda q=q, x=x: native_matmul(q, x), repeats)
+            s = _best(lambda q=q, x=x: native_matmul(q, x, prompt=prompt), repeats)
             row = dict(file=path.rsplit("/", 1)[-1], layer=layer, matrix=name, fmt=q.fmt, rows=N,
-                       k=K, tokens=S, ms=s * 1e3, gops=2 * N * K * S / s / 1e9)  # fmt: skip
+                       k=K, tokens=S, prompt=prompt, ms=s * 1e3,
+                       gops=2 * N * K * S / s / 1e9)  # fmt: skip
             rows.append(row)
             print(f"{row['file'][:36]:<36} {name:<8} {q.fmt:<6} {N:>6} {K:>5} {S:>5} "
                   f"{row['ms']:9.3f} {row['gops']:8.1f}", flush=True)  # fmt: skip
@@ -80,6 +83,11 @@ def measure(path: str, tokens, repeats: int, layer: int = 0) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = arguments(__doc__, "tokens", TOKENS, repeats=9, threads=1)
     ap.add_argument("--layer", type=int, default=0, help="the layer whose products are timed")
+    ap.add_argument(
+        "--prompt",
+        action="store_true",
+        help="as a prompt's chunk takes them (AMX tiles for the block formats)",
+    )
     args = ap.parse_args(argv)
     paths = files("cpu_products", args, "tokens", ["Q4_0"])
     if paths is None:
@@ -87,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'file':<36} {'matrix':<8} {'fmt':<6} {'rows':>6} {'K':>5} {'S':>5} {'ms':>9} "
           f"{'GOPS':>8}")  # fmt: skip
     rows = measure_all("cpu_products", paths,
-                       lambda f: measure(f, args.tokens, args.repeats, args.layer))  # fmt: skip
+                       lambda f: measure(f, args.tokens, args.repeats, args.layer,
+                                         args.prompt))  # fmt: skip
     if rows is None:
         return 2
     print(json.dumps({"bench": "cpu_products", "threads": args.threads, "rows": rows}))

@@ -265,8 +265,9 @@ T_AMX INLINE void put_i8(const int32_t *c, const qmat_t *w, const float *sx, int
         CALL(3)
 
 /* the fewest tokens of a prompt's chunk whose blocks go in tiles: below, the vpdpbusd kernels
-   were faster (SmolLM2's shapes, 1 thread: Q8_0 from 8 tokens, Q4_0 and IQ4_XS from 16, Q4_K,
-   whose 16 rows are decoded with their mins, from 24) */
+   were faster or level (SmolLM2's shapes, 1 thread: Q8_0 from 8 tokens, Q4_0 and IQ4_XS from 16,
+   the formats with mins, decoded with them, from 24; BENCHMARKS.md, "The nibble formats' prompts
+   in AMX tiles too", `bench.cpu_products --prompt`) */
 static int64_t prompt_min(int fmt) {
     return fmt == FMT_Q8_0 ? 8 : el_nibble_center(fmt) ? 16 : 24;
 }
