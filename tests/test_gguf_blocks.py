@@ -19,8 +19,6 @@ LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")  # blocks o
 CODEBOOKS = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", *CODEBOOKS, "TQ2_0", "TQ1_0")  # of 256
 WIDE = ("NVFP4", "Q1_0")  # blocks of 64 and 128 values
-# a scale per 16 values: a prompt's products stay on the decode kernels (csrc/cpu_amx_blocks.c)
-SCALES_OF_16 = ("Q6_K", "Q3_K", "Q2_K", "TQ2_0", "TQ1_0", "IQ2_XS", "IQ2_S", "IQ1_M", "NVFP4")
 # (N, K): K a multiple of 32 (legacy: partial last groups of 1-3 blocks) or of 256
 SHAPES = (
     {t: [(37, 96), (5, 160), (130, 576), (9, 224), (3, 32)] for t in LEGACY}
@@ -127,8 +125,8 @@ def test_16_bit_products_are_the_product_of_x_rounded_to_its_fixed_point(ggml_ty
     ids=[f"{t}-{s}" for t, s in CASES],
 )  # fmt: skip
 def test_a_prompts_products_are_x_rounded_times_the_weights(ggml_type, shape):
-    """A prompt's chunk (prompt=True: on a CPU with AMX, Q8_0 and the formats with a scale per
-    32 values in tiles, csrc/cpu_amx_blocks.c) to the same bound as the exact step's products;
+    """A prompt's chunk (prompt=True: on a CPU with AMX, Q8_0 and the nibble formats but NVFP4
+    in tiles, csrc/cpu_amx_blocks.c) to the same bound as the exact step's products;
     where the tiles run, the bits are not the decode kernels' (their own order of sums), and a
     chunk of 7 tokens, below their least, is."""
     N, K = shape
@@ -144,7 +142,7 @@ def test_a_prompts_products_are_x_rounded_times_the_weights(ggml_type, shape):
     slack = 10 if ggml_type in ("MXFP4", "NVFP4") else 1  # e2m1 grids: x 2^40 apart in a row
     tol = slack * 1e-5 * (rounded.double().abs() @ w.abs().T) + 1e-6
     assert ((got.double() - ref).abs() <= tol).all()
-    tiles = bool(native.FEATURES & native.HAS_AMX) and ggml_type not in SCALES_OF_16
+    tiles = bool(native.FEATURES & native.HAS_AMX) and ggml_type != "NVFP4"  # f16 scales
     assert torch.equal(got, native.native_matmul(q, x)) == (not tiles)
     assert torch.equal(native.native_matmul(q, x[:7], prompt=True), native.native_matmul(q, x[:7]))
 

@@ -21,8 +21,8 @@
    those kernels (a bf16 verify of 6 rows cost 2.32 plain steps on the Xeon); here they ride the
    same stream (1.26-1.31; BENCHMARKS.md, "bf16 and int8 products in AMX tiles").
 
-   Q8_0 and the nibble formats with a scale per 32 values only for a prompt's chunks
-   (cpu_amx_blocks.c): their blocks of 32 values each need their integer dot apart, scaled by
+   Q8_0 and the nibble formats (but NVFP4, whose 16-value scales are f16) only for a prompt's
+   chunks (cpu_amx_blocks.c): their blocks of 32 values each need their integer dot apart, scaled by
    their own d, and a tile product per block, stored and scaled, made a plain Q8_0 step's
    products 1.5-1.7x slower than the vpdpbusd kernel's (measured: same section), while a chunk of
    40 tokens took 0.43x its time. */
@@ -36,6 +36,10 @@
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+int el_amx_emulated;
+_Thread_local amx_tiles_t el_amx_tiles;
+int el_amx_emulate(void) { return el_amx_emulated = 1; }
 
 /* AMX-BF16, AMX-TILE and AMX-INT8 (CPUID 7.0 EDX bits 22, 24, 25), and Linux's leave to use
    the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: a process asks once) */
@@ -52,18 +56,20 @@ int el_amx_usable(void) {
    rows x Tw int32; 6: 16 weight rows x 64 values; 7: x's hi quads of one block, and its lo
    quads in a free tile (2 for one block, 4 for two) or in 7 again (three). Q8_0 and the nibble
    formats (cpu_amx_blocks.c) as int8 but a block of 32 values: 16 x 32 bytes of weights, 8
-   words of x, lo in 4 or 7. */
+   words of x, lo in 4 or 7. The formats with 16-value scales: tiles 0-2 the sums, 3, 4 the
+   weights' low and high bytes (16 x 64), 5, 6 x's hi and lo quads. */
 T_AMX static void configure(int fmt, int Tw, int nb) {
     tilecfg_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     const int a = fmt == FMT_BF16 ? 3 : 6;
     for (int i = 0; i < 8; i++) c.rows[i] = 16, c.colsb[i] = (uint16_t)(i == a ? 64 : 4 * Tw);
+    if (IS_HALF16(fmt)) c.colsb[3] = c.colsb[4] = 64, c.colsb[6] = (uint16_t)(4 * Tw);
     if (fmt == FMT_Q8_0) { /* a block of 32 values: weights 16 x 32 bytes, x 8 words x Tw */
         c.colsb[6] = 32, c.rows[7] = 8;
         if (nb < 3) c.rows[4] = 8; /* x's lo words (tiles 4, 5 hold sums for three blocks) */
     }
-    _tile_loadconfig(&c);
+    TILE_LOADCONFIG(&c);
 }
 
 /* one tile of bf16 rows (w: its first, `rows` <= 16 of them) for NB blocks of Tw tokens: c gets
@@ -71,30 +77,31 @@ T_AMX static void configure(int fmt, int Tw, int nb) {
 #define DP_BF16(C)                                                                           \
     do {                                                                                     \
         const char *xk = xb + (int64_t)(C) * 2 * PB + kb * 16 * Tw * 4;                        \
-        _tile_loadd(4, xk, 4 * Tw);                                                          \
-        _tile_dpbf16ps(C, 3, 4);                                                             \
+        TILE_LOADD(4, xk, 4 * Tw);                                                          \
+        TILE_DPBF16PS(C, 3, 4);                                                             \
         if (!LOWP) {                                                                         \
-            _tile_loadd(5, xk + PB, 4 * Tw);                                                 \
-            _tile_dpbf16ps(C, 3, 5);                                                         \
+            TILE_LOADD(5, xk + PB, 4 * Tw);                                                 \
+            TILE_DPBF16PS(C, 3, 5);                                                         \
         }                                                                                    \
     } while (0)
 T_AMX INLINE void tile_bf16(const char *w, int64_t K, int rows, const char *xb, int64_t PB,
                             int Tw, float *c, const int NB, const int LOWP) {
     char buf[16 * 64];
-    _tile_zero(0);
-    if (NB > 1) _tile_zero(1);
-    if (NB > 2) _tile_zero(2);
+    TILE_ZERO(0);
+    if (NB > 1) TILE_ZERO(1);
+    if (NB > 2) TILE_ZERO(2);
     for (int64_t kb = 0; kb * 32 < K; kb++) {
         PREFETCH_NEXT(w, 2 * K, kb, 16);
-        int64_t stride;
-        _tile_loadd(3, weight_tile(w, 2 * K, rows, kb * 64, 64, buf, &stride), stride);
+        int64_t stride; /* set by weight_tile, before the load reads it */
+        const char *wt = weight_tile(w, 2 * K, rows, kb * 64, 64, buf, &stride);
+        TILE_LOADD(3, wt, stride);
         DP_BF16(0);
         if (NB > 1) DP_BF16(1);
         if (NB > 2) DP_BF16(2);
     }
-    _tile_stored(0, c, 4 * Tw);
-    if (NB > 1) _tile_stored(1, c + 16 * Tw, 4 * Tw);
-    if (NB > 2) _tile_stored(2, c + 32 * Tw, 4 * Tw);
+    TILE_STORED(0, c, 4 * Tw);
+    if (NB > 1) TILE_STORED(1, c + 16 * Tw, 4 * Tw);
+    if (NB > 2) TILE_STORED(2, c + 32 * Tw, 4 * Tw);
 }
 
 /* the same for int8 rows: for block b, tile 2b the sums of w (a + 128), tile 2b + 1 of w b
@@ -102,28 +109,29 @@ T_AMX INLINE void tile_bf16(const char *w, int64_t K, int rows, const char *xb, 
 #define DP_I8(B, HI, LO, X2) /* tile numbers as literals: the intrinsics paste them into asm */ \
     do {                                                                                     \
         const char *xk = xb + (int64_t)(B) * 2 * PB + kb * 16 * Tw * 4;                        \
-        _tile_loadd(7, xk, 4 * Tw);                                                          \
-        _tile_dpbsud(HI, 6, 7);                                                              \
-        _tile_loadd(X2, xk + PB, 4 * Tw);                                                    \
-        _tile_dpbsud(LO, 6, X2);                                                             \
+        TILE_LOADD(7, xk, 4 * Tw);                                                          \
+        TILE_DPBSUD(HI, 6, 7);                                                              \
+        TILE_LOADD(X2, xk + PB, 4 * Tw);                                                    \
+        TILE_DPBSUD(LO, 6, X2);                                                             \
     } while (0)
 T_AMX INLINE void tile_i8(const char *w, int64_t K, int rows, const char *xb, int64_t PB,
                           int Tw, int32_t *c, const int NB) {
     char buf[16 * 64];
-    _tile_zero(0);
-    _tile_zero(1);
+    TILE_ZERO(0);
+    TILE_ZERO(1);
     if (NB > 1) {
-        _tile_zero(2);
-        _tile_zero(3);
+        TILE_ZERO(2);
+        TILE_ZERO(3);
     }
     if (NB > 2) {
-        _tile_zero(4);
-        _tile_zero(5);
+        TILE_ZERO(4);
+        TILE_ZERO(5);
     }
     for (int64_t kb = 0; kb * 64 < K; kb++) {
         PREFETCH_NEXT(w, K, kb, 16);
-        int64_t stride;
-        _tile_loadd(6, weight_tile(w, K, rows, kb * 64, 64, buf, &stride), stride);
+        int64_t stride; /* set by weight_tile, before the load reads it */
+        const char *wt = weight_tile(w, K, rows, kb * 64, 64, buf, &stride);
+        TILE_LOADD(6, wt, stride);
         /* x's lo part in a tile of its own where one is free (tile 7 again for three blocks:
            its load then waits for the hi part's product) */
         if (NB == 1) DP_I8(0, 0, 1, 2);
@@ -137,15 +145,15 @@ T_AMX INLINE void tile_i8(const char *w, int64_t K, int rows, const char *xb, in
             DP_I8(2, 4, 5, 7);
         }
     }
-    _tile_stored(0, c, 4 * Tw);
-    _tile_stored(1, c + 16 * Tw, 4 * Tw);
+    TILE_STORED(0, c, 4 * Tw);
+    TILE_STORED(1, c + 16 * Tw, 4 * Tw);
     if (NB > 1) {
-        _tile_stored(2, c + 32 * Tw, 4 * Tw);
-        _tile_stored(3, c + 48 * Tw, 4 * Tw);
+        TILE_STORED(2, c + 32 * Tw, 4 * Tw);
+        TILE_STORED(3, c + 48 * Tw, 4 * Tw);
     }
     if (NB > 2) {
-        _tile_stored(4, c + 64 * Tw, 4 * Tw);
-        _tile_stored(5, c + 80 * Tw, 4 * Tw);
+        TILE_STORED(4, c + 64 * Tw, 4 * Tw);
+        TILE_STORED(5, c + 80 * Tw, 4 * Tw);
     }
 }
 
@@ -269,13 +277,13 @@ T_AMX INLINE void put_i8(const int32_t *c, const qmat_t *w, const float *sx, int
    the formats with mins, decoded with them, from 24; BENCHMARKS.md, "The nibble formats' prompts
    in AMX tiles too", `bench.cpu_products --prompt`) */
 static int64_t prompt_min(int fmt) {
-    return fmt == FMT_Q8_0 ? 8 : el_nibble_center(fmt) ? 16 : 24;
+    return fmt == FMT_Q8_0 ? 8 : IS_HALF16(fmt) ? 16 : el_nibble_center(fmt) ? 16 : 24;
 }
 
 int el_amx_takes(int fmt, int64_t K, int64_t S, int flags) {
     if (!(el_features() & HAS_AMX)) return 0;
     return fmt == FMT_BF16 || fmt == FMT_I8 ||
-           ((fmt == FMT_Q8_0 || el_nibble_tiles(fmt)) && flags == EL_PROMPT &&
+           ((fmt == FMT_Q8_0 || el_nibble_tiles(fmt) || IS_HALF16(fmt)) && flags == EL_PROMPT &&
             S >= prompt_min(fmt) && K % 32 == 0 && K <= 32 * AMX_Q8_BLOCKS);
 }
 
@@ -286,8 +294,8 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
     const int fmt = (int)w->fmt, bf16 = fmt == FMT_BF16;
     int64_t nb, Tw;
     blocks_of(S, &nb, &Tw);
-    const int nib = el_nibble_tiles(fmt);
-    const int blocks = fmt == FMT_Q8_0 || nib;
+    const int nib = el_nibble_tiles(fmt), half = IS_HALF16(fmt);
+    const int blocks = fmt == FMT_Q8_0 || nib || half;
     if (nb > AMX_BLOCKS || (fmt != FMT_BF16 && fmt != FMT_I8 && (!blocks || lowp))) return -2;
     /* bytes of a block's plane: a 32-bit word per 2 values (bf16) or 4 (int8) per token */
     const int64_t Kw = (K + 127) / 128 * 128, PB = Kw / (bf16 ? 2 : 4) * Tw * 4;
@@ -308,7 +316,7 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
             const int64_t s = b * Tw + t, v = s * L + l;
             if (bf16)
                 pack_bf16(s < S ? x + v * K : NULL, K, Kw, (int)Tw, t, hi, lo);
-            else if (nib)
+            else if (nib || half)
                 pack_nibble(s < S ? &P : NULL, v, Kw, (int)Tw, t, hi, lo);
             else
                 pack_i8(s < S ? (const uint8_t *)P.a + v * Kw * 2 : NULL,
@@ -322,8 +330,9 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
     {
         configure(nib ? FMT_Q8_0 : fmt, (int)Tw, (int)nb);
         /* each thread allocates its own: one buffer for all, split by thread, ran 1.3x slower */
-        char *mine = nib ? aligned_alloc(64, (size_t)(AMX_NIBBLE_WORK(K, S) + 63) / 64 * 64) : NULL;
-        failed = nib && !mine;
+        const int64_t own = nib ? AMX_NIBBLE_WORK(K, S) : half ? AMX_HALF_WORK(K, S) : 0;
+        char *mine = own ? aligned_alloc(64, (size_t)(own + 63) / 64 * 64) : NULL;
+        failed = own && !mine;
         union {
             float f[AMX_BLOCKS * 16 * AMX_TOKENS];
             int32_t i[2 * AMX_BLOCKS * 16 * AMX_TOKENS];
@@ -340,6 +349,10 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
                 BY_NB(nb, TILES_BF16);
 #undef TILES_BF16
                 put_bf16(c.f, S, Tw, rows, y, L, l, ldy, n0);
+            } else if (half) {
+                if (!mine) continue;
+                el_amx_half_tile(w, l * N + n0, K, rows, &P, xl, PB, (int)Tw, (int)nb, S, L, l,
+                                 y, ldy, n0, mine);
             } else if (nib) {
                 if (!mine) continue;
                 el_amx_nibble_tile(w, l * N + n0, K, rows, &P, xl, PB, (int)Tw, (int)nb, S, L,
@@ -356,7 +369,7 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
                 put_i8(c.i, w, P.sx, S, Tw, rows, y, L, l, ldy, N, n0);
             }
         }
-        _tile_release();
+        TILE_RELEASE();
         free(mine);
     }
     free(own);
@@ -364,6 +377,7 @@ T_AMX int el_matmul_amx(const qmat_t *w, const float *x, float *y, int64_t ldy, 
 }
 #else
 int el_amx_usable(void) { return 0; }
+int el_amx_emulate(void) { return 0; }
 int el_amx_takes(int fmt, int64_t K, int64_t S, int flags) {
     (void)fmt, (void)K, (void)S, (void)flags;
     return 0;

@@ -1,7 +1,8 @@
 /* What the AMX tile kernels share (cpu_amx.c: the driver, bf16 and int8; cpu_amx_blocks.c:
-   Q8_0 and the nibble formats' blocks of 32, a prompt's chunks):
+   Q8_0 and the nibble formats, a prompt's chunks):
    the target attribute, the tile configuration record, the weight tile loader and the
-   prefetch of the next tile. EL_AMX where the compiler knows the AMX intrinsics. */
+   prefetch of the next tile; the tile instructions themselves, or their emulation, come from
+   cpu_amx_emulate.h. EL_AMX where the compiler knows the AMX intrinsics. */
 #ifndef EXPRESSLANE_CPU_AMX_H
 #define EXPRESSLANE_CPU_AMX_H
 #include <stdint.h>
@@ -12,6 +13,7 @@
 
 #if defined(EL_X86) && (defined(__clang__) || __GNUC__ >= 11)
 #define EL_AMX 1
+#include "cpu_amx_emulate.h"
 #define T_AMX                                                                              \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16,amx-tile,"   \
                           "amx-bf16,amx-int8")))
@@ -56,5 +58,10 @@ void el_amx_q8_0_tile(const qmat_t *m, const char *w, int64_t K, int rows, int64
 void el_amx_nibble_tile(const qmat_t *m, int64_t g, int64_t K, int rows, const xparts_t *P,
                         const char *xl, int64_t PB, int Tw, int nb, int64_t S, int64_t L,
                         int64_t l, float *y, int64_t ldy, int64_t n0, char *work);
+/* the same for a format with an int8 scale per 16 values (IS_HALF16), work: AMX_HALF_WORK(K, S) */
+#define AMX_HALF_WORK(K, S) (32 * (K) + 4 * (16 * ((K) / 256) + (K) + 16 * (S)) + 64)
+void el_amx_half_tile(const qmat_t *m, int64_t g, int64_t K, int rows, const xparts_t *P,
+                      const char *xl, int64_t PB, int Tw, int nb, int64_t S, int64_t L, int64_t l,
+                      float *y, int64_t ldy, int64_t n0, char *work);
 #endif
 #endif

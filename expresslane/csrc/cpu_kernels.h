@@ -22,7 +22,8 @@ enum {
     FMT_COUNT
 };
 /* HAS_AMX: AMX-BF16 and AMX-INT8 tiles granted by the OS, and not turned off
-   (EXPRESSLANE_AMX=0): the bf16 and int8 products then run in tiles (cpu_amx.c) */
+   (EXPRESSLANE_AMX=0), or emulated (EXPRESSLANE_AMX=emulate, any CPU with AVX512_BF16): the bf16
+   and int8 products then run in tiles (cpu_amx.c) */
 enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4, HAS_AMX = 8 };
 
 /* The nibble formats: 4 low bits of every value as nibbles (in each 32-value block, byte j holds
@@ -218,11 +219,18 @@ int el_nibble_center(int fmt);
 void el_nibble_decode_tile(const qmat_t *w, int64_t r0, int rows, int64_t K, int8_t *q,
                            float *sc);
 void el_nibble_tile_mins(const qmat_t *w, int64_t r0, int rows, int64_t K, float *mt);
+/* and those with an int8 scale per 16 values (IS_HALF16): 16 rows' w = (q - c) s as low and high
+   bytes, each superblock's d, Q2_K's min coefficients per 16 values (cpu_nibble.c) */
+void el_nibble_decode_half(const qmat_t *w, int64_t r0, int rows, int64_t K, uint8_t *wl,
+                           int8_t *wh, float *dsb, float *mt);
 
 /* cpu_amx.c: may this process use AMX tiles (asks Linux once)? el_matmul's bf16 and int8
-   products there for S <= 40 tokens, Q8_0's and the nibble formats' (el_nibble_tiles) for a
-   prompt's chunks (EL_PROMPT), and the scratch they need (el_matmul_scratch covers it) */
+   products there for S <= 40 tokens, Q8_0's and the nibble formats' (el_nibble_tiles and
+   IS_HALF16) for a prompt's chunks (EL_PROMPT), and the scratch they need (el_matmul_scratch covers it) */
 int el_amx_usable(void);
+/* AMX's tile instructions emulated in C from now on (cpu_amx_emulate.h: tests on CPUs without
+   AMX); 0 where the compiler lacks the AMX intrinsics */
+int el_amx_emulate(void);
 /* does el_matmul_amx take this product (the format, K, S tokens, the EL_* flags) on this CPU? */
 int el_amx_takes(int fmt, int64_t K, int64_t S, int flags);
 int64_t el_amx_scratch(int64_t S, int64_t L, int64_t K);
@@ -243,9 +251,9 @@ int el_dequant(const qmat_t *w, int64_t N, int64_t K, void *out, int bf16, int t
 int64_t el_matmul_scratch(int64_t S, int64_t L, int64_t K);
 /* el_matmul's and el_layer's last argument, `lowp`, is a word of flags: EL_LOWP, x at
    llama.cpp's precision (above); EL_PROMPT, the tokens are a prompt's chunk, whose bits need not
-   be a decode step's: there Q8_0 and the nibble formats with a scale per 32 values run in AMX
-   tiles (cpu_amx_blocks.c), their sums in another order than the vpdpbusd kernels', as the
-   layers' GEMMs take longer prompts in theirs. */
+   be a decode step's: there Q8_0 and the nibble formats but NVFP4 run in AMX tiles
+   (cpu_amx_blocks.c), their sums in another order than the vpdpbusd kernels', as the layers'
+   GEMMs take longer prompts in theirs. */
 #define EL_LOWP 1
 #define EL_PROMPT 2
 int el_matmul(const qmat_t *w, const float *x, float *y, int64_t S, int64_t L, int64_t N,

@@ -199,7 +199,7 @@ void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
 #undef SPAN_CASE
 }
 
-/* ---- for AMX tiles (cpu_amx_blocks.c): a prompt's chunk, a scale per 32 values ---------- */
+/* ---- for AMX tiles (cpu_amx_blocks.c): a prompt's chunk, a scale per 32 values ----------- */
 
 /* 16 rows from r0 (`rows` of them, the rest zeros) as their values q less the format's centre
    c (el_nibble_center), one signed byte each, block by block in x's nibble order (a block's 16
@@ -250,6 +250,79 @@ T_VNNI INLINE void tile_mins(const int FMT, const qmat_t *w, int64_t r0, int row
     }
 }
 
+/* ---- for AMX tiles (cpu_amx_blocks.c): a prompt's chunk, a scale per 16 values ----------- */
+
+/* c where a 16-value format's offset is - c d s_j (offset_lanes' k less f): Q6_K 32, Q3_K 4,
+   the GRID16 codebooks 128; Q2_K 0 (mins of its own) */
+INLINE int half_center(const int FMT) {
+    return FMT == FMT_Q6_K ? 32 : FMT == FMT_Q3_K ? 4 : FMT == FMT_Q2_K ? 0 : 128;
+}
+
+/* (q - c) s for one nibble vector of a group: 64 signed bytes times their 16-value scales, exact
+   in int16 (|q - c| <= 43, |s| <= 128: at most 4,096), as its low bytes (unsigned) and its high
+   ones (signed, w >> 8), so that w = 256 hi + lo */
+T_VNNI INLINE void scaled_bytes(__m512i v, __m512i s, __m512i *lo, __m512i *hi) {
+    __m256i l[2], h[2];
+    for (int i = 0; i < 2; i++) {
+        const __m512i w = _mm512_mullo_epi16(
+            _mm512_cvtepi8_epi16(i ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v)),
+            _mm512_cvtepi8_epi16(i ? _mm512_extracti64x4_epi64(s, 1) : _mm512_castsi512_si256(s)));
+        l[i] = _mm512_cvtepi16_epi8(w); /* truncation: the low byte */
+        h[i] = _mm512_cvtepi16_epi8(_mm512_srai_epi16(w, 8));
+    }
+    *lo = _mm512_inserti64x4(_mm512_castsi256_si512(l[0]), l[1], 1);
+    *hi = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
+}
+
+/* 16 rows from r0 (`rows` of them, the rest zeros) of a format with an int8 scale per 16 values
+   (IS_HALF16) as w = (q - c) s, the superblock's d aside: its low bytes to wl and high bytes to
+   wh (rows of K bytes each), block by block in x's nibble order as decode_tile's; each
+   superblock's d (times the codebooks' f) to dsb (rows of K / 256); Q2_K's min coefficients
+   - dmin m_j, one per 16 values, to mt (16-value group major: mt[j 16 + i], x's half-block
+   sums' order) */
+T_VNNI INLINE void decode_half(const int FMT, const qmat_t *w, int64_t r0, int rows, int64_t K,
+                               uint8_t *wl, int8_t *wh, float *dsb, float *mt) {
+    const __m512i c = _mm512_set1_epi8((char)half_center(FMT));
+    const int64_t nsb = K / 256, rb = el_row_bytes(FMT, K);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    /* lane L of a group's vectors holds block L: its bytes 0-7 take scale 2L, 8-15 scale 2L + 1
+       (the swapped quarters: a byte's two nibbles share a scale) */
+    const __m512i at = _mm512_set_epi64(0x0707070707070707, 0x0606060606060606,
+                                        0x0505050505050505, 0x0404040404040404,
+                                        0x0303030303030303, 0x0202020202020202,
+                                        0x0101010101010101, 0);
+    memset(wl + rows * K, 0, (size_t)((16 - rows) * K));
+    memset(wh + rows * K, 0, (size_t)((16 - rows) * K));
+    memset(dsb + rows * nsb, 0, sizeof(float) * (size_t)((16 - rows) * nsb));
+    if (mt) memset(mt, 0, sizeof(float) * (size_t)(K));
+    for (int i = 0; i < rows; i++) {
+        const wrow_t wr = wrow(FMT, w, r0 + i, K, (const char *)w->data + (r0 + i) * rb);
+        const uint8_t *ms = (const uint8_t *)wr.sub; /* Q2_K: per 16 values, min high */
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            dsb[i * nsb + sb] = _cvtsh_ss(wr.d[sb]) * grid_f(FMT);
+            for (int j = 0; mt && j < 16; j++)
+                mt[(sb * 16 + j) * 16 + i] = -_cvtsh_ss(wr.mn[sb]) * (float)(ms[sb * 16 + j] >> 4);
+        }
+        for (int64_t g = 0; g < K / 128; g++) {
+            const group_t G = load_group(FMT, wr.q, wr.d, wr.high, wr.sub, g, 4);
+            int64_t s8;
+            memcpy(&s8, wr.sub + (g / 2) * 16 + (g % 2) * 8, 8);
+            __m512i s = _mm512_shuffle_epi8(_mm512_set1_epi64(s8), at); /* in its lane */
+            if (FMT == FMT_Q2_K) s = _mm512_and_si512(s, _mm512_set1_epi8(0x0F));
+            __m512i ll, lh, hl, hh;
+            scaled_bytes(_mm512_sub_epi8(G.lo, c), s, &ll, &lh);
+            scaled_bytes(_mm512_sub_epi8(G.hi, c), s, &hl, &hh);
+            uint8_t *ol = wl + i * K + g * 128;
+            int8_t *oh = wh + i * K + g * 128;
+            _mm512_storeu_si512(ol, _mm512_permutex2var_epi64(ll, first, hl));
+            _mm512_storeu_si512(ol + 64, _mm512_permutex2var_epi64(ll, second, hl));
+            _mm512_storeu_si512(oh, _mm512_permutex2var_epi64(lh, first, hh));
+            _mm512_storeu_si512(oh + 64, _mm512_permutex2var_epi64(lh, second, hh));
+        }
+    }
+}
+
 int el_nibble_tiles(int fmt) { return IS_NIBBLE(fmt) && !IS_SWAPPED(fmt); }
 
 /* c where a format's offset is - c d_b (sum of x over block b) with the block's own scale
@@ -266,6 +339,18 @@ T_VNNI void el_nibble_decode_tile(const qmat_t *w, int64_t r0, int rows, int64_t
     case FMT_##F: decode_tile(FMT_##F, w, r0, rows, K, q, sc); break;
     switch ((int)w->fmt) { NIBBLE_FORMATS(DECODE_CASE) }
 #undef DECODE_CASE
+}
+
+T_VNNI void el_nibble_decode_half(const qmat_t *w, int64_t r0, int rows, int64_t K,
+                                 uint8_t *wl, int8_t *wh, float *dsb, float *mt) {
+    switch ((int)w->fmt) {
+    case FMT_Q6_K: decode_half(FMT_Q6_K, w, r0, rows, K, wl, wh, dsb, NULL); break;
+    case FMT_Q3_K: decode_half(FMT_Q3_K, w, r0, rows, K, wl, wh, dsb, NULL); break;
+    case FMT_Q2_K: decode_half(FMT_Q2_K, w, r0, rows, K, wl, wh, dsb, mt); break;
+    case FMT_IQ2_XS: decode_half(FMT_IQ2_XS, w, r0, rows, K, wl, wh, dsb, NULL); break;
+    case FMT_IQ2_S: decode_half(FMT_IQ2_S, w, r0, rows, K, wl, wh, dsb, NULL); break;
+    case FMT_IQ1_M: decode_half(FMT_IQ1_M, w, r0, rows, K, wl, wh, dsb, NULL); break;
+    }
 }
 
 T_VNNI void el_nibble_tile_mins(const qmat_t *w, int64_t r0, int rows, int64_t K, float *mt) {

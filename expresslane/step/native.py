@@ -58,7 +58,8 @@ CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3, "q8_0": 4, "q4_1"
          "q3_k": 14, "q2_k": 15, "iq3_s": 16, "iq3_xxs": 17, "iq2_xxs": 18, "iq1_s": 19,
          "iq2_xs": 20, "iq2_s": 21, "iq1_m": 22, "mxfp4": 23, "nvfp4": 24, "q1_0": 25}  # fmt: skip
 NEEDS = {f: 1 if f in ("float32", "float16") else 2 if f == "bfloat16" else 4 for f in CODES}
-# HAS_AMX: the bf16 and int8 products run in AMX tiles (csrc/cpu_amx.c; EXPRESSLANE_AMX=0: not)
+# HAS_AMX: the bf16 and int8 products run in AMX tiles (csrc/cpu_amx.c; EXPRESSLANE_AMX=0: not;
+# EXPRESSLANE_AMX=emulate: their instructions in C, csrc/cpu_amx_emulate.h, for tests)
 HAS_AMX = 8
 # EXPRESSLANE_CPU_KERNELS=0 turns the C kernels off (the compiled Python step then runs): to
 # compare the two, or to rule the extension out when something looks wrong.
