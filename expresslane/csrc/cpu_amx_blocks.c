@@ -62,17 +62,24 @@ T_AMX static void row_scales(const uint16_t *d, int64_t nblk, int rows, float *s
         TILE_STORED(CL, ci + (J) * 32 * Tw + 16 * Tw, 4 * Tw);                              \
     } while (0)
 
+/* 16 lanes 0, n, 2n, ...: where each of 16 rows of n entries starts */
+T_AMX INLINE __m512i row_starts(int64_t n) {
+    return _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)n));
+}
+
+/* vector v of a 16 x Tw tile (row-major): lane i is row (16 v + i) / Tw, so pick[16 v + i] */
+T_AMX INLINE void tile_pick(int32_t *pick, int Tw) {
+    for (int i = 0; i < 16 * Tw; i++) pick[i] = i / Tw;
+}
+
 /* the outputs of a tile of rows: acc (nb blocks of 16 rows x Tw tokens, row-major) times x's
    scales sx (vector s L + l), plus the rows' offsets off (16 x S, or NULL), to y as el_matmul's */
 T_AMX INLINE void put_tile(const float *acc, int Tw, int rows, const float *sx, const float *off,
                            int64_t S, int64_t L, int64_t l, float *y, int64_t ldy, int64_t n0) {
     const __mmask16 keep = rows == 16 ? (__mmask16)0xFFFF : MASK16(rows);
-    const __m512i col = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(Tw));
-    const __m512i orow = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)S));
+    const __m512i col = row_starts(Tw), orow = row_starts(S);
     for (int64_t s = 0; s < S; s++) { /* block s / Tw, its column s % Tw */
         const __m512 a = _mm512_i32gather_ps(col, acc + (s / Tw) * 16 * Tw + s % Tw, 4);
         const __m512 o = off ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keep, orow,
@@ -95,12 +102,10 @@ T_AMX INLINE void block_tile(const char *w, int64_t rs, int rows, const float *s
     float acc[AMX_BLOCKS * 16 * AMX_TOKENS];
     int32_t ci[2 * AMX_BLOCKS * 16 * AMX_TOKENS];
     char buf[16 * 64];
-    int32_t pick[AMX_TOKENS * 16]; /* vector v of a 16 x Tw tile: lane i is row (16 v + i) / Tw */
-    for (int i = 0; i < 16 * Tw; i++) pick[i] = i / Tw;
+    int32_t pick[AMX_TOKENS * 16];
+    tile_pick(pick, Tw);
     memset(acc, 0, sizeof(float) * (size_t)(nb * 16 * Tw));
-    const __m512i at = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)nblk));
+    const __m512i at = row_starts(nblk);
     for (int64_t kb = 0; kb < nblk; kb++) {
         PREFETCH_NEXT(w, rs, kb, 8);
         int64_t stride; /* set by weight_tile, before the load reads it */
@@ -219,12 +224,10 @@ T_AMX void el_amx_half_tile(const qmat_t *m, int64_t g, int64_t K, int rows, con
     if (mins) min_offsets(mt, K / 16, P->Kp / 32, P, S, L, l, off);
     float acc[AMX_BLOCKS * 16 * AMX_TOKENS];
     int32_t ci[3 * 16 * AMX_TOKENS];
-    int32_t pick[AMX_TOKENS * 16]; /* vector v of a 16 x Tw tile: lane i is row (16 v + i) / Tw */
-    for (int i = 0; i < 16 * Tw; i++) pick[i] = i / Tw;
+    int32_t pick[AMX_TOKENS * 16];
+    tile_pick(pick, Tw);
     memset(acc, 0, sizeof(float) * (size_t)(nb * 16 * Tw));
-    const __m512i at = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)nsb));
+    const __m512i at = row_starts(nsb);
     const __m512d k8 = _mm512_set1_pd(256.0);
     for (int j = 0; j < nb; j++) /* a block of tokens at a time: three sums take tiles 0-2 */
         for (int64_t sb = 0; sb < nsb; sb++) {
