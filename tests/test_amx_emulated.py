@@ -31,7 +31,9 @@ def test_the_tile_kernels_tests_pass_emulated():
             os.path.join(HERE, "test_cpu_kernels.py"), os.path.join(HERE, "test_packed_verify.py"),
             os.path.join(HERE, "test_step_prefill.py"),
             os.path.join(HERE, "test_gguf_blocks.py") + "::test_a_prompts_products_are_x_rounded"
-            "_times_the_weights"]  # fmt: skip
+            "_times_the_weights",
+            # the kernels without tiles: what this CPU's own run of the suite tests already
+            "-k", "not still_pass_without_tiles and not environment_switch"]  # fmt: skip
     probe = "from expresslane.step import native as c; assert c.FEATURES & c.HAS_AMX"
     on = subprocess.run([sys.executable, "-c", probe], env=EMULATE, capture_output=True)
     if on.returncode:
