@@ -43,14 +43,6 @@ def test_the_tile_kernels_tests_pass_emulated():
     assert " passed" in out.stdout and " failed" not in out.stdout
 
 
-PROBE = (
-    "import sys, torch; from expresslane.step import native as c; "
-    "from expresslane.weights.quant import QTensor; d = torch.load(sys.argv[1]); "
-    "torch.save({f: [c.native_matmul(QTensor(f, *p), x, prompt=True) for x in d['xs']] "
-    "for f, p in d['w'].items()}, sys.argv[2])"
-)
-
-
 @needs_c
 @pytest.mark.skipif(not AMX, reason="this CPU (or Linux) gives no AMX tiles to compare with")
 def test_the_emulation_gives_the_hardware_bits(tmp_path):
@@ -60,6 +52,7 @@ def test_the_emulation_gives_the_hardware_bits(tmp_path):
     other, as Intel's pseudo-code; the hardware's order inside a tile product is its own).
     Irregular shapes: 45 rows (a partial tile of rows), 17 and 37 tokens (the last token block
     padded)."""
+    from test_cpu_kernels import products_elsewhere
     from test_gguf_blocks import random_blocks
 
     from expresslane.weights.quant import from_gguf, quantize
@@ -69,13 +62,8 @@ def test_the_emulation_gives_the_hardware_bits(tmp_path):
     for t in ("Q4_0", "Q4_K", "Q6_K", "Q2_K"):
         case[t] = from_gguf(t, random_blocks(t, 45, 512, 11), (45, 512))
     xs = [torch.randn(S, 512, generator=g) * 3 for S in (17, 37)]
-    torch.save({"w": {q.fmt: q.parts for q in case.values()}, "xs": xs}, tmp_path / "case.pt")
-    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "case.pt"),
-                          str(tmp_path / "emu.pt")], env=EMULATE, capture_output=True,
-                         text=True)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    emu = torch.load(tmp_path / "emu.pt")
-    assert set(emu) == {q.fmt for q in case.values()}
+    features, emu = products_elsewhere(case.values(), xs, tmp_path, EMULATE)
+    assert features & native.HAS_AMX and set(emu) == {q.fmt for q in case.values()}
     for q in case.values():
         for x, theirs in zip(xs, emu[q.fmt], strict=True):
             mine = native.native_matmul(q, x, prompt=True)

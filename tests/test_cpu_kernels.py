@@ -175,6 +175,23 @@ needs_amx = pytest.mark.skipif(not AMX, reason="this CPU (or Linux) gives no AMX
 NO_TILES = {**os.environ, "EXPRESSLANE_AMX": "0"}
 
 
+def products_elsewhere(qs, xs, tmp_path, env) -> tuple[int, dict]:
+    """A prompt's products (prompt=True) of each QTensor in qs on each x of xs, in a process with
+    `env`: that process's feature bits and {fmt: [y, ...]}."""
+    torch.save({"w": {q.fmt: q.parts for q in qs}, "xs": xs}, tmp_path / "case.pt")
+    probe = (
+        "import sys, torch; from expresslane.step import native as c; "
+        "from expresslane.weights.quant import QTensor; d = torch.load(sys.argv[1]); "
+        "torch.save((c.FEATURES, {f: [c.native_matmul(QTensor(f, *p), x, prompt=True) "
+        "for x in d['xs']] for f, p in d['w'].items()}), sys.argv[2])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "case.pt"),
+                          str(tmp_path / "out.pt")], env=env, capture_output=True,
+                         text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return torch.load(tmp_path / "out.pt")
+
+
 @needs_amx
 def test_tiles_and_dot_products_close_and_int8_the_same_bits(tmp_path):
     """Where AMX runs the bf16 and int8 products, and Q8_0's for a prompt's chunks (csrc/
@@ -188,19 +205,8 @@ def test_tiles_and_dot_products_close_and_int8_the_same_bits(tmp_path):
     w = torch.randn(3, 45, 224, generator=g)
     case = {f: quantize(w, f) for f in ("bfloat16", "int8", "q8_0")}
     xs = [torch.randn(S, 3, 224, generator=g) * 3 for S in (9, 37)]
-    torch.save({"w": {f: q.parts for f, q in case.items()}, "xs": xs}, tmp_path / "case.pt")
-    probe = (
-        "import sys, torch; from expresslane.step import native as c; "
-        "from expresslane.weights.quant import QTensor; d = torch.load(sys.argv[1]); "
-        "assert not c.FEATURES & c.HAS_AMX; "
-        "torch.save({f: [c.native_matmul(QTensor(f, *p), x, prompt=True) for x in d['xs']] "
-        "for f, p in d['w'].items()}, sys.argv[2])"
-    )
-    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "case.pt"),
-                          str(tmp_path / "dot.pt")], env=NO_TILES, capture_output=True,
-                         text=True)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    dot = torch.load(tmp_path / "dot.pt")
+    features, dot = products_elsewhere(case.values(), xs, tmp_path, NO_TILES)
+    assert not features & cpu_kernels.HAS_AMX
     for fmt, q in case.items():
         for x, theirs in zip(xs, dot[fmt], strict=True):
             tiles = cpu_kernels.native_matmul(q, x, prompt=True)

@@ -14,7 +14,7 @@ differences measured here.
 `--layer` picks the layer whose products are timed: llama.cpp's mixes give layers different
 types (its IQ2_XXS file of SmolLM2 keeps layers 0-2's ffn_down in Q2_K). `--prompt` times the
 products as a prompt's chunk takes them (csrc/cpu_kernels.h's EL_PROMPT: on a CPU with AMX, Q8_0
-and the nibble formats with a scale per 32 values in tiles, from their least chunk on).
+and the nibble formats but NVFP4 in tiles, from their least chunk on).
 
 Default file: SmolLM2-135M-Instruct as Q4_0 (llama.cpp's quantizer writes it: gguf/variants.py).
 One table, then one JSON line.

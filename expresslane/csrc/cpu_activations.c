@@ -99,11 +99,8 @@ int el_features(void) {
     if ((g & HAS_AVX512) && __builtin_cpu_supports("avx512bf16")) g |= HAS_BF16;
     if ((g & HAS_AVX512) && __builtin_cpu_supports("avx512vnni")) g |= HAS_VNNI;
     const char *amx = getenv("EXPRESSLANE_AMX");
-    if ((g & HAS_BF16) && amx && !strcmp(amx, "emulate")) {
-        if (el_amx_emulate()) g |= HAS_AMX;
-    } else if ((g & HAS_BF16) && !(amx && !strcmp(amx, "0")) && el_amx_usable()) {
-        g |= HAS_AMX;
-    }
+    const int emulate = amx && !strcmp(amx, "emulate"), off = amx && !strcmp(amx, "0");
+    if ((g & HAS_BF16) && (emulate ? el_amx_emulate() : !off && el_amx_usable())) g |= HAS_AMX;
     return f = g;
 }
 

@@ -22,10 +22,11 @@
    same stream (1.26-1.31; BENCHMARKS.md, "bf16 and int8 products in AMX tiles").
 
    Q8_0 and the nibble formats (but NVFP4, whose 16-value scales are f16) only for a prompt's
-   chunks (cpu_amx_blocks.c): their blocks of 32 values each need their integer dot apart, scaled by
-   their own d, and a tile product per block, stored and scaled, made a plain Q8_0 step's
+   chunks (cpu_amx_blocks.c): their blocks each need their integer dot apart, scaled by their own
+   scale, and a tile product per block of 32, stored and scaled, made a plain Q8_0 step's
    products 1.5-1.7x slower than the vpdpbusd kernel's (measured: same section), while a chunk of
-   40 tokens took 0.43x its time. */
+   40 tokens took 0.43x its time. The formats with 16-value int8 scales fold them into the
+   weights instead (el_amx_half_tile; not yet timed on a CPU with AMX). */
 
 #include <stdlib.h>
 #include <string.h>
@@ -77,11 +78,11 @@ T_AMX static void configure(int fmt, int Tw, int nb) {
 #define DP_BF16(C)                                                                           \
     do {                                                                                     \
         const char *xk = xb + (int64_t)(C) * 2 * PB + kb * 16 * Tw * 4;                        \
-        TILE_LOADD(4, xk, 4 * Tw);                                                          \
-        TILE_DPBF16PS(C, 3, 4);                                                             \
+        TILE_LOADD(4, xk, 4 * Tw);                                                           \
+        TILE_DPBF16PS(C, 3, 4);                                                              \
         if (!LOWP) {                                                                         \
-            TILE_LOADD(5, xk + PB, 4 * Tw);                                                 \
-            TILE_DPBF16PS(C, 3, 5);                                                         \
+            TILE_LOADD(5, xk + PB, 4 * Tw);                                                  \
+            TILE_DPBF16PS(C, 3, 5);                                                          \
         }                                                                                    \
     } while (0)
 T_AMX INLINE void tile_bf16(const char *w, int64_t K, int rows, const char *xb, int64_t PB,
@@ -109,10 +110,10 @@ T_AMX INLINE void tile_bf16(const char *w, int64_t K, int rows, const char *xb, 
 #define DP_I8(B, HI, LO, X2) /* tile numbers as literals: the intrinsics paste them into asm */ \
     do {                                                                                     \
         const char *xk = xb + (int64_t)(B) * 2 * PB + kb * 16 * Tw * 4;                        \
-        TILE_LOADD(7, xk, 4 * Tw);                                                          \
-        TILE_DPBSUD(HI, 6, 7);                                                              \
-        TILE_LOADD(X2, xk + PB, 4 * Tw);                                                    \
-        TILE_DPBSUD(LO, 6, X2);                                                             \
+        TILE_LOADD(7, xk, 4 * Tw);                                                           \
+        TILE_DPBSUD(HI, 6, 7);                                                               \
+        TILE_LOADD(X2, xk + PB, 4 * Tw);                                                     \
+        TILE_DPBSUD(LO, 6, X2);                                                              \
     } while (0)
 T_AMX INLINE void tile_i8(const char *w, int64_t K, int rows, const char *xb, int64_t PB,
                           int Tw, int32_t *c, const int NB) {
@@ -181,9 +182,7 @@ T_AMX static void pack_bf16(const float *x, int64_t K, int64_t Kw, int Tw, int t
 T_AMX static void pack_i8(const uint8_t *a, const uint8_t *b, int64_t Kw, int Tw, int t,
                           uint32_t *hi, uint32_t *lo, int flip) {
     const __m512i f = _mm512_set1_epi8(flip ? (char)0x80 : 0);
-    const __m512i at = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(Tw));
+    const __m512i at = row_starts(Tw);
     for (int64_t k = 0; k < Kw; k += 64) {
         const __m512i va =
             a ? _mm512_xor_si512(_mm512_loadu_si512(a + k), f) : _mm512_setzero_si512();
@@ -239,9 +238,7 @@ T_AMX INLINE void put_i8(const int32_t *c, const qmat_t *w, const float *sx, int
                          int64_t N, int64_t n0) {
     const int64_t g = l * N + n0; /* the tile's first row in the matrix */
     const __mmask16 m = rows == 16 ? (__mmask16)0xFFFF : MASK16(rows);
-    const __m512i at = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)Tw));
+    const __m512i at = row_starts(Tw);
     const int32_t *rowsum = (const int32_t *)w->rowsum + g; /* 128 sum w: exact in int32 */
     const __m512i rs = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(m, rowsum), 7);
     const __m512 sc = _mm512_maskz_loadu_ps(m, (const float *)w->scale + g);

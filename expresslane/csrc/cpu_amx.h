@@ -39,6 +39,13 @@ INLINE const char *weight_tile(const char *w, int64_t rb, int rows, int64_t at, 
     return *stride = 64, buf;
 }
 
+/* 16 lanes 0, n, 2n, ...: where each of 16 rows of n entries starts */
+T_AMX INLINE __m512i row_starts(int64_t n) {
+    return _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)n));
+}
+
 /* The next tile's bytes (rows follow rows) into L2 while this one runs, `lines` a step of
    `width` bytes a row (16 x width / 64): per row read ahead (the rows' own streams) or not at
    all was slower (BENCHMARKS.md, "bf16 and int8 products in AMX tiles"). */

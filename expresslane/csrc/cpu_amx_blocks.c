@@ -49,29 +49,31 @@ T_AMX static void row_scales(const uint16_t *d, int64_t nblk, int rows, float *s
 #define BLOCK_DOTS(J, CH, CL, BL)                                                            \
     do {                                                                                     \
         const char *xk = xl + (int64_t)(J) * 2 * PB + kb * 8 * Tw * 4;                         \
-        TILE_ZERO(CH);                                                                      \
-        TILE_ZERO(CL);                                                                      \
-        TILE_LOADD(7, xk, 4 * Tw);                                                          \
-        TILE_DPBSSD(CH, 6, 7);                                                              \
-        TILE_LOADD(BL, xk + PB, 4 * Tw);                                                    \
+        TILE_ZERO(CH);                                                                       \
+        TILE_ZERO(CL);                                                                       \
+        TILE_LOADD(7, xk, 4 * Tw);                                                           \
+        TILE_DPBSSD(CH, 6, 7);                                                               \
+        TILE_LOADD(BL, xk + PB, 4 * Tw);                                                     \
         if (LO_SIGNED)                                                                       \
-            TILE_DPBSSD(CL, 6, BL);                                                         \
+            TILE_DPBSSD(CL, 6, BL);                                                          \
         else                                                                                 \
-            TILE_DPBSUD(CL, 6, BL);                                                         \
-        TILE_STORED(CH, ci + (J) * 32 * Tw, 4 * Tw);                                        \
-        TILE_STORED(CL, ci + (J) * 32 * Tw + 16 * Tw, 4 * Tw);                              \
+            TILE_DPBSUD(CL, 6, BL);                                                          \
+        TILE_STORED(CH, ci + (J) * 32 * Tw, 4 * Tw);                                         \
+        TILE_STORED(CL, ci + (J) * 32 * Tw + 16 * Tw, 4 * Tw);                               \
     } while (0)
-
-/* 16 lanes 0, n, 2n, ...: where each of 16 rows of n entries starts */
-T_AMX INLINE __m512i row_starts(int64_t n) {
-    return _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)n));
-}
 
 /* vector v of a 16 x Tw tile (row-major): lane i is row (16 v + i) / Tw, so pick[16 v + i] */
 T_AMX INLINE void tile_pick(int32_t *pick, int Tw) {
     for (int i = 0; i < 16 * Tw; i++) pick[i] = i / Tw;
+}
+
+/* token block j's vector v of a tile's sums (acc: 16 x Tw a block, row-major) += sum d, d the
+   16 rows' scales spread over the vector's lanes by pick (tile_pick) */
+T_AMX INLINE void add_scaled(float *acc, int j, int v, int Tw, __m512 sum, __m512 d,
+                             const int32_t *pick) {
+    const __m512 dv = Tw == 1 ? d : _mm512_permutexvar_ps(_mm512_loadu_si512(pick + 16 * v), d);
+    float *a = acc + (j * Tw + v) * 16;
+    _mm512_storeu_ps(a, _mm512_fmadd_ps(sum, dv, _mm512_loadu_ps(a)));
 }
 
 /* the outputs of a tile of rows: acc (nb blocks of 16 rows x Tw tokens, row-major) times x's
@@ -127,11 +129,7 @@ T_AMX INLINE void block_tile(const char *w, int64_t rs, int rows, const float *s
                 const int32_t *c = ci + j * 32 * Tw + 16 * v;
                 const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(c), 8),
                                                    _mm512_loadu_si512(c + 16 * Tw));
-                const __m512 dv =
-                    Tw == 1 ? d : _mm512_permutexvar_ps(_mm512_loadu_si512(pick + 16 * v), d);
-                float *a = acc + (j * Tw + v) * 16;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv,
-                                                    _mm512_loadu_ps(a)));
+                add_scaled(acc, j, v, Tw, _mm512_cvtepi32_ps(s), d, pick);
             }
     }
     put_tile(acc, Tw, rows, sx, off, S, L, l, y, ldy, n0);
@@ -183,22 +181,22 @@ T_AMX void el_amx_nibble_tile(const qmat_t *m, int64_t g, int64_t K, int rows,
    tiles: 0 sum wh a, 1 sum (wh b + wl a), 2 sum wl b; exact (|sum| < 2^24 over 256 values) */
 #define SUPER_DOTS(XJ)                                                                       \
     do {                                                                                     \
-        TILE_ZERO(0);                                                                       \
-        TILE_ZERO(1);                                                                       \
-        TILE_ZERO(2);                                                                       \
+        TILE_ZERO(0);                                                                        \
+        TILE_ZERO(1);                                                                        \
+        TILE_ZERO(2);                                                                        \
         for (int64_t k = sb * 256; k < sb * 256 + 256; k += 64) {                            \
-            TILE_LOADD(3, wl + k, K);                                                       \
-            TILE_LOADD(4, wh + k, K);                                                       \
-            TILE_LOADD(5, (XJ) + k / 4 * Tw * 4, 4 * Tw);                                   \
-            TILE_LOADD(6, (XJ) + PB + k / 4 * Tw * 4, 4 * Tw);                              \
-            TILE_DPBSSD(0, 4, 5);                                                           \
-            TILE_DPBSSD(1, 4, 6);                                                           \
-            TILE_DPBUSD(1, 3, 5);                                                           \
-            TILE_DPBUSD(2, 3, 6);                                                           \
+            TILE_LOADD(3, wl + k, K);                                                        \
+            TILE_LOADD(4, wh + k, K);                                                        \
+            TILE_LOADD(5, (XJ) + k / 4 * Tw * 4, 4 * Tw);                                    \
+            TILE_LOADD(6, (XJ) + PB + k / 4 * Tw * 4, 4 * Tw);                               \
+            TILE_DPBSSD(0, 4, 5);                                                            \
+            TILE_DPBSSD(1, 4, 6);                                                            \
+            TILE_DPBUSD(1, 3, 5);                                                            \
+            TILE_DPBUSD(2, 3, 6);                                                            \
         }                                                                                    \
-        TILE_STORED(0, ci, 4 * Tw);                                                         \
-        TILE_STORED(1, ci + 16 * Tw, 4 * Tw);                                               \
-        TILE_STORED(2, ci + 32 * Tw, 4 * Tw);                                               \
+        TILE_STORED(0, ci, 4 * Tw);                                                          \
+        TILE_STORED(1, ci + 16 * Tw, 4 * Tw);                                                \
+        TILE_STORED(2, ci + 32 * Tw, 4 * Tw);                                                \
     } while (0)
 
 /* The formats with an int8 scale per 16 values (Q6_K, Q3_K, Q2_K, IQ2_XS, IQ2_S, IQ1_M): those
@@ -246,10 +244,7 @@ T_AMX void el_amx_half_tile(const qmat_t *m, int64_t g, int64_t K, int rows, con
                     _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(t2, 1)));
                 const __m512 sum = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo)),
                                                       _mm512_cvtpd_ps(hi), 1);
-                const __m512 dv =
-                    Tw == 1 ? d : _mm512_permutexvar_ps(_mm512_loadu_si512(pick + 16 * v), d);
-                float *a = acc + (j * Tw + v) * 16;
-                _mm512_storeu_ps(a, _mm512_fmadd_ps(sum, dv, _mm512_loadu_ps(a)));
+                add_scaled(acc, j, v, Tw, sum, d, pick);
             }
         }
     put_tile(acc, Tw, rows, P->sx, mins ? off : NULL, S, L, l, y, ldy, n0);

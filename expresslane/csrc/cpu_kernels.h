@@ -226,7 +226,8 @@ void el_nibble_decode_half(const qmat_t *w, int64_t r0, int rows, int64_t K, uin
 
 /* cpu_amx.c: may this process use AMX tiles (asks Linux once)? el_matmul's bf16 and int8
    products there for S <= 40 tokens, Q8_0's and the nibble formats' (el_nibble_tiles and
-   IS_HALF16) for a prompt's chunks (EL_PROMPT), and the scratch they need (el_matmul_scratch covers it) */
+   IS_HALF16) for a prompt's chunks (EL_PROMPT), and the scratch they need (el_matmul_scratch
+   covers it) */
 int el_amx_usable(void);
 /* AMX's tile instructions emulated in C from now on (cpu_amx_emulate.h: tests on CPUs without
    AMX); 0 where the compiler lacks the AMX intrinsics */

@@ -26,9 +26,9 @@
                of x per block.
 
    Where the CPU has AMX tiles (el_features' HAS_AMX), bf16 and int8 go to cpu_amx.c instead: a
-   tile product takes up to 16 tokens at once; so do Q8_0 and the nibble formats with a scale per
-   32 values for a prompt's chunks (EL_PROMPT, exact x; cpu_amx_blocks.c), whose bits need not
-   be a decode step's.
+   tile product takes up to 16 tokens at once; so do Q8_0 and the nibble formats but NVFP4 for a
+   prompt's chunks (EL_PROMPT, exact x; cpu_amx_blocks.c), whose bits need not be a decode
+   step's.
 
    Every kernel but int8's (whose integer sums are exact in any order) leaves a row's result
    as 16 lanes, summed 16 rows at a time (EL_TILES).

@@ -102,7 +102,7 @@ static PyObject *py_layer_scratch(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "bit mask: 1 AVX-512, 2 AVX512_BF16, 4 AVX512_VNNI, 8 AMX-BF16 tiles in use"},
     {"matmul", py_matmul, METH_VARARGS,
-     "matmul(fmt, w, scale, rowsum, mins, high, sub, x, y, S, L, N, K, threads, lowp=False) -> "
+     "matmul(fmt, w, scale, rowsum, mins, high, sub, x, y, S, L, N, K, threads, lowp=0) -> "
      "status (lowp: csrc/cpu_kernels.h's EL_LOWP | EL_PROMPT flags)"},
     {"dequant", py_dequant, METH_VARARGS,
      "dequant(fmt, w, scale, rowsum, mins, high, sub, out, N, K, bf16, threads) -> status"},

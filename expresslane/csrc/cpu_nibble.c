@@ -65,6 +65,13 @@ T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc, cons
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), G->dv, acc);
 }
 
+/* c where a format with an int8 scale per 16 values (IS_HALF16) has the offset - c d s_j f
+   (its values q - c, f the codebooks' power of two): Q6_K 32, Q3_K 4, the GRID16 codebooks 128;
+   Q2_K 0 (mins of its own, - dmin m_j) */
+INLINE int half_center(const int FMT) {
+    return FMT == FMT_Q6_K ? 32 : FMT == FMT_Q3_K ? 4 : FMT == FMT_Q2_K ? 0 : 128;
+}
+
 /* sum_b m_b (sum of x over block b) as 16 lanes to be summed, for each of T tokens (xs[t]: the
    token's block sums then half-block sums): each scale vector is loaded and converted once for
    all T, and every token's sum runs over the blocks in the same order whatever T is */
@@ -104,10 +111,7 @@ T_VNNI INLINE void offset_lanes(const int FMT, const uint16_t *d, const uint16_t
             for (int t = 0; t < T; t++)
                 acc[t] = _mm512_fmadd_ps(ds, _mm512_loadu_ps(xs[t] + Kp / 32 + sb * 16), acc[t]);
         }
-        const float k = FMT == FMT_Q6_K   ? -32.0f
-                        : FMT == FMT_Q3_K ? -4.0f
-                        : IS_GRID16(FMT)  ? -128.0f * grid_f(FMT)
-                                          : -1.0f;
+        const float k = FMT == FMT_Q2_K ? -1.0f : -(float)half_center(FMT) * grid_f(FMT);
         for (int t = 0; t < T; t++) off[t] = _mm512_mul_ps(acc[t], _mm512_set1_ps(k));
         return;
     }
@@ -201,6 +205,18 @@ void el_span_nibble(const span_t *sp, int64_t r0, int64_t r1) {
 
 /* ---- for AMX tiles (cpu_amx_blocks.c): a prompt's chunk, a scale per 32 values ----------- */
 
+/* a group's values (lo: its blocks' low-nibble values, hi: their high ones, 16 bytes a block)
+   to o in x's nibble order, block by block (a block's 16 low, then its 16 high), n <= 4 blocks */
+T_VNNI INLINE void store_x_order(int8_t *o, __m512i lo, __m512i hi, int64_t n) {
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    const __mmask64 all = ~(__mmask64)0, half = ((__mmask64)1 << 32) - 1; /* 2, 1 block */
+    _mm512_mask_storeu_epi8(o, n >= 2 ? all : half, _mm512_permutex2var_epi64(lo, first, hi));
+    if (n > 2)
+        _mm512_mask_storeu_epi8(o + 64, n == 4 ? all : half,
+                                _mm512_permutex2var_epi64(lo, second, hi));
+}
+
 /* 16 rows from r0 (`rows` of them, the rest zeros) as their values q less the format's centre
    c (el_nibble_center), one signed byte each, block by block in x's nibble order (a block's 16
    low-nibble values, then its 16 high ones), to q (rows of K bytes), and each block's scale d_b
@@ -209,8 +225,6 @@ T_VNNI INLINE void decode_tile(const int FMT, const qmat_t *w, int64_t r0, int r
                                int8_t *q, float *sc) {
     const __m512i c = _mm512_set1_epi8((char)el_nibble_center(FMT));
     const int64_t nb = K / 32, rb = el_row_bytes(FMT, K);
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     memset(q + rows * K, 0, (size_t)((16 - rows) * K));
     memset(sc + rows * nb, 0, sizeof(float) * (size_t)((16 - rows) * nb));
     for (int i = 0; i < rows; i++) {
@@ -218,14 +232,8 @@ T_VNNI INLINE void decode_tile(const int FMT, const qmat_t *w, int64_t r0, int r
         for (int64_t g = 0; g * 4 < nb; g++) {
             const int64_t n = nb - g * 4 < 4 ? nb - g * 4 : 4;
             const group_t G = load_group(FMT, wr.q, wr.d, wr.high, wr.sub, g, n);
-            const __m512i lo = _mm512_sub_epi8(G.lo, c), hi = _mm512_sub_epi8(G.hi, c);
-            const __mmask64 all = ~(__mmask64)0, half = ((__mmask64)1 << 32) - 1; /* 2, 1 block */
-            int8_t *o = q + i * K + g * 128;
-            _mm512_mask_storeu_epi8(o, n >= 2 ? all : half,
-                                    _mm512_permutex2var_epi64(lo, first, hi));
-            if (n > 2)
-                _mm512_mask_storeu_epi8(o + 64, n == 4 ? all : half,
-                                        _mm512_permutex2var_epi64(lo, second, hi));
+            store_x_order(q + i * K + g * 128, _mm512_sub_epi8(G.lo, c),
+                          _mm512_sub_epi8(G.hi, c), n);
             const __mmask16 quarters = (__mmask16)(0x1111 & ((1u << (4 * n)) - 1));
             _mm512_mask_compressstoreu_ps(sc + i * nb + g * 4, quarters, G.dv);
         }
@@ -251,12 +259,6 @@ T_VNNI INLINE void tile_mins(const int FMT, const qmat_t *w, int64_t r0, int row
 }
 
 /* ---- for AMX tiles (cpu_amx_blocks.c): a prompt's chunk, a scale per 16 values ----------- */
-
-/* c where a 16-value format's offset is - c d s_j (offset_lanes' k less f): Q6_K 32, Q3_K 4,
-   the GRID16 codebooks 128; Q2_K 0 (mins of its own) */
-INLINE int half_center(const int FMT) {
-    return FMT == FMT_Q6_K ? 32 : FMT == FMT_Q3_K ? 4 : FMT == FMT_Q2_K ? 0 : 128;
-}
 
 /* (q - c) s for one nibble vector of a group: 64 signed bytes times their 16-value scales, exact
    in int16 (|q - c| <= 43, |s| <= 128: at most 4,096), as its low bytes (unsigned) and its high
@@ -284,8 +286,6 @@ T_VNNI INLINE void decode_half(const int FMT, const qmat_t *w, int64_t r0, int r
                                uint8_t *wl, int8_t *wh, float *dsb, float *mt) {
     const __m512i c = _mm512_set1_epi8((char)half_center(FMT));
     const int64_t nsb = K / 256, rb = el_row_bytes(FMT, K);
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     /* lane L of a group's vectors holds block L: its bytes 0-7 take scale 2L, 8-15 scale 2L + 1
        (the swapped quarters: a byte's two nibbles share a scale) */
     const __m512i at = _mm512_set_epi64(0x0707070707070707, 0x0606060606060606,
@@ -295,6 +295,7 @@ T_VNNI INLINE void decode_half(const int FMT, const qmat_t *w, int64_t r0, int r
     memset(wl + rows * K, 0, (size_t)((16 - rows) * K));
     memset(wh + rows * K, 0, (size_t)((16 - rows) * K));
     memset(dsb + rows * nsb, 0, sizeof(float) * (size_t)((16 - rows) * nsb));
+    if (FMT != FMT_Q2_K) mt = NULL; /* mins: Q2_K's alone */
     if (mt) memset(mt, 0, sizeof(float) * (size_t)(K));
     for (int i = 0; i < rows; i++) {
         const wrow_t wr = wrow(FMT, w, r0 + i, K, (const char *)w->data + (r0 + i) * rb);
@@ -313,12 +314,8 @@ T_VNNI INLINE void decode_half(const int FMT, const qmat_t *w, int64_t r0, int r
             __m512i ll, lh, hl, hh;
             scaled_bytes(_mm512_sub_epi8(G.lo, c), s, &ll, &lh);
             scaled_bytes(_mm512_sub_epi8(G.hi, c), s, &hl, &hh);
-            uint8_t *ol = wl + i * K + g * 128;
-            int8_t *oh = wh + i * K + g * 128;
-            _mm512_storeu_si512(ol, _mm512_permutex2var_epi64(ll, first, hl));
-            _mm512_storeu_si512(ol + 64, _mm512_permutex2var_epi64(ll, second, hl));
-            _mm512_storeu_si512(oh, _mm512_permutex2var_epi64(lh, first, hh));
-            _mm512_storeu_si512(oh + 64, _mm512_permutex2var_epi64(lh, second, hh));
+            store_x_order((int8_t *)wl + i * K + g * 128, ll, hl, 4);
+            store_x_order(wh + i * K + g * 128, lh, hh, 4);
         }
     }
 }
@@ -343,14 +340,10 @@ T_VNNI void el_nibble_decode_tile(const qmat_t *w, int64_t r0, int rows, int64_t
 
 T_VNNI void el_nibble_decode_half(const qmat_t *w, int64_t r0, int rows, int64_t K,
                                  uint8_t *wl, int8_t *wh, float *dsb, float *mt) {
-    switch ((int)w->fmt) {
-    case FMT_Q6_K: decode_half(FMT_Q6_K, w, r0, rows, K, wl, wh, dsb, NULL); break;
-    case FMT_Q3_K: decode_half(FMT_Q3_K, w, r0, rows, K, wl, wh, dsb, NULL); break;
-    case FMT_Q2_K: decode_half(FMT_Q2_K, w, r0, rows, K, wl, wh, dsb, mt); break;
-    case FMT_IQ2_XS: decode_half(FMT_IQ2_XS, w, r0, rows, K, wl, wh, dsb, NULL); break;
-    case FMT_IQ2_S: decode_half(FMT_IQ2_S, w, r0, rows, K, wl, wh, dsb, NULL); break;
-    case FMT_IQ1_M: decode_half(FMT_IQ1_M, w, r0, rows, K, wl, wh, dsb, NULL); break;
-    }
+#define HALF_CASE(F) \
+    case FMT_##F: decode_half(FMT_##F, w, r0, rows, K, wl, wh, dsb, mt); break;
+    switch ((int)w->fmt) { HALF16_FORMATS(HALF_CASE) }
+#undef HALF_CASE
 }
 
 T_VNNI void el_nibble_tile_mins(const qmat_t *w, int64_t r0, int rows, int64_t K, float *mt) {

@@ -15,6 +15,9 @@
     X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q4_K) X(Q5_K) X(Q6_K) X(Q3_K) X(Q2_K) X(IQ4_NL) X(IQ4_XS) \
     X(MXFP4) X(NVFP4) X(Q1_0) X(IQ3_S) X(IQ3_XXS) X(IQ2_XXS) X(IQ1_S) X(IQ2_XS) X(IQ2_S) X(IQ1_M)
 
+/* those with an int8 scale per 16 values (IS_HALF16), for cpu_nibble.c's decode into tiles */
+#define HALF16_FORMATS(X) X(Q6_K) X(Q3_K) X(Q2_K) X(IQ2_XS) X(IQ2_S) X(IQ1_M)
+
 #ifdef EL_X86
 
 #define IS_NL(F) ((F) == FMT_IQ4_NL || (F) == FMT_MXFP4) /* a grid, an f16 d per 32 */

@@ -247,8 +247,8 @@ class PackedDecoder:
         """fp32 logits (V,) after tokens (S,) written from `position`: a prefill's, the head
         on the last row only, through the C layers (StepPrefill is chosen only with them).
         lowp: the layers' products take x at llama.cpp's precision (native.LOWP_FORMATS). A
-        prompt's bits need not be a decode step's: Q8_0's and the nibble formats' with a scale per
-        32 values run in AMX tiles where the CPU has them (csrc/cpu_amx_blocks.c)."""
+        prompt's bits need not be a decode step's: Q8_0's and the nibble formats' but NVFP4's run
+        in AMX tiles where the CPU has them (csrc/cpu_amx_blocks.c)."""
         with self._live_slots(position + tokens.numel()):
             return self._native_logits(tokens.view(-1), position, last_only=True, lowp=lowp,
                                        prompt=True)[0]  # fmt: skip

@@ -88,8 +88,8 @@ INTEL_STEP_PREFILL_MAX = {
 # at 128 (91 against 96 ms). The nibble formats with a scale per 32 values take a prompt's chunks
 # in tiles too (csrc/cpu_amx_blocks.c, their values decoded 16 rows at a time). With tiles a mix
 # takes its main format's entry (PackedWeights.layers_format), not its smallest: Q4_K_M's Q6_K
-# matrices, outside the tiles, held SmolLM2's file (mostly q5_0: 576 is no multiple of 256) at
-# 96 where its step was the faster to 512. The step against the fp32 layers, ms at 256 / 512, by
+# matrices, then outside the tiles (in them since 8729a76, not yet timed), held SmolLM2's file
+# (mostly q5_0: 576 is no multiple of 256) at 96 where its step was the faster to 512. The step against the fp32 layers, ms at 256 / 512, by
 # the file's main format: q4_0 213 / 470 against 265 / 527, q5_0 (Q4_K_M) 240 / 504 against
 # 276 / 541, q5_0 (Q5_0) 225 / 454 against 282 / 517, iq4_nl (IQ4_XS) 227 / 489 against 281 /
 # 530; with mins of their own, level from 256: q4_1 259 / 557 against 272 / 557, q5_1 (Q5_K_M)
