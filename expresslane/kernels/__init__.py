@@ -16,6 +16,7 @@ without triton works unchanged.
     decode_step.py       one decoder layer for S tokens, fused and reference twins
     prefill_norm.py      prefill: DTP reduce + residual add + the next RMSNorm, per token
     tuning.py            launch configurations: defaults, per-GPU tables (tuning/), forcing
+    interpreter.py       the Triton interpreter without its repeated patches (CPU runs only)
 
 Every decode kernel takes a token axis: S <= MAX_TOKENS consecutive tokens of one sequence, each
 weight read once for all of them, each token's row computed in an order that does not depend on S

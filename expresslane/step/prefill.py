@@ -77,25 +77,25 @@ INTEL_STEP_PREFILL_MAX = {
 }
 # Where the step's bf16 products run in AMX tiles (csrc/cpu_amx.c: up to 16 tokens in one tile
 # product), its exact prompt crossed the layers' fp32 GEMMs at 768-1,000 tokens on the Xeon
-# (2026-12-07: 684 against 765 ms at 768, 1,003 against 1,005 at 1,000; 179 against 272 at
-# 256), and its bf16-rounded one (lowp) the layers' bf16 GEMMs between 256 and 384
-# (BENCHMARKS.md, "bf16 and int8 products in AMX tiles"). int8-row's step ("int8": x in 16 bits,
-# exact integer sums) crossed the fp32 layers between 1,000 and 1,500 tokens (746 against 924 ms
-# at 1,000, 1,439 against 1,472 at 1,500, 2,402 against 2,085 at 2,000; the step's attention
-# grows with the square) and the bf16 layers at 384 (198 against 207 ms; 123 against 164 at 256).
-# Q8_0's prompt chunks in tiles (csrc/cpu_amx_blocks.c, exact x) crossed the fp32 layers at 768 (660
-# against 667 ms; 178 against 234 at 256, where the vpdpbusd step took 340) and the bf16 layers
-# at 128 (91 against 96 ms). The nibble formats with a scale per 32 values take a prompt's chunks
-# in tiles too (csrc/cpu_amx_blocks.c, their values decoded 16 rows at a time). With tiles a mix
-# takes its main format's entry (PackedWeights.layers_format), not its smallest: Q4_K_M's Q6_K
-# matrices, then outside the tiles (in them since 8729a76, not yet timed), held SmolLM2's file
-# (mostly q5_0: 576 is no multiple of 256) at 96 where its step was the faster to 512. The step against the fp32 layers, ms at 256 / 512, by
-# the file's main format: q4_0 213 / 470 against 265 / 527, q5_0 (Q4_K_M) 240 / 504 against
-# 276 / 541, q5_0 (Q5_0) 225 / 454 against 282 / 517, iq4_nl (IQ4_XS) 227 / 489 against 281 /
-# 530; with mins of their own, level from 256: q4_1 259 / 557 against 272 / 557, q5_1 (Q5_K_M)
-# 263 / 560 against 291 / 545 (at 128: 112 and 128 against 168 and 163). Against the bf16
-# layers (--prefill-dtype bfloat16) the step crossed at 96-128 on the same files (at 96: 82 / 88
-# / 80 / 94 against 88 / 94 / 89 / 94 ms for Q4_0, Q4_K_M, IQ4_XS, Q4_1; 64 before).
+# (2026-12-07: 684 against 765 ms at 768, 1,003 against 1,005 at 1,000; 179 against 272 at 256), and
+# its bf16-rounded one (lowp) the layers' bf16 GEMMs between 256 and 384 (BENCHMARKS.md, "bf16 and
+# int8 products in AMX tiles"). int8-row's step ("int8": x in 16 bits, exact integer sums) crossed
+# the fp32 layers between 1,000 and 1,500 tokens (746 against 924 ms at 1,000, 1,439 against 1,472
+# at 1,500, 2,402 against 2,085 at 2,000; the step's attention grows with the square) and the bf16
+# layers at 384 (198 against 207 ms; 123 against 164 at 256). Q8_0's prompt chunks in tiles
+# (csrc/cpu_amx_blocks.c, exact x) crossed the fp32 layers at 768 (660 against 667 ms; 178 against
+# 234 at 256, where the vpdpbusd step took 340) and the bf16 layers at 128 (91 against 96 ms). The
+# nibble formats with a scale per 32 values take a prompt's chunks in tiles too
+# (csrc/cpu_amx_blocks.c, their values decoded 16 rows at a time). With tiles a mix takes its main
+# format's entry (PackedWeights.layers_format), not its smallest: Q4_K_M's Q6_K matrices, then
+# outside the tiles (in them since 8729a76, not yet timed), held SmolLM2's file (mostly q5_0: 576 is
+# no multiple of 256) at 96 where its step was the faster to 512. The step against the fp32 layers,
+# ms at 256 / 512, by the file's main format: q4_0 213 / 470 against 265 / 527, q5_0 (Q4_K_M) 240 /
+# 504 against 276 / 541, q5_0 (Q5_0) 225 / 454 against 282 / 517, iq4_nl (IQ4_XS) 227 / 489 against
+# 281 / 530; with mins of their own, level from 256: q4_1 259 / 557 against 272 / 557, q5_1 (Q5_K_M)
+# 263 / 560 against 291 / 545 (at 128: 112 and 128 against 168 and 163). Against the bf16 layers
+# (--prefill-dtype bfloat16) the step crossed at 96-128 on the same files (at 96: 82 / 88 / 80 / 94
+# against 88 / 94 / 89 / 94 ms for Q4_0, Q4_K_M, IQ4_XS, Q4_1; 64 before).
 AMX_STEP_PREFILL_MAX = {
     None: {
         "bfloat16": 768,
