@@ -17,7 +17,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from .cache import KVCache
 from .config import ModelConfig
@@ -180,8 +179,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     gqa = H != k.shape[1]
     if T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    bias = causal_lower_right(S, T)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)
+    if q.is_cuda:  # flash attention takes the bias unmaterialised
+        # imported here: torch.nn.attention.bias imports torch._dynamo, 1.6 s of every start
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(S, T)
+    else:  # the mask the bias materialises off CUDA
+        mask = torch.ones(S, T, dtype=torch.bool, device=q.device).tril(T - S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def _heads_for_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grouped_ok: bool):

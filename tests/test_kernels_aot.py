@@ -178,12 +178,16 @@ def test_quantized_products_compile_for_sm90():
 
 INVARIANCE = """
 import json
-from expresslane.kernels.aot import invariance_report
+from expresslane.kernels.aot import distinct, invariance_report, record_decode_step
+from expresslane.kernels.aot_read import _compiled_ttgir, ttgir_of
 out = {}
 for n in (2, 8):
     report = invariance_report("laneformer-2b", (1, n))
     out[n] = {k: [sorted(set(map(tuple, b))) for b in builds] for k, builds in report.items()}
-print(json.dumps(out))
+launches = distinct(record_decode_step("llama-3.2-1b", 4096, 132, True, tokens=3))
+small = [la for la in launches if la.name.startswith(("gemv_reduce", "lane_gemv"))][0]
+same = ttgir_of(small, 90) == _compiled_ttgir(small, 90)  # the two stages alone, as compiled
+print(json.dumps({"layouts": out, "same_ttgir": same}))
 """
 
 
@@ -197,7 +201,9 @@ def test_compiled_reductions_do_not_depend_on_the_token_count():
     out = subprocess.run([sys.executable, "-c", INVARIANCE], capture_output=True, text=True,
                          env=env, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    for n, report in json.loads(out.stdout.strip().splitlines()[-1]).items():
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["same_ttgir"]  # aot_read.ttgir_of stops where triton.compile's TTGIR is
+    for n, report in result["layouts"].items():
         assert {"norm_qkv", "norm_swiglu", "gemv_reduce", "head_logits"} <= {
             k.split("_kernel")[0] for k in report
         }
@@ -215,7 +221,7 @@ one, eight = persistent_invariance("laneformer-2b")
                                         persistent=True))
 qwen = {}
 with tempfile.TemporaryDirectory() as tmp:
-    row = compile_launch(greedy, 90, Path(tmp))  # the S = 1 build above, from triton's cache
+    row = compile_launch(greedy, 90, Path(tmp))  # the S = 1 build above, to its cubin
     for preset in ("qwen3-0.6b", "qwen2.5-0.5b"):  # q/k norms; attention biases
         (launch,) = distinct(record_decode_step(preset, 4096, 132, True, logits=False,
                                                 persistent=True))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import tiny
 import torch
+import torch.nn.functional as F
 
 from expresslane.engine import Engine
 from expresslane.model import attend, causal_attention, visible_mask, windowed_attention
@@ -65,6 +66,13 @@ def test_causal_attention_equals_the_explicit_mask(shape):
     visible = torch.arange(T)[None, :] <= torch.arange(T - S, T)[:, None]
     assert (attend(q, k, v, visible).double() - ref).abs().max() < 1e-5  # the mask path
     assert (attend(q, k, v, None).double() - ref).abs().max() < 1e-5
+    if T > S:  # off CUDA the mask is the one torch's bottom-right causal bias materialises
+        from torch.nn.attention.bias import causal_lower_right
+
+        qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))
+        biased = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(S, T),
+                                                enable_gqa=q.shape[2] != k.shape[2])  # fmt: skip
+        assert torch.equal(causal_attention(q, k, v), biased)
 
 
 def bf16_bound(ref: torch.Tensor) -> float:

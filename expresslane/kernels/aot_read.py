@@ -2,8 +2,8 @@
 occupancy, and the layouts that fix a row's summation order (kernels/aot.py compiles).
 
 `resource_usage` and `load_widths` read the cubin through triton's bundled cuobjdump;
-`loop_converts` and `reduce_layouts` read the TTGIR; `blocks_per_sm` applies CUDA's occupancy
-rules to what they found.
+`loop_converts` and `reduce_layouts` read the TTGIR (`ttgir_of` builds it alone);
+`blocks_per_sm` applies CUDA's occupancy rules to what they found.
 """
 
 from __future__ import annotations
@@ -88,19 +88,58 @@ def resource_usage(cubin: Path) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
-def reduce_layouts(launch: Launch, arch: int = 90, sums_only: bool = False) -> list[tuple]:
-    """Every reduction of the launch's sm_`arch` build, in program order, as (axis, the reduced
-    axis's sizePerThread, threadsPerWarp, warpsPerCTA, its rank in `order`): what fixes the
-    order in which a row's values are summed. `sums_only`: the floating-point sums alone (a
-    max, a min or an argmax gives the same answer in any order)."""
+def ttgir_of(launch: Launch, arch: int = 90) -> str:
+    """The launch's TTGIR for sm_`arch`: triton.compile's first two stages and no more.
+
+    The layouts are fixed there; LLVM and ptxas after them take as long again (the persistent
+    step's 8-token build: 14 s to the TTGIR, 28 s to the cubin), and a reader of layouts needs
+    neither. Nothing is cached. Where this triton's stages are not driven the way 3.9 drives
+    them, the whole compile runs (`_compiled_ttgir`), which gives the same text
+    (tests/test_kernels_aot.py compares them)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {path: [list(a) for a in attr] for path, attr in launch.attrs}
+    src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs), attrs)
+    target = GPUTarget("cuda", arch, 32)
+    try:
+        from triton._C.libtriton import ir
+        from triton.compiler.compiler import make_backend
+
+        backend = make_backend(target)
+        options = backend.parse_options(dict(launch.options) | src.parse_options())
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        module = src.make_ir(target, options, backend.get_codegen_implementation(options),
+                             backend.get_module_map(), context)  # fmt: skip
+        stages: dict = {}
+        backend.add_stages(stages, options, src.language)
+        metadata = {"target": target, **options.__dict__}
+        for ext in ("ttir", "ttgir"):
+            module = stages[ext](module, metadata)
+    except (ImportError, AttributeError, TypeError, KeyError):  # another triton's internals
+        return _compiled_ttgir(launch, arch)
+    return str(module)
+
+
+def _compiled_ttgir(launch: Launch, arch: int) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     attrs = {path: [list(a) for a in attr] for path, attr in launch.attrs}
     src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs), attrs)
-    ttgir = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                           options=dict(launch.options)).asm["ttgir"]  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(launch.options)).asm["ttgir"]  # fmt: skip
+
+
+def reduce_layouts(launch: Launch, arch: int = 90, sums_only: bool = False) -> list[tuple]:
+    """Every reduction of the launch's sm_`arch` build, in program order, as (axis, the reduced
+    axis's sizePerThread, threadsPerWarp, warpsPerCTA, its rank in `order`): what fixes the
+    order in which a row's values are summed. `sums_only`: the floating-point sums alone (a
+    max, a min or an argmax gives the same answer in any order)."""
+    ttgir = ttgir_of(launch, arch)
     layouts = {}
     for name, body in re.findall(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M):
         layouts[name] = {k: [int(v) for v in vals.split(",")]
