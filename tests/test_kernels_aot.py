@@ -79,19 +79,25 @@ def test_aot_rejects_unknown_model_and_interpreter(monkeypatch, capsys):
 
 def test_forced_variant_is_what_builds():
     """--force pins a variant as the sweep does: the attention launch takes the forced splits
-    (its grid's last axis) and tile (its label), the other kernels stay as they were."""
+    (its grid's last axis) and tile (its label), the other kernels stay as they were (the
+    plans, --plan), and the forced launch is the one that compiles."""
     args = ("--model", "llama-tiny", "--json")
+    force = ("--force", "attention", "NUM_SPLITS=3", "BLOCK_N=32")
     runs = {}
-    for extra in ((), ("--force", "attention", "NUM_SPLITS=3", "BLOCK_N=32")):
+    for extra in (("--plan",), ("--plan", *force), ("--kernel", "attention", *force)):
         out = aot(*args, *extra)
         assert out.returncode == 0, out.stderr[-3000:]
         rows = json.loads(out.stdout.strip().splitlines()[-1])["kernels"]
         runs[extra] = {r["kernel"].split("[")[0]: r for r in rows}
-    plain, forced = runs.values()
+    plain, forced, built = runs.values()
     assert forced["attention_kernel"]["grid"][-1] == 3 != plain["attention_kernel"]["grid"][-1]
     assert "BLOCK_N=32" in forced["attention_kernel"]["kernel"]
     assert {k: r["grid"] for k, r in plain.items() if k != "attention_kernel"} == {
         k: r["grid"] for k, r in forced.items() if k != "attention_kernel"}  # fmt: skip
+    assert len(plain) >= 5 and list(built) == ["attention_kernel"]
+    build = built["attention_kernel"]
+    assert build["kernel"] == forced["attention_kernel"]["kernel"] and build["registers"] > 0
+    assert build["grid"] == forced["attention_kernel"]["grid"]
 
 
 def test_launch_count_and_prediction():

@@ -25,7 +25,8 @@ SM).
 
 `--quant int8 int4` adds the quantized products of kernels/qgemv.py at the model's layer and
 head shapes, 1 and 8 tokens, with and without the fused RMSNorm (`gguf-int8-g16`: the GGUF
-repacks' int8 in groups of 16).
+repacks' int8 in groups of 16). `--plan`: the launches alone (kernel, grid, warps), nothing
+compiled, in a few seconds.
 """
 
 from __future__ import annotations
@@ -177,10 +178,12 @@ def compile_decode_step(
     quant: tuple[str, ...] = (),
     tokens: int = 1,
     persistent: bool = False,
+    plan_only: bool = False,
 ) -> list[dict]:
     """Every distinct kernel of the model's fused decode step (or of its persistent step), then
     of its quantized products in the `quant` formats, compiled for sm_`arch` (`only`: the
-    kernels whose name starts so)."""
+    kernels whose name starts so; `plan_only`: each launch's kernel, grid and warps, nothing
+    compiled)."""
     pdl = arch >= 90
     spec = arch if specialise else None
     launches = record_decode_step(model_ref, max_len, sms, pdl, arch=spec, tokens=tokens,
@@ -189,6 +192,9 @@ def compile_decode_step(
         launches += record_quant_products(model_ref, list(quant), sms, pdl, arch=spec)
     launches = distinct(launches)
     launches = [la for la in launches if only is None or la.name.startswith(only)]
+    if plan_only:
+        return [{"kernel": la.label(), "grid": list(la.grid),
+                 "warps": dict(la.options).get("num_warps", 4)} for la in launches]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         return [compile_launch(launch, arch, Path(tmp), sms) for launch in launches]
 
@@ -280,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         help="build with one kernel's variant pinned, as the sweep pins its "
         "VARIANTS (tuning.forcing): --force attention NUM_SPLITS=64 BLOCK_N=8",
     )
+    ap.add_argument(
+        "--plan",
+        action="store_true",
+        help="the launch plan alone (kernel, grid, warps), nothing compiled",
+    )
     ap.add_argument("--json", action="store_true", help="only the JSON line")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -306,8 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                                         arch=None, persistent=args.persistent))  # fmt: skip
         rows = compile_decode_step(args.model, args.arch, args.max_len, args.sms,
                                    not args.unspecialised, args.kernel, tuple(args.quant),
-                                   args.tokens, args.persistent)  # fmt: skip
-    if not args.json:
+                                   args.tokens, args.persistent, args.plan)  # fmt: skip
+    if args.plan and not args.json:
+        for r in rows:
+            print(f"{r['kernel']:54} {'x'.join(map(str, r['grid'])):>10} {r['warps']:>5}")
+    elif not args.json:
         print(f"{'kernel':54} {'grid':>10} {'warps':>5} {'regs':>4} {'spill':>5} {'smem':>6} "
               f"{'blk/SM':>6} {'waves':>5} cvt pdl  global loads (bits x count)")  # fmt: skip
         for r in rows:
