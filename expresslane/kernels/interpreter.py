@@ -10,7 +10,8 @@ restore still undoes them at its end. The kernels' results are the same bits eit
 (tests/test_interpreter.py compares them); only CPU tests and dry runs run the interpreter.
 
 Nothing is changed unless TRITON_INTERPRET=1, or where the interpreter's internals are not the
-ones this was written against (triton 3.6 to 3.9): then it runs as shipped, only slower.
+ones this was written against (`_patch_lang(fn)` and `GridExecutor`, as in triton 3.6 and 3.9;
+tested with 3.9): then it runs as shipped, only slower.
 """
 
 from __future__ import annotations
