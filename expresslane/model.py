@@ -18,6 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+if torch.cuda.is_available():  # flash attention's bottom-right bias, unmaterialised (below); its
+    # module imports torch._dynamo, 1.6 s that a start without CUDA skips
+    from torch.nn.attention.bias import causal_lower_right
+
 from .cache import KVCache
 from .config import ModelConfig
 from .rope import apply_rope, cos_sin, inv_frequencies
@@ -180,9 +184,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     if T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if q.is_cuda:  # flash attention takes the bias unmaterialised
-        # imported here: torch.nn.attention.bias imports torch._dynamo, 1.6 s of every start
-        from torch.nn.attention.bias import causal_lower_right
-
         mask = causal_lower_right(S, T)
     else:  # the mask the bias materialises off CUDA
         mask = torch.ones(S, T, dtype=torch.bool, device=q.device).tril(T - S)

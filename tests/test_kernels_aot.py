@@ -185,14 +185,14 @@ def test_quantized_products_compile_for_sm90():
 INVARIANCE = """
 import json
 from expresslane.kernels.aot import distinct, invariance_report, record_decode_step
-from expresslane.kernels.aot_read import _compiled_ttgir, ttgir_of
+from expresslane.kernels.aot_read import ttgir_of
 out = {}
 for n in (2, 8):
     report = invariance_report("laneformer-2b", (1, n))
     out[n] = {k: [sorted(set(map(tuple, b))) for b in builds] for k, builds in report.items()}
 launches = distinct(record_decode_step("llama-3.2-1b", 4096, 132, True, tokens=3))
 small = [la for la in launches if la.name.startswith(("gemv_reduce", "lane_gemv"))][0]
-same = ttgir_of(small, 90) == _compiled_ttgir(small, 90)  # the two stages alone, as compiled
+same = ttgir_of(small, 90) == small.compile(90).asm["ttgir"]  # two stages, as compiled
 print(json.dumps({"layouts": out, "same_ttgir": same}))
 """
 

@@ -134,13 +134,7 @@ def distinct(launches: list[Launch]) -> list[Launch]:
 
 def compile_launch(launch: Launch, arch: int, workdir: Path, sms: int = 132) -> dict:
     """Compile for sm_`arch` as the JIT would; registers, spills, shared memory, load widths."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    attrs = {path: [list(a) for a in attr] for path, attr in launch.attrs}
-    src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs), attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
+    compiled = launch.compile(arch)
     cubin = workdir / f"{launch.name}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     usage = resource_usage(cubin)

@@ -51,6 +51,21 @@ class Launch:
         shown = [f"{k}={v}" for k, v in self.constexprs if k in keys]
         return f"{self.name}[{','.join(shown)}]"
 
+    def source(self):
+        """The triton.compile source of this launch (its specialisation attributes included)."""
+        from triton.compiler import ASTSource
+
+        attrs = {path: [list(a) for a in attr] for path, attr in self.attrs}
+        return ASTSource(self.kernel, dict(self.signature), dict(self.constexprs), attrs)
+
+    def compile(self, arch: int):
+        """The launch compiled for sm_`arch` as the JIT would (triton's cache serves a repeat)."""
+        import triton
+        from triton.backends.compiler import GPUTarget
+
+        return triton.compile(self.source(), target=GPUTarget("cuda", arch, 32),
+                              options=dict(self.options))  # fmt: skip
+
     def aligned(self) -> list[str]:
         """The parameters specialised as divisible by 16."""
         names = [n for n, _ in self.signature]

@@ -94,14 +94,11 @@ def ttgir_of(launch: Launch, arch: int = 90) -> str:
     The layouts are fixed there; LLVM and ptxas after them take as long again (the persistent
     step's 8-token build: 14 s to the TTGIR, 28 s to the cubin), and a reader of layouts needs
     neither. Nothing is cached. Where this triton's stages are not driven the way 3.9 drives
-    them, the whole compile runs (`_compiled_ttgir`), which gives the same text
+    them, the whole compile runs (`Launch.compile`), which gives the same text
     (tests/test_kernels_aot.py compares them)."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    attrs = {path: [list(a) for a in attr] for path, attr in launch.attrs}
-    src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs), attrs)
-    target = GPUTarget("cuda", arch, 32)
+    src, target = launch.source(), GPUTarget("cuda", arch, 32)
     try:
         from triton._C.libtriton import ir
         from triton.compiler.compiler import make_backend
@@ -119,19 +116,8 @@ def ttgir_of(launch: Launch, arch: int = 90) -> str:
         for ext in ("ttir", "ttgir"):
             module = stages[ext](module, metadata)
     except (ImportError, AttributeError, TypeError, KeyError):  # another triton's internals
-        return _compiled_ttgir(launch, arch)
+        return launch.compile(arch).asm["ttgir"]
     return str(module)
-
-
-def _compiled_ttgir(launch: Launch, arch: int) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    attrs = {path: [list(a) for a in attr] for path, attr in launch.attrs}
-    src = ASTSource(launch.kernel, dict(launch.signature), dict(launch.constexprs), attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(launch.options)).asm["ttgir"]  # fmt: skip
 
 
 def reduce_layouts(launch: Launch, arch: int = 90, sums_only: bool = False) -> list[tuple]:
