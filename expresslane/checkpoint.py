@@ -245,8 +245,11 @@ def load_model(
     dtype: str = "auto",
     overrides: dict | None = None,
     progress: bool = True,
+    unread: Callable[[ModelConfig], set[str]] | None = None,
 ) -> Laneformer:
-    """Read a checkpoint folder into a Laneformer on `device` in `dtype`."""
+    """Read a checkpoint folder into a Laneformer on `device` in `dtype`. `unread(cfg)`: our
+    parameter names left unread, on the meta device, for a packer that takes them from the file
+    as stored (packing.pack_gguf), so that they are never dequantized to floats."""
     folder, cfg, handles, where = open_checkpoint(name, overrides)
     dev = resolve_device(device, cfg)
     dt = resolve_dtype(dtype, cfg, dev)
@@ -271,18 +274,17 @@ def load_model(
             f"{folder}: unexpected tensor {unexpected[0]} "
             f"(not part of a {cfg.model_type} model with this config)"
         )
-    state = {}
-    bar = tqdm(
-        wanted.items(), desc="loading", unit="tensor", file=sys.stderr, disable=not progress or None
-    )
+    state, skip = {}, unread(cfg) if unread else set()
+    read = [(key, ours) for key, ours in wanted.items() if ours not in skip]
+    bar = tqdm(read, desc="loading", unit="tensor", file=sys.stderr, disable=not progress or None)
     for key, ours in bar:
         state[ours] = read_tensor(
             cfg, handles[where[key]], key, ours, expected[ours].shape, where[key]
         ).to(device=dev, dtype=dt)
-    model = model.to_empty(device=dev)
-    model.load_state_dict(state, strict=True, assign=True)
-    # to_empty left the non-persistent RoPE buffer uninitialised: recompute it (fp32,
-    # laneformer.md 4.4).
+    # assign: the tensors read become the parameters of the meta-built model (nothing allocated
+    # twice); its non-persistent RoPE buffer is computed here (fp32, laneformer.md 4.4)
+    missing = model.load_state_dict(state, strict=False, assign=True).missing_keys
+    assert set(missing) == skip, f"parameters neither read nor left unread: {missing}"
     model.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(dev)
     return model.eval()
 

@@ -65,6 +65,17 @@ def test_truncated_inside_the_header(tmp_path, capsys):
     _fails(capsys, path, "m.gguf", "truncated or corrupt GGUF header")
 
 
+def test_truncated_inside_the_vocabulary(tmp_path, capsys):
+    """The vocabulary's strings are read in one loop (reader._strings): a string running past
+    the end is the same one-line error as anywhere in the header."""
+    tokens = [f"tok{i}" for i in range(V)]
+    path = write_gguf(tmp_path / "m.gguf", "llama", {**_meta(), "tokenizer.ggml.tokens": tokens},
+                      _tensors())  # fmt: skip
+    data = path.read_bytes()
+    path.write_bytes(data[: data.index(b"tok40") + 2])
+    _fails(capsys, path, "m.gguf", "truncated or corrupt GGUF header")
+
+
 def test_wrong_magic(tmp_path, capsys):
     path = _good(tmp_path)
     path.write_bytes(b"GGML" + path.read_bytes()[4:])

@@ -91,6 +91,9 @@ class GGUFCheckpoint:
     def keys(self) -> list[str]:
         return list(self._names)
 
+    def ggml_type(self, key: str) -> str:
+        return self.header.tensors[self._names[key]].type_name
+
     def shape(self, key: str) -> tuple[int, ...]:
         return self.header.tensors[self._names[key]].shape
 

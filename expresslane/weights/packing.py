@@ -40,6 +40,7 @@ from .quant import (
     check_format,
     concat_rows,
     from_gguf,
+    kernel_reads,
     quantize,
     stack_rows,
 )
@@ -48,6 +49,8 @@ from .quant import (
 # scale per 32 weights: 98% top-1 agreement with fp32 on SmolLM2, against 96% for one scale per
 # row, BENCHMARKS.md); "int8-row" (one fp32 scale per output row) is the per-channel variant.
 QUANTIZATIONS = {"int8": "q8_0", "int8-row": "int8"}
+PROJ_OF = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
+           "w1": "feed_forward", "w3": "feed_forward", "w2": "feed_forward"}  # fmt: skip
 # --quantization gguf: a GGUF file's own blocks. The CPU keeps them anyway (dtype auto); on a GPU
 # they go to the quantized products where a layout holds them (kernels/qlinear.repack_gguf: the
 # types of its REPACKED), the rest bf16. Not the GPU's default: a quantized model decodes
@@ -113,8 +116,16 @@ def load_packed(
         raise ConfigError("--lora with --quantization gguf on a GPU: the repack takes the file's "
                           "blocks, which the merged adapter changes; quantize the merged floats "
                           "(int8, ...)")  # fmt: skip
-    model = load_model(path, device=device, dtype=load_dtype, progress=progress)
-    adapted = merge(model, [load_adapter(p, model.cfg, s) for p, s in lora]) if lora else set()
+    adapters: list = []
+
+    def unread(cfg) -> set[str]:  # the adapters first: what they change is read as floats
+        adapters.extend(load_adapter(p, cfg, s) for p, s in lora)
+        if fmt != "gguf":
+            return set()
+        return stored_only(cfg, find_gguf(path), {m for a in adapters for m in a.modules})
+
+    model = load_model(path, device=device, dtype=load_dtype, progress=progress, unread=unread)
+    adapted = merge(model, adapters) if adapters else set()
     if fmt == "gguf":  # the file's quantized blocks, kept as they are where a kernel reads them
         pack_gguf(model, find_gguf(path), adapted)
     elif fmt is not None:
@@ -216,6 +227,7 @@ def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights
     a layer's matrices and the embedding / head from elsewhere (a GGUF file's blocks)."""
 
     def fit(w: torch.Tensor) -> QTensor:  # GGUF blocks need K % 32 == 0: else per-row int8
+        assert not w.is_meta, "a weight left unread (stored_only) is packed from floats"
         blocks_fit = fmt not in GGUF_FORMATS or w.shape[-1] % 32 == 0
         return quantize(w, fmt if blocks_fit else "int8")
 
@@ -297,6 +309,7 @@ def pack_gguf(model: Laneformer, path, adapted: set[str] = frozenset()) -> Packe
         if all(p is not None for p in parts):  # formats may differ: a "mixed" stack
             q = stack_rows(parts)
             return q.map(lambda t: t.unsqueeze(0))  # one lane
+        assert not any(w.is_meta for w in weights), f"{paths}: left unread, not stored"
         return quantize(concat_rows(weights), "float32")
 
     with torch.no_grad():
@@ -306,6 +319,34 @@ def pack_gguf(model: Laneformer, path, adapted: set[str] = frozenset()) -> Packe
     packed.fmt = "gguf"
     model.packed = packed
     return packed
+
+
+def stored_only(cfg, path, adapted: set[str] = frozenset()) -> set[str]:
+    """The parameters pack_gguf takes from the file's blocks alone, by the rules it packs by: a
+    one-lane layer's product (q k v stacked, gate up stacked, wo, w2) whose every part is either
+    adapted (merged from floats) or stored in a type a kernel reads; the embedding and an untied
+    replicated head when stored so. load_model leaves them unread: a 4-bit 7B is never 28 GB of
+    fp32 on its way to its kernels."""
+    from ..checkpoint import hf_name
+    from ..gguf.tensors import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(path)
+    keys = set(ck.keys())
+
+    def reads(module_path: str) -> bool:
+        key = hf_name(cfg, module_path + ".weight")
+        return key in keys and kernel_reads(ck.ggml_type(key))
+
+    paths = []
+    if cfg.num_lanes == 1:  # a Laneformer's lanes stack its floats (_pack without `fused`)
+        for i in range(cfg.num_layers):
+            for group in (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",)):
+                parts = [f"model.layers.{i}.{PROJ_OF[g]}.{g}" for g in group]
+                if all(p in adapted or reads(p) for p in parts):
+                    paths += [p for p in parts if p not in adapted]
+    head = cfg.lm_head_type == "replicate" and not cfg.tie_word_embeddings
+    paths += [p for p in ("model.tok_embeddings", "lm_head")[: 1 + head] if reads(p)]
+    return {p + ".weight" for p in paths}
 
 
 def _splits(total: int, parts: list[int]) -> list[tuple[int, int]]:

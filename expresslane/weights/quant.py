@@ -185,6 +185,11 @@ def _q4_1(w: torch.Tensor) -> QTensor:
     return QTensor("q4_1", data, d.half().contiguous(), None, lo.half().contiguous())
 
 
+def kernel_reads(ggml_type: str) -> bool:
+    """Whether from_gguf takes this GGUF type as stored (a float type or a kernel's blocks)."""
+    return ggml_type in ("F32", "F16", "BF16") or ggml_type in gguf_blocks.TYPES
+
+
 def from_gguf(ggml_type: str, data: torch.Tensor, shape: tuple[int, ...]) -> QTensor | None:
     """GGUF blocks (rows, bytes per row) of a (N, K) matrix as a planar QTensor: F32/F16/BF16
     and the block types of gguf_blocks.TYPES (the formats with kernels); None for any other type."""
