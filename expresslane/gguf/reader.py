@@ -163,7 +163,8 @@ class _Parser:
         return s
 
     def _strings(self, n: int) -> list[str]:
-        """n strings in one loop (a vocabulary's 49,152 took 0.25 s through _string)."""
+        """n strings in one loop: SmolLM2's header (49,152 tokens, 48,900 merges) in 0.03-0.06 s,
+        against 0.09-0.12 s a string at a time through _string."""
         buf, pos, end, length, out = self.buf, self.pos, len(self.buf), _U64.unpack_from, []
         for _ in range(n):
             k = length(buf, pos)[0]
