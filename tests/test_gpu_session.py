@@ -40,7 +40,7 @@ def test_dry_run_of_every_stage(tmp_path):
         ("smoke", "bench-2b", "bench-1b", "ttft"),
         ("tests", "kernels", "profile", "sweep"),
         ("structured", "spec-replay", "barrier", "persistent"),
-        ("bench-qwen", "free-grammar", "persistent-1b"),
+        ("bench-qwen", "free-grammar", "persistent-1b", "quant-1b"),
     ]
     with ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda s: session_run(tmp_path / s[0], "--dry-run", *s), calls))
@@ -95,6 +95,8 @@ def test_dry_run_of_every_stage(tmp_path):
         assert steps and all(r["bitwise"] and r["same_pick"] and not r["failed_waits"]
                              for r in steps)  # fmt: skip
         assert steps[0]["rows_are_lone_steps"]
+    decode = [r for r in results["quant-1b"]["result"]["rows"] if r["part"] == "decode"]
+    assert [r["format"] for r in decode] == ["bf16", "int8"] and all(r["tok_s"] > 0 for r in decode)
     spec = results["spec-replay"]["result"]
     assert spec["bench"] == "spec_replay" and set(spec["by_kind"]) == {"edit", "quote", "free"}
     tests = results["tests"]["tests"]

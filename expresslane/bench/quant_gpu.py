@@ -114,6 +114,11 @@ def _decode_tok_s(engine, vocab: int, context: int, tokens: int, dev) -> float:
     return (tokens - max(1, tokens // 4)) / max(long - short, 1e-9)
 
 
+def fused_step(engine) -> bool:
+    """Whether the engine decodes through the fused Triton kernels (bench/decode.py's flag)."""
+    return engine.step_name == "fused kernels" and bool(getattr(engine.step, "kernels", False))
+
+
 def _decode(preset: str, formats, context: int, tokens: int, dev, copy_gb_s: float, dry: bool):
     from ..engine import Engine
     from ..kernels.qlinear import quantize_model, quantized_bytes
@@ -139,7 +144,7 @@ def _decode(preset: str, formats, context: int, tokens: int, dev, copy_gb_s: flo
         tok_s = _decode_tok_s(engine, cfg.vocab_size, context, tokens, dev)
         gb_s = nbytes * tok_s / 1e9
         rows.append({"part": "decode", "format": fmt, "context": context, "tok_s": tok_s,
-                     "fused_kernels": engine.decoder is not None, "bytes": nbytes,
+                     "fused_kernels": fused_step(engine), "bytes": nbytes,
                      "gb_s": gb_s, "pct_copy": 100 * gb_s / copy_gb_s})  # fmt: skip
         del engine, model
         if dev.type == "cuda":
