@@ -1,5 +1,5 @@
 """A GGUF file packed for the CPU step is read once, as stored: the matrices a kernel takes as
-blocks are never dequantized to floats on the way (`packing.stored_only`, `load_model(unread=)`),
+blocks are never dequantized to floats on the way (`stored.stored_only`, `load_model(unread=)`),
 and what comes out is what reading every tensor as floats first gave: the same packed weights, bit
 for bit, and the same logits. A LoRA adapter's matrices are still read as floats (they are merged
 there); a Laneformer's lanes, stacked from floats, too."""
@@ -15,7 +15,8 @@ from expresslane.assets import TRAINED
 from expresslane.checkpoint import load_model, open_checkpoint
 from expresslane.gguf.tensors import GGUFCheckpoint
 from expresslane.gguf.write import write_laneformer
-from expresslane.weights.packing import load_packed, pack_gguf, stored_only
+from expresslane.weights.packing import load_packed, pack_gguf
+from expresslane.weights.stored import stored_only
 
 IDS = torch.tensor([[5, 17, 101, 33, 250, 7, 64, 199, 12, 3]])
 

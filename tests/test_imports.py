@@ -118,7 +118,7 @@ LAYERS = [
     ("step.fused", "step.native"),
     ("step.protocol",),
     ("kernels", "kernels.prefill_norm"),
-    ("checkpoint", "weights.packing", "weights.packed_modules"),
+    ("checkpoint", "weights.packing", "weights.packed_modules", "weights.stored"),
     ("generation",),
     ("model",),
     ("prefix", "speculative.drafting", "speculative"),

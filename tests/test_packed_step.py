@@ -196,6 +196,38 @@ def test_load_plan_maps_flags_to_formats():
         load_plan("cpu", "auto", "int4")  # kernels/qlinear.py: GPU only
 
 
+def test_a_16bit_checkpoint_keeps_its_format_on_a_cpu(tmp_path):
+    """dtype auto on a CPU: matrices all stored in bf16 (or fp16) are packed so (the same values
+    as fp32, half the bytes), as a GGUF BF16 file is; fp32 or mixed matrices stay fp32. The
+    logits are the fp32 packing's within the products' summation order, the greedy tokens the
+    same."""
+    from safetensors.torch import load_file, save_file
+
+    from expresslane.checkpoint import save_model
+
+    src = llama(seed=13)
+    for dt in ("bfloat16", "float16", "float32"):
+        save_model(src, tmp_path / dt, dtype=dt)
+        fmt = None if dt == "float32" else dt
+        assert load_plan("cpu", "auto", None, tmp_path / dt) == ("float32" if fmt else "auto", fmt)
+        assert load_plan("cpu", "float32", None, tmp_path / dt) == ("float32", None)
+    mixed = load_file(tmp_path / "bfloat16" / "model.safetensors")
+    key = next(k for k, t in mixed.items() if t.dim() == 2)
+    mixed[key] = mixed[key].float()
+    save_file(mixed, tmp_path / "bfloat16" / "model.safetensors")
+    assert load_plan("cpu", "auto", None, tmp_path / "bfloat16") == ("auto", None)
+    ways = {}
+    for dtype in ("auto", "float32"):
+        engine = Engine.from_pretrained(tmp_path / "float16", device="cpu", dtype=dtype,
+                                         decode="graph", progress=False)  # fmt: skip
+        assert engine.model.packed.fmt == ("float16" if dtype == "auto" else "float32")
+        tokens = list(engine.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True)))
+        with torch.inference_mode():
+            ways[dtype] = (tokens, engine.model(torch.tensor([PROMPT]))[0])
+    assert ways["auto"][0] == ways["float32"][0]
+    torch.testing.assert_close(ways["auto"][1], ways["float32"][1], rtol=1e-5, atol=1e-5)
+
+
 def test_quantization_gguf_keeps_the_files_blocks_or_names_the_problem(tmp_path, monkeypatch):
     """--quantization gguf: on a CPU the GGUF default (the file's blocks); on a GPU the floats,
     then the file's blocks on the quantized products (qlinear.repack_gguf, whose products

@@ -26,6 +26,7 @@ from ..step.threads import ThreadGovernor, set_threads, threads_on
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from ..tokenizer.chat import chat_template_from
+from ..weights.packing import load_plan
 from .interactive import chat_loop
 from .sampling import add_sampling_arguments, sampling_from_args, with_tokenized
 
@@ -258,7 +259,8 @@ def set_cpu_threads(path, device: str, dtype: str, quantization, threads: int | 
 
 
 def _step_bytes(path, dtype: str, quantization) -> int:
-    per_weight = 1 if quantization else 2 if dtype in ("bfloat16", "float16") else 4
+    fmt = load_plan("cpu", dtype, quantization, path)[1] if quantization is None else None
+    per_weight = 1 if quantization else 2 if fmt in ("bfloat16", "float16") else 4
     cfg = load_config(resolve_model_dir(path))
     return bytes_per_token(cfg, 1, dtype_bytes=per_weight)["weights"]
 

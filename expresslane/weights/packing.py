@@ -40,17 +40,15 @@ from .quant import (
     check_format,
     concat_rows,
     from_gguf,
-    kernel_reads,
     quantize,
     stack_rows,
 )
+from .stored import stored_16bit, stored_only
 
 # --quantization NAME -> the packed format: int8 is GGUF Q8_0's layout and rounding (one f16
 # scale per 32 weights: 98% top-1 agreement with fp32 on SmolLM2, against 96% for one scale per
 # row, BENCHMARKS.md); "int8-row" (one fp32 scale per output row) is the per-channel variant.
 QUANTIZATIONS = {"int8": "q8_0", "int8-row": "int8"}
-PROJ_OF = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
-           "w1": "feed_forward", "w3": "feed_forward", "w2": "feed_forward"}  # fmt: skip
 # --quantization gguf: a GGUF file's own blocks. The CPU keeps them anyway (dtype auto); on a GPU
 # they go to the quantized products where a layout holds them (kernels/qlinear.repack_gguf: the
 # types of its REPACKED), the rest bf16. Not the GPU's default: a quantized model decodes
@@ -70,8 +68,10 @@ def load_plan(
     """(dtype to load a checkpoint in, packed weight format or None) for the flags given.
 
     On a CPU the decode step computes in fp32 whatever the weights: `--dtype bfloat16|float16`
-    and `--quantization int8` load fp32 and pack the weights in that format, and a GGUF file
-    (dtype auto) keeps its own quantized blocks ("gguf", pack_gguf). Elsewhere `dtype` is the
+    and `--quantization int8` load fp32 and pack the weights in that format; with dtype auto a
+    GGUF file keeps its own blocks ("gguf", pack_gguf) and a checkpoint whose matrices are all
+    bf16 (or all fp16) keeps that format, as a GGUF BF16 file does: the same weight values as
+    fp32 (a 16-bit value is exact in fp32), half the bytes a step streams. Elsewhere `dtype` is the
     model's own; a GPU's `--quantization` (gpu_pack.GPU_QUANTIZATIONS) loads the floats, which
     Engine.from_pretrained then quantizes (kernels/qlinear.py): no packed format here.
     """
@@ -96,8 +96,9 @@ def load_plan(
         return "float32", packed_format(quantization)
     if cpu and dtype in ("bfloat16", "float16"):
         return "float32", dtype
-    if cpu and dtype == "auto" and path is not None and find_gguf(path) is not None:
-        return "float32", "gguf"
+    if cpu and dtype == "auto" and path is not None:
+        fmt = "gguf" if find_gguf(path) is not None else stored_16bit(path)
+        return ("float32", fmt) if fmt else (dtype, None)
     return dtype, None
 
 
@@ -319,34 +320,6 @@ def pack_gguf(model: Laneformer, path, adapted: set[str] = frozenset()) -> Packe
     packed.fmt = "gguf"
     model.packed = packed
     return packed
-
-
-def stored_only(cfg, path, adapted: set[str] = frozenset()) -> set[str]:
-    """The parameters pack_gguf takes from the file's blocks alone, by the rules it packs by: a
-    one-lane layer's product (q k v stacked, gate up stacked, wo, w2) whose every part is either
-    adapted (merged from floats) or stored in a type a kernel reads; the embedding and an untied
-    replicated head when stored so. load_model leaves them unread: a 4-bit 7B is never 28 GB of
-    fp32 on its way to its kernels."""
-    from ..checkpoint import hf_name
-    from ..gguf.tensors import GGUFCheckpoint
-
-    ck = GGUFCheckpoint(path)
-    keys = set(ck.keys())
-
-    def reads(module_path: str) -> bool:
-        key = hf_name(cfg, module_path + ".weight")
-        return key in keys and kernel_reads(ck.ggml_type(key))
-
-    paths = []
-    if cfg.num_lanes == 1:  # a Laneformer's lanes stack its floats (_pack without `fused`)
-        for i in range(cfg.num_layers):
-            for group in (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",)):
-                parts = [f"model.layers.{i}.{PROJ_OF[g]}.{g}" for g in group]
-                if all(p in adapted or reads(p) for p in parts):
-                    paths += [p for p in parts if p not in adapted]
-    head = cfg.lm_head_type == "replicate" and not cfg.tie_word_embeddings
-    paths += [p for p in ("model.tok_embeddings", "lm_head")[: 1 + head] if reads(p)]
-    return {p + ".weight" for p in paths}
 
 
 def _splits(total: int, parts: list[int]) -> list[tuple[int, int]]:

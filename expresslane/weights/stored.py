@@ -1,0 +1,48 @@
+"""What a checkpoint stores, read without converting it: the matrices a GGUF file's packing
+takes as blocks (so that loading never dequantizes them), and the 16-bit format a safetensors
+checkpoint's matrices share (which the CPU keeps, as it keeps a GGUF BF16 file's). packing.py
+plans and packs by them."""
+
+from __future__ import annotations
+
+from .quant import kernel_reads
+
+PROJ_OF = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
+           "w1": "feed_forward", "w3": "feed_forward", "w2": "feed_forward"}  # fmt: skip
+
+
+def stored_only(cfg, path, adapted: set[str] = frozenset()) -> set[str]:
+    """The parameters pack_gguf takes from the file's blocks alone, by the rules it packs by: a
+    one-lane layer's product (q k v stacked, gate up stacked, wo, w2) whose every part is either
+    adapted (merged from floats) or stored in a type a kernel reads; the embedding and an untied
+    replicated head when stored so. load_model leaves them unread: a 4-bit 7B is never 28 GB of
+    fp32 on its way to its kernels."""
+    from ..checkpoint import hf_name
+    from ..gguf.tensors import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(path)
+    keys = set(ck.keys())
+
+    def reads(module_path: str) -> bool:
+        key = hf_name(cfg, module_path + ".weight")
+        return key in keys and kernel_reads(ck.ggml_type(key))
+
+    paths = []
+    if cfg.num_lanes == 1:  # a Laneformer's lanes stack its floats (_pack without `fused`)
+        for i in range(cfg.num_layers):
+            for group in (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",)):
+                parts = [f"model.layers.{i}.{PROJ_OF[g]}.{g}" for g in group]
+                if all(p in adapted or reads(p) for p in parts):
+                    paths += [p for p in parts if p not in adapted]
+    head = cfg.lm_head_type == "replicate" and not cfg.tie_word_embeddings
+    paths += [p for p in ("model.tok_embeddings", "lm_head")[: 1 + head] if reads(p)]
+    return {p + ".weight" for p in paths}
+
+
+def stored_16bit(path) -> str | None:
+    """bfloat16 or float16 where every matrix of a safetensors checkpoint is stored so."""
+    from ..checkpoint import open_checkpoint
+
+    kinds = {h.get_slice(k).get_dtype() for h in open_checkpoint(path)[2].values()
+             for k in h.keys() if len(h.get_slice(k).get_shape()) > 1}  # fmt: skip
+    return {"BF16": "bfloat16", "F16": "float16"}.get(kinds.pop()) if len(kinds) == 1 else None
