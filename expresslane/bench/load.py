@@ -1,5 +1,5 @@
-"""From a GGUF file to its first token, in a fresh process: seconds and peak memory, against
-llama.cpp.
+"""From a GGUF file (or a checkpoint folder) to its first token, in a fresh process: seconds and
+peak memory, against llama.cpp.
 
     python -m expresslane.bench.load FILE... [--repeats 3] [--threads 2] [--no-peer]
                                      [--checkout DIR]
@@ -59,7 +59,9 @@ def commands(path: str, threads: int) -> dict[str, list[str]]:
 
 
 def measure(path: str, threads: int, repeats: int, peer: bool, checkout: str | None) -> dict:
-    row: dict = {"file": Path(path).name, "mb": round(os.path.getsize(path) / 2**20, 1)}
+    files = [Path(path)] if os.path.isfile(path) else list(Path(path).glob("*.safetensors"))
+    row: dict = {"file": Path(path).name,
+                 "mb": round(sum(f.stat().st_size for f in files) / 2**20, 1)}  # fmt: skip
     path = str(Path(path).resolve())  # a checkout runs in its own folder
     for name, cmd in commands(path, threads).items():
         if name != "ours" and not peer:
@@ -88,13 +90,13 @@ def _cell(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m expresslane.bench.load",
                                  description=__doc__.split("\n\n")[0])  # fmt: skip
-    ap.add_argument("files", nargs="+", help="GGUF files")
+    ap.add_argument("files", nargs="+", help="GGUF files (or checkpoint folders, with --no-peer)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-peer", action="store_true", help="ours alone")
     ap.add_argument("--checkout", default=None, help="another checkout's expresslane")
     args = ap.parse_args(argv)
-    missing = [f for f in args.files if not os.path.isfile(f)]
+    missing = [f for f in args.files if not os.path.exists(f)]
     problem = (f"{missing[0]}: no such file" if missing else "--repeats and --threads: at least 1"
                if min(args.repeats, args.threads) < 1 else None)  # fmt: skip
     if args.checkout and not (Path(args.checkout) / "expresslane" / "__init__.py").is_file():

@@ -43,7 +43,7 @@ from .quant import (
     quantize,
     stack_rows,
 )
-from .stored import stored_16bit, stored_only
+from .stored import stored_16bit, stored_matrices, stored_only, stored_reader
 
 # --quantization NAME -> the packed format: int8 is GGUF Q8_0's layout and rounding (one f16
 # scale per 32 weights: 98% top-1 agreement with fp32 on SmolLM2, against 96% for one scale per
@@ -119,16 +119,21 @@ def load_packed(
                           "(int8, ...)")  # fmt: skip
     adapters: list = []
 
+    as_stored = fmt in ("bfloat16", "float16") and stored_16bit(path) == fmt
+
     def unread(cfg) -> set[str]:  # the adapters first: what they change is read as floats
         adapters.extend(load_adapter(p, cfg, s) for p, s in lora)
-        if fmt != "gguf":
-            return set()
-        return stored_only(cfg, find_gguf(path), {m for a in adapters for m in a.modules})
+        adapted = {m for a in adapters for m in a.modules}
+        if fmt == "gguf":
+            return stored_only(cfg, find_gguf(path), adapted)
+        return stored_matrices(cfg, adapted) if as_stored else set()
 
     model = load_model(path, device=device, dtype=load_dtype, progress=progress, unread=unread)
     adapted = merge(model, adapters) if adapters else set()
     if fmt == "gguf":  # the file's quantized blocks, kept as they are where a kernel reads them
         pack_gguf(model, find_gguf(path), adapted)
+    elif as_stored:  # the checkpoint's own 16-bit matrices, read as stored
+        pack_stored(model, path, fmt)
     elif fmt is not None:
         pack_model(model, fmt)
     return model
@@ -318,6 +323,28 @@ def pack_gguf(model: Laneformer, path, adapted: set[str] = frozenset()) -> Packe
         packed = _placed(packed)
         _swap(model, packed)
     packed.fmt = "gguf"
+    model.packed = packed
+    return packed
+
+
+def pack_stored(model: Laneformer, path, fmt: str) -> PackedWeights:
+    """pack_model's packing in `fmt` (bf16, fp16) of a checkpoint stored in it, the matrices
+    load_model left unread (stored.stored_matrices) read as stored: no fp32 copy on the way."""
+    read = stored_reader(path, model.cfg)
+
+    def real(module_path: str, w: torch.Tensor) -> torch.Tensor:
+        return read(module_path, tuple(w.shape)) if w.is_meta else w  # else merged floats
+
+    def fused(paths: list[str], weights: list[torch.Tensor]) -> QTensor:
+        return quantize(concat_rows([real(*pw) for pw in zip(paths, weights, strict=True)]), fmt)
+
+    def stored(module_path: str) -> QTensor | None:
+        w = model.get_parameter(module_path + ".weight")
+        return quantize(real(module_path, w), fmt) if w.is_meta else None
+
+    with torch.no_grad():
+        packed = _placed(_pack(model, fmt, fused, stored))
+        _swap(model, packed)
     model.packed = packed
     return packed
 

@@ -1,10 +1,16 @@
 """What a checkpoint stores, read without converting it: the matrices a GGUF file's packing
 takes as blocks (so that loading never dequantizes them), and the 16-bit format a safetensors
-checkpoint's matrices share (which the CPU keeps, as it keeps a GGUF BF16 file's). packing.py
+checkpoint's matrices share, which the CPU keeps (as it keeps a GGUF BF16 file's), reading those
+matrices as stored (`stored_matrices`, `stored_reader`): never as fp32 on the way. packing.py
 plans and packs by them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
+from ..gguf import find_gguf
 from .quant import kernel_reads
 
 PROJ_OF = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
@@ -43,6 +49,35 @@ def stored_16bit(path) -> str | None:
     """bfloat16 or float16 where every matrix of a safetensors checkpoint is stored so."""
     from ..checkpoint import open_checkpoint
 
+    if find_gguf(path) is not None:
+        return None
     kinds = {h.get_slice(k).get_dtype() for h in open_checkpoint(path)[2].values()
              for k in h.keys() if len(h.get_slice(k).get_shape()) > 1}  # fmt: skip
     return {"BF16": "bfloat16", "F16": "float16"}.get(kinds.pop()) if len(kinds) == 1 else None
+
+
+def stored_matrices(cfg, adapted: set[str] = frozenset()) -> set[str]:
+    """The parameters pack_stored reads from a 16-bit checkpoint as stored: every projection a
+    LoRA does not adapt, the embedding and an untied replicated head (a lane or vocab-parallel
+    head is packed from its floats)."""
+    paths = [f"model.layers.{i}.{mod}.{g}" for i in range(cfg.num_layers)
+             for g, mod in PROJ_OF.items()]  # fmt: skip
+    paths = [p for p in paths if p not in adapted] + ["model.tok_embeddings"]
+    if cfg.lm_head_type == "replicate" and not cfg.tie_word_embeddings:
+        paths.append("lm_head")
+    return {p + ".weight" for p in paths}
+
+
+def stored_reader(path, cfg) -> Callable[[str, tuple], torch.Tensor]:
+    """(module path, our shape) -> its weight as the checkpoint stores it (its dtype), in our
+    layout."""
+    from ..checkpoint import hf_name, open_checkpoint, read_tensor
+
+    _, _, handles, where = open_checkpoint(path)
+
+    def read(module_path: str, shape: tuple) -> torch.Tensor:
+        ours = module_path + ".weight"
+        key = hf_name(cfg, ours)
+        return read_tensor(cfg, handles[where[key]], key, ours, shape, where[key])
+
+    return read
