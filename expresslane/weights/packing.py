@@ -70,8 +70,9 @@ def load_plan(
     On a CPU the decode step computes in fp32 whatever the weights: `--dtype bfloat16|float16`
     and `--quantization int8` load fp32 and pack the weights in that format; with dtype auto a
     GGUF file keeps its own blocks ("gguf", pack_gguf) and a checkpoint whose matrices are all
-    bf16 (or all fp16) keeps that format, as a GGUF BF16 file does: the same weight values as
-    fp32 (a 16-bit value is exact in fp32), half the bytes a step streams. Elsewhere `dtype` is the
+    bf16 (or all fp16) keeps that format, as a GGUF BF16 file does: the same weight values (exact
+    in fp32), half the bytes; x meets bf16 weights as two bf16 parts (csrc/cpu_matmul.c), within
+    ~2^-16 of fp32 (`--dtype float32`: the fp32 packing). Elsewhere `dtype` is the
     model's own; a GPU's `--quantization` (gpu_pack.GPU_QUANTIZATIONS) loads the floats, which
     Engine.from_pretrained then quantizes (kernels/qlinear.py): no packed format here.
     """
@@ -118,7 +119,6 @@ def load_packed(
                           "blocks, which the merged adapter changes; quantize the merged floats "
                           "(int8, ...)")  # fmt: skip
     adapters: list = []
-
     as_stored = fmt in ("bfloat16", "float16") and stored_16bit(path) == fmt
 
     def unread(cfg) -> set[str]:  # the adapters first: what they change is read as floats
