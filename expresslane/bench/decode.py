@@ -90,6 +90,11 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:400]}"
 
 
+def fused_kernels(engine: Engine) -> bool:
+    """Whether the engine's step runs the fused Triton kernels (not their reference twins)."""
+    return engine.step_name == "fused kernels" and bool(engine.step.kernels)
+
+
 class EngineRunner:
     """One ExpressLane variant (compile, kernels) over the shared model, built at its first row."""
 
@@ -150,7 +155,7 @@ class EngineRunner:
         if eng.step_name.startswith("packed"):  # a CPU
             return {"cuda_graph": graph, "fused_kernels": False, "pdl": False,
                     "step": eng.step_name}  # fmt: skip
-        fused = eng.step_name == "fused kernels" and eng.step.kernels
+        fused = fused_kernels(eng)
         pdl = fused and self._pdl_now()
         step = "fused" if fused else eng.step_name
         if eng.step_name == "fused kernels" and not fused:

@@ -114,17 +114,13 @@ def _decode_tok_s(engine, vocab: int, context: int, tokens: int, dev) -> float:
     return (tokens - max(1, tokens // 4)) / max(long - short, 1e-9)
 
 
-def fused_step(engine) -> bool:
-    """Whether the engine decodes through the fused Triton kernels (bench/decode.py's flag)."""
-    return engine.step_name == "fused kernels" and bool(getattr(engine.step, "kernels", False))
-
-
 def _decode(preset: str, formats, context: int, tokens: int, dev, copy_gb_s: float, dry: bool):
     from ..engine import Engine
     from ..kernels.qlinear import quantize_model, quantized_bytes
     from ..model import Laneformer, init_weights
     from ..presets import get_preset
     from .ceiling import bytes_per_token
+    from .decode import fused_kernels
 
     cfg = get_preset(preset)
     dtype = torch.float32 if dry else torch.bfloat16
@@ -144,7 +140,7 @@ def _decode(preset: str, formats, context: int, tokens: int, dev, copy_gb_s: flo
         tok_s = _decode_tok_s(engine, cfg.vocab_size, context, tokens, dev)
         gb_s = nbytes * tok_s / 1e9
         rows.append({"part": "decode", "format": fmt, "context": context, "tok_s": tok_s,
-                     "fused_kernels": fused_step(engine), "bytes": nbytes,
+                     "fused_kernels": fused_kernels(engine), "bytes": nbytes,
                      "gb_s": gb_s, "pct_copy": 100 * gb_s / copy_gb_s})  # fmt: skip
         del engine, model
         if dev.type == "cuda":
