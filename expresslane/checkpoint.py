@@ -249,7 +249,7 @@ def load_model(
 ) -> Laneformer:
     """Read a checkpoint folder into a Laneformer on `device` in `dtype`. `unread(cfg)`: our
     parameter names left unread, on the meta device, for a packer that takes them from the file
-    as stored (packing.pack_gguf), so that they are never dequantized to floats."""
+    as stored (packing.pack_gguf, pack_stored), so that they are never converted to fp32."""
     folder, cfg, handles, where = open_checkpoint(name, overrides)
     dev = resolve_device(device, cfg)
     dt = resolve_dtype(dtype, cfg, dev)

@@ -208,10 +208,7 @@ def pack_model(model: Laneformer, fmt: str | None = None) -> PackedWeights:
         packed = _pack(model, fmt)
         if same:  # the parameters become views first, so _pack's copies are the only ones
             _repoint(model, packed)
-        packed = _placed(packed)
-        (_repoint if same else _swap)(model, packed)
-    model.packed = packed
-    return packed
+        return _installed(model, packed, _repoint if same else _swap)
 
 
 def _placed(packed: PackedWeights) -> PackedWeights:
@@ -233,7 +230,7 @@ def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights
     a layer's matrices and the embedding / head from elsewhere (a GGUF file's blocks)."""
 
     def fit(w: torch.Tensor) -> QTensor:  # GGUF blocks need K % 32 == 0: else per-row int8
-        assert not w.is_meta, "a weight left unread (stored_only) is packed from floats"
+        assert not w.is_meta, "a weight load_model left unread (weights/stored.py) from floats"
         blocks_fit = fmt not in GGUF_FORMATS or w.shape[-1] % 32 == 0
         return quantize(w, fmt if blocks_fit else "int8")
 
@@ -320,10 +317,8 @@ def pack_gguf(model: Laneformer, path, adapted: set[str] = frozenset()) -> Packe
 
     with torch.no_grad():
         packed = _pack(model, "float32", fused if cfg.num_lanes == 1 else None, stored)
-        packed = _placed(packed)
-        _swap(model, packed)
+        packed = _installed(model, packed, _swap)
     packed.fmt = "gguf"
-    model.packed = packed
     return packed
 
 
@@ -343,8 +338,13 @@ def pack_stored(model: Laneformer, path, fmt: str) -> PackedWeights:
         return quantize(real(module_path, w), fmt) if w.is_meta else None
 
     with torch.no_grad():
-        packed = _placed(_pack(model, fmt, fused, stored))
-        _swap(model, packed)
+        return _installed(model, _pack(model, fmt, fused, stored), _swap)
+
+
+def _installed(model: Laneformer, packed: PackedWeights, install) -> PackedWeights:
+    """Packed weights placed (_placed), installed in the model (_swap or _repoint), kept on it."""
+    packed = _placed(packed)
+    install(model, packed)
     model.packed = packed
     return packed
 

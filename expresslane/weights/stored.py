@@ -13,8 +13,16 @@ import torch
 from ..gguf import find_gguf
 from .quant import kernel_reads
 
-PROJ_OF = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
-           "w1": "feed_forward", "w3": "feed_forward", "w2": "feed_forward"}  # fmt: skip
+# a layer's products as packing.py stacks them: q k v, wo, gate up, w2 (module paths)
+PRODUCTS = (("attention.wq", "attention.wk", "attention.wv"), ("attention.wo",),
+            ("feed_forward.w1", "feed_forward.w3"), ("feed_forward.w2",))  # fmt: skip
+
+
+def _whole(cfg) -> list[str]:
+    """The embedding and an untied replicated head: whole matrices a packer takes as stored (a
+    lane or vocab-parallel head is packed from its floats)."""
+    head = cfg.lm_head_type == "replicate" and not cfg.tie_word_embeddings
+    return ["model.tok_embeddings", "lm_head"][: 1 + head]
 
 
 def stored_only(cfg, path, adapted: set[str] = frozenset()) -> set[str]:
@@ -36,13 +44,11 @@ def stored_only(cfg, path, adapted: set[str] = frozenset()) -> set[str]:
     paths = []
     if cfg.num_lanes == 1:  # a Laneformer's lanes stack its floats (_pack without `fused`)
         for i in range(cfg.num_layers):
-            for group in (("wq", "wk", "wv"), ("wo",), ("w1", "w3"), ("w2",)):
-                parts = [f"model.layers.{i}.{PROJ_OF[g]}.{g}" for g in group]
+            for product in PRODUCTS:
+                parts = [f"model.layers.{i}.{m}" for m in product]
                 if all(p in adapted or reads(p) for p in parts):
                     paths += [p for p in parts if p not in adapted]
-    head = cfg.lm_head_type == "replicate" and not cfg.tie_word_embeddings
-    paths += [p for p in ("model.tok_embeddings", "lm_head")[: 1 + head] if reads(p)]
-    return {p + ".weight" for p in paths}
+    return {p + ".weight" for p in paths + [p for p in _whole(cfg) if reads(p)]}
 
 
 def stored_16bit(path) -> str | None:
@@ -58,14 +64,10 @@ def stored_16bit(path) -> str | None:
 
 def stored_matrices(cfg, adapted: set[str] = frozenset()) -> set[str]:
     """The parameters pack_stored reads from a 16-bit checkpoint as stored: every projection a
-    LoRA does not adapt, the embedding and an untied replicated head (a lane or vocab-parallel
-    head is packed from its floats)."""
-    paths = [f"model.layers.{i}.{mod}.{g}" for i in range(cfg.num_layers)
-             for g, mod in PROJ_OF.items()]  # fmt: skip
-    paths = [p for p in paths if p not in adapted] + ["model.tok_embeddings"]
-    if cfg.lm_head_type == "replicate" and not cfg.tie_word_embeddings:
-        paths.append("lm_head")
-    return {p + ".weight" for p in paths}
+    LoRA does not adapt, and the whole matrices (_whole)."""
+    paths = [f"model.layers.{i}.{m}" for i in range(cfg.num_layers)
+             for product in PRODUCTS for m in product]  # fmt: skip
+    return {p + ".weight" for p in [p for p in paths if p not in adapted] + _whole(cfg)}
 
 
 def stored_reader(path, cfg) -> Callable[[str, tuple], torch.Tensor]:
