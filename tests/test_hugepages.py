@@ -4,6 +4,8 @@ and the same tokens as without."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import tiny
 import torch
@@ -70,6 +72,58 @@ def test_without_an_arena_nothing_moves(monkeypatch, why):
     before = _matrices()
     assert hugepages.arena(1 << 20) is None
     assert all(a is b for a, b in zip(hugepages.place(before), before, strict=True))
+
+
+@pytest.mark.skipif(not HUGE, reason="this kernel gives no huge pages on request")
+def test_a_placer_takes_matrices_one_at_a_time_into_segments():
+    """Each matrix copied as it comes; a segment too small for the next starts another arena,
+    on a huge page; values unchanged."""
+    before = _matrices()[:-1]
+    placer = hugepages.Placer(segment=4096)  # below every matrix here: one arena each
+    after = [placer(m) for m in before]
+    for a, b in zip(after, before, strict=True):
+        assert a is not b and torch.equal(a.dequantize(), b.dequantize())
+        ptrs = [t.data_ptr() for t in a.fields]
+        assert ptrs == sorted(ptrs) and all(p % hugepages.ALIGN == 0 for p in ptrs)
+        assert ptrs[0] % hugepages.HUGE_PAGE == 0  # its own segment
+    big = hugepages.Placer()  # the default segment holds them all: one after another
+    ptrs = [t.data_ptr() for m in before for t in big(m).fields]
+    assert ptrs == sorted(ptrs) and ptrs[-1] - ptrs[0] < big.segment
+
+
+def test_a_placer_without_an_arena_leaves_matrices_and_stops_asking(monkeypatch):
+    asked = []
+    monkeypatch.setattr(hugepages, "arena", lambda n: asked.append(n))
+    placer = hugepages.Placer()
+    before = _matrices()
+    assert all(placer(m) is m for m in before) and len(asked) == 1
+
+
+@pytest.mark.skipif(not HUGE, reason="this kernel gives no huge pages on request")
+@pytest.mark.parametrize("case,kind", [("llama-gqa", "Q4_0"), ("qwen2-bias", "F16")])
+def test_loading_lets_each_matrix_go_before_it_makes_the_next(monkeypatch, tmp_path, case, kind):
+    """A GGUF file's matrices are placed as they are made (hugepages.Placer): when the packer
+    hands over the next one, the last one's unplaced fields (re-laid blocks, views of the file's
+    mapped pages) are gone, so loading peaks at the placed weights and one matrix, not two copies
+    of the model (BENCHMARKS.md: the section on a file's first token)."""
+    from gguf_kit import hf_to_gguf
+    from test_gguf_models import _hf_model
+
+    from expresslane.weights.packing import load_packed
+
+    path = hf_to_gguf(_hf_model(case), tmp_path / "m.gguf", weight_type=kind)
+    given, lingering = [], []
+    real = hugepages.Placer.__call__
+
+    def spy(self, m):
+        lingering.append(sum(r() is not None for r in given))
+        given.extend(weakref.ref(t) for t in m.fields)
+        return real(self, m)
+
+    monkeypatch.setattr(hugepages.Placer, "__call__", spy)
+    model = load_packed(path, device="cpu", progress=False)
+    assert len(lingering) == len(model.packed.matrices) + 1 - model.cfg.tie_word_embeddings
+    assert not any(lingering), lingering
 
 
 @pytest.mark.skipif(not HUGE, reason="this kernel has no transparent huge pages to ask for")

@@ -35,7 +35,7 @@ from ..parallel import launch
 from ..presets import get_preset, preset_names
 from ..speculative.drafting import SpeculativeConfig
 from ..step.threads import choose_threads, usable_cores
-from .run import (
+from .model_flags import (
     add_lora_arguments,
     add_prefill_dtype_argument,
     add_speculative_argument,

@@ -9,175 +9,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from ..assets import SUMMARY, has_trained_model, model_path
 from ..bench.ceiling import bytes_per_token
-from ..cache import KV_CACHE_DTYPES
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..engine import Engine
 from ..errors import ConfigError
-from ..parallel import launch, rendezvous
+from ..parallel import launch
 from ..sampling.params import SamplingParams
-from ..speculative.drafting import SpeculativeConfig
-from ..step.choose import PREFILL_DTYPES, default_decode
+from ..speculative.drafting import MAX_SPECULATIVE_TOKENS
+from ..step.choose import default_decode
+from ..step.split import STEP_TOKENS
 from ..step.threads import ThreadGovernor, set_threads, threads_on
 from ..textgen import stream_text
 from ..tokenizer import Tokenizer
 from ..tokenizer.chat import chat_template_from
 from ..weights.packing import load_plan
 from .interactive import chat_loop
+from .model_flags import (
+    add_lora_arguments,
+    add_model_arguments,
+    add_prefix_argument,
+    lora_from_args,
+    speculative_from_args,
+)
 from .sampling import add_sampling_arguments, sampling_from_args, with_tokenized
 
 HELP = "generate from one prompt (or one chat message) and stream the text"
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags every command that loads a model shares (run, serve, bench)."""
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="checkpoint folder, .gguf file, or org/name (HF cache, else downloaded); "
-        "default: the embedded model",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="auto (a GPU if there is one, but the CPU for a model of at most 16 M weights), "
-        "cpu, cuda, cuda:N",
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    add_prefill_dtype_argument(p)
-    add_kv_cache_dtype_argument(p)
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context size of the KV cache (default: the config's)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the static decode step (seconds to compile; pays on small models)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads (default: the cores other processes leave free, at most one per 32 "
-        "MB a step streams, revised per request by serve: expresslane/step/threads.py)",
-    )
-    p.add_argument(
-        "--quantization",
-        choices=["int8", "int8-row", "int4", "int8-g128", "int4-g32", "gguf"],
-        default=None,
-        help="CPU: weight-only int8, one f16 scale per 32 weights (GGUF Q8_0's layout), or one "
-        "fp32 scale per row (int8-row); computed in fp32. 16-bit weights: --dtype. GPU: int8 "
-        "(groups of 32) or int4 (groups of 128, with mins), int8-g128 / int4-g32 for the other "
-        "group size: the layer projections quantized at load, products in Triton. gguf: a GGUF "
-        "file's own blocks (the CPU's default; on a GPU, every type but Q5_1, Q5_K and Q2_K on "
-        "the quantized products, those bf16; default there: dequantized, the fused bf16 step)",
-    )
-    p.add_argument(
-        "--devices",
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="split lanes (Llama: heads) over N processes: gloo on CPU, NCCL on GPU "
-        "(--tensor-parallel-size, -tp: vLLM's names)",
-    )
-    rendezvous.add_arguments(p)  # --nnodes, --node-rank, --rdzv-endpoint: N over several hosts
-    add_speculative_argument(p)
-
-
-def add_prefill_dtype_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--prefill-dtype",
-        default="float32",
-        choices=PREFILL_DTYPES,
-        help="a CPU's prompts: float32 (default) is exact; bfloat16 multiplies long prompts' "
-        "quantized, bf16 or fp16 weights in bf16 (~1.5x faster, logits within bf16's rounding) and "
-        "short ones' bf16 weights with x in bf16; int8 also takes the GGUF block formats' "
-        "activations in 8 bits per block, as llama.cpp does (up to ~1.3x faster on short "
-        "prompts). Decoding stays exact",
-    )
-
-
-def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=list(KV_CACHE_DTYPES),
-        help="the KV cache's dtype: auto is the model's (fp32 on a CPU); a CPU also takes float16 "
-        "(llama.cpp's default) or bfloat16: half the memory and half the bytes attention reads a "
-        "token, each key and value rounded once",
-    )
-
-
-def add_prefix_argument(p: argparse.ArgumentParser) -> None:
-    """run and serve: prefix reuse is on unless turned off."""
-    p.add_argument(
-        "--no-prefix-reuse",
-        "--no-enable-prefix-caching",
-        action="store_true",
-        help="prefill every prompt whole instead of reusing the prefix the KV cache holds "
-        "(--no-enable-prefix-caching: vLLM's name)",
-    )
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="vLLM's flag, accepted for its command lines: prefix reuse is on "
-                   "unless --no-prefix-reuse")  # fmt: skip
-
-
-def add_speculative_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        metavar="JSON",
-        help="speculative decoding, as vLLM spells it: by prompt lookup "
-        '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, '
-        "\"prompt_lookup_min\": 2}', or a draft model's greedy tokens "
-        '\'{"model": "DRAFT", "num_speculative_tokens": 4}\' (same vocabulary)',
-    )
-
-
-def speculative_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """--speculative-config parsed (exit 2 naming the field); None when not given."""
-    if getattr(args, "speculative_config", None) is None:
-        return None
-    cfg = SpeculativeConfig.from_json(args.speculative_config)
-    if launch.parallel_requested(args):
-        raise ConfigError("--speculative-config: the parallel engine (--devices N) does not "
-                          "speculate; use one device")  # fmt: skip
-    return cfg
-
-
-def add_lora_arguments(p: argparse.ArgumentParser) -> None:
-    """run and serve: LoRA adapters merged into the weights at load (weights/lora.py)."""
-    p.add_argument("--lora", action="append", default=[], metavar="PATH",
-                   help="a LoRA adapter (a PEFT folder or a GGUF adapter file), merged into the "
-                   "weights at load; repeatable: they add up (llama.cpp's flag)")  # fmt: skip
-    p.add_argument("--lora-scaled", nargs=2, action="append", default=[],
-                   metavar=("PATH", "SCALE"),
-                   help="a LoRA adapter with its delta multiplied by SCALE")  # fmt: skip
-
-
-def lora_from_args(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
-    """(adapter, scale) pairs from --lora, --lora-scaled and serve's --lora-modules."""
-    pairs = [(p, 1.0) for p in getattr(args, "lora", None) or []]
-    for path, scale in getattr(args, "lora_scaled", None) or []:
-        try:
-            value = float(scale)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            raise ConfigError(f"--lora-scaled {path} {scale}: the scale must be a finite number")
-        pairs.append((path, value))
-    pairs += [(path, 1.0) for _, path in getattr(args, "lora_modules", None) or []]
-    args.lora_pairs = tuple(pairs)  # what the ranks of --devices N read (parallel/launch.py)
-    return args.lora_pairs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -220,16 +79,16 @@ def chat_template_arg(args: argparse.Namespace) -> str | None:
     return None if source is None else chat_template_from(source)
 
 
-def load_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
+def load_engine(args: argparse.Namespace, tok: Tokenizer | None = None) -> tuple[Engine, Tokenizer]:
     # rank 0 of `serve --devices N` leads a parallel engine
-    engine, tok = launch.load_lead_engine(args) if launch.in_launch() else _load_here(args)
+    engine, tok = launch.load_lead_engine(args) if launch.in_launch() else _load_here(args, tok)
     template = chat_template_arg(args)
     if template is not None:
         tok.chat_templates = {"default": template}
     return engine, tok
 
 
-def _load_here(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
+def _load_here(args: argparse.Namespace, tok: Tokenizer | None) -> tuple[Engine, Tokenizer]:
     path = str(model_path(args.model))
     quantization = getattr(args, "quantization", None)
     device = resolve_device(args.device, load_config(resolve_model_dir(path)))  # auto: by size
@@ -248,7 +107,7 @@ def _load_here(args: argparse.Namespace) -> tuple[Engine, Tokenizer]:
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         lora=lora_from_args(args),
     )
-    return engine, Tokenizer.from_dir(path)
+    return engine, tok or Tokenizer.from_dir(path)
 
 
 def set_cpu_threads(path, device: str, dtype: str, quantization, threads: int | None) -> None:
@@ -302,11 +161,54 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--interactive: not with --json or --devices N")
     if launch.parallel_requested(args):  # --devices 0 is refused there
         return launch.run_parallel(args, generate_on_rank)
-    engine, tok = load_engine(args)
+    tok = None
+    if not interactive:  # one request: a cache its length (run_context), so its prompt first
+        tok = run_tokenizer(args)
+        args.max_model_len = run_context(args, tok)
+    engine, tok = load_engine(args, tok)
     if interactive:
         params = with_tokenized(args, engine, tok, params)
         return chat_loop(engine, tok, params, sys.stdout, stop=tuple(args.stop))
     return generate_and_print(args, engine, tok, params, load_report(engine))
+
+
+# A one-shot run's KV cache holds its prompt, --max-tokens and what a forward writes past its
+# last token (speculation's drafts, at most MAX_SPECULATIVE_TOKENS, and a grammar's forced
+# tokens, STEP_TOKENS), in whole blocks: SmolLM2's own context (8,192 slots, 377 MB in fp32) made
+# a one-line answer touch a huge page of every layer's K and V, 120 MB and 0.2 s at load
+# (BENCHMARKS.md). --max-model-len sets it; serve and --interactive keep the model's context.
+RUN_AHEAD = MAX_SPECULATIVE_TOKENS + STEP_TOKENS
+RUN_BLOCK = 256
+
+
+def run_tokenizer(args: argparse.Namespace) -> Tokenizer:
+    """The model's tokenizer (its config read first: a bad model fails as the load would)."""
+    path = str(model_path(args.model))
+    load_config(resolve_model_dir(path))
+    tok = Tokenizer.from_dir(path)
+    template = chat_template_arg(args)
+    if template is not None:
+        tok.chat_templates = {"default": template}
+    return tok
+
+
+def run_context(args: argparse.Namespace, tok: Tokenizer) -> int | None:
+    """--max-model-len, or the slots one request can fill (RUN_AHEAD), where that is less
+    than the model's context (None: the model's)."""
+    if args.max_model_len is not None:
+        return args.max_model_len
+    cfg = load_config(resolve_model_dir(str(model_path(args.model))))
+    need = len(prompt_ids(args, tok)) + args.max_tokens + RUN_AHEAD
+    need = -(-need // RUN_BLOCK) * RUN_BLOCK
+    return need if need < cfg.max_position_embeddings else None
+
+
+def prompt_ids(args: argparse.Namespace, tok: Tokenizer) -> list[int]:
+    """--prompt's tokens, or --chat's message rendered by the chat template."""
+    if args.chat is not None:
+        text = tok.apply_chat_template([{"role": "user", "content": args.chat}])
+        return tok.encode(text, add_special_tokens=False)
+    return tok.encode(args.prompt if args.prompt is not None else "def ")
 
 
 def load_report(engine) -> dict | None:
@@ -329,13 +231,8 @@ def generate_and_print(
     params = with_tokenized(args, engine, tok, params)
     if not args.json and args.model is None and has_trained_model():
         label_embedded_answer(args, params)
-    if args.chat is not None:
-        text = tok.apply_chat_template([{"role": "user", "content": args.chat}])
-        prompt_ids = tok.encode(text, add_special_tokens=False)
-    else:
-        prompt_ids = tok.encode(args.prompt if args.prompt is not None else "def ")
     pieces, token_ids, logprobs = [], [], []
-    for piece, step in stream_text(engine, tok, prompt_ids, params, args.stop):
+    for piece, step in stream_text(engine, tok, prompt_ids(args, tok), params, args.stop):
         pieces.append(piece)
         token_ids.append(step.token)
         if step.logprob is not None:

@@ -24,17 +24,14 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..parallel import launch
 from ..step.threads import threads_on
-from .run import (
-    add_chat_template_argument,
+from .model_flags import (
     add_lora_arguments,
     add_model_arguments,
     add_prefix_argument,
-    chat_template_arg,
-    load_engine,
     lora_from_args,
     speculative_from_args,
-    thread_governor,
 )
+from .run import add_chat_template_argument, chat_template_arg, load_engine, thread_governor
 
 HELP = "serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) and playground"
 

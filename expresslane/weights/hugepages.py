@@ -13,6 +13,7 @@ thread, 25.8 and 32.1 with two. The decode step's figures are in BENCHMARKS.md.
 - `thp_mode()`: the kernel's setting ("always", "madvise", "never"), or "" where there is none.
 - `arena(nbytes)`: a zeroed uint8 tensor on a 2 MB boundary, advised for huge pages, or None.
 - `tensors(specs)`: zeroed tensors of given shapes and dtypes in one arena (the KV cache's).
+- `Placer()`: a packer's matrices copied into arenas one by one, as it makes them.
 - `place(matrices)`: the same QTensors with every CPU field copied into one arena (values and
   shapes unchanged; a matrix that appears twice, a tied head, stays one matrix).
 
@@ -102,16 +103,50 @@ def _fields(matrices: list[QTensor]) -> list[torch.Tensor]:
     return out
 
 
+class Placer:
+    """Matrices copied into huge-page arenas one at a time, as a packer makes them: the matrix it
+    made last (a file's mapped pages, re-laid blocks) can go before it makes the next, so loading
+    peaks at the placed weights and one matrix, not the weights twice. Arenas come in segments
+    of at least `segment` bytes, each on a 2 MB boundary (a segment's untouched tail is address
+    space, never memory); a matrix stays where it is once no arena can be had."""
+
+    def __init__(self, segment: int = 64 << 20):
+        self.segment = segment
+        self.room: torch.Tensor | None = None
+        self.used = 0
+        self.full = False
+
+    def _slots(self, fields: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Zeroed tensors shaped as `fields`, next in the current segment (or a new one)."""
+        nbytes = [t.numel() * t.element_size() for t in fields]
+        sizes = [-(-n // ALIGN) * ALIGN for n in nbytes]
+        if self.room is None or self.used + sum(sizes) > self.room.numel():
+            self.room, self.used = arena(max(sum(sizes), self.segment)), 0
+            self.full = self.room is None
+            if self.full:
+                return None
+        starts = [self.used + sum(sizes[:i]) for i in range(len(sizes))]
+        self.used += sum(sizes)
+        return [self.room[a : a + n].view(t.dtype).view(t.shape)
+                for a, n, t in zip(starts, nbytes, fields, strict=True)]  # fmt: skip
+
+    def __call__(self, m: QTensor) -> QTensor:
+        """`m` with its CPU fields copied into the arena (values and shapes unchanged)."""
+        fields = _fields([m])
+        slots = None if self.full or not fields else self._slots(fields)
+        if slots is None:
+            return m
+        moved = {id(t): new.copy_(t) for t, new in zip(fields, slots, strict=True)}
+        return m.map(lambda t: moved.get(id(t), t))
+
+
 def place(matrices: list[QTensor]) -> list[QTensor]:
     """`matrices` with their CPU fields copied, in order, into one huge-page arena; as they were
     where no arena can be had. The caller drops the old tensors (their memory is freed then)."""
     fields = _fields(matrices)
-    room = tensors([(tuple(t.shape), t.dtype) for t in fields])
-    if room is None:
-        return matrices
-    moved = {id(t): new.copy_(t) for t, new in zip(fields, room, strict=True)}
+    placer = Placer(sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in fields))
     done: dict[int, QTensor] = {}
     for m in matrices:  # a tied head is the embedding: one QTensor, placed once
         if id(m) not in done:
-            done[id(m)] = m.map(lambda t: moved.get(id(t), t))
+            done[id(m)] = placer(m)
     return [done[id(m)] for m in matrices]

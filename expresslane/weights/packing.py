@@ -20,7 +20,7 @@ The result is kept on the model (`model.packed`), so packing twice returns the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from ..gguf import find_gguf
 from ..model import Laneformer
 from .gpu_pack import GPU_QUANTIZATIONS
-from .hugepages import place
+from .hugepages import Placer
 from .lora import load_adapter, merge
 from .packed_modules import PackedEmbedding, PackedProj
 from .quant import (
@@ -206,28 +206,14 @@ def pack_model(model: Laneformer, fmt: str | None = None) -> PackedWeights:
         raise ValueError(f"packing as {fmt} needs an fp32 model (its activations stay fp32)")
     with torch.no_grad():
         packed = _pack(model, fmt)
-        if same:  # the parameters become views first, so _pack's copies are the only ones
-            _repoint(model, packed)
         return _installed(model, packed, _repoint if same else _swap)
 
 
-def _placed(packed: PackedWeights) -> PackedWeights:
-    """Its matrices copied into one huge-page arena in the order a step streams them
-    (weights/hugepages.py); `packed` itself where no arena can be had."""
-    mats = [m for w in packed.layers for m in (w.wqkv, w.wo, w.w13, w.w2)]
-    moved = place([*mats, packed.head, packed.embed])
-    if moved[-1] is packed.embed:
-        return packed
-    it = iter(moved)
-    layers = [replace(w, wqkv=next(it), wo=next(it), w13=next(it), w2=next(it))
-              for w in packed.layers]  # fmt: skip
-    head, embed = next(it), next(it)
-    return PackedWeights(packed.fmt, embed, layers, packed.final_norm, head)
-
-
 def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights:
-    """Every matrix of `model` in `fmt`; `fused(paths, weights)` / `stored(path)` may supply
-    a layer's matrices and the embedding / head from elsewhere (a GGUF file's blocks)."""
+    """Every matrix of `model` in `fmt`, each placed (hugepages.Placer) as soon as it is made, in
+    the order a step streams them; `fused(paths, weights)` / `stored(path)` may supply a layer's
+    matrices and the embedding / head from elsewhere (a GGUF file's blocks)."""
+    keep = Placer()
 
     def fit(w: torch.Tensor) -> QTensor:  # GGUF blocks need K % 32 == 0: else per-row int8
         assert not w.is_meta, "a weight load_model left unread (weights/stored.py) from floats"
@@ -236,8 +222,8 @@ def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights
 
     def mat(paths: list[str], weights: list[torch.Tensor]) -> QTensor:
         if fused is not None:
-            return fused(paths, weights)
-        return fit(concat_rows(weights) if len(weights) > 1 else weights[0])
+            return keep(fused(paths, weights))
+        return keep(fit(concat_rows(weights) if len(weights) > 1 else weights[0]))
 
     layers = []
     for i, b in enumerate(model.model.layers):
@@ -270,13 +256,15 @@ def _pack(model: Laneformer, fmt: str, fused=None, stored=None) -> PackedWeights
 
     embed = whole("model.tok_embeddings", model.model.tok_embeddings.weight)
     if cfg.lm_head_type == "lane":
-        head = fit(model.lm_head.linear.weight)
+        head = keep(fit(model.lm_head.linear.weight))
     elif cfg.lm_head_type == "replicate" and cfg.tie_word_embeddings:
-        head = embed
+        head = embed = keep(embed)
     elif cfg.lm_head_type == "replicate":
-        head = whole("lm_head", model.lm_head.weight)
+        head = keep(whole("lm_head", model.lm_head.weight))
     else:
-        head = fit(model.lm_head.weight)
+        head = keep(fit(model.lm_head.weight))
+    if head is not embed:  # after the head: the step streams the layers, then the head
+        embed = keep(embed)
     return PackedWeights(fmt, embed, layers, model.model.norm.gamma, head)
 
 
@@ -342,8 +330,7 @@ def pack_stored(model: Laneformer, path, fmt: str) -> PackedWeights:
 
 
 def _installed(model: Laneformer, packed: PackedWeights, install) -> PackedWeights:
-    """Packed weights placed (_placed), installed in the model (_swap or _repoint), kept on it."""
-    packed = _placed(packed)
+    """Packed (and placed) weights installed in the model (_swap or _repoint), kept on it."""
     install(model, packed)
     model.packed = packed
     return packed
