@@ -92,6 +92,12 @@ int el_features(void) {
     if (f >= 0) return f;
     __builtin_cpu_init();
     int g = 0;
+#ifdef EL_AVX2 /* every kernel on AVX2's halves (simd_avx2.h): the bits name the formats' sets */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
+        g = HAS_AVX512 | HAS_BF16 | HAS_VNNI;
+    return f = g;
+#endif
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))

@@ -11,7 +11,7 @@
 #include "cpu_kernels.h"
 #include "simd.h"
 
-#if defined(EL_X86) && (defined(__clang__) || __GNUC__ >= 11)
+#if defined(EL_X86) && (defined(__clang__) || __GNUC__ >= 11) && !defined(EL_AVX2)
 #define EL_AMX 1
 #include "cpu_amx_emulate.h"
 #define T_AMX                                                                              \

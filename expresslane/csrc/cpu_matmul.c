@@ -122,7 +122,7 @@ T_BF INLINE void rows_bf16_t(const uint16_t *w, const char *xp, int64_t K, __m51
     for (; k < K; k += 32) { /* x parts are zero-padded to a multiple of 64 */
         const __m512bh w0 =
             K - k >= 32 ? BF(w + k)
-                        : (__m512bh)_mm512_maskz_loadu_epi16((1u << (K - k)) - 1, w + k);
+                        : AS_BH(_mm512_maskz_loadu_epi16((1u << (K - k)) - 1, w + k));
         for (int t = 0; t < T; t++) {
             a0[t] = _mm512_dpbf16_ps(a0[t], w0, BF(AT(k / 32, t, 0)));
             if (!LOWP) b0[t] = _mm512_dpbf16_ps(b0[t], w0, BF(AT(k / 32, t, LO)));

@@ -118,7 +118,14 @@ static PyMethodDef methods[] = {
      "S) -> argmax of the last token's logits"},
     {NULL, NULL, 0, NULL}};
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels",
+#ifdef EL_AVX2 /* the same kernels built for AVX2 (simd_avx2.h) */
+#define MODULE_NAME "_cpu_kernels_avx2"
+#define MODULE_INIT PyInit__cpu_kernels_avx2
+#else
+#define MODULE_NAME "_cpu_kernels"
+#define MODULE_INIT PyInit__cpu_kernels
+#endif
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, MODULE_NAME,
                                     "AVX-512 decode step of one-lane models (csrc/)", -1, methods};
 
-PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC MODULE_INIT(void) { return PyModule_Create(&module); }

@@ -50,10 +50,12 @@
 /* acc plus one token's part of a group (one fused multiply-add by the scales): p its chunk
    a_lo a_hi b_lo b_hi (LOWP: a_lo a_hi, then x's block scales as 16 lanes, which multiply the
    weights' first) */
-T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc, const int LOWP) {
+#define DPB(U7, src, u, s) ((U7) ? DPBUSD_U7(src, u, s) : _mm512_dpbusd_epi32(src, u, s))
+T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc, const int LOWP,
+                               const int U7) { /* U7: the nibbles are below 128 (not a grid's) */
     const __m512i z = _mm512_setzero_si512();
     const __m512i al = _mm512_loadu_si512(p), ah = _mm512_loadu_si512(p + 64);
-    __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, G->lo, al), G->hi, ah);
+    __m512i t = DPB(U7, DPB(U7, z, G->lo, al), G->hi, ah);
     if (LOWP) {
         const __m512 s = _mm512_mul_ps(G->dv, _mm512_loadu_ps((const float *)(p + 128)));
         return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc);
@@ -61,7 +63,7 @@ T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc, cons
     /* 256 sum q a + sum q b: b's dot products accumulate onto a's shifted (an add less; exact
        in int32, as shifts distribute over the sums) */
     const __m512i bl = _mm512_loadu_si512(p + 128), bh = _mm512_loadu_si512(p + 192);
-    t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), G->lo, bl), G->hi, bh);
+    t = DPB(U7, DPB(U7, _mm512_slli_epi32(t, 8), G->lo, bl), G->hi, bh);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), G->dv, acc);
 }
 
@@ -158,11 +160,11 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
         _mm_prefetch((const char *)q + g * QB + PREFETCH_AHEAD, _MM_HINT_T0);
         if (HB) _mm_prefetch((const char *)high + g * HB + PREFETCH_AHEAD, _MM_HINT_T0);
         const group_t G = load_group(FMT, q, d, high, sub, g, 4);
-        for (int t = 0; t < T; t++) acc[t] = group_tok(&G, xp + (g * T + t) * CB, acc[t], LOWP);
+        for (int t = 0; t < T; t++) acc[t] = group_tok(&G, xp + (g * T + t) * CB, acc[t], LOWP, !IS_GRID(FMT));
     }
     if (g * 4 < nb) { /* the last 1-3 blocks (legacy formats: K % 256 may be nonzero) */
         const group_t G = load_group(FMT, q, d, high, sub, g, nb - g * 4);
-        for (int t = 0; t < T; t++) acc[t] = group_tok(&G, xp + (g * T + t) * CB, acc[t], LOWP);
+        for (int t = 0; t < T; t++) acc[t] = group_tok(&G, xp + (g * T + t) * CB, acc[t], LOWP, !IS_GRID(FMT));
     }
     __m512 off[TMAX];
     offset_lanes(FMT, d, mn, sub, xs, nb, Kp, off, T);

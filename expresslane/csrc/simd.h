@@ -11,10 +11,22 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#define INLINE static inline __attribute__((always_inline))
+#ifdef EL_AVX2 /* the AVX2 build: every set is AVX2's, the AVX-512 intrinsics on two halves */
+#define T_F __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
+#define T_BF T_F
+#define T_VNNI T_F
+#include "simd_avx2.h"
+#define AS_BH(v) (v) /* __m512bh is __m512i's two halves there */
+#define DPBUSD_U7 el_dpbusd_u7
+#else
+#define AS_BH(v) ((__m512bh)(v))
+/* vpdpbusd where every unsigned byte is below 128 (the AVX2 build has a faster form then) */
+#define DPBUSD_U7 _mm512_dpbusd_epi32
 #define T_F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define T_BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")))
 #define T_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512vnni")))
-#define INLINE static inline __attribute__((always_inline))
+#endif
 
 /* the first n (< 16) lanes */
 #define MASK16(n) ((__mmask16)((1u << (n)) - 1))
@@ -23,7 +35,7 @@
 /* the lanes of 16 starting at i that are below n, none where i >= n (a padded row's tail) */
 #define MASK_PAD(n, i) ((n) > (i) ? MASK(n, i) : (__mmask16)0)
 /* 32 bf16 values */
-#define BF(p) ((__m512bh)_mm512_loadu_si512(p))
+#define BF(p) AS_BH(_mm512_loadu_si512(p))
 
 /* 16 weights from a row of fp32 / fp16 values, at k (masked: the lanes of m) */
 T_F INLINE __m512 ld_f32(const void *w, int64_t k) { return _mm512_loadu_ps((const float *)w + k); }

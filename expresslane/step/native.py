@@ -1,9 +1,11 @@
-"""The AVX-512 decode step (csrc/): whole layers of one-lane models, and products for the rest.
+"""The C decode step (csrc/): whole layers of one-lane models, and products for the rest.
 
 `expresslane._cpu_kernels` is an optional C extension built by `pip install` (pyproject.toml;
-no torch headers, so it builds in seconds). Each weight format needs an instruction set, checked
-at run time: fp32 and fp16 AVX-512F, bf16 AVX512_BF16, int8 and the GGUF block formats
-(quant.GGUF_FORMATS) AVX512_VNNI (`available(fmt)`).
+no torch headers), for AVX-512; `_cpu_kernels_avx2` is the same source built for AVX2 (csrc/
+simd_avx2.h), which runs where AVX-512 does not (`_kernels`). Each weight format needs an
+instruction set, checked at run time: in the AVX-512 build fp32 and fp16 AVX-512F, bf16
+AVX512_BF16, int8 and the GGUF block formats (quant.GGUF_FORMATS) AVX512_VNNI; in the AVX2 build,
+AVX2 with FMA and F16C (`available(fmt)`).
 
 - `NativeStep`: a one-lane (Llama-family) model's step as one C call per layer plus one for the
   head (csrc/cpu_layer.c), for S tokens at positions position..: S = 1 is a decode step, S = k + 1
@@ -30,6 +32,7 @@ tests/test_cpu_kernels.py.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -40,10 +43,28 @@ from ..rope import cos_sin
 from ..weights.packing import PackedWeights
 from ..weights.quant import GGUF_FORMATS, QTensor
 
-try:
-    from .. import _cpu_kernels as _native
-except ImportError:  # not built (no compiler at install time): the compiled Python path runs
-    _native = None
+# EXPRESSLANE_CPU_KERNELS=avx2 takes the AVX2 build where AVX-512 runs too (to compare the two:
+# tests/test_cpu_avx2.py); =0 turns the C kernels off (below)
+BUILDS = {"": ("_cpu_kernels", "_cpu_kernels_avx2"), "avx2": ("_cpu_kernels_avx2",)}
+
+
+def _kernels():
+    """The AVX-512 build where this CPU has all its sets (AVX-512F, BF16, VNNI); else the same
+    kernels built for AVX2 (csrc/simd_avx2.h: AVX-512's operations on two 256-bit halves, the
+    same bits), which run every format; else what the AVX-512 build runs here; None where
+    neither runs (not built: no compiler at install time; no AVX2): the compiled Python path."""
+    found = []
+    for name in BUILDS.get(os.environ.get("EXPRESSLANE_CPU_KERNELS", ""), BUILDS[""]):
+        try:
+            found.append(importlib.import_module(f"..{name}", __package__))
+        except ImportError:
+            continue
+    every = 7  # csrc/cpu_kernels.h: HAS_AVX512 | HAS_BF16 | HAS_VNNI
+    ranked = sorted(found, key=lambda m: -bin(m.features() & every).count("1"))  # stable
+    return ranked[0] if ranked and ranked[0].features() else None
+
+
+_native = _kernels()
 
 DEQUANT_DTYPES = (torch.float32, torch.bfloat16)  # what csrc's el_dequant writes
 # the cache types cpu_layer.c reads and writes (its kv_dtype codes; --kv-cache-dtype)
