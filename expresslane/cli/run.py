@@ -15,7 +15,7 @@ from ..assets import SUMMARY, has_trained_model, model_path
 from ..bench.ceiling import bytes_per_token
 from ..checkpoint import load_config, resolve_device, resolve_model_dir
 from ..engine import Engine
-from ..errors import ConfigError
+from ..errors import ConfigError, ExpressLaneError
 from ..parallel import launch
 from ..sampling.params import SamplingParams
 from ..speculative.drafting import MAX_SPECULATIVE_TOKENS
@@ -163,8 +163,12 @@ def main(args: argparse.Namespace) -> int:
         return launch.run_parallel(args, generate_on_rank)
     tok = None
     if not interactive:  # one request: a cache its length (run_context), so its prompt first
-        tok = run_tokenizer(args)
-        args.max_model_len = run_context(args, tok)
+        try:
+            tok = run_tokenizer(args)
+        except ExpressLaneError:  # the load below names it (after the model's own errors)
+            tok = None
+        else:
+            args.max_model_len = run_context(args, tok)
     engine, tok = load_engine(args, tok)
     if interactive:
         params = with_tokenized(args, engine, tok, params)

@@ -250,8 +250,10 @@ def top_p_sorted(x: torch.Tensor, top_p) -> torch.Tensor:
     """x (..., V) with -inf where top-p drops a token: in descending order, a token is dropped
     once the mass before it reaches top_p. One sort of the vocabulary, no host sync (a GPU's;
     the CPU's reference)."""
-    sorted_x, order = torch.sort(x, dim=-1, descending=True)
-    probs = sorted_x.softmax(-1)
+    order = torch.sort(x, dim=-1, descending=True)[1]
+    # the softmax of x as it comes, then in that order: a softmax of the sorted row sums in
+    # another order (other bits), which top_p_candidates, reading x's, could not match
+    probs = x.softmax(-1).gather(-1, order)
     # the first always stays, also when a tiny top_p rounds to 0 in fp32 (everything masked
     # would sample NaN). fill_, not `drop[..., 0] = False`: on CUDA that assignment copies a
     # host scalar, which a graph capture refuses (tests/test_capture_safe.py)
@@ -278,8 +280,10 @@ def top_p_candidates(x: torch.Tensor, top_p) -> torch.Tensor:
         if cand.size == 0:  # a row of NaN: the reference's answer, whatever it is
             return top_p_sorted(x, top_p)
         order = np.argsort(-probs[r, cand])
-        p = probs[r, cand[order]].astype(np.float64)  # descending; torch's cumsum adds in fp64
-        keep = (np.cumsum(p) - p) < np.float32(keep_p)
+        p = probs[r, cand[order]]  # descending, fp32
+        # torch's fp32 cumsum adds in fp64 and rounds each sum to fp32; then fp32's difference
+        mass = np.cumsum(p.astype(np.float64)).astype(np.float32) - p
+        keep = mass < np.float32(keep_p)
         keep[0] = True
         at = torch.from_numpy(cand[order[keep]])
         out[r, at] = rows[r, at]
