@@ -50,12 +50,16 @@
 /* acc plus one token's part of a group (one fused multiply-add by the scales): p its chunk
    a_lo a_hi b_lo b_hi (LOWP: a_lo a_hi, then x's block scales as 16 lanes, which multiply the
    weights' first) */
-#define DPB(U7, src, u, s) ((U7) ? DPBUSD_U7(src, u, s) : _mm512_dpbusd_epi32(src, u, s))
+/* src + u1 . s1 + u2 . s2 per dword; U6: every u below 64 (not a grid's), which the AVX2 build
+   sums in one widening (simd.h DPBUSD2_U6) */
+#define DOT2(U6, src, u1, s1, u2, s2)                                                             \
+    ((U6) ? DPBUSD2_U6(src, u1, s1, u2, s2)                                                      \
+          : _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(src, u1, s1), u2, s2))
 T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc, const int LOWP,
-                               const int U7) { /* U7: the nibbles are below 128 (not a grid's) */
+                               const int U6) {
     const __m512i z = _mm512_setzero_si512();
     const __m512i al = _mm512_loadu_si512(p), ah = _mm512_loadu_si512(p + 64);
-    __m512i t = DPB(U7, DPB(U7, z, G->lo, al), G->hi, ah);
+    __m512i t = DOT2(U6, z, G->lo, al, G->hi, ah);
     if (LOWP) {
         const __m512 s = _mm512_mul_ps(G->dv, _mm512_loadu_ps((const float *)(p + 128)));
         return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc);
@@ -63,7 +67,7 @@ T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc, cons
     /* 256 sum q a + sum q b: b's dot products accumulate onto a's shifted (an add less; exact
        in int32, as shifts distribute over the sums) */
     const __m512i bl = _mm512_loadu_si512(p + 128), bh = _mm512_loadu_si512(p + 192);
-    t = DPB(U7, DPB(U7, _mm512_slli_epi32(t, 8), G->lo, bl), G->hi, bh);
+    t = DOT2(U6, _mm512_slli_epi32(t, 8), G->lo, bl, G->hi, bh);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), G->dv, acc);
 }
 

@@ -18,11 +18,12 @@
 #define T_VNNI T_F
 #include "simd_avx2.h"
 #define AS_BH(v) (v) /* __m512bh is __m512i's two halves there */
-#define DPBUSD_U7 el_dpbusd_u7
+#define DPBUSD2_U6 el_dpbusd2_u6
 #else
 #define AS_BH(v) ((__m512bh)(v))
-/* vpdpbusd where every unsigned byte is below 128 (the AVX2 build has a faster form then) */
-#define DPBUSD_U7 _mm512_dpbusd_epi32
+/* two vpdpbusd where every unsigned byte is below 64 (one widening in the AVX2 build) */
+#define DPBUSD2_U6(src, a1, b1, a2, b2)                                                          \
+    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(src, a1, b1), a2, b2)
 #define T_F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define T_BF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16")))
 #define T_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512vnni")))

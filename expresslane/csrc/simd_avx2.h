@@ -325,14 +325,16 @@ EA __m256i dpbusd(__m256i src, __m256i a, __m256i b) {
 EA __m512i el_dpbusd_epi32(__m512i src, __m512i a, __m512i b) {
     return i_join(dpbusd(i_lo(src), i_lo(a), i_lo(b)), dpbusd(i_hi(src), i_hi(a), i_hi(b)));
 }
-/* the same where every byte of a is below 128: vpmaddubsw's pair sums cannot saturate then
-   (|2 x 127 x 128| < 2^15), so it takes 3 instructions a half, not 7 */
-EA __m256i dpbusd_u7(__m256i src, __m256i a, __m256i b) {
-    const __m256i pairs = _mm256_maddubs_epi16(a, b);
+/* src + a1 . b1 + a2 . b2 (per dword) where every byte of a1 and a2 is below 64: the four
+   products of two bytes fit in vpmaddubsw's int16 sums together (4 x 63 x 128 < 2^15), so the
+   two dot products share one widening */
+EA __m256i dpbusd2_u6(__m256i src, __m256i a1, __m256i b1, __m256i a2, __m256i b2) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(a1, b1), _mm256_maddubs_epi16(a2, b2));
     return _mm256_add_epi32(src, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
-EA __m512i el_dpbusd_u7(__m512i src, __m512i a, __m512i b) {
-    return i_join(dpbusd_u7(i_lo(src), i_lo(a), i_lo(b)), dpbusd_u7(i_hi(src), i_hi(a), i_hi(b)));
+EA __m512i el_dpbusd2_u6(__m512i src, __m512i a1, __m512i b1, __m512i a2, __m512i b2) {
+    return i_join(dpbusd2_u6(i_lo(src), i_lo(a1), i_lo(b1), i_lo(a2), i_lo(b2)),
+                  dpbusd2_u6(i_hi(src), i_hi(a1), i_hi(b1), i_hi(a2), i_hi(b2)));
 }
 /* src + a[2j + 1] b[2j + 1], then + a[2j] b[2j]: vdpbf16ps's order, each product exact */
 EA __m256 dpbf16(__m256 src, __m256i a, __m256i b) {
