@@ -72,6 +72,25 @@ static inline void masked_store(void *dst, const void *src, uint64_t m, int n, i
         if (m >> i & 1) memcpy((char *)dst + i * size, (const char *)src + i * size, size);
 }
 
+/* p's first n (<= 32) bytes and zeros after, reading no byte past them: whole dwords by
+   vpmaskmovd, the last 1-3 bytes one by one (a prefix mask is what the kernels' tails ask: a
+   row's last blocks, every row; the byte-by-byte copy below cost a token ~2 ms) */
+EA __m256i prefix_bytes(const void *p, int n) {
+    const int w = n >> 2, r = n & 3;
+    __m256i v = _mm256_maskload_epi32((const int *)p, mask8_32((1u << w) - 1));
+    if (r) {
+        const uint8_t *b = (const uint8_t *)p + 4 * w;
+        const uint32_t t = b[0] | (r > 1 ? (uint32_t)b[1] << 8 : 0) | (r > 2 ? (uint32_t)b[2] << 16 : 0);
+        v = _mm256_blendv_epi8(v, _mm256_set1_epi32((int)t), mask8_32(1u << w));
+    }
+    return v;
+}
+#define IS_PREFIX(m) (((m) & ((m) + 1)) == 0)
+EA __m512i prefix_bytes64(const void *p, int n) {
+    return i_join(prefix_bytes(p, n < 32 ? n : 32),
+                  n > 32 ? prefix_bytes((const char *)p + 32, n - 32) : _mm256_setzero_si256());
+}
+
 /* ---- loads and stores ----------------------------------------------------------------------- */
 EA __m512 el_loadu_ps(const void *p) {
     return f_join(_mm256_loadu_ps((const float *)p), _mm256_loadu_ps((const float *)p + 8));
@@ -108,6 +127,7 @@ EA __m512i el_maskz_loadu_epi32(__mmask16 m, const void *p) {
 }
 EA __m512i el_maskz_loadu_epi16(__mmask32 m, const void *p) {
     if (m == 0xFFFFFFFFu) return el_loadu_si512(p);
+    if (IS_PREFIX(m)) return prefix_bytes64(p, 2 * __builtin_popcount(m));
     __m512i v;
     masked_copy(&v, p, m, 32, 2);
     return v;
@@ -115,6 +135,7 @@ EA __m512i el_maskz_loadu_epi16(__mmask32 m, const void *p) {
 EA __m512i el_maskz_loadu_epi8(__mmask64 m, const void *p) {
     if (m == ~0ull) return el_loadu_si512(p);
     if (m == 0xFFFFFFFFull) return i_join(_mm256_loadu_si256((const __m256i *)p), _mm256_setzero_si256());
+    if (IS_PREFIX(m)) return prefix_bytes64(p, __builtin_popcountll(m));
     __m512i v;
     masked_copy(&v, p, m, 64, 1);
     return v;
@@ -125,6 +146,7 @@ EA void el_mask_storeu_epi8(void *p, __mmask64 m, __m512i a) {
 }
 EA __m256i el_mm256_maskz_loadu_epi16(__mmask16 m, const void *p) {
     if (m == 0xFFFF) return _mm256_loadu_si256((const __m256i *)p);
+    if (IS_PREFIX(m)) return prefix_bytes(p, 2 * __builtin_popcount(m));
     __m256i v;
     masked_copy(&v, p, m, 16, 2);
     return v;
@@ -132,12 +154,14 @@ EA __m256i el_mm256_maskz_loadu_epi16(__mmask16 m, const void *p) {
 EA __m128i el_mm_maskz_loadu_epi16(__mmask8 m, const void *p) {
     if (m == 0xFF) return _mm_loadu_si128((const __m128i *)p);
     if (m == 0x0F) return _mm_loadl_epi64((const __m128i *)p); /* a group's four f16 scales */
+    if (IS_PREFIX(m)) return _mm256_castsi256_si128(prefix_bytes(p, 2 * __builtin_popcount(m)));
     __m128i v;
     masked_copy(&v, p, m, 8, 2);
     return v;
 }
 EA __m128i el_mm_maskz_loadu_epi8(__mmask16 m, const void *p) {
     if (m == 0xFFFF) return _mm_loadu_si128((const __m128i *)p);
+    if (IS_PREFIX(m)) return _mm256_castsi256_si128(prefix_bytes(p, __builtin_popcount(m)));
     __m128i v;
     masked_copy(&v, p, m, 16, 1);
     return v;
