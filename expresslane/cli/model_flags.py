@@ -36,7 +36,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=int,
         default=None,
-        help="context size of the KV cache (default: the config's)",
+        help="context size of the KV cache (default: the config's; a one-shot `run`: its "
+        "prompt, --max-tokens and a forward ahead, in 256-slot blocks)",
     )
     p.add_argument(
         "--compile",
