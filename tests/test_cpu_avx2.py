@@ -38,7 +38,9 @@ def test_the_avx2_build_runs_every_format():
 
 
 def test_the_flag_picks_the_avx2_build_and_the_default_the_avx512_one_where_it_runs_all():
-    pick = "from expresslane.step import native; print(native._native.__name__, native.FEATURES)"
+    pick = (
+        "from expresslane.step import native; print(native._native.__name__, native.FEATURES & 7)"
+    )
     assert _python(pick, EXPRESSLANE_CPU_KERNELS="avx2") == "expresslane._cpu_kernels_avx2 7"
     try:
         from expresslane import _cpu_kernels as wide
