@@ -13,9 +13,8 @@ thread, 25.8 and 32.1 with two. The decode step's figures are in BENCHMARKS.md.
 - `thp_mode()`: the kernel's setting ("always", "madvise", "never"), or "" where there is none.
 - `arena(nbytes)`: a zeroed uint8 tensor on a 2 MB boundary, advised for huge pages, or None.
 - `tensors(specs)`: zeroed tensors of given shapes and dtypes in one arena (the KV cache's).
-- `Placer()`: a packer's matrices copied into arenas one by one, as it makes them.
-- `place(matrices)`: the same QTensors with every CPU field copied into one arena (values and
-  shapes unchanged; a matrix that appears twice, a tied head, stays one matrix).
+- `Placer()`: a packer's matrices copied into arenas one by one, as it makes them (values and
+  shapes unchanged; a tied head is placed once, as the embedding: packing.py).
 
 `EXPRESSLANE_HUGE_PAGES=0` keeps the weights where torch allocated them (to compare).
 """
@@ -138,15 +137,3 @@ class Placer:
             return m
         moved = {id(t): new.copy_(t) for t, new in zip(fields, slots, strict=True)}
         return m.map(lambda t: moved.get(id(t), t))
-
-
-def place(matrices: list[QTensor]) -> list[QTensor]:
-    """`matrices` with their CPU fields copied, in order, into one huge-page arena; as they were
-    where no arena can be had. The caller drops the old tensors (their memory is freed then)."""
-    fields = _fields(matrices)
-    placer = Placer(sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in fields))
-    done: dict[int, QTensor] = {}
-    for m in matrices:  # a tied head is the embedding: one QTensor, placed once
-        if id(m) not in done:
-            done[id(m)] = placer(m)
-    return [done[id(m)] for m in matrices]
