@@ -58,6 +58,13 @@ int64_t el_chunks(int fmt, int64_t K, int64_t Kp) { /* per token */
                                             : Kp / 64;
 }
 
+/* 64 values of a chunk's nibbles (lo or hi) as X16 takes them: x16 = 256 a + b, per 32 of them
+   the even ones, then the odd */
+static void pack_x16(const int8_t *a, const int8_t *b, int16_t *o) {
+    for (int j = 0; j < 64; j++)
+        o[(j & ~31) + (j & 1) * 16 + (j & 31) / 2] = (int16_t)(256 * a[j] + b[j]);
+}
+
 void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const int64_t *v, int T,
                    char *dst) {
     const int64_t Kp = P->Kp, n = el_chunks(fmt, K, Kp), cb = el_chunk_bytes(fmt, P->lowp);
@@ -70,6 +77,12 @@ void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const 
                 memset(o + m * 4, 0, (size_t)(16 - m) * 4);
             } else if (IS_NIBBLE(fmt)) { /* group c: a_lo, a_hi, b_lo, b_hi, 64 bytes each */
                 const char *a = P->a + v[t] * Kp * 2, *b = P->b + v[t] * Kp * 2;
+                if (X16(fmt) && !P->lowp) {
+                    pack_x16((const int8_t *)a + c * 64, (const int8_t *)b + c * 64, (int16_t *)o);
+                    pack_x16((const int8_t *)a + Kp / 2 + c * 64, (const int8_t *)b + Kp / 2 + c * 64,
+                             (int16_t *)(o + 128));
+                    continue;
+                }
                 memcpy(o, a + c * 64, 64);
                 memcpy(o + 64, a + Kp / 2 + c * 64, 64);
                 memcpy(o + 128, b + c * 64, 64); /* lowp: the group's 16 lanes of scales */

@@ -44,6 +44,19 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4, HAS_AMX = 8 };
 /* a scale per 16 values (an int8 one, or NVFP4's f16): blocks with their middle quarters swapped,
    and x in that order too */
 #define IS_SWAPPED(fmt) (IS_HALF16(fmt) || (fmt) == FMT_NVFP4)
+/* The nibble formats whose values reach 64 (the grids': u = grid + 128) take x in the AVX2
+   build as x16 = 256 a + b itself, per 256-bit half of a chunk's nibbles x16 of the even bytes
+   then of the odd ones (el_pack_block), for one vpmaddwd per 16 values (simd_avx2_ops.h
+   el_dot_x16): AVX2's u8 x s8 product (vpmaddubsw) saturates there, and widening both operands
+   to 16 bits cost three times the instructions. The others' values, below 64, fit vpmaddubsw's
+   sums (DPBUSD2_U6), which take the bytes a and b as the AVX-512 build does. */
+#ifdef EL_AVX2
+#define X16(fmt)                                                                               \
+    ((fmt) == FMT_IQ4_NL || (fmt) == FMT_MXFP4 || (fmt) == FMT_NVFP4 || IS_XS(fmt) ||         \
+     IS_GRID16(fmt))
+#else
+#define X16(fmt) 0
+#endif
 /* a d per superblock of 256 values (K a multiple of 256), else per block of 32 */
 #define IS_SUPER(fmt) ((fmt) == FMT_Q4_K || (fmt) == FMT_Q5_K || IS_XS(fmt) || IS_HALF16(fmt))
 /* K is a multiple of this: a superblock of 256, Q1_0's block of 128, else a block of 32 */

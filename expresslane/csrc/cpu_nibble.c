@@ -57,6 +57,10 @@
           : _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(src, u1, s1), u2, s2))
 T_VNNI INLINE __m512 group_tok(const group_t *G, const char *p, __m512 acc, const int LOWP,
                                const int U6) {
+#ifdef EL_AVX2
+    if (!U6 && !LOWP) /* x as x16 (el_pack_block's X16): the same integers, a third the work */
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(el_dot_x16(G->lo, G->hi, p)), G->dv, acc);
+#endif
     const __m512i z = _mm512_setzero_si512();
     const __m512i al = _mm512_loadu_si512(p), ah = _mm512_loadu_si512(p + 64);
     __m512i t = DOT2(U6, z, G->lo, al, G->hi, ah);

@@ -169,6 +169,25 @@ EA __m512i el_dpbusd2_u6(__m512i src, __m512i a1, __m512i b1, __m512i a2, __m512
     return i_join(dpbusd2_u6(i_lo(src), i_lo(a1), i_lo(b1), i_lo(a2), i_lo(b2)),
                   dpbusd2_u6(i_hi(src), i_hi(a1), i_hi(b1), i_hi(a2), i_hi(b2)));
 }
+/* the dwords of vpdpbusd(vpdpbusd(0, lo, a_lo), hi, a_hi) << 8 plus the same with b (the nibble
+   kernels' sum over a group of 256 q a + q b), where x comes as x16 = 256 a + b itself: per
+   256-bit half of lo and of hi, x16 of its even bytes then of its odd bytes (el_pack_block's
+   order for the formats X16 names). A byte widened to 16 bits times x16 is exact in int32, and
+   dword i sums bytes 4i..4i + 3 as vpdpbusd does, so the integers are the same: one vpmaddwd per
+   16 values in place of the widening of both operands */
+EA __m256i dot_x16(__m256i lo, __m256i hi, const char *xl, const char *xh) {
+    const __m256i ff = _mm256_set1_epi16(0xFF);
+#define X16_LD(p) _mm256_loadu_si256((const __m256i *)(p))
+    const __m256i l = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(lo, ff), X16_LD(xl)),
+                                       _mm256_madd_epi16(_mm256_srli_epi16(lo, 8), X16_LD(xl + 32)));
+    const __m256i h = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(hi, ff), X16_LD(xh)),
+                                       _mm256_madd_epi16(_mm256_srli_epi16(hi, 8), X16_LD(xh + 32)));
+#undef X16_LD
+    return _mm256_add_epi32(l, h);
+}
+EA __m512i el_dot_x16(__m512i lo, __m512i hi, const char *p) {
+    return i_join(dot_x16(i_lo(lo), i_lo(hi), p, p + 128), dot_x16(i_hi(lo), i_hi(hi), p + 64, p + 192));
+}
 /* src + a[2j + 1] b[2j + 1], then + a[2j] b[2j]: vdpbf16ps's order, each product exact */
 EA __m256 dpbf16(__m256 src, __m256i a, __m256i b) {
     const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
