@@ -92,6 +92,12 @@ void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const 
                 o = dst + (c * T + t) * 64;
                 memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
                 if (!P->lowp) memcpy(o + n * T * 64, P->b + v[t] * Kp * 2 + c * 64, 64);
+            } else if (X16(fmt) && !P->lowp) { /* Q8_0: q = 256 (hi - 128) + lo itself */
+                const uint8_t *a = (const uint8_t *)P->a + v[t] * Kp * 2 + c * 64;
+                const uint8_t *b = (const uint8_t *)P->b + v[t] * Kp * 2 + c * 64;
+                int16_t *q = (int16_t *)o;
+                for (int j = 0; j < 64; j++)
+                    q[(j & ~31) + (j & 1) * 16 + (j & 31) / 2] = (int16_t)(256 * (a[j] - 128) + b[j]);
             } else { /* 64 bytes of the hi part, then of the lo part (lowp: the scales) */
                 memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
                 memcpy(o + 64, P->b + v[t] * Kp * 2 + c * 64, 64);

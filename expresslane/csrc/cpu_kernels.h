@@ -49,11 +49,14 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4, HAS_AMX = 8 };
    then of the odd ones (el_pack_block), for one vpmaddwd per 16 values (simd_avx2_ops.h
    el_dot_x16): AVX2's u8 x s8 product (vpmaddubsw) saturates there, and widening both operands
    to 16 bits cost three times the instructions. The others' values, below 64, fit vpmaddubsw's
-   sums (DPBUSD2_U6), which take the bytes a and b as the AVX-512 build does. */
+   sums (DPBUSD2_U6), which take the bytes a and b as the AVX-512 build does. Q8_0 too: its
+   weights are the signed operand and x, as a + 128 and b, the unsigned one, which took three
+   widened dot products per 64 values; with q itself it takes one vpmaddwd per 16 (its chunk:
+   per 32 values q of the even bytes, then of the odd). */
 #ifdef EL_AVX2
 #define X16(fmt)                                                                               \
     ((fmt) == FMT_IQ4_NL || (fmt) == FMT_MXFP4 || (fmt) == FMT_NVFP4 || IS_XS(fmt) ||         \
-     IS_GRID16(fmt))
+     IS_GRID16(fmt) || (fmt) == FMT_Q8_0)
 #else
 #define X16(fmt) 0
 #endif

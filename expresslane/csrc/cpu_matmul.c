@@ -193,9 +193,15 @@ T_VNNI INLINE __m512i q8_0_corr(__m512i wv, const int LOWP) {
     const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, wv);
     return LOWP ? c : _mm512_slli_epi32(c, 8);
 }
+#ifdef EL_AVX2 /* x as q itself (cpu_kernels.h X16): one vpmaddwd a 16 values, c unused */
+#define Q8_EXACT(wv, c, dv, cc, t, acc)                                                     \
+    _mm512_fmadd_ps(_mm512_cvtepi32_ps(el_dot_s8_x16(wv, AT(cc, t, 0))), dv, acc)
+#else
+#define Q8_EXACT(wv, c, dv, cc, t, acc) q8_0_tok(wv, c, dv, XI(cc, t, 0), XI(cc, t, 64), acc)
+#endif
 #define Q8_TOK(wv, c, dv, cc, t, acc)                                                       \
     (LOWP ? q8_0_tok8(wv, c, dv, XI(cc, t, 0), _mm512_loadu_ps((const float *)AT(cc, t, 64)), acc) \
-        : q8_0_tok(wv, c, dv, XI(cc, t, 0), XI(cc, t, 64), acc))
+          : Q8_EXACT(wv, c, dv, cc, t, acc))
 
 T_VNNI INLINE void rows_q8_0_t(const int8_t *w, const uint16_t *d, const char *xp, int64_t K,
                                const float *sx, __m512 *out, const int T, const int LOWP) {

@@ -188,6 +188,18 @@ EA __m256i dot_x16(__m256i lo, __m256i hi, const char *xl, const char *xh) {
 EA __m512i el_dot_x16(__m512i lo, __m512i hi, const char *p) {
     return i_join(dot_x16(i_lo(lo), i_lo(hi), p, p + 128), dot_x16(i_hi(lo), i_hi(hi), p + 64, p + 192));
 }
+/* Q8_0's sum w q per dword where x comes as q itself (X16's order: per 256-bit half of the
+   weights, q of the even bytes, then of the odd): the weights' bytes widened to 16 bits as
+   signed, one vpmaddwd for 16 of them; the integers of 256 (sum w (a + 128) - 128 sum w) +
+   sum w b, which the AVX-512 build takes from three vpdpbusd */
+EA __m256i dot_s8_x16(__m256i w, const char *x) {
+    const __m256i e = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), o = _mm256_srai_epi16(w, 8);
+    return _mm256_add_epi32(_mm256_madd_epi16(e, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(o, _mm256_loadu_si256((const __m256i *)(x + 32))));
+}
+EA __m512i el_dot_s8_x16(__m512i w, const char *p) {
+    return i_join(dot_s8_x16(i_lo(w), p), dot_s8_x16(i_hi(w), p + 64));
+}
 /* src + a[2j + 1] b[2j + 1], then + a[2j] b[2j]: vdpbf16ps's order, each product exact */
 EA __m256 dpbf16(__m256 src, __m256i a, __m256i b) {
     const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
