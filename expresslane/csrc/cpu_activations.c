@@ -21,7 +21,8 @@
                        the blocks' scales as 16 lanes (each block's where its products land).
 
    For S tokens the parts of a block of tokens are then interleaved chunk by chunk
-   (el_pack_block), the same bytes in another order. */
+   (el_pack_block), the same bytes in another order; in the AVX2 build, the formats X16 names
+   (cpu_kernels.h: the grids', Q8_0) as q = 256 a + b itself, 16 bits a value. */
 
 #include <math.h>
 #include <stdlib.h>
