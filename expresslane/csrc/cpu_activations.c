@@ -59,11 +59,15 @@ int64_t el_chunks(int fmt, int64_t K, int64_t Kp) { /* per token */
                                             : Kp / 64;
 }
 
-/* 64 values of a chunk's nibbles (lo or hi) as X16 takes them: x16 = 256 a + b, per 32 of them
-   the even ones, then the odd */
-static void pack_x16(const int8_t *a, const int8_t *b, int16_t *o) {
-    for (int j = 0; j < 64; j++)
-        o[(j & ~31) + (j & 1) * 16 + (j & 31) / 2] = (int16_t)(256 * a[j] + b[j]);
+/* 64 values of a chunk (a nibble group's lo or hi; Q8_0's 64) as X16 takes them, q = 256 a + b
+   (Q8_0: a stored plus 128, b unsigned; the nibbles' both signed), per 32 of them the even ones,
+   then the odd */
+static void pack_x16(const char *a, const char *b, int q8, int16_t *o) {
+    for (int j = 0; j < 64; j++) {
+        const int hi = q8 ? (uint8_t)a[j] - 128 : (int8_t)a[j];
+        const int lo = q8 ? (uint8_t)b[j] : (int8_t)b[j];
+        o[(j & ~31) + (j & 1) * 16 + (j & 31) / 2] = (int16_t)(256 * hi + lo);
+    }
 }
 
 void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const int64_t *v, int T,
@@ -79,9 +83,8 @@ void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const 
             } else if (IS_NIBBLE(fmt)) { /* group c: a_lo, a_hi, b_lo, b_hi, 64 bytes each */
                 const char *a = P->a + v[t] * Kp * 2, *b = P->b + v[t] * Kp * 2;
                 if (X16(fmt) && !P->lowp) {
-                    pack_x16((const int8_t *)a + c * 64, (const int8_t *)b + c * 64, (int16_t *)o);
-                    pack_x16((const int8_t *)a + Kp / 2 + c * 64, (const int8_t *)b + Kp / 2 + c * 64,
-                             (int16_t *)(o + 128));
+                    pack_x16(a + c * 64, b + c * 64, 0, (int16_t *)o);
+                    pack_x16(a + Kp / 2 + c * 64, b + Kp / 2 + c * 64, 0, (int16_t *)(o + 128));
                     continue;
                 }
                 memcpy(o, a + c * 64, 64);
@@ -93,12 +96,9 @@ void el_pack_block(int fmt, const xparts_t *P, const float *x, int64_t K, const 
                 o = dst + (c * T + t) * 64;
                 memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
                 if (!P->lowp) memcpy(o + n * T * 64, P->b + v[t] * Kp * 2 + c * 64, 64);
-            } else if (X16(fmt) && !P->lowp) { /* Q8_0: q = 256 (hi - 128) + lo itself */
-                const uint8_t *a = (const uint8_t *)P->a + v[t] * Kp * 2 + c * 64;
-                const uint8_t *b = (const uint8_t *)P->b + v[t] * Kp * 2 + c * 64;
-                int16_t *q = (int16_t *)o;
-                for (int j = 0; j < 64; j++)
-                    q[(j & ~31) + (j & 1) * 16 + (j & 31) / 2] = (int16_t)(256 * (a[j] - 128) + b[j]);
+            } else if (X16(fmt) && !P->lowp) { /* Q8_0: q itself */
+                pack_x16(P->a + v[t] * Kp * 2 + c * 64, P->b + v[t] * Kp * 2 + c * 64, 1,
+                         (int16_t *)o);
             } else { /* 64 bytes of the hi part, then of the lo part (lowp: the scales) */
                 memcpy(o, P->a + v[t] * Kp * 2 + c * 64, 64);
                 memcpy(o + 64, P->b + v[t] * Kp * 2 + c * 64, 64);

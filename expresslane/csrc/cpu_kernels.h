@@ -53,10 +53,10 @@ enum { HAS_AVX512 = 1, HAS_BF16 = 2, HAS_VNNI = 4, HAS_AMX = 8 };
    weights are the signed operand and x, as a + 128 and b, the unsigned one, which took three
    widened dot products per 64 values; with q itself it takes one vpmaddwd per 16 (its chunk:
    per 32 values q of the even bytes, then of the odd). */
-#ifdef EL_AVX2
-#define X16(fmt)                                                                               \
-    ((fmt) == FMT_IQ4_NL || (fmt) == FMT_MXFP4 || (fmt) == FMT_NVFP4 || IS_XS(fmt) ||         \
-     IS_GRID16(fmt) || (fmt) == FMT_Q8_0)
+#define IS_NL(F) ((F) == FMT_IQ4_NL || (F) == FMT_MXFP4) /* a grid, an f16 d per 32 */
+#define IS_GRID(F) (IS_NL(F) || IS_XS(F) || IS_GRID16(F) || (F) == FMT_NVFP4)
+#ifdef EL_AVX2 /* cpu_nibble.c's group_tok takes the grids' x16 where U6 (= !IS_GRID) is off */
+#define X16(fmt) (IS_GRID(fmt) || (fmt) == FMT_Q8_0)
 #else
 #define X16(fmt) 0
 #endif

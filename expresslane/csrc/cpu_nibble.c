@@ -160,6 +160,7 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     int64_t g = 0;
     const int64_t QB = IS_BITS(FMT) ? 16 : IS_CRUMB(FMT) ? 32 : 64; /* bytes of q a group */
+    const int U6 = !IS_GRID(FMT); /* every value below 64 (group_tok) */
     const int HIGH1 = FMT == FMT_Q5_0 || FMT == FMT_Q5_1 || FMT == FMT_Q5_K || FMT == FMT_Q3_K;
     const int64_t HB = FMT == FMT_Q6_K ? 32 : HIGH1 ? 16 : 0; /* and of the high bits' masks */
     /* both streams prefetched PREFETCH_AHEAD on: decode 1.02-1.26x with one thread on the Xeon,
@@ -168,11 +169,11 @@ T_VNNI INLINE void rows_t(const int FMT, const uint8_t *q, const uint16_t *d, co
         _mm_prefetch((const char *)q + g * QB + PREFETCH_AHEAD, _MM_HINT_T0);
         if (HB) _mm_prefetch((const char *)high + g * HB + PREFETCH_AHEAD, _MM_HINT_T0);
         const group_t G = load_group(FMT, q, d, high, sub, g, 4);
-        for (int t = 0; t < T; t++) acc[t] = group_tok(&G, xp + (g * T + t) * CB, acc[t], LOWP, !IS_GRID(FMT));
+        for (int t = 0; t < T; t++) acc[t] = group_tok(&G, xp + (g * T + t) * CB, acc[t], LOWP, U6);
     }
     if (g * 4 < nb) { /* the last 1-3 blocks (legacy formats: K % 256 may be nonzero) */
         const group_t G = load_group(FMT, q, d, high, sub, g, nb - g * 4);
-        for (int t = 0; t < T; t++) acc[t] = group_tok(&G, xp + (g * T + t) * CB, acc[t], LOWP, !IS_GRID(FMT));
+        for (int t = 0; t < T; t++) acc[t] = group_tok(&G, xp + (g * T + t) * CB, acc[t], LOWP, U6);
     }
     __m512 off[TMAX];
     offset_lanes(FMT, d, mn, sub, xs, nb, Kp, off, T);

@@ -20,8 +20,6 @@
 
 #ifdef EL_X86
 
-#define IS_NL(F) ((F) == FMT_IQ4_NL || (F) == FMT_MXFP4) /* a grid, an f16 d per 32 */
-#define IS_GRID(F) (IS_NL(F) || IS_XS(F) || IS_GRID16(F) || (F) == FMT_NVFP4)
 
 /* the grids (weights/grids.py) plus 128, unsigned bytes: IQ4's (ggml's kvalues_iq4nl) and the
    codebook types' values (unused places: 0) */

@@ -147,13 +147,19 @@ EA __m256i srlv16(__m256i a, __m256i n) { /* each 16-bit lane shifted by its own
     return _mm256_or_si256(_mm256_and_si256(l, low), _mm256_andnot_si256(low, h));
 }
 EA __m512i el_srlv_epi16(__m512i a, __m512i n) { return I_2(srlv16, a, n); }
+/* a 256-bit half's even and odd bytes, each widened to its 16-bit lane (unsigned or signed):
+   vpmaddwd of the two against 16-bit partners sums each dword's four bytes, as vpdpbusd does */
+EA __m256i even_u8(__m256i a) { return _mm256_and_si256(a, _mm256_set1_epi16(0xFF)); }
+EA __m256i odd_u8(__m256i a) { return _mm256_srli_epi16(a, 8); }
+EA __m256i even_s8(__m256i a) { return _mm256_srai_epi16(_mm256_slli_epi16(a, 8), 8); }
+EA __m256i odd_s8(__m256i a) { return _mm256_srai_epi16(a, 8); }
+/* per dword e . x_e + o . x_o: the widened even and odd bytes e, o times 16-bit x_e, x_o */
+EA __m256i madd_eo(__m256i e, __m256i o, __m256i xe, __m256i xo) {
+    return _mm256_add_epi32(_mm256_madd_epi16(e, xe), _mm256_madd_epi16(o, xo));
+}
 /* src + the four u8(a) x s8(b) products of each dword, exact */
 EA __m256i dpbusd(__m256i src, __m256i a, __m256i b) {
-    const __m256i lo = _mm256_set1_epi16(0xFF);
-    const __m256i ae = _mm256_and_si256(a, lo), ao = _mm256_srli_epi16(a, 8);
-    const __m256i be = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), bo = _mm256_srai_epi16(b, 8);
-    const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(ae, be), _mm256_madd_epi16(ao, bo));
-    return _mm256_add_epi32(src, s);
+    return _mm256_add_epi32(src, madd_eo(even_u8(a), odd_u8(a), even_s8(b), odd_s8(b)));
 }
 EA __m512i el_dpbusd_epi32(__m512i src, __m512i a, __m512i b) {
     return i_join(dpbusd(i_lo(src), i_lo(a), i_lo(b)), dpbusd(i_hi(src), i_hi(a), i_hi(b)));
@@ -162,7 +168,8 @@ EA __m512i el_dpbusd_epi32(__m512i src, __m512i a, __m512i b) {
    products of two bytes fit in vpmaddubsw's int16 sums together (4 x 63 x 128 < 2^15), so the
    two dot products share one widening */
 EA __m256i dpbusd2_u6(__m256i src, __m256i a1, __m256i b1, __m256i a2, __m256i b2) {
-    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(a1, b1), _mm256_maddubs_epi16(a2, b2));
+    const __m256i pairs =
+        _mm256_add_epi16(_mm256_maddubs_epi16(a1, b1), _mm256_maddubs_epi16(a2, b2));
     return _mm256_add_epi32(src, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 EA __m512i el_dpbusd2_u6(__m512i src, __m512i a1, __m512i b1, __m512i a2, __m512i b2) {
@@ -175,27 +182,21 @@ EA __m512i el_dpbusd2_u6(__m512i src, __m512i a1, __m512i b1, __m512i a2, __m512
    order for the formats X16 names). A byte widened to 16 bits times x16 is exact in int32, and
    dword i sums bytes 4i..4i + 3 as vpdpbusd does, so the integers are the same: one vpmaddwd per
    16 values in place of the widening of both operands */
+EA __m256i ld_x16(const char *x) { return _mm256_loadu_si256((const __m256i *)x); }
 EA __m256i dot_x16(__m256i lo, __m256i hi, const char *xl, const char *xh) {
-    const __m256i ff = _mm256_set1_epi16(0xFF);
-#define X16_LD(p) _mm256_loadu_si256((const __m256i *)(p))
-    const __m256i l = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(lo, ff), X16_LD(xl)),
-                                       _mm256_madd_epi16(_mm256_srli_epi16(lo, 8), X16_LD(xl + 32)));
-    const __m256i h = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(hi, ff), X16_LD(xh)),
-                                       _mm256_madd_epi16(_mm256_srli_epi16(hi, 8), X16_LD(xh + 32)));
-#undef X16_LD
-    return _mm256_add_epi32(l, h);
+    return _mm256_add_epi32(madd_eo(even_u8(lo), odd_u8(lo), ld_x16(xl), ld_x16(xl + 32)),
+                            madd_eo(even_u8(hi), odd_u8(hi), ld_x16(xh), ld_x16(xh + 32)));
 }
 EA __m512i el_dot_x16(__m512i lo, __m512i hi, const char *p) {
-    return i_join(dot_x16(i_lo(lo), i_lo(hi), p, p + 128), dot_x16(i_hi(lo), i_hi(hi), p + 64, p + 192));
+    return i_join(dot_x16(i_lo(lo), i_lo(hi), p, p + 128),
+                  dot_x16(i_hi(lo), i_hi(hi), p + 64, p + 192));
 }
 /* Q8_0's sum w q per dword where x comes as q itself (X16's order: per 256-bit half of the
    weights, q of the even bytes, then of the odd): the weights' bytes widened to 16 bits as
    signed, one vpmaddwd for 16 of them; the integers of 256 (sum w (a + 128) - 128 sum w) +
    sum w b, which the AVX-512 build takes from three vpdpbusd */
 EA __m256i dot_s8_x16(__m256i w, const char *x) {
-    const __m256i e = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), o = _mm256_srai_epi16(w, 8);
-    return _mm256_add_epi32(_mm256_madd_epi16(e, _mm256_loadu_si256((const __m256i *)x)),
-                            _mm256_madd_epi16(o, _mm256_loadu_si256((const __m256i *)(x + 32))));
+    return madd_eo(even_s8(w), odd_s8(w), ld_x16(x), ld_x16(x + 32));
 }
 EA __m512i el_dot_s8_x16(__m512i w, const char *p) {
     return i_join(dot_s8_x16(i_lo(w), p), dot_s8_x16(i_hi(w), p + 64));
